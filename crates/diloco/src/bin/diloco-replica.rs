@@ -1,0 +1,173 @@
+//! `diloco-replica`: one DiLoCo replica training the toy MLP (composer_diloco::toy), for the
+//! multi-process tests and manual runs. Prints `JOINED`, `PUBLISHED`, `ROUND {json}` and
+//! `FINAL {json}` lines on stdout; warnings go to stderr.
+//!
+//! ```text
+//! diloco-replica --store URL --replica-id 0 --replicas 3 --rounds 20 --inner-steps 5 \
+//!   [--min-replicas 1] [--fragments 1] [--delay 0] [--alpha 0] [--compression f32|bf16|int8]
+//!   [--outer-lr 0.7] [--outer-momentum 0.9] [--no-nesterov] [--batch 8] [--lr 0.05]
+//!   [--quorum-timeout-s 60] [--retries 5] [--backoff-s 0.2] [--poll-s 0.02] [--step-sleep-ms 0]
+//!   [--seed 1]
+//! diloco-replica --single --replicas 3 --rounds 20 --inner-steps 5 ...   # one process, same samples
+//! ```
+
+use std::collections::HashMap;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use composer_diloco::toy::{self, Dataset};
+use composer_diloco::{open_store, Compression, DilocoConfig, DilocoReplica, Phase};
+
+struct Args {
+    map: HashMap<String, String>,
+    flags: Vec<String>,
+}
+
+impl Args {
+    fn parse() -> Result<Self> {
+        let mut map = HashMap::new();
+        let mut flags = Vec::new();
+        let mut it = std::env::args().skip(1);
+        while let Some(a) = it.next() {
+            let key = a
+                .strip_prefix("--")
+                .ok_or_else(|| anyhow!("unexpected argument {a:?}"))?
+                .to_string();
+            if key == "single" || key == "no-nesterov" {
+                flags.push(key);
+            } else {
+                let v = it.next().ok_or_else(|| anyhow!("--{key} needs a value"))?;
+                map.insert(key, v);
+            }
+        }
+        Ok(Self { map, flags })
+    }
+    fn get<T: std::str::FromStr>(&self, key: &str, default: Option<T>) -> Result<T>
+    where
+        T::Err: std::fmt::Display,
+    {
+        match self.map.get(key) {
+            Some(v) => v.parse().map_err(|e| anyhow!("--{key} {v:?}: {e}")),
+            None => default.ok_or_else(|| anyhow!("--{key} is required")),
+        }
+    }
+    fn flag(&self, key: &str) -> bool {
+        self.flags.iter().any(|f| f == key)
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
+    match run().await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<()> {
+    let args = Args::parse()?;
+    let replicas: usize = args.get("replicas", Some(1))?;
+    let rounds: u64 = args.get("rounds", None)?;
+    let inner_steps: usize = args.get("inner-steps", None)?;
+    let batch: usize = args.get("batch", Some(8))?;
+    let lr: f64 = args.get("lr", Some(0.05))?;
+    let seed: u64 = args.get("seed", Some(1))?;
+    let step_sleep = Duration::from_millis(args.get("step-sleep-ms", Some(0))?);
+    let data = Dataset::new(seed, 4096, 512)?;
+    let params = toy::init_params(seed)?;
+
+    if args.flag("single") {
+        let steps = rounds as usize * inner_steps;
+        for step in 0..steps {
+            let (x, y) = data.batch(step, 0, 1, replicas * batch)?;
+            toy::sgd_step(&params, &x, &y, lr)?;
+        }
+        let eval = toy::eval_loss(&params, &data)?;
+        println!(
+            "FINAL {}",
+            serde_json::json!({"eval_loss": eval, "steps": steps, "samples": steps * replicas * batch})
+        );
+        return Ok(());
+    }
+
+    let store_url: String = args.get("store", None)?;
+    let replica_id: String = args.get("replica-id", None)?;
+    let replica_index: usize = replica_id
+        .parse()
+        .context("--replica-id must be a number for the toy data split")?;
+    if replica_index >= replicas {
+        bail!("--replica-id {replica_index} must be < --replicas {replicas}");
+    }
+    let mut config = DilocoConfig::new(inner_steps, replicas);
+    config.min_replicas = args.get("min-replicas", Some(1))?;
+    config.num_fragments = args.get("fragments", Some(1))?;
+    config.fragment_sync_delay = args.get("delay", Some(0))?;
+    config.fragment_update_alpha = args.get("alpha", Some(0.0))?;
+    config.outer_lr = args.get("outer-lr", Some(0.7))?;
+    config.outer_momentum = args.get("outer-momentum", Some(0.9))?;
+    config.nesterov = !args.flag("no-nesterov");
+    config.quorum_timeout_s = args.get("quorum-timeout-s", Some(60.0))?;
+    config.store_retries = args.get("retries", Some(5))?;
+    config.store_backoff_s = args.get("backoff-s", Some(0.2))?;
+    config.poll_interval_s = args.get("poll-s", Some(0.02))?;
+    config.compression = match args.get::<String>("compression", Some("f32".into()))?.as_str() {
+        "f32" => Compression::F32,
+        "bf16" => Compression::Bf16,
+        "int8" => Compression::Int8,
+        other => bail!("--compression {other:?}: use f32, bf16 or int8"),
+    };
+    let period = config.round_period();
+
+    let (store, prefix) = open_store(&store_url).await?;
+    let mut replica = DilocoReplica::join(store, prefix, &replica_id, config, &params).await?;
+    println!("JOINED round={}", replica.round());
+    let mut samples = 0usize;
+    while replica.round() < rounds {
+        // The data step follows the run's round so a rejoining replica reads the run's samples.
+        let step = replica.round() as usize * period + replica.local_step();
+        let (x, y) = data.batch(step, replica_index, replicas, batch)?;
+        toy::sgd_step(&params, &x, &y, lr)?;
+        samples += batch;
+        if !step_sleep.is_zero() {
+            tokio::time::sleep(step_sleep).await;
+        }
+        let steps_done = replica.local_step() + 1;
+        let phase = replica.phase_after(steps_done);
+        // Count the step: after_inner_step's bookkeeping, done by hand to print between phases.
+        if let Phase::Publish(_) | Phase::PublishAndApply(_) = phase {
+            let r = replica.round();
+            replica.publish(&params).await?;
+            println!("PUBLISHED round={r}");
+        }
+        match phase {
+            Phase::Apply(_) | Phase::PublishAndApply(_) => {
+                let report = replica.apply(&params).await?;
+                println!("ROUND {}", serde_json::to_string(&report)?);
+            }
+            _ => replica.count_step(),
+        }
+    }
+    let eval = toy::eval_loss(&params, &data)?;
+    println!(
+        "FINAL {}",
+        serde_json::json!({
+            "eval_loss": eval,
+            "round": replica.round(),
+            "samples": samples,
+            "bytes_up": replica.bytes_up_total(),
+            "bytes_down": replica.bytes_down_total(),
+        })
+    );
+    Ok(())
+}

@@ -1,0 +1,35 @@
+//! composer-env: the environment side of composer-rl.
+//!
+//! - [`Env`]: the async `reset` / `step` / `close` interface every environment implements,
+//!   with text observations, rewards, `done` and feedback text.
+//! - Built-ins: [`CodeEnv`] (sandboxed Python graded by unit tests) and [`EchoEnv`] (the
+//!   OpenEnv echo env), made by [`builtin_env_factory`].
+//! - [`OpenEnvClient`] / [`RemoteEnv`]: an OpenEnv server over WebSocket `/ws` + HTTP.
+//! - [`serve_env`]: serves any [`EnvFactory`] with the OpenEnv protocol.
+//! - [`EnvPool`]: bounded concurrent episodes over several servers/factories, with latency
+//!   percentiles (the τ_V wall) and failure counts by cause.
+//! - [`run_episode`]: token-faithful multi-turn episodes driven by a [`TurnPolicy`].
+
+mod builtin;
+mod client;
+mod env;
+mod episode;
+mod pool;
+mod schema;
+mod server;
+
+pub use builtin::{builtin_env_factory, CodeEnv, CodeEnvConfig, EchoEnv, TaskSelection};
+pub use client::{OpenEnvClient, OpenEnvClientConfig, RemoteEnv};
+pub use env::{
+    parse_reward, render_observation, Action, Env, EnvError, EnvFactory, FailureKind,
+    ResetOptions, StepResult,
+};
+pub use episode::{
+    parse_action, run_episode, Episode, EpisodeConfig, EpisodeEnd, FinishReason, Turn,
+    TurnOutput, TurnPolicy,
+};
+pub use pool::{
+    EnvPool, FailureCounts, LatencySummary, PoolConfig, PoolStats, PooledEnv, ServerStats,
+};
+pub use schema::{validate_action, ValidationIssue};
+pub use server::{serve_env, serve_env_until, ServeConfig};

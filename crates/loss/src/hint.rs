@@ -1,0 +1,372 @@
+//! The hint self-distillation channel (SDPO / OPSD): the same model, given a hint in its
+//! prompt, scores the student's own completion tokens, and the student is pulled toward it.
+//!
+//! Per token (student S, teacher T, both over the same support — the student's top-K ids
+//! plus a tail bucket log(1 − Σ_K p), the renormalised top-K, or a full small vocabulary):
+//!
+//! | `divergence` | per-token loss |
+//! |---|---|
+//! | `forward_kl` | KL(T‖S) = Σ p_T (log p_T − log p_S) |
+//! | `reverse_kl` | KL(S‖T) = Σ p_S (log p_S − log p_T) |
+//! | `jsd` (α) | (1−α)·KL(S‖M) + α·KL(T‖M), M = (1−α)S + αT (SDPO's generalised JSD) |
+//! | `sampled_token` | sg(log π_S(y) − log π_T(y)) · log π_S(y) (reverse-KL score-function form) |
+//!
+//! Each per-token loss is multiplied by the IS weight sg(min(exp(log π_S(y) − log π_old(y)),
+//! `is_clip`)) (SDPO default cap 2.0) and averaged over the active tokens of the samples that
+//! received a hint (`has_hint`). Teacher log-probs never receive gradients.
+//! Reference: SDPO's `compute_self_distillation_loss` (verl `core_algos.py` fork).
+use crate::inputs::LossInputs;
+use crate::util::{const2, host2, host3, logsumexp_last};
+use crate::{LossError, Result};
+use candle_core::{DType, Tensor, Var, D};
+use serde::{Deserialize, Serialize};
+
+/// Divergence of the hint channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HintDivergence {
+    /// KL(S‖T).
+    ReverseKl,
+    /// KL(T‖S).
+    ForwardKl,
+    /// Generalised Jensen–Shannon with mixing `alpha` (SDPO default 0.5).
+    #[default]
+    Jsd,
+    /// sg(log π_S − log π_T)·log π_S on the sampled token only.
+    SampledToken,
+}
+
+/// Support of the distributions compared per token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HintSupport {
+    /// Student's top-K ids plus one tail bucket log(1 − Σ_K p) (SDPO `distillation_add_tail`).
+    #[default]
+    TopkTail,
+    /// Student's top-K ids, each side renormalised to sum to one.
+    TopkRenormalized,
+    /// The given log-probs are whole (small-vocabulary) distributions; used as they are.
+    Full,
+}
+
+/// Knobs of the hint channel. Defaults follow SDPO's `self_distillation` config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HintConfig {
+    /// Divergence. Default `jsd`.
+    pub divergence: HintDivergence,
+    /// JSD mixing weight α ∈ (0, 1). SDPO default 0.5.
+    pub alpha: f64,
+    /// Support. Default `topk_tail`.
+    pub support: HintSupport,
+    /// IS-weight cap (SDPO `is_clip`); `None` disables the weight. Default 2.0.
+    pub is_clip: Option<f64>,
+}
+
+impl Default for HintConfig {
+    fn default() -> Self {
+        Self { divergence: HintDivergence::Jsd, alpha: 0.5, support: HintSupport::TopkTail, is_clip: Some(2.0) }
+    }
+}
+
+/// Per-token inputs of the hint channel (same `B`, `T` as the RLVR batch: the student's own
+/// completions re-scored by the hinted teacher).
+#[derive(Debug, Clone)]
+pub struct HintInputs {
+    /// `[B, T, K]` student log-probs at its top-K ids, **with gradient** (or `[B, T, V]` full
+    /// distributions with `support = full`). Not needed for `sampled_token`.
+    pub student_topk_logprobs: Option<Tensor>,
+    /// `[B, T, K]` teacher log-probs at the *same* ids (or `[B, T, V]`).
+    pub teacher_topk_logprobs: Option<Tensor>,
+    /// `[B, T, K]` the top-K token ids (u32), informational (the teacher was scored at them).
+    pub topk_ids: Option<Tensor>,
+    /// `[B, T]` teacher log-prob of the sampled token; needed for `sampled_token`.
+    pub teacher_token_logprobs: Option<Tensor>,
+    /// Per sample: whether it received a hint (samples without one are excluded).
+    pub has_hint: Vec<bool>,
+}
+
+/// Metrics of the hint channel.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct HintMetrics {
+    /// The loss value.
+    pub loss: f64,
+    /// Samples that received a hint.
+    pub hinted_samples: f64,
+    /// Active tokens of those samples (the denominator).
+    pub hinted_tokens: f64,
+    /// Mean per-token divergence before the IS weight.
+    pub divergence_mean: f64,
+    /// Mean IS weight (after the cap) over the hinted tokens.
+    pub is_weight_mean: f64,
+    /// Fraction of hinted tokens whose IS weight hit the cap.
+    pub is_capped_fraction: f64,
+}
+
+/// SDPO's `add_tail`: append log(1 − Σ exp(x)) with the sum clamped below 1.
+fn add_tail(x: &Tensor) -> Result<Tensor> {
+    let ls = logsumexp_last(x)?; // [B, T, 1]
+    let ls_h = host3(&ls)?;
+    // Where log Σp > −1e-7 the clamp is active: the value becomes the constant −1e-7.
+    let clamp_rows: Vec<Vec<f64>> =
+        ls_h.iter().map(|r| r.iter().map(|v| if v[0] > -1e-7 { 1.0 } else { 0.0 }).collect()).collect();
+    let c = const2(&clamp_rows, x)?.unsqueeze(D::Minus1)?;
+    let one_minus_c = (c.ones_like()? - &c)?;
+    let ls = ((ls * one_minus_c)? + (c * -1e-7)?)?;
+    let tail = (ls.exp()?.neg()? + 1.0)?.log()?;
+    Ok(Tensor::cat(&[x, &tail], D::Minus1)?)
+}
+
+fn renorm(x: &Tensor) -> Result<Tensor> {
+    Ok(x.broadcast_sub(&logsumexp_last(x)?)?)
+}
+
+/// `kl_div(input, target, log_target=True)` summed over the last dim: Σ e^target (target − input).
+fn kl_sum(input: &Tensor, target: &Tensor) -> Result<Tensor> {
+    Ok((target.exp()? * (target - input)?)?.sum(D::Minus1)?)
+}
+
+/// Per-token divergence `[B, T]` between student and teacher log-prob rows `[B, T, K']`
+/// (already on the chosen support). `teacher` must be detached.
+pub fn divergence_per_token(student: &Tensor, teacher: &Tensor, divergence: HintDivergence, alpha: f64) -> Result<Tensor> {
+    match divergence {
+        HintDivergence::ForwardKl => kl_sum(student, teacher),
+        HintDivergence::ReverseKl => kl_sum(teacher, student),
+        HintDivergence::Jsd => {
+            let mix = ((student.exp()? * (1.0 - alpha))? + (teacher.exp()? * alpha)?)?.log()?;
+            let kl_t = kl_sum(&mix, teacher)?;
+            let kl_s = kl_sum(&mix, student)?;
+            Ok(((kl_s * (1.0 - alpha))? + (kl_t * alpha)?)?)
+        }
+        HintDivergence::SampledToken => Err(LossError::Config {
+            key: "divergence",
+            message: "sampled_token has no distribution form".into(),
+        }),
+    }
+}
+
+/// The hint self-distillation loss of one micro-batch: `(scalar, metrics)`.
+///
+/// Reads `inputs.hint` (required), `inputs.trainer_logprobs` (student log-prob of the sampled
+/// token, for `sampled_token` and the IS weight), `inputs.old_logprobs` (IS weight; `None` →
+/// weight 1) and `inputs.loss_mask`. The mean is over the active tokens of hinted samples
+/// (local micro-batch, as SDPO's `token-mean` with `batch_num_tokens = mask.sum()`); with no
+/// hinted token the loss is an exact zero that still depends on the graph.
+pub fn hint_loss(inputs: &LossInputs, cfg: &HintConfig) -> Result<(Tensor, HintMetrics)> {
+    let (b, t) = inputs.validate()?;
+    let hint = inputs.hint.as_ref().ok_or_else(|| LossError::Missing {
+        field: "hint",
+        reason: "the hint channel is enabled".into(),
+    })?;
+    if hint.has_hint.len() != b {
+        return Err(LossError::Input {
+            field: "hint.has_hint",
+            message: format!("has {} flags for a batch of {b}", hint.has_hint.len()),
+        });
+    }
+    if cfg.divergence == HintDivergence::Jsd && !(cfg.alpha > 0.0 && cfg.alpha < 1.0) {
+        return Err(LossError::Config { key: "alpha", message: format!("JSD mixing must be in (0, 1), got {}", cfg.alpha) });
+    }
+    let lp = &inputs.trainer_logprobs;
+    let mut m = host2(&inputs.loss_mask)?;
+    for (row, &h) in m.iter_mut().zip(&hint.has_hint) {
+        if !h {
+            row.iter_mut().for_each(|x| *x = 0.0);
+        }
+    }
+    let mask_t = const2(&m, lp)?;
+    let n_tok: f64 = m.iter().flatten().sum();
+
+    let per_token = match cfg.divergence {
+        HintDivergence::SampledToken => {
+            let tt = hint.teacher_token_logprobs.as_ref().ok_or_else(|| LossError::Missing {
+                field: "hint.teacher_token_logprobs",
+                reason: "divergence = sampled_token".into(),
+            })?;
+            crate::util::check_shape(tt, "hint.teacher_token_logprobs", &[b, t])?;
+            let tt = tt.detach().to_dtype(lp.dtype())?;
+            ((lp - tt)?.detach() * lp)?
+        }
+        d => {
+            let s = hint.student_topk_logprobs.as_ref().ok_or_else(|| LossError::Missing {
+                field: "hint.student_topk_logprobs",
+                reason: "distribution divergences need the student's top-K log-probs".into(),
+            })?;
+            let te = hint.teacher_topk_logprobs.as_ref().ok_or_else(|| LossError::Missing {
+                field: "hint.teacher_topk_logprobs",
+                reason: "distribution divergences need the teacher's log-probs at the top-K ids".into(),
+            })?;
+            let dims = s.dims();
+            if dims.len() != 3 || dims[0] != b || dims[1] != t {
+                return Err(LossError::Shape { tensor: "hint.student_topk_logprobs", expected: format!("[{b}, {t}, K]"), got: dims.to_vec() });
+            }
+            crate::util::check_shape(te, "hint.teacher_topk_logprobs", dims)?;
+            let te = te.detach().to_dtype(s.dtype())?;
+            let (s2, t2) = match cfg.support {
+                HintSupport::TopkTail => (add_tail(s)?, add_tail(&te)?),
+                HintSupport::TopkRenormalized => (renorm(s)?, renorm(&te)?),
+                HintSupport::Full => (s.clone(), te),
+            };
+            divergence_per_token(&s2, &t2, d, cfg.alpha)?.to_dtype(lp.dtype())?
+        }
+    };
+    let div_h = host2(&per_token)?;
+    let div_mean = div_h.iter().flatten().zip(m.iter().flatten()).map(|(d, k)| d * k).sum::<f64>() / n_tok.max(1.0);
+
+    let (per_token, is_mean, capped) = match cfg.is_clip {
+        Some(cap) => {
+            let lp_h = host2(lp)?;
+            let old_h = match &inputs.old_logprobs {
+                Some(o) => host2(o)?,
+                None => lp_h.clone(),
+            };
+            let mut capped = 0.0;
+            let mut sum_w = 0.0;
+            let w: Vec<Vec<f64>> = (0..b)
+                .map(|i| {
+                    (0..t)
+                        .map(|j| {
+                            let r = (lp_h[i][j] - old_h[i][j]).clamp(-20.0, 20.0).exp();
+                            let w = r.min(cap);
+                            if r > cap {
+                                capped += m[i][j];
+                            }
+                            sum_w += w * m[i][j];
+                            w
+                        })
+                        .collect()
+                })
+                .collect();
+            ((per_token * const2(&w, lp)?)?, sum_w / n_tok.max(1.0), capped / n_tok.max(1.0))
+        }
+        None => (per_token, 1.0, 0.0),
+    };
+    let loss = ((per_token * &mask_t)?.sum_all()? / n_tok.max(1.0))?;
+    let metrics = HintMetrics {
+        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        hinted_samples: hint.has_hint.iter().filter(|h| **h).count() as f64,
+        hinted_tokens: n_tok,
+        divergence_mean: div_mean,
+        is_weight_mean: is_mean,
+        is_capped_fraction: capped,
+    };
+    Ok((loss, metrics))
+}
+
+/// One rollout of a group, as the hint builder needs it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RolloutForHint {
+    /// The prompt text as the student saw it.
+    pub prompt_text: String,
+    /// The completion text.
+    pub completion_text: String,
+    /// Its reward.
+    pub reward: f64,
+    /// Whether it passed the verifier.
+    pub passed: bool,
+    /// Environment feedback (e.g. a failing test's output), if any.
+    pub feedback: Option<String>,
+}
+
+/// The default teacher-prompt template, SDPO style. Placeholders: `{prompt}` (the original
+/// prompt text), `{solution}` (the solution section, empty without a peer), `{feedback}` (the
+/// feedback section, empty when a peer solution is used or there is no feedback).
+pub const DEFAULT_HINT_TEMPLATE: &str = "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n";
+/// SDPO's solution section; placeholder `{successful_previous_attempt}`.
+pub const DEFAULT_SOLUTION_TEMPLATE: &str = "\nCorrect solution:\n\n{successful_previous_attempt}\n\n";
+/// SDPO's feedback section; placeholder `{feedback_raw}`.
+pub const DEFAULT_FEEDBACK_TEMPLATE: &str =
+    "\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback_raw}\n\n";
+
+/// The three templates of a teacher prompt (SDPO's `reprompt_template`, `solution_template`,
+/// `feedback_template`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HintTemplate {
+    /// Outer template: `{prompt}`, `{solution}`, `{feedback}`.
+    pub reprompt: String,
+    /// Solution section: `{successful_previous_attempt}`.
+    pub solution: String,
+    /// Feedback section: `{feedback_raw}`.
+    pub feedback: String,
+}
+
+impl Default for HintTemplate {
+    fn default() -> Self {
+        Self {
+            reprompt: DEFAULT_HINT_TEMPLATE.into(),
+            solution: DEFAULT_SOLUTION_TEMPLATE.into(),
+            feedback: DEFAULT_FEEDBACK_TEMPLATE.into(),
+        }
+    }
+}
+
+/// Teacher prompts for one group of rollouts of the same prompt.
+///
+/// For rollout i: if some *other* rollout j ≠ i passed, the hint is the first such peer's
+/// completion (solution section); else, if i has environment feedback, that feedback
+/// (feedback section); else `None` (the sample is excluded from the hint channel).
+/// Substitution is literal (`str::replace`), so braces inside texts are safe.
+pub fn build_hint_prompts(group: &[RolloutForHint], template: &HintTemplate) -> Vec<Option<String>> {
+    group
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let peer = group.iter().enumerate().find(|(j, p)| *j != i && p.passed).map(|(_, p)| p);
+            let (solution, feedback) = match (peer, &r.feedback) {
+                (Some(p), _) => {
+                    (template.solution.replace("{successful_previous_attempt}", &p.completion_text), String::new())
+                }
+                (None, Some(f)) if !f.trim().is_empty() => {
+                    (String::new(), template.feedback.replace("{feedback_raw}", f))
+                }
+                _ => return None,
+            };
+            // Fill {prompt} last so that a prompt containing "{solution}" is not expanded.
+            Some(
+                template
+                    .reprompt
+                    .replace("{solution}", &solution)
+                    .replace("{feedback}", &feedback)
+                    .replace("{prompt}", &r.prompt_text),
+            )
+        })
+        .collect()
+}
+
+/// EMA teacher update θ_T ← (1−τ)·θ_T + τ·θ_S, in place on the teacher's variables.
+pub fn ema_update(teacher: &[Var], student: &[Tensor], tau: f64) -> Result<()> {
+    if teacher.len() != student.len() {
+        return Err(LossError::Input {
+            field: "student",
+            message: format!("{} teacher vs {} student tensors", teacher.len(), student.len()),
+        });
+    }
+    if !(0.0..=1.0).contains(&tau) {
+        return Err(LossError::Config { key: "tau", message: format!("must be in [0, 1], got {tau}") });
+    }
+    for (i, (tv, s)) in teacher.iter().zip(student).enumerate() {
+        if tv.dims() != s.dims() {
+            return Err(LossError::Shape { tensor: "student", expected: format!("{:?} (teacher tensor {i})", tv.dims()), got: s.dims().to_vec() });
+        }
+        let s = s.detach().to_dtype(tv.dtype())?;
+        let new = ((tv.as_tensor() * (1.0 - tau))? + (s * tau)?)?;
+        tv.set(&new)?;
+    }
+    Ok(())
+}
+
+/// Pure form of [`ema_update`]: returns the new teacher tensors.
+pub fn ema_tensors(teacher: &[Tensor], student: &[Tensor], tau: f64) -> Result<Vec<Tensor>> {
+    if teacher.len() != student.len() {
+        return Err(LossError::Input {
+            field: "student",
+            message: format!("{} teacher vs {} student tensors", teacher.len(), student.len()),
+        });
+    }
+    teacher
+        .iter()
+        .zip(student)
+        .map(|(t, s)| Ok(((t.detach() * (1.0 - tau))? + (s.detach().to_dtype(t.dtype())? * tau)?)?))
+        .collect()
+}

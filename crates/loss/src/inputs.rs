@@ -1,0 +1,159 @@
+//! The one input struct of the loss ([`LossInputs`]) and the gradient-accumulation
+//! normaliser ([`LossScale`]).
+use crate::hint::HintInputs;
+use crate::replay::ReplayInputs;
+use crate::util::{check_float, check_shape, host2};
+use crate::{LossError, Result};
+use candle_core::Tensor;
+
+/// Everything the loss reads for one micro-batch of `B` completions padded to `T` tokens
+/// (right padding). Modelled on PRIME-RL's `LossInputs`: named per-token tensors.
+///
+/// Only `trainer_logprobs` should carry gradients; every other tensor is detached inside the
+/// loss functions whatever the caller passes.
+#[derive(Debug, Clone)]
+pub struct LossInputs {
+    /// `[B, T]` log π(y_t) of the trainer's current weights, **with gradient**.
+    pub trainer_logprobs: Tensor,
+    /// `[B, T]` log π_old(y_t): the trainer's log-probs before this step's updates. `None`
+    /// means "one update per generation" and is treated as `trainer_logprobs.detach()` (TRL).
+    pub old_logprobs: Option<Tensor>,
+    /// `[B, T]` log μ(y_t) recorded by the sampler at generation time. Used by the
+    /// sampler/trainer mismatch correction and as PRIME-RL's `inference_logprobs`.
+    pub sampler_logprobs: Option<Tensor>,
+    /// `[B, T]` reference-model log-probs; only needed when the KL coefficient `beta != 0`.
+    pub ref_logprobs: Option<Tensor>,
+    /// `[B]` per-completion advantages.
+    pub advantages: Tensor,
+    /// `[B, T]` 0/1 floats: which completion tokens are trained on (0 for padding, tool
+    /// output, ...).
+    pub loss_mask: Tensor,
+    /// Per-completion truncation flags (`len == B`), read when `mask_truncated_completions`.
+    pub truncated: Option<Vec<bool>>,
+    /// `[B, T]` per-token entropies of the trainer's distribution (with gradient if the
+    /// entropy bonus should train). Needed for `entropy_coef != 0`, `top_entropy_quantile < 1`
+    /// and the entropy metric.
+    pub entropies: Option<Tensor>,
+    /// Inputs of the hint self-distillation channel (same `B`, `T` as above).
+    pub hint: Option<HintInputs>,
+    /// Inputs of the trace-replay channel (teacher traces: their own batch).
+    pub replay: Option<ReplayInputs>,
+}
+
+impl LossInputs {
+    /// Inputs with only the required tensors; set the optional fields directly.
+    pub fn new(trainer_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor) -> Self {
+        Self {
+            trainer_logprobs,
+            old_logprobs: None,
+            sampler_logprobs: None,
+            ref_logprobs: None,
+            advantages,
+            loss_mask,
+            truncated: None,
+            entropies: None,
+            hint: None,
+            replay: None,
+        }
+    }
+
+    /// `(B, T)` of this micro-batch.
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        Ok(self.trainer_logprobs.dims2().map_err(|_| LossError::Shape {
+            tensor: "trainer_logprobs",
+            expected: "[B, T]".into(),
+            got: self.trainer_logprobs.dims().to_vec(),
+        })?)
+    }
+
+    /// Check every present tensor against `[B, T]` / `[B]` and the dtypes.
+    pub fn validate(&self) -> Result<(usize, usize)> {
+        let (b, t) = self.dims()?;
+        check_float(&self.trainer_logprobs, "trainer_logprobs")?;
+        check_shape(&self.advantages, "advantages", &[b])?;
+        check_shape(&self.loss_mask, "loss_mask", &[b, t])?;
+        for (name, x) in [
+            ("old_logprobs", &self.old_logprobs),
+            ("sampler_logprobs", &self.sampler_logprobs),
+            ("ref_logprobs", &self.ref_logprobs),
+            ("entropies", &self.entropies),
+        ] {
+            if let Some(x) = x {
+                check_shape(x, name, &[b, t])?;
+            }
+        }
+        if let Some(tr) = &self.truncated {
+            if tr.len() != b {
+                return Err(LossError::Input {
+                    field: "truncated",
+                    message: format!("has {} flags for a batch of {b}", tr.len()),
+                });
+            }
+        }
+        Ok((b, t))
+    }
+
+    /// The effective loss mask as host rows: `loss_mask`, with truncated completions zeroed
+    /// when `mask_truncated_completions` (TRL zeroes their `completion_mask`).
+    pub fn effective_mask(&self, mask_truncated_completions: bool) -> Result<Vec<Vec<f64>>> {
+        let mut m = host2(&self.loss_mask)?;
+        if mask_truncated_completions {
+            if let Some(tr) = &self.truncated {
+                for (row, &is_tr) in m.iter_mut().zip(tr) {
+                    if is_tr {
+                        row.iter_mut().for_each(|x| *x = 0.0);
+                    }
+                }
+            }
+        }
+        Ok(m)
+    }
+}
+
+/// Normalisers that span the whole optimizer step (all gradient-accumulation micro-batches),
+/// so that accumulating micro-batch losses equals the loss of one big batch.
+///
+/// * `dapo`, `cispo`, `vespo`, `dppo` and verl's `token-mean` divide by
+///   `global_active_tokens` (TRL's `num_items_in_batch`, PRIME-RL's `rl_scale`).
+/// * verl's `seq-mean-*` modes divide by `global_sequences`.
+/// * `grpo`, `bnpo`, `dr_grpo`, `luspo`, `sapo` are per-micro-batch means divided by
+///   `num_micro_batches` (TRL divides by `gradient_accumulation_steps`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossScale {
+    /// Active (mask = 1) completion tokens summed over all micro-batches of the step.
+    pub global_active_tokens: f64,
+    /// Sequences with at least one active token, over all micro-batches of the step.
+    pub global_sequences: f64,
+    /// Number of gradient-accumulation micro-batches in the step.
+    pub num_micro_batches: f64,
+}
+
+impl LossScale {
+    /// The normaliser of a single micro-batch that is the whole step (no accumulation).
+    pub fn local(inputs: &LossInputs, mask_truncated_completions: bool) -> Result<Self> {
+        Self::from_micro_batches(&[inputs], mask_truncated_completions)
+    }
+
+    /// The normaliser of a step made of these micro-batches.
+    pub fn from_micro_batches(
+        micro_batches: &[&LossInputs],
+        mask_truncated_completions: bool,
+    ) -> Result<Self> {
+        let mut tokens = 0.0;
+        let mut seqs = 0.0;
+        for mb in micro_batches {
+            for row in mb.effective_mask(mask_truncated_completions)? {
+                let s: f64 = row.iter().sum();
+                tokens += s;
+                if s > 0.0 {
+                    seqs += 1.0;
+                }
+            }
+        }
+        Ok(Self {
+            global_active_tokens: tokens,
+            global_sequences: seqs,
+            num_micro_batches: micro_batches.len().max(1) as f64,
+        })
+    }
+}

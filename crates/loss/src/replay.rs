@@ -1,0 +1,310 @@
+//! The trace-replay channel: DPO-family preference losses on (chosen = passing teacher trace,
+//! rejected = failing on-policy rollout of the same prompt) pairs, and token-level forward KL
+//! to the teachers' recorded top-K distributions on the teacher traces.
+//!
+//! DPO (TRL `DPOTrainer._compute_loss`): with h_c = log π(c) − log π_ref(c),
+//! h_r = log π(r) − log π_ref(r) (sequence sums), Δ = h_c − h_r:
+//!
+//! | `loss_type` | per-pair loss |
+//! |---|---|
+//! | `sigmoid` | −log σ(βΔ) |
+//! | `hinge` | max(0, 1 − βΔ) |
+//! | `ipo` | (h_c/\|c\| − h_r/\|r\| − 1/(2β))² (TRL's length-normalised IPO) |
+//!
+//! Teacher KL: per token KL(T‖S) = Σ_k p_T,k (log p_T,k − log p_S,k) over the teacher's
+//! recorded top-K ids plus the tail bucket (or the renormalised top-K); per-sample weight w
+//! (by teacher name); loss = Σ_i w_i Σ_t m_it KL_it / Σ_i Σ_t m_it.
+use crate::hint::{divergence_per_token, HintDivergence, HintSupport};
+use crate::util::{check_shape, const1, host1, host2, logsumexp_last};
+use crate::{LossError, Result};
+use candle_core::{DType, Tensor, D};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// DPO loss variant (TRL names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DpoLossType {
+    /// −log σ(βΔ). TRL default.
+    #[default]
+    Sigmoid,
+    /// (Δ_avg − 1/(2β))².
+    Ipo,
+    /// max(0, 1 − βΔ).
+    Hinge,
+}
+
+/// DPO knobs (TRL `DPOConfig` names and defaults).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DpoConfig {
+    /// Variant. TRL default `sigmoid`.
+    pub loss_type: DpoLossType,
+    /// β. TRL default 0.1.
+    pub beta: f64,
+}
+
+impl Default for DpoConfig {
+    fn default() -> Self {
+        Self { loss_type: DpoLossType::Sigmoid, beta: 0.1 }
+    }
+}
+
+/// Sequence-level inputs of DPO for P pairs. Build the sums with [`sequence_logprobs`].
+#[derive(Debug, Clone)]
+pub struct DpoInputs {
+    /// `[P]` Σ_t log π(chosen), **with gradient**.
+    pub policy_chosen_logps: Tensor,
+    /// `[P]` Σ_t log π(rejected), **with gradient**.
+    pub policy_rejected_logps: Tensor,
+    /// `[P]` reference sums on the chosen (frozen reference model, or the teacher's recorded
+    /// token log-probs, see `Trace::recorded_token_logprobs`).
+    pub ref_chosen_logps: Tensor,
+    /// `[P]` reference sums on the rejected (frozen reference, or the sampler's log-probs).
+    pub ref_rejected_logps: Tensor,
+    /// Completion lengths of the chosen (for `ipo`).
+    pub chosen_lengths: Vec<usize>,
+    /// Completion lengths of the rejected (for `ipo`).
+    pub rejected_lengths: Vec<usize>,
+}
+
+/// DPO metrics (TRL's `rewards/*`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct DpoMetrics {
+    /// Loss value.
+    pub loss: f64,
+    /// Mean β·h_c.
+    pub chosen_reward: f64,
+    /// Mean β·h_r.
+    pub rejected_reward: f64,
+    /// Fraction of pairs with β·h_c > β·h_r.
+    pub reward_accuracy: f64,
+    /// Mean β·(h_c − h_r).
+    pub reward_margin: f64,
+    /// Number of pairs.
+    pub pairs: f64,
+}
+
+/// Σ_t m·log π per sequence: `[B, T]`, `[B, T]` → `[B]` (keeps the gradient).
+pub fn sequence_logprobs(per_token_logprobs: &Tensor, loss_mask: &Tensor) -> Result<Tensor> {
+    Ok((per_token_logprobs * loss_mask.to_dtype(per_token_logprobs.dtype())?.detach())?.sum(1)?)
+}
+
+/// The DPO loss, mean over pairs: `(scalar, metrics)`. Reference sums are detached.
+pub fn dpo_loss(inputs: &DpoInputs, cfg: &DpoConfig) -> Result<(Tensor, DpoMetrics)> {
+    let p = inputs.policy_chosen_logps.dims1().map_err(|_| LossError::Shape {
+        tensor: "policy_chosen_logps",
+        expected: "[P]".into(),
+        got: inputs.policy_chosen_logps.dims().to_vec(),
+    })?;
+    check_shape(&inputs.policy_rejected_logps, "policy_rejected_logps", &[p])?;
+    check_shape(&inputs.ref_chosen_logps, "ref_chosen_logps", &[p])?;
+    check_shape(&inputs.ref_rejected_logps, "ref_rejected_logps", &[p])?;
+    if !(cfg.beta > 0.0) {
+        return Err(LossError::Config { key: "beta", message: format!("must be > 0, got {}", cfg.beta) });
+    }
+    let pc = &inputs.policy_chosen_logps;
+    let dt = pc.dtype();
+    let h_c = (pc - inputs.ref_chosen_logps.detach().to_dtype(dt)?)?;
+    let h_r = (&inputs.policy_rejected_logps.to_dtype(dt)? - inputs.ref_rejected_logps.detach().to_dtype(dt)?)?;
+    let beta = cfg.beta;
+    let per_pair = match cfg.loss_type {
+        DpoLossType::Sigmoid => {
+            // −log σ(x) = relu(−x) + log(1 + e^{−|x|}), the branch chosen on the host.
+            let x = ((&h_c - &h_r)? * beta)?;
+            let xh = host1(&x)?;
+            let sign: Vec<f64> = xh.iter().map(|v| if *v >= 0.0 { 1.0 } else { -1.0 }).collect();
+            let neg: Vec<f64> = xh.iter().map(|v| if *v < 0.0 { 1.0 } else { 0.0 }).collect();
+            let abs = (&x * const1(&sign, &x)?)?;
+            let relu_neg = (x.neg()? * const1(&neg, &x)?)?;
+            (relu_neg + (abs.neg()?.exp()? + 1.0)?.log()?)?
+        }
+        DpoLossType::Hinge => {
+            let z = (((&h_c - &h_r)? * beta)?.neg()? + 1.0)?;
+            let on: Vec<f64> = host1(&z)?.iter().map(|v| if *v > 0.0 { 1.0 } else { 0.0 }).collect();
+            (z * const1(&on, pc)?)?
+        }
+        DpoLossType::Ipo => {
+            let n = |v: &[usize], field: &'static str| -> Result<Vec<f64>> {
+                if v.len() != p {
+                    return Err(LossError::Input { field, message: format!("{} lengths for {p} pairs", v.len()) });
+                }
+                Ok(v.iter().map(|&l| (l as f64).max(1.0)).collect())
+            };
+            let lc = const1(&n(&inputs.chosen_lengths, "chosen_lengths")?, pc)?;
+            let lr = const1(&n(&inputs.rejected_lengths, "rejected_lengths")?, pc)?;
+            (((&h_c / lc)? - (&h_r / lr)?)? - 1.0 / (2.0 * beta))?.sqr()?
+        }
+    };
+    let loss = per_pair.mean_all()?;
+    let hc = host1(&h_c)?;
+    let hr = host1(&h_r)?;
+    let pf = p.max(1) as f64;
+    let metrics = DpoMetrics {
+        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        chosen_reward: hc.iter().map(|x| beta * x).sum::<f64>() / pf,
+        rejected_reward: hr.iter().map(|x| beta * x).sum::<f64>() / pf,
+        reward_accuracy: hc.iter().zip(&hr).filter(|(c, r)| beta * **c > beta * **r).count() as f64 / pf,
+        reward_margin: hc.iter().zip(&hr).map(|(c, r)| beta * (c - r)).sum::<f64>() / pf,
+        pairs: p as f64,
+    };
+    Ok((loss, metrics))
+}
+
+/// Inputs of the teacher-KL replay loss on a batch of teacher traces.
+#[derive(Debug, Clone)]
+pub struct TeacherKlInputs {
+    /// `[B, T, K]` the student's log-probs at the teacher's recorded top-K ids, **with gradient**.
+    pub student_topk_logprobs: Tensor,
+    /// `[B, T, K]` the teacher's recorded log-probs (see `traces::collate_topk`).
+    pub teacher_topk_logprobs: Tensor,
+    /// `[B, T]` 0/1 mask of real completion positions.
+    pub loss_mask: Tensor,
+    /// Teacher name per trace (`len == B`), for the per-teacher weights.
+    pub teachers: Vec<String>,
+}
+
+/// Teacher-KL metrics.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct TeacherKlMetrics {
+    /// Loss value.
+    pub loss: f64,
+    /// Unweighted mean per-token KL(T‖S).
+    pub kl_mean: f64,
+    /// Active tokens.
+    pub tokens: f64,
+    /// Per-teacher unweighted mean KL.
+    pub per_teacher_kl: BTreeMap<String, f64>,
+}
+
+/// Token-level forward KL from the teachers' recorded top-K distributions (see module docs).
+/// `support` is `topk_tail` or `topk_renormalized`; `teacher_weights` maps names to weights
+/// (absent names weigh 1).
+pub fn teacher_kl_loss(
+    inputs: &TeacherKlInputs,
+    support: HintSupport,
+    teacher_weights: &BTreeMap<String, f64>,
+) -> Result<(Tensor, TeacherKlMetrics)> {
+    let s = &inputs.student_topk_logprobs;
+    let dims = s.dims().to_vec();
+    if dims.len() != 3 {
+        return Err(LossError::Shape { tensor: "student_topk_logprobs", expected: "[B, T, K]".into(), got: dims });
+    }
+    let (b, t) = (dims[0], dims[1]);
+    check_shape(&inputs.teacher_topk_logprobs, "teacher_topk_logprobs", &dims)?;
+    check_shape(&inputs.loss_mask, "loss_mask", &[b, t])?;
+    if inputs.teachers.len() != b {
+        return Err(LossError::Input { field: "teachers", message: format!("{} names for a batch of {b}", inputs.teachers.len()) });
+    }
+    let te = inputs.teacher_topk_logprobs.detach().to_dtype(s.dtype())?;
+    let (s2, t2) = match support {
+        HintSupport::TopkTail => (tail(s)?, tail(&te)?),
+        HintSupport::TopkRenormalized => {
+            (s.broadcast_sub(&logsumexp_last(s)?)?, te.broadcast_sub(&logsumexp_last(&te)?)?)
+        }
+        HintSupport::Full => (s.clone(), te),
+    };
+    let kl = divergence_per_token(&s2, &t2, HintDivergence::ForwardKl, 0.0)?; // [B, T]
+    let m = host2(&inputs.loss_mask)?;
+    let w: Vec<f64> = inputs.teachers.iter().map(|n| teacher_weights.get(n).copied().unwrap_or(1.0)).collect();
+    let wm: Vec<Vec<f64>> = m.iter().zip(&w).map(|(r, wi)| r.iter().map(|x| x * wi).collect()).collect();
+    let n_tok: f64 = m.iter().flatten().sum();
+    let loss = ((&kl * crate::util::const2(&wm, &kl)?)?.sum_all()? / n_tok.max(1.0))?;
+    let kl_h = host2(&kl)?;
+    let mut per: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    let mut tot = 0.0;
+    for i in 0..b {
+        let s_i: f64 = kl_h[i].iter().zip(&m[i]).map(|(a, b)| a * b).sum();
+        let n_i: f64 = m[i].iter().sum();
+        tot += s_i;
+        let e = per.entry(inputs.teachers[i].clone()).or_default();
+        e.0 += s_i;
+        e.1 += n_i;
+    }
+    let metrics = TeacherKlMetrics {
+        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        kl_mean: tot / n_tok.max(1.0),
+        tokens: n_tok,
+        per_teacher_kl: per.into_iter().map(|(k, (s, n))| (k, s / n.max(1.0))).collect(),
+    };
+    Ok((loss, metrics))
+}
+
+fn tail(x: &Tensor) -> Result<Tensor> {
+    // Same tail bucket as the hint channel: log(1 − Σ_K p), Σ clamped below 1.
+    let ls = logsumexp_last(x)?;
+    let ls_h = crate::util::host3(&ls)?;
+    let rows: Vec<Vec<f64>> = ls_h.iter().map(|r| r.iter().map(|v| if v[0] > -1e-7 { 1.0 } else { 0.0 }).collect()).collect();
+    let c = crate::util::const2(&rows, x)?.unsqueeze(D::Minus1)?;
+    let ls = ((ls * (c.ones_like()? - &c)?)? + (c * -1e-7)?)?;
+    let tail = (ls.exp()?.neg()? + 1.0)?.log()?;
+    Ok(Tensor::cat(&[x, &tail], D::Minus1)?)
+}
+
+/// Knobs of the replay channel.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReplayConfig {
+    /// DPO settings.
+    pub dpo: DpoConfig,
+    /// Weight of the DPO term inside the channel. Default 1.0.
+    pub dpo_coef: f64,
+    /// Weight of the teacher-KL term inside the channel. Default 1.0.
+    pub kl_coef: f64,
+    /// Support of the teacher KL: `topk_tail` (default) or `topk_renormalized`.
+    pub support: HintSupport,
+    /// Per-teacher weights by name (absent: 1.0).
+    pub teacher_weights: BTreeMap<String, f64>,
+}
+
+impl Default for ReplayConfig {
+    fn default() -> Self {
+        Self { dpo: DpoConfig::default(), dpo_coef: 1.0, kl_coef: 1.0, support: HintSupport::TopkTail, teacher_weights: BTreeMap::new() }
+    }
+}
+
+/// Inputs of the replay channel; either part may be absent (then it contributes nothing).
+#[derive(Debug, Clone, Default)]
+pub struct ReplayInputs {
+    /// Preference pairs.
+    pub dpo: Option<DpoInputs>,
+    /// Teacher traces' top-K distributions.
+    pub teacher_kl: Option<TeacherKlInputs>,
+}
+
+/// Replay-channel metrics.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ReplayMetrics {
+    /// Channel loss dpo_coef·L_dpo + kl_coef·L_kl.
+    pub loss: f64,
+    /// DPO metrics, when pairs were given.
+    pub dpo: Option<DpoMetrics>,
+    /// Teacher-KL metrics, when traces were given.
+    pub teacher_kl: Option<TeacherKlMetrics>,
+}
+
+/// The replay channel: `dpo_coef·L_dpo + kl_coef·L_teacher_kl`.
+pub fn replay_loss(inputs: &ReplayInputs, cfg: &ReplayConfig) -> Result<(Tensor, ReplayMetrics)> {
+    let mut total: Option<Tensor> = None;
+    let mut metrics = ReplayMetrics::default();
+    if let Some(d) = &inputs.dpo {
+        let (l, m) = dpo_loss(d, &cfg.dpo)?;
+        total = Some((l * cfg.dpo_coef)?);
+        metrics.dpo = Some(m);
+    }
+    if let Some(k) = &inputs.teacher_kl {
+        let (l, m) = teacher_kl_loss(k, cfg.support, &cfg.teacher_weights)?;
+        let l = (l * cfg.kl_coef)?;
+        total = Some(match total {
+            Some(t) => (t + l.to_dtype(t.dtype())?)?,
+            None => l,
+        });
+        metrics.teacher_kl = Some(m);
+    }
+    let total = total.ok_or_else(|| LossError::Missing {
+        field: "replay",
+        reason: "the replay channel needs DPO pairs or teacher top-K traces".into(),
+    })?;
+    metrics.loss = total.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    Ok((total, metrics))
+}

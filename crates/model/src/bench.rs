@@ -1,0 +1,200 @@
+//! Throughput benchmark: training forward+backward tokens/s and decode tokens/s at several
+//! batch sizes for a model shape with random weights. Numbers are printed, never asserted.
+//! `tools/bench_torch.py` measures the same with transformers for a side-by-side.
+
+use crate::config::ModelConfig;
+use crate::logprobs::token_logprobs;
+use crate::rollout::{generate, GenerationRequest, SamplingParams};
+use crate::transformer::Transformer;
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use serde::Serialize;
+use std::time::Instant;
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    /// Model shape (random weights).
+    pub model: ModelConfig,
+    /// Device.
+    pub device: Device,
+    /// Dtype of the decode model (training always uses f32 master weights).
+    pub decode_dtype: DType,
+    /// Batch sizes to time.
+    pub batch_sizes: Vec<usize>,
+    /// Sequence length of the training step.
+    pub train_seq_len: usize,
+    /// Prompt length for decoding.
+    pub prompt_len: usize,
+    /// Tokens decoded per sample.
+    pub decode_tokens: usize,
+    /// Timed repetitions of the training step (after one warm-up).
+    pub train_iters: usize,
+    /// Skip the training measurement (e.g. memory-bound GPU shapes).
+    pub skip_train: bool,
+}
+
+impl BenchConfig {
+    /// The default: Qwen2.5-0.5B shape, batch 1/16/64.
+    pub fn qwen2_5_0_5b(device: Device) -> Self {
+        let decode_dtype = if device.is_cuda() { DType::BF16 } else { DType::F32 };
+        BenchConfig {
+            model: ModelConfig::qwen2_5_0_5b(),
+            device,
+            decode_dtype,
+            batch_sizes: vec![1, 16, 64],
+            train_seq_len: 512,
+            prompt_len: 128,
+            decode_tokens: 64,
+            train_iters: 3,
+            skip_train: false,
+        }
+    }
+
+    /// A small shape that runs in seconds on a CPU.
+    pub fn small_cpu() -> Self {
+        let mut model = ModelConfig::tiny_qwen2(512);
+        model.hidden_size = 128;
+        model.intermediate_size = 384;
+        model.num_hidden_layers = 4;
+        model.num_attention_heads = 4;
+        model.num_key_value_heads = 2;
+        model.head_dim = 32;
+        model.max_position_embeddings = 512;
+        BenchConfig {
+            model,
+            device: Device::Cpu,
+            decode_dtype: DType::F32,
+            batch_sizes: vec![1, 16, 64],
+            train_seq_len: 128,
+            prompt_len: 32,
+            decode_tokens: 32,
+            train_iters: 2,
+            skip_train: false,
+        }
+    }
+}
+
+/// One batch size's numbers.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchRow {
+    /// Batch size.
+    pub batch: usize,
+    /// Training forward+backward tokens per second (None if skipped).
+    pub train_tokens_per_s: Option<f64>,
+    /// Decode tokens per second (prefill excluded).
+    pub decode_tokens_per_s: f64,
+}
+
+/// All rows plus the shape measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// Parameter count.
+    pub num_parameters: usize,
+    /// Device, in words.
+    pub device: String,
+    /// Rows by batch size.
+    pub rows: Vec<BenchRow>,
+}
+
+impl BenchReport {
+    /// A plain-text table.
+    pub fn table(&self) -> String {
+        let mut s = format!(
+            "composer-model bench: {:.1}M params on {}\n{:>6} {:>16} {:>16}\n",
+            self.num_parameters as f64 / 1e6,
+            self.device,
+            "batch",
+            "train tok/s",
+            "decode tok/s"
+        );
+        for r in &self.rows {
+            let train = r
+                .train_tokens_per_s
+                .map(|t| format!("{t:.0}"))
+                .unwrap_or_else(|| "-".into());
+            s.push_str(&format!(
+                "{:>6} {:>16} {:>16.0}\n",
+                r.batch, train, r.decode_tokens_per_s
+            ));
+        }
+        s
+    }
+}
+
+fn sync(device: &Device) -> Result<()> {
+    device.synchronize()?;
+    Ok(())
+}
+
+/// Runs the benchmark and returns the numbers (also see [`BenchReport::table`]).
+pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
+    let (train_model, _vars) = Transformer::random_init(&cfg.model, 0, &cfg.device)?;
+    let decode_model = train_model.to_dtype(cfg.decode_dtype)?;
+    let vocab = cfg.model.vocab_size as u32;
+    let mut rows = Vec::new();
+    for &b in &cfg.batch_sizes {
+        let train_tokens_per_s = if cfg.skip_train {
+            None
+        } else {
+            let t = cfg.train_seq_len;
+            let ids: Vec<u32> = (0..b * t).map(|i| (i as u32 * 7919 + 13) % vocab).collect();
+            let input = Tensor::from_vec(ids, (b, t), &cfg.device)?;
+            let targets = input.narrow(1, 1, t - 1)?;
+            let step = || -> Result<()> {
+                let logits = train_model.forward_train(&input, None)?.narrow(1, 0, t - 1)?;
+                let loss = token_logprobs(&logits, &targets)?.mean_all()?.neg()?;
+                let _grads = loss.backward()?;
+                Ok(())
+            };
+            step()?;
+            sync(&cfg.device)?;
+            let start = Instant::now();
+            for _ in 0..cfg.train_iters {
+                step()?;
+            }
+            sync(&cfg.device)?;
+            Some((b * t * cfg.train_iters) as f64 / start.elapsed().as_secs_f64())
+        };
+        let requests: Vec<GenerationRequest> = (0..b)
+            .map(|i| GenerationRequest {
+                prompt_ids: (0..cfg.prompt_len)
+                    .map(|j| ((i * 31 + j * 17) as u32) % vocab)
+                    .collect(),
+                num_samples: 1,
+                seed: i as u64,
+            })
+            .collect();
+        let params = |n: usize| SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_new_tokens: n,
+            stop_token_ids: Some(vec![]),
+        };
+        // Decode rate = extra tokens / extra time between a 1-token and an N-token run, so
+        // the prefill is excluded.
+        generate(&decode_model, &requests, &params(2))?;
+        sync(&cfg.device)?;
+        let t0 = Instant::now();
+        generate(&decode_model, &requests, &params(1))?;
+        sync(&cfg.device)?;
+        let t_one = t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
+        generate(&decode_model, &requests, &params(cfg.decode_tokens))?;
+        sync(&cfg.device)?;
+        let t_n = t0.elapsed().as_secs_f64();
+        let decode_tokens_per_s =
+            (b * (cfg.decode_tokens - 1)) as f64 / (t_n - t_one).max(1e-9);
+        rows.push(BenchRow {
+            batch: b,
+            train_tokens_per_s,
+            decode_tokens_per_s,
+        });
+    }
+    Ok(BenchReport {
+        num_parameters: train_model.num_parameters(),
+        device: format!("{:?}", cfg.device),
+        rows,
+    })
+}

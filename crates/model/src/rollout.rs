@@ -1,0 +1,321 @@
+//! Batched, KV-cached sampling.
+//!
+//! All samples of all requests decode together in one batch: prompts are left-padded to a
+//! common length (padding keys masked, positions counted from each row's first real token),
+//! each distinct prompt is prefilled once and its cache rows repeated for its samples, and
+//! finished samples are dropped from the batch as they stop.
+//!
+//! **Sampler log-prob** (what [`Sample::sampler_logprobs`] holds, and what the trainer
+//! recomputes): `log softmax(logits / temperature)[token]` over the full vocabulary, WITHOUT
+//! the top-p / top-k truncation (those only restrict which tokens can be drawn). For greedy
+//! decoding (temperature 0) it is the temperature-1 log-prob `log softmax(logits)[token]`.
+//!
+//! Determinism: sample `s` of a request draws from a ChaCha8 stream seeded by
+//! `(request.seed, s)`, so the same seed gives the same tokens whatever else is in the batch.
+
+use crate::logprobs;
+use crate::transformer::{KvCache, Transformer};
+use anyhow::{bail, Result};
+use candle_core::{DType, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+/// Decoding knobs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 = greedy (argmax).
+    pub temperature: f64,
+    /// Nucleus sampling mass in (0, 1]; 1 = off.
+    pub top_p: f64,
+    /// Keep only the k most likely tokens; 0 = off.
+    pub top_k: usize,
+    /// Completion length cap (a sample that hits it finishes with `Length`).
+    pub max_new_tokens: usize,
+    /// Token ids that end a sample (included in its completion). None = the model's EOS ids.
+    pub stop_token_ids: Option<Vec<u32>>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_new_tokens: 128,
+            stop_token_ids: None,
+        }
+    }
+}
+
+/// One prompt to complete `num_samples` times.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerationRequest {
+    /// Prompt token ids (non-empty).
+    pub prompt_ids: Vec<u32>,
+    /// Number of completions.
+    pub num_samples: usize,
+    /// RNG seed of this request.
+    pub seed: u64,
+}
+
+/// Why a sample ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// A stop token was sampled (it is the last completion token).
+    Stop,
+    /// `max_new_tokens` (or the model's position limit) was reached.
+    Length,
+}
+
+/// One completion.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// Number of prompt tokens.
+    pub prompt_len: usize,
+    /// Sampled token ids.
+    pub completion_ids: Vec<u32>,
+    /// Per completion token: `log softmax(logits / T)[token]` (T = 1 when greedy), no
+    /// top-p/top-k truncation.
+    pub sampler_logprobs: Vec<f32>,
+    /// Stop or length.
+    pub finish_reason: FinishReason,
+}
+
+struct Active {
+    request: usize,
+    sample: usize,
+    rng: ChaCha8Rng,
+    ids: Vec<u32>,
+    logprobs: Vec<f32>,
+    prompt_len: usize,
+}
+
+/// Samples completions for every request; returns, per request, its samples in order.
+pub fn generate(
+    model: &Transformer,
+    requests: &[GenerationRequest],
+    params: &SamplingParams,
+) -> Result<Vec<Vec<Sample>>> {
+    if !(params.temperature >= 0.0) || !params.temperature.is_finite() {
+        bail!("temperature must be >= 0, got {}", params.temperature);
+    }
+    if !(params.top_p > 0.0 && params.top_p <= 1.0) {
+        bail!("top_p must be in (0, 1], got {}", params.top_p);
+    }
+    let max_pos = model.cfg.max_position_embeddings;
+    let vocab = model.cfg.vocab_size;
+    for (i, r) in requests.iter().enumerate() {
+        if r.prompt_ids.is_empty() {
+            bail!("request {i}: empty prompt");
+        }
+        if r.prompt_ids.len() > max_pos {
+            bail!(
+                "request {i}: prompt of {} tokens is longer than the model's max_position_embeddings ({max_pos})",
+                r.prompt_ids.len()
+            );
+        }
+        if let Some(&bad) = r.prompt_ids.iter().find(|&&t| t as usize >= vocab) {
+            bail!("request {i}: token id {bad} is outside the vocabulary ({vocab})");
+        }
+    }
+    let stop_ids: Vec<u32> = params
+        .stop_token_ids
+        .clone()
+        .unwrap_or_else(|| model.cfg.eos_token_ids.clone());
+    let mut results: Vec<Vec<Sample>> = requests
+        .iter()
+        .map(|r| Vec::with_capacity(r.num_samples))
+        .collect();
+    let live: Vec<usize> = (0..requests.len())
+        .filter(|&i| requests[i].num_samples > 0)
+        .collect();
+    if live.is_empty() {
+        return Ok(results);
+    }
+    let model = model.detached();
+    let device = model.device().clone();
+
+    // Prefill each distinct prompt once (left-padded batch).
+    let max_len = live.iter().map(|&i| requests[i].prompt_ids.len()).max().unwrap_or(0);
+    let mut ids = Vec::with_capacity(live.len() * max_len);
+    let mut pads = Vec::with_capacity(live.len());
+    for &i in &live {
+        let p = &requests[i].prompt_ids;
+        pads.push(max_len - p.len());
+        ids.extend(std::iter::repeat_n(0u32, max_len - p.len()));
+        ids.extend_from_slice(p);
+    }
+    let input = Tensor::from_vec(ids, (live.len(), max_len), &device)?;
+    let mut prompt_cache = KvCache::new(model.cfg.num_hidden_layers, pads);
+    let hidden = model.forward_hidden(&input, None, Some(&mut prompt_cache), false)?;
+    let last = hidden.narrow(1, max_len - 1, 1)?;
+    let prompt_logits = model.logits(&last)?.squeeze(1)?; // [R, V]
+
+    // Expand to one row per sample.
+    let mut rows = Vec::new();
+    let mut active: Vec<Active> = Vec::new();
+    for (row, &i) in live.iter().enumerate() {
+        let r = &requests[i];
+        for s in 0..r.num_samples {
+            let mut rng = ChaCha8Rng::seed_from_u64(r.seed);
+            rng.set_stream(s as u64);
+            rows.push(row);
+            active.push(Active {
+                request: i,
+                sample: s,
+                rng,
+                ids: Vec::new(),
+                logprobs: Vec::new(),
+                prompt_len: r.prompt_ids.len(),
+            });
+        }
+    }
+    let row_idx = Tensor::new(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), &device)?;
+    let mut logits = prompt_logits.index_select(&row_idx, 0)?;
+    let mut cache = prompt_cache.select_rows(&rows)?;
+    drop(prompt_cache);
+    let mut finished: Vec<(usize, usize, Sample)> = Vec::new();
+
+    let greedy = params.temperature == 0.0;
+    loop {
+        // Sampler distribution: log softmax(logits / T) (T = 1 for greedy).
+        let scaled = if greedy || params.temperature == 1.0 {
+            logits.clone()
+        } else {
+            (&logits / params.temperature)?
+        };
+        let logp = logprobs::log_softmax(&scaled)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let mut next_tokens = Vec::with_capacity(active.len());
+        let mut keep = Vec::with_capacity(active.len());
+        let mut still: Vec<Active> = Vec::with_capacity(active.len());
+        for (row, mut a) in active.drain(..).enumerate() {
+            let lp = &logp[row];
+            let tok = if greedy {
+                argmax(lp)
+            } else {
+                sample_token(lp, params.top_k, params.top_p, &mut a.rng)
+            };
+            a.ids.push(tok);
+            a.logprobs.push(lp[tok as usize]);
+            let stop = stop_ids.contains(&tok);
+            let at_limit = a.ids.len() >= params.max_new_tokens
+                || a.prompt_len + a.ids.len() >= max_pos;
+            if stop || at_limit {
+                let sample = Sample {
+                    prompt_len: a.prompt_len,
+                    completion_ids: std::mem::take(&mut a.ids),
+                    sampler_logprobs: std::mem::take(&mut a.logprobs),
+                    finish_reason: if stop {
+                        FinishReason::Stop
+                    } else {
+                        FinishReason::Length
+                    },
+                };
+                finished.push((a.request, a.sample, sample));
+            } else {
+                next_tokens.push(tok);
+                keep.push(row);
+                still.push(a);
+            }
+        }
+        active = still;
+        if active.is_empty() {
+            break;
+        }
+        if keep.len() != cache.batch_size() {
+            cache = cache.select_rows(&keep)?;
+        }
+        let n = next_tokens.len();
+        let input = Tensor::from_vec(next_tokens, (n, 1), &device)?;
+        logits = model.forward(&input, Some(&mut cache))?.squeeze(1)?;
+    }
+    // Samples finish in any order; put them back in sample-index order per request.
+    finished.sort_by_key(|(r, s, _)| (*r, *s));
+    for (req, _, sample) in finished {
+        results[req].push(sample);
+    }
+    Ok(results)
+}
+
+/// Index of the largest value (first one on ties, like `torch.argmax`).
+fn argmax(xs: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > xs[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Draws a token from `exp(logp)` restricted to the top-k / top-p set (renormalised).
+fn sample_token(logp: &[f32], top_k: usize, top_p: f64, rng: &mut ChaCha8Rng) -> u32 {
+    let u: f64 = rng.random::<f64>();
+    if top_k == 0 && top_p >= 1.0 {
+        // Inverse CDF over the full vocabulary.
+        let target = u; // probabilities sum to 1 up to rounding
+        let mut acc = 0f64;
+        let mut last_nonzero = 0usize;
+        for (i, &l) in logp.iter().enumerate() {
+            let p = (l as f64).exp();
+            if p > 0.0 {
+                last_nonzero = i;
+            }
+            acc += p;
+            if acc > target {
+                return i as u32;
+            }
+        }
+        return last_nonzero as u32;
+    }
+    let v = logp.len();
+    // Candidate set. For top-p alone, tokens with p < (1 - top_p) / V can never be in the
+    // nucleus (all of them together weigh less than 1 - top_p), so only the rest is sorted.
+    let mut cand: Vec<(f32, u32)> = if top_p < 1.0 {
+        let thresh = ((1.0 - top_p) / v as f64).ln() as f32;
+        logp.iter()
+            .enumerate()
+            .filter(|(_, &l)| l >= thresh)
+            .map(|(i, &l)| (l, i as u32))
+            .collect()
+    } else {
+        logp.iter().enumerate().map(|(i, &l)| (l, i as u32)).collect()
+    };
+    let by_desc = |a: &(f32, u32), b: &(f32, u32)| {
+        b.0.partial_cmp(&a.0)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.1.cmp(&b.1))
+    };
+    if top_k > 0 && top_k < cand.len() {
+        cand.select_nth_unstable_by(top_k - 1, by_desc);
+        cand.truncate(top_k);
+    }
+    cand.sort_by(by_desc);
+    if top_p < 1.0 {
+        // Keep the smallest prefix whose mass reaches top_p (renormalised over the top-k set
+        // when both are on, as transformers applies top-k then top-p).
+        let total: f64 = cand.iter().map(|(l, _)| (*l as f64).exp()).sum();
+        let mut acc = 0f64;
+        let mut cut = cand.len();
+        for (i, (l, _)) in cand.iter().enumerate() {
+            acc += (*l as f64).exp() / total;
+            if acc >= top_p {
+                cut = i + 1;
+                break;
+            }
+        }
+        cand.truncate(cut.max(1));
+    }
+    let total: f64 = cand.iter().map(|(l, _)| (*l as f64).exp()).sum();
+    let target = u * total;
+    let mut acc = 0f64;
+    for (l, i) in &cand {
+        acc += (*l as f64).exp();
+        if acc > target {
+            return *i;
+        }
+    }
+    cand.last().map(|c| c.1).unwrap_or(0)
+}

@@ -1,0 +1,83 @@
+//! Teacher-forced scoring: per-token log-probs of given token sequences, in batches.
+
+use crate::logprobs;
+use crate::transformer::Transformer;
+use anyhow::{bail, Result};
+use candle_core::Tensor;
+
+/// Upper bound on the f32 logits one scoring batch materialises (rows × len × vocab).
+const MAX_LOGITS_PER_BATCH: usize = 64 << 20;
+
+/// Next-token log-probs by teacher forcing: for each sequence `s`, entry `t` is
+/// `log p(s[t+1] | s[..=t])` (length `len - 1`; empty for sequences shorter than 2).
+pub fn score(model: &Transformer, seqs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+    score_with_temperature(model, seqs, 1.0)
+}
+
+/// As [`score`] under `log softmax(logits / temperature)`, the sampler's distribution at
+/// temperature T (T must be > 0).
+pub fn score_with_temperature(
+    model: &Transformer,
+    seqs: &[Vec<u32>],
+    temperature: f64,
+) -> Result<Vec<Vec<f32>>> {
+    if !(temperature > 0.0) {
+        bail!("scoring temperature must be > 0, got {temperature}");
+    }
+    let max_pos = model.cfg.max_position_embeddings;
+    let vocab = model.cfg.vocab_size;
+    for (i, s) in seqs.iter().enumerate() {
+        if s.len() > max_pos {
+            bail!(
+                "sequence {i} has {} tokens, more than max_position_embeddings ({max_pos})",
+                s.len()
+            );
+        }
+        if let Some(&bad) = s.iter().find(|&&t| t as usize >= vocab) {
+            bail!("sequence {i}: token id {bad} is outside the vocabulary ({vocab})");
+        }
+    }
+    let model = model.detached();
+    let mut out: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
+    // Batch sequences of similar length together (sorted), right-padded: the causal mask
+    // makes padding after a sequence irrelevant to its tokens.
+    let mut order: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].len() >= 2).collect();
+    order.sort_by_key(|&i| seqs[i].len());
+    let mut start = 0;
+    while start < order.len() {
+        let mut end = start + 1;
+        while end < order.len() {
+            let len = seqs[order[end]].len();
+            if (end + 1 - start) * len * vocab > MAX_LOGITS_PER_BATCH {
+                break;
+            }
+            end += 1;
+        }
+        let batch = &order[start..end];
+        let t = seqs[batch[batch.len() - 1]].len();
+        let mut ids = Vec::with_capacity(batch.len() * t);
+        let mut targets = Vec::with_capacity(batch.len() * (t - 1));
+        for &i in batch {
+            let s = &seqs[i];
+            ids.extend_from_slice(s);
+            ids.extend(std::iter::repeat_n(0u32, t - s.len()));
+            targets.extend_from_slice(&s[1..]);
+            targets.extend(std::iter::repeat_n(0u32, t - s.len()));
+        }
+        let dev = model.device();
+        let input = Tensor::from_vec(ids, (batch.len(), t), dev)?;
+        let targets = Tensor::from_vec(targets, (batch.len(), t - 1), dev)?;
+        let logits = model.forward(&input, None)?.narrow(1, 0, t - 1)?;
+        let logits = if temperature != 1.0 {
+            (logits / temperature)?
+        } else {
+            logits
+        };
+        let lp = logprobs::token_logprobs(&logits, &targets)?.to_vec2::<f32>()?;
+        for (row, &i) in batch.iter().enumerate() {
+            out[i] = lp[row][..seqs[i].len() - 1].to_vec();
+        }
+        start = end;
+    }
+    Ok(out)
+}

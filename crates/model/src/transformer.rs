@@ -1,0 +1,889 @@
+//! Decoder-only transformer for the Llama, Qwen2 and Qwen3 families, in one file.
+//!
+//! Family traits (all share: token embedding, pre-norm RMSNorm decoder layers, rotary
+//! position embedding with `rope_theta` (rotate-half layout), grouped-query attention,
+//! SwiGLU MLP `down(silu(gate(x)) * up(x))`, final RMSNorm, LM head):
+//! - **Llama**: no biases unless `attention_bias` (q/k/v/o) / `mlp_bias`; LM head usually untied.
+//! - **Qwen2**: bias on q/k/v (never on o_proj); usually tied LM head.
+//! - **Qwen3**: no q/k/v bias, per-head RMSNorm `q_norm`/`k_norm` over `head_dim` applied
+//!   before RoPE, explicit `head_dim` (may differ from hidden/heads).
+//!
+//! The structs mirror checkpoint module names (`model.layers.N.self_attn.q_proj`, ...), so
+//! the weight layout is the code layout. Weights are immutable during a forward; the KV cache
+//! is a value ([`KvCache`]) the caller owns and passes in.
+//!
+//! Two forward paths share this code: the inference path ([`Transformer::forward`]) uses
+//! candle-nn's fused kernels (rms_norm, rope, softmax), which have no backward; the training
+//! path ([`Transformer::forward_train`]) composes the same maths from differentiable ops.
+
+use crate::checkpoint::{self, LoadedCheckpoint};
+use crate::config::ModelConfig;
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var, D};
+use candle_nn::VarMap;
+use rand::{Rng, SeedableRng};
+use std::path::Path;
+
+/// Which implementation of the non-matmul ops a forward uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OpPath {
+    /// candle-nn fused kernels (no backward): rollouts and scoring.
+    Fused,
+    /// Differentiable compositions: training.
+    Differentiable,
+}
+
+/// `y = x Wᵀ + b`, weights stored `[out, in]` as in PyTorch.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    /// `[out_features, in_features]`.
+    pub weight: Tensor,
+    /// `[out_features]`, if the projection has a bias.
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let in_f = *dims.last().context("linear input has no dims")?;
+        let rows: usize = dims[..dims.len() - 1].iter().product();
+        let y = x.reshape((rows, in_f))?.matmul(&self.weight.t()?)?;
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        let mut out_dims = dims;
+        *out_dims.last_mut().expect("non-empty") = self.weight.dim(0)?;
+        Ok(y.reshape(out_dims)?)
+    }
+}
+
+/// RMSNorm over the last dimension: `x / sqrt(mean(x²) + eps) * weight`.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    /// `[dim]`.
+    pub weight: Tensor,
+    /// Epsilon inside the square root.
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    fn forward(&self, x: &Tensor, path: OpPath) -> Result<Tensor> {
+        match path {
+            OpPath::Fused => Ok(candle_nn::ops::rms_norm(
+                &x.contiguous()?,
+                &self.weight,
+                self.eps as f32,
+            )?),
+            OpPath::Differentiable => {
+                // As transformers: normalise in f32 (or f64), cast back, then scale.
+                let dtype = x.dtype();
+                let work = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+                let xf = x.to_dtype(work)?;
+                let inv = (xf.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
+                    .sqrt()?
+                    .recip()?;
+                let normed = xf.broadcast_mul(&inv)?.to_dtype(dtype)?;
+                Ok(normed.broadcast_mul(&self.weight)?)
+            }
+        }
+    }
+}
+
+/// Precomputed RoPE tables `cos`, `sin`: `[max_position_embeddings, head_dim / 2]`, f32.
+#[derive(Debug, Clone)]
+struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    fn new(cfg: &ModelConfig, device: &Device) -> Result<Self> {
+        let half = cfg.head_dim / 2;
+        // Computed in f32 exactly as transformers' default RoPE does.
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0f32 / (cfg.rope_theta as f32).powf((2 * i) as f32 / cfg.head_dim as f32))
+            .collect();
+        let n = cfg.max_position_embeddings;
+        let mut cos = Vec::with_capacity(n * half);
+        let mut sin = Vec::with_capacity(n * half);
+        for p in 0..n {
+            for f in &inv_freq {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        Ok(Rope {
+            cos: Tensor::from_vec(cos, (n, half), device)?,
+            sin: Tensor::from_vec(sin, (n, half), device)?,
+        })
+    }
+}
+
+/// Self-attention with grouped-query heads (`self_attn.*` in the checkpoint).
+#[derive(Debug, Clone)]
+pub struct Attention {
+    /// `self_attn.q_proj`.
+    pub q_proj: Linear,
+    /// `self_attn.k_proj`.
+    pub k_proj: Linear,
+    /// `self_attn.v_proj`.
+    pub v_proj: Linear,
+    /// `self_attn.o_proj`.
+    pub o_proj: Linear,
+    /// `self_attn.q_norm` (Qwen3).
+    pub q_norm: Option<RmsNorm>,
+    /// `self_attn.k_norm` (Qwen3).
+    pub k_norm: Option<RmsNorm>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+/// Per-forward inputs shared by all layers.
+struct Ctx<'a> {
+    /// `[B, T, head_dim/2]` in the activation dtype.
+    cos: Tensor,
+    sin: Tensor,
+    /// Additive mask broadcastable to `[B, kv_heads, n_rep, T, T_past + T]`, or None.
+    mask: Option<Tensor>,
+    path: OpPath,
+    _p: std::marker::PhantomData<&'a ()>,
+}
+
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, path: OpPath) -> Result<Tensor> {
+    match path {
+        OpPath::Fused => Ok(candle_nn::rotary_emb::rope(&x.contiguous()?, cos, sin)?),
+        OpPath::Differentiable => {
+            // x: [B, H, T, D]; cos/sin: [B, T, D/2] → [B, 1, T, D/2].
+            let half = x.dim(D::Minus1)? / 2;
+            let cos = cos.unsqueeze(1)?;
+            let sin = sin.unsqueeze(1)?;
+            let x1 = x.narrow(D::Minus1, 0, half)?;
+            let x2 = x.narrow(D::Minus1, half, half)?;
+            let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+            let r2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+            Ok(Tensor::cat(&[&r1, &r2], D::Minus1)?)
+        }
+    }
+}
+
+fn softmax_last(x: &Tensor, path: OpPath) -> Result<Tensor> {
+    match path {
+        OpPath::Fused => Ok(candle_nn::ops::softmax_last_dim(&x.contiguous()?)?),
+        OpPath::Differentiable => {
+            let max = x.max_keepdim(D::Minus1)?.detach();
+            let e = x.broadcast_sub(&max)?.exp()?;
+            Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+        }
+    }
+}
+
+impl Attention {
+    fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let q = self.q_proj.forward(x)?.reshape((b, t, nh, hd))?;
+        let k = self.k_proj.forward(x)?.reshape((b, t, nkv, hd))?;
+        let v = self.v_proj.forward(x)?.reshape((b, t, nkv, hd))?;
+        let q = match &self.q_norm {
+            Some(n) => n.forward(&q, ctx.path)?,
+            None => q,
+        };
+        let k = match &self.k_norm {
+            Some(n) => n.forward(&k, ctx.path)?,
+            None => k,
+        };
+        let q = q.transpose(1, 2)?.contiguous()?;
+        let k = k.transpose(1, 2)?.contiguous()?;
+        let v = v.transpose(1, 2)?.contiguous()?;
+        let q = apply_rope(&q, &ctx.cos, &ctx.sin, ctx.path)?;
+        let k = apply_rope(&k, &ctx.cos, &ctx.sin, ctx.path)?;
+        let (k, v) = match cache {
+            Some(slot) => {
+                let (k, v) = match slot.take() {
+                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+                    None => (k, v),
+                };
+                *slot = Some((k.clone(), v.clone()));
+                (k, v)
+            }
+            None => (k, v),
+        };
+        let tk = k.dim(2)?;
+        let n_rep = nh / nkv;
+        // Grouped-query attention without copying K/V: head h uses kv head h / n_rep, so
+        // the query heads of one group are stacked along the query axis.
+        let q = q.reshape((b, nkv, n_rep * t, hd))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let scores = (q.matmul(&k.t()?)? * scale)?;
+        let in_dtype = scores.dtype();
+        // Softmax in f32 for half-precision activations, as transformers does.
+        let scores = if in_dtype == DType::BF16 || in_dtype == DType::F16 {
+            scores.to_dtype(DType::F32)?
+        } else {
+            scores
+        };
+        let scores = match &ctx.mask {
+            Some(m) => scores
+                .reshape((b, nkv, n_rep, t, tk))?
+                .broadcast_add(&m.to_dtype(scores.dtype())?)?
+                .reshape((b, nkv, n_rep * t, tk))?,
+            None => scores,
+        };
+        let probs = softmax_last(&scores, ctx.path)?.to_dtype(in_dtype)?;
+        let out = probs.matmul(&v)?; // [B, nkv, n_rep*T, hd]
+        let out = out
+            .reshape((b, nh, t, hd))?
+            .transpose(1, 2)?
+            .reshape((b, t, nh * hd))?;
+        self.o_proj.forward(&out)
+    }
+}
+
+/// SwiGLU MLP (`mlp.*`).
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    /// `mlp.gate_proj`.
+    pub gate_proj: Linear,
+    /// `mlp.up_proj`.
+    pub up_proj: Linear,
+    /// `mlp.down_proj`.
+    pub down_proj: Linear,
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
+        self.down_proj.forward(&(g * self.up_proj.forward(x)?)?)
+    }
+}
+
+/// One pre-norm decoder layer (`model.layers.N`).
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    /// `self_attn`.
+    pub self_attn: Attention,
+    /// `mlp`.
+    pub mlp: Mlp,
+    /// `input_layernorm`.
+    pub input_layernorm: RmsNorm,
+    /// `post_attention_layernorm`.
+    pub post_attention_layernorm: RmsNorm,
+}
+
+impl DecoderLayer {
+    fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x, ctx.path)?;
+        let x = (x + self.self_attn.forward(&h, ctx, cache)?)?;
+        let h = self.post_attention_layernorm.forward(&x, ctx.path)?;
+        Ok((&x + self.mlp.forward(&h)?)?)
+    }
+}
+
+/// The `model.*` module: embeddings, layers, final norm.
+#[derive(Debug, Clone)]
+pub struct Model {
+    /// `model.embed_tokens.weight`: `[vocab, hidden]`.
+    pub embed_tokens: Tensor,
+    /// `model.layers`.
+    pub layers: Vec<DecoderLayer>,
+    /// `model.norm`.
+    pub norm: RmsNorm,
+}
+
+/// Key/value cache for a batch of sequences, owned by the caller (one per rollout batch).
+///
+/// Sequences are left-padded: row `b` has `left_pad[b]` padding slots before its first
+/// token; padding keys are masked out and positions start at 0 at the first real token.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    left_pad: Vec<usize>,
+    len: usize,
+}
+
+impl KvCache {
+    /// An empty cache for `batch` rows with the given left padding per row (the padding
+    /// of the first chunk fed to it).
+    pub fn new(num_layers: usize, left_pad: Vec<usize>) -> Self {
+        KvCache {
+            layers: vec![None; num_layers],
+            left_pad,
+            len: 0,
+        }
+    }
+    /// Slots stored per row (padding included).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True when nothing has been fed yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Number of rows.
+    pub fn batch_size(&self) -> usize {
+        self.left_pad.len()
+    }
+    /// Left padding per row.
+    pub fn left_pad(&self) -> &[usize] {
+        &self.left_pad
+    }
+    /// Number of real (non-padding) tokens stored for row `b`.
+    pub fn seq_len(&self, b: usize) -> usize {
+        self.len - self.left_pad[b]
+    }
+    /// A cache holding only `rows` (in that order; repeats allowed), e.g. to expand a
+    /// prompt's cache to n samples or to drop finished samples. Padding columns common to
+    /// all kept rows are trimmed.
+    pub fn select_rows(&self, rows: &[usize]) -> Result<KvCache> {
+        let left_pad: Vec<usize> = rows.iter().map(|&r| self.left_pad[r]).collect();
+        let trim = left_pad.iter().copied().min().unwrap_or(0);
+        let dev_rows = match self.layers.iter().flatten().next() {
+            Some((k, _)) => Some(Tensor::new(
+                rows.iter().map(|&r| r as u32).collect::<Vec<u32>>(),
+                k.device(),
+            )?),
+            None => None,
+        };
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            layers.push(match (l, &dev_rows) {
+                (Some((k, v)), Some(idx)) => {
+                    let sel = |t: &Tensor| -> Result<Tensor> {
+                        let t = t.index_select(idx, 0)?;
+                        Ok(if trim > 0 {
+                            t.narrow(2, trim, self.len - trim)?.contiguous()?
+                        } else {
+                            t
+                        })
+                    };
+                    Some((sel(k)?, sel(v)?))
+                }
+                _ => None,
+            });
+        }
+        Ok(KvCache {
+            layers,
+            left_pad: left_pad.iter().map(|p| p - trim).collect(),
+            len: self.len - trim,
+        })
+    }
+}
+
+/// A decoder-only causal LM: `model.*` plus `lm_head`, its config and RoPE tables.
+///
+/// Weights are plain tensors; when built from a [`VarMap`] they are that map's variables
+/// (f32 master weights), so gradients of a training forward land on the optimizer's vars.
+#[derive(Debug, Clone)]
+pub struct Transformer {
+    /// Architecture.
+    pub cfg: ModelConfig,
+    /// `model.*`.
+    pub model: Model,
+    /// `lm_head.weight` `[vocab, hidden]` (the embedding tensor itself when tied).
+    pub lm_head: Tensor,
+    rope: Rope,
+    device: Device,
+    dtype: DType,
+    /// Number of shard files of the checkpoint this model was loaded from (saved the same way).
+    pub source_shards: usize,
+}
+
+/// Where `build` gets each parameter from.
+enum ParamInit {
+    /// Normal(0, initializer_range) (projections, embeddings).
+    Normal,
+    /// Ones (norm weights).
+    Ones,
+    /// Zeros (biases).
+    Zeros,
+}
+
+impl Transformer {
+    /// Builds the module tree, asking `get(name, shape, init)` for each parameter.
+    fn build(
+        cfg: &ModelConfig,
+        device: &Device,
+        dtype: DType,
+        get: &mut dyn FnMut(&str, &[usize], ParamInit) -> Result<Tensor>,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let (h, hd, nh, nkv) = (
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+        );
+        let mut linear = |name: &str, out_f: usize, in_f: usize, bias: bool| -> Result<Linear> {
+            Ok(Linear {
+                weight: get(&format!("{name}.weight"), &[out_f, in_f], ParamInit::Normal)?,
+                bias: if bias {
+                    Some(get(&format!("{name}.bias"), &[out_f], ParamInit::Zeros)?)
+                } else {
+                    None
+                },
+            })
+        };
+        let mut layer_linears = Vec::new();
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            layer_linears.push((
+                linear(&format!("{p}.self_attn.q_proj"), nh * hd, h, cfg.qkv_bias())?,
+                linear(&format!("{p}.self_attn.k_proj"), nkv * hd, h, cfg.qkv_bias())?,
+                linear(&format!("{p}.self_attn.v_proj"), nkv * hd, h, cfg.qkv_bias())?,
+                linear(&format!("{p}.self_attn.o_proj"), h, nh * hd, cfg.o_bias())?,
+                linear(&format!("{p}.mlp.gate_proj"), cfg.intermediate_size, h, cfg.mlp_bias)?,
+                linear(&format!("{p}.mlp.up_proj"), cfg.intermediate_size, h, cfg.mlp_bias)?,
+                linear(&format!("{p}.mlp.down_proj"), h, cfg.intermediate_size, cfg.mlp_bias)?,
+            ));
+        }
+        let norm = |get: &mut dyn FnMut(&str, &[usize], ParamInit) -> Result<Tensor>,
+                    name: &str,
+                    dim: usize|
+         -> Result<RmsNorm> {
+            Ok(RmsNorm {
+                weight: get(&format!("{name}.weight"), &[dim], ParamInit::Ones)?,
+                eps: cfg.rms_norm_eps,
+            })
+        };
+        let embed_tokens = get("model.embed_tokens.weight", &[cfg.vocab_size, h], ParamInit::Normal)?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for (i, (q, k, v, o, g, u, d)) in layer_linears.into_iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            let (q_norm, k_norm) = if cfg.qk_norm() {
+                (
+                    Some(norm(get, &format!("{p}.self_attn.q_norm"), hd)?),
+                    Some(norm(get, &format!("{p}.self_attn.k_norm"), hd)?),
+                )
+            } else {
+                (None, None)
+            };
+            layers.push(DecoderLayer {
+                self_attn: Attention {
+                    q_proj: q,
+                    k_proj: k,
+                    v_proj: v,
+                    o_proj: o,
+                    q_norm,
+                    k_norm,
+                    num_heads: nh,
+                    num_kv_heads: nkv,
+                    head_dim: hd,
+                },
+                mlp: Mlp {
+                    gate_proj: g,
+                    up_proj: u,
+                    down_proj: d,
+                },
+                input_layernorm: norm(get, &format!("{p}.input_layernorm"), h)?,
+                post_attention_layernorm: norm(get, &format!("{p}.post_attention_layernorm"), h)?,
+            });
+        }
+        let final_norm = norm(get, "model.norm", h)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed_tokens.clone()
+        } else {
+            get("lm_head.weight", &[cfg.vocab_size, h], ParamInit::Normal)?
+        };
+        Ok(Transformer {
+            cfg: cfg.clone(),
+            model: Model {
+                embed_tokens,
+                layers,
+                norm: final_norm,
+            },
+            lm_head,
+            rope: Rope::new(cfg, device)?,
+            device: device.clone(),
+            dtype,
+            source_shards: 1,
+        })
+    }
+
+    /// Loads config + weights from a Hugging Face checkpoint directory for inference
+    /// (plain tensors in `dtype`, no gradient tracking).
+    pub fn load(dir: &Path, device: &Device, dtype: DType) -> Result<Self> {
+        let cfg = ModelConfig::from_dir(dir)?;
+        let mut ckpt = checkpoint::load_dir(dir, device)?;
+        let shards = ckpt.num_shards;
+        let mut m = Self::build(&cfg, device, dtype, &mut |name, shape, _| {
+            ckpt.take(name, shape, dtype)
+        })
+        .with_context(|| format!("loading weights from {}", dir.display()))?;
+        m.source_shards = shards;
+        Ok(m)
+    }
+
+    /// Loads a checkpoint as trainable variables (`dtype`, normally f32 master weights):
+    /// returns the model and the [`VarMap`] holding every parameter, keyed by checkpoint name.
+    pub fn load_trainable(dir: &Path, device: &Device, dtype: DType) -> Result<(Self, VarMap)> {
+        let cfg = ModelConfig::from_dir(dir)?;
+        let mut ckpt: LoadedCheckpoint = checkpoint::load_dir(dir, device)?;
+        let shards = ckpt.num_shards;
+        let varmap = VarMap::new();
+        let mut m = Self::build(&cfg, device, dtype, &mut |name, shape, _| {
+            let t = ckpt.take(name, shape, dtype)?;
+            insert_var(&varmap, name, &t)
+        })
+        .with_context(|| format!("loading weights from {}", dir.display()))?;
+        m.source_shards = shards;
+        Ok((m, varmap))
+    }
+
+    /// Builds a model whose weights are the variables of `varmap` (names as in the
+    /// checkpoint); a missing or mis-shaped variable is an error naming it.
+    pub fn from_varmap(cfg: &ModelConfig, varmap: &VarMap, device: &Device) -> Result<Self> {
+        let data = varmap
+            .data()
+            .lock()
+            .map_err(|_| anyhow::anyhow!("VarMap lock poisoned"))?;
+        let mut dtype = None;
+        let m = Self::build(cfg, device, DType::F32, &mut |name, shape, _| {
+            let v = data
+                .get(name)
+                .with_context(|| format!("VarMap is missing variable `{name}`"))?;
+            if v.dims() != shape {
+                bail!("variable `{name}` has shape {:?}, expected {shape:?}", v.dims());
+            }
+            dtype.get_or_insert(v.dtype());
+            Ok(v.as_tensor().clone())
+        })?;
+        Ok(Transformer {
+            dtype: dtype.unwrap_or(DType::F32),
+            ..m
+        })
+    }
+
+    /// A randomly initialised model (HF-style: projections and embeddings ~ N(0,
+    /// initializer_range), norms 1, biases 0), deterministic in `seed`, with f32 variables.
+    pub fn random_init(cfg: &ModelConfig, seed: u64, device: &Device) -> Result<(Self, VarMap)> {
+        let varmap = VarMap::new();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let std = cfg.initializer_range;
+        let m = Self::build(cfg, device, DType::F32, &mut |name, shape, init| {
+            let n: usize = shape.iter().product();
+            let data: Vec<f32> = match init {
+                ParamInit::Ones => vec![1.0; n],
+                ParamInit::Zeros => vec![0.0; n],
+                ParamInit::Normal => (0..n).map(|_| (normal(&mut rng) * std) as f32).collect(),
+            };
+            let t = Tensor::from_vec(data, shape, device)?;
+            insert_var(&varmap, name, &t)
+        })?;
+        Ok((m, varmap))
+    }
+
+    /// The same weights without gradient tracking (shares storage: in-place optimizer
+    /// updates of the variables are visible). Used by rollouts so decoding builds no graph.
+    pub fn detached(&self) -> Self {
+        self.map_weights(&mut |t| Ok(t.detach())).expect("detach cannot fail")
+    }
+
+    /// An independent copy of the weights in `dtype` (e.g. a bf16 generator snapshot).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        let mut m = self.map_weights(&mut |t| Ok(t.detach().to_dtype(dtype)?.copy()?))?;
+        m.dtype = dtype;
+        if self.cfg.tie_word_embeddings {
+            m.lm_head = m.model.embed_tokens.clone();
+        }
+        Ok(m)
+    }
+
+    fn map_weights(&self, f: &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        let mut m = self.clone();
+        let mut lin = |l: &mut Linear| -> Result<()> {
+            l.weight = f(&l.weight)?;
+            if let Some(b) = &l.bias {
+                l.bias = Some(f(b)?);
+            }
+            Ok(())
+        };
+        for layer in &mut m.model.layers {
+            let a = &mut layer.self_attn;
+            lin(&mut a.q_proj)?;
+            lin(&mut a.k_proj)?;
+            lin(&mut a.v_proj)?;
+            lin(&mut a.o_proj)?;
+            lin(&mut layer.mlp.gate_proj)?;
+            lin(&mut layer.mlp.up_proj)?;
+            lin(&mut layer.mlp.down_proj)?;
+        }
+        for layer in &mut m.model.layers {
+            for n in [
+                Some(&mut layer.input_layernorm),
+                Some(&mut layer.post_attention_layernorm),
+                layer.self_attn.q_norm.as_mut(),
+                layer.self_attn.k_norm.as_mut(),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                n.weight = f(&n.weight)?;
+            }
+        }
+        m.model.norm.weight = f(&m.model.norm.weight)?;
+        m.model.embed_tokens = f(&m.model.embed_tokens)?;
+        m.lm_head = if self.cfg.tie_word_embeddings {
+            m.model.embed_tokens.clone()
+        } else {
+            f(&m.lm_head)?
+        };
+        Ok(m)
+    }
+
+    /// Every parameter with its checkpoint name, in transformers' order. A tied LM head is
+    /// not listed (it is `model.embed_tokens.weight`).
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![(
+            "model.embed_tokens.weight".to_string(),
+            self.model.embed_tokens.clone(),
+        )];
+        for (i, l) in self.model.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            let mut lin = |name: &str, l: &Linear| {
+                out.push((format!("{p}.{name}.weight"), l.weight.clone()));
+                if let Some(b) = &l.bias {
+                    out.push((format!("{p}.{name}.bias"), b.clone()));
+                }
+            };
+            lin("self_attn.q_proj", &l.self_attn.q_proj);
+            lin("self_attn.k_proj", &l.self_attn.k_proj);
+            lin("self_attn.v_proj", &l.self_attn.v_proj);
+            lin("self_attn.o_proj", &l.self_attn.o_proj);
+            lin("mlp.gate_proj", &l.mlp.gate_proj);
+            lin("mlp.up_proj", &l.mlp.up_proj);
+            lin("mlp.down_proj", &l.mlp.down_proj);
+            if let Some(n) = &l.self_attn.q_norm {
+                out.push((format!("{p}.self_attn.q_norm.weight"), n.weight.clone()));
+            }
+            if let Some(n) = &l.self_attn.k_norm {
+                out.push((format!("{p}.self_attn.k_norm.weight"), n.weight.clone()));
+            }
+            out.push((format!("{p}.input_layernorm.weight"), l.input_layernorm.weight.clone()));
+            out.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                l.post_attention_layernorm.weight.clone(),
+            ));
+        }
+        out.push(("model.norm.weight".to_string(), self.model.norm.weight.clone()));
+        if !self.cfg.tie_word_embeddings {
+            out.push(("lm_head.weight".to_string(), self.lm_head.clone()));
+        }
+        out
+    }
+
+    /// Total number of parameters (tied head counted once).
+    pub fn num_parameters(&self) -> usize {
+        self.named_tensors().iter().map(|(_, t)| t.elem_count()).sum()
+    }
+
+    /// Writes `config.json`, `generation_config.json` and the weights (in the model's
+    /// dtype) in transformers' layout: `model.safetensors`, or as many shards + index as
+    /// the source checkpoint had. Files are written atomically.
+    pub fn save_pretrained(&self, dir: &Path) -> Result<()> {
+        self.save_pretrained_sharded(dir, self.source_shards)
+    }
+
+    /// As [`Transformer::save_pretrained`], with an explicit shard count (1 = single file).
+    pub fn save_pretrained_sharded(&self, dir: &Path, num_shards: usize) -> Result<()> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let dtype_name = checkpoint::torch_dtype_name(self.dtype);
+        let tensors: Vec<(String, Tensor)> = self
+            .named_tensors()
+            .into_iter()
+            .map(|(n, t)| (n, t.detach()))
+            .collect();
+        checkpoint::save_dir(dir, &tensors, num_shards)?;
+        checkpoint::write_atomic(
+            &dir.join("config.json"),
+            serde_json::to_string_pretty(&self.cfg.to_hf_json(dtype_name))?.as_bytes(),
+        )?;
+        checkpoint::write_atomic(
+            &dir.join("generation_config.json"),
+            serde_json::to_string_pretty(&self.cfg.to_generation_config_json())?.as_bytes(),
+        )?;
+        Ok(())
+    }
+
+    /// Device of the weights.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    /// Dtype of the weights (and activations).
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Inference forward (fused kernels, no backward): `input_ids` `[B, T]` u32 →
+    /// logits `[B, T, vocab]` f32. With a cache, the tokens continue the cached rows
+    /// (positions and padding mask from the cache) and the cache is extended.
+    pub fn forward(&self, input_ids: &Tensor, cache: Option<&mut KvCache>) -> Result<Tensor> {
+        let h = self.forward_hidden(input_ids, None, cache, false)?;
+        self.logits(&h)
+    }
+
+    /// Inference forward over left-padded rows without a cache.
+    pub fn forward_padded(&self, input_ids: &Tensor, left_pad: &[usize]) -> Result<Tensor> {
+        let h = self.forward_hidden(input_ids, Some(left_pad), None, false)?;
+        self.logits(&h)
+    }
+
+    /// Differentiable training forward: `input_ids` `[B, T]` u32 (optionally left-padded;
+    /// right padding needs nothing thanks to the causal mask) → logits `[B, T, vocab]` f32.
+    /// Uses only ops with a backward, so gradients reach every parameter.
+    pub fn forward_train(&self, input_ids: &Tensor, left_pad: Option<&[usize]>) -> Result<Tensor> {
+        let h = self.forward_hidden(input_ids, left_pad, None, true)?;
+        self.logits(&h)
+    }
+
+    /// LM head on final hidden states `[.., hidden]` → f32 logits `[.., vocab]`.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let lin = Linear {
+            weight: self.lm_head.clone(),
+            bias: None,
+        };
+        Ok(lin.forward(hidden)?.to_dtype(DType::F32)?)
+    }
+
+    /// Final hidden states `[B, T, hidden]` (after `model.norm`). `left_pad` is used when no
+    /// cache is given; with a cache, the cache's padding applies.
+    pub fn forward_hidden(
+        &self,
+        input_ids: &Tensor,
+        left_pad: Option<&[usize]>,
+        mut cache: Option<&mut KvCache>,
+        differentiable: bool,
+    ) -> Result<Tensor> {
+        let path = if differentiable {
+            OpPath::Differentiable
+        } else {
+            OpPath::Fused
+        };
+        let (b, t) = input_ids
+            .dims2()
+            .context("input_ids must be a [batch, seq] tensor")?;
+        let zeros = vec![0usize; b];
+        let (pads, past): (Vec<usize>, usize) = match &cache {
+            Some(c) => {
+                if c.batch_size() != b {
+                    bail!(
+                        "KV cache has {} rows but input_ids has {b}",
+                        c.batch_size()
+                    );
+                }
+                (c.left_pad.clone(), c.len)
+            }
+            None => (left_pad.map(|p| p.to_vec()).unwrap_or(zeros), 0),
+        };
+        if pads.len() != b {
+            bail!("left_pad has {} entries for a batch of {b}", pads.len());
+        }
+        let min_pad = pads.iter().copied().min().unwrap_or(0);
+        if past + t > min_pad + self.cfg.max_position_embeddings {
+            bail!(
+                "sequence of {} tokens exceeds max_position_embeddings = {}",
+                past + t - min_pad,
+                self.cfg.max_position_embeddings
+            );
+        }
+        // Positions: slot index minus the row's padding (padding slots get position 0).
+        let mut pos = Vec::with_capacity(b * t);
+        for &p in &pads {
+            for i in 0..t {
+                pos.push((past + i).saturating_sub(p) as u32);
+            }
+        }
+        let pos = Tensor::from_vec(pos, b * t, &self.device)?;
+        let half = self.cfg.head_dim / 2;
+        let cos = self
+            .rope
+            .cos
+            .index_select(&pos, 0)?
+            .reshape((b, t, half))?
+            .to_dtype(self.dtype)?;
+        let sin = self
+            .rope
+            .sin
+            .index_select(&pos, 0)?
+            .reshape((b, t, half))?
+            .to_dtype(self.dtype)?;
+        let mask = self.build_mask(&pads, past, t)?;
+        let ctx = Ctx {
+            cos,
+            sin,
+            mask,
+            path,
+            _p: std::marker::PhantomData,
+        };
+        let ids = input_ids.flatten_all()?;
+        let mut x = self
+            .model
+            .embed_tokens
+            .index_select(&ids, 0)?
+            .reshape((b, t, self.cfg.hidden_size))?;
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            let slot = cache.as_mut().map(|c| &mut c.layers[i]);
+            x = layer.forward(&x, &ctx, slot)?;
+        }
+        if let Some(c) = cache {
+            c.len = past + t;
+        }
+        self.model.norm.forward(&x, path)
+    }
+
+    /// Additive attention mask `[B|1, 1, 1, T, past+T]` (0 = attend, -inf = masked): causal,
+    /// padding keys masked. A slot always attends to itself so padding rows never produce
+    /// NaN (their outputs are ignored). None when nothing needs masking.
+    fn build_mask(&self, pads: &[usize], past: usize, t: usize) -> Result<Option<Tensor>> {
+        let any_pad = pads.iter().any(|&p| p > 0);
+        if t == 1 && !any_pad {
+            return Ok(None);
+        }
+        let tk = past + t;
+        let rows = if any_pad { pads.len() } else { 1 };
+        let mut m = vec![0f32; rows * t * tk];
+        for r in 0..rows {
+            let p = if any_pad { pads[r] } else { 0 };
+            for i in 0..t {
+                let q = past + i;
+                let row = &mut m[(r * t + i) * tk..(r * t + i + 1) * tk];
+                for (j, v) in row.iter_mut().enumerate() {
+                    if j > q || (j < p && j != q) {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        Ok(Some(Tensor::from_vec(m, (rows, 1, 1, t, tk), &self.device)?))
+    }
+}
+
+fn insert_var(varmap: &VarMap, name: &str, t: &Tensor) -> Result<Tensor> {
+    let var = Var::from_tensor(t)?;
+    let out = var.as_tensor().clone();
+    varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("VarMap lock poisoned"))?
+        .insert(name.to_string(), var);
+    Ok(out)
+}
+
+/// Standard normal draw (Box–Muller), so `random_init` is reproducible from a seed.
+fn normal(rng: &mut impl Rng) -> f64 {
+    let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
+    let u2: f64 = rng.random::<f64>();
+    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+}

@@ -1,0 +1,383 @@
+//! The metrics file: one JSON object per line (`RUN_DIR/metrics.jsonl`), flushed after every
+//! line so a crashed or killed run keeps everything up to its last step.
+//!
+//! Training steps write a line with `"kind":"train"`, evaluations a line with `"kind":"eval"`;
+//! both carry `step`. Every reader here accepts missing keys (a run without async actors has no
+//! `staleness/*`, a run without DiLoCo has no `diloco/*`).
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+/// The metric key contract shared by the trainer (writer) and the summary/report (readers).
+pub mod keys {
+    /// Record kind: [`KIND_TRAIN`] or [`KIND_EVAL`].
+    pub const KIND: &str = "kind";
+    /// `kind` of a per-step training line.
+    pub const KIND_TRAIN: &str = "train";
+    /// `kind` of an evaluation line.
+    pub const KIND_EVAL: &str = "eval";
+    /// Optimizer step (integer), present on every line.
+    pub const STEP: &str = "step";
+    /// Version of the policy the trainer produced at this step.
+    pub const POLICY_VERSION: &str = "policy_version";
+    /// Mean sequence reward of the step's batch.
+    pub const REWARD_MEAN: &str = "reward/mean";
+    /// Standard deviation of the step's rewards.
+    pub const REWARD_STD: &str = "reward/std";
+    /// Mean completion length in tokens.
+    pub const COMPLETION_MEAN_LENGTH: &str = "completions/mean_length";
+    /// Fraction of completions cut at the token limit.
+    pub const COMPLETION_CLIPPED_RATIO: &str = "completions/clipped_ratio";
+    /// Optional array of per-sample completion lengths (tokens).
+    pub const COMPLETION_LENGTHS: &str = "completions/lengths";
+    /// RLVR channel loss.
+    pub const LOSS_RLVR: &str = "loss/rlvr";
+    /// Hint self-distillation channel loss.
+    pub const LOSS_HINT: &str = "loss/hint";
+    /// Trace replay channel loss.
+    pub const LOSS_REPLAY: &str = "loss/replay";
+    /// KL to the reference (or sampler) policy.
+    pub const KL: &str = "kl";
+    /// Mean token entropy.
+    pub const ENTROPY: &str = "entropy";
+    /// Fraction of tokens clipped at 1 − ε_low.
+    pub const CLIP_RATIO_LOW: &str = "clip_ratio/low";
+    /// Fraction of tokens clipped at 1 + ε_high.
+    pub const CLIP_RATIO_HIGH: &str = "clip_ratio/high";
+    /// Gradient norm before clipping.
+    pub const GRAD_NORM: &str = "grad_norm";
+    /// Learning rate used for the step.
+    pub const LR: &str = "lr";
+    /// τ_R: seconds generating rollouts in this step.
+    pub const TIME_ROLLOUT: &str = "time/rollout_s";
+    /// τ_V: seconds in environments / verifiers / reward.
+    pub const TIME_REWARD: &str = "time/reward_s";
+    /// τ_T: seconds in trainer forward + backward + optimizer.
+    pub const TIME_TRAIN: &str = "time/train_s";
+    /// τ_S: seconds publishing weights to the generator.
+    pub const TIME_SYNC: &str = "time/sync_s";
+    /// Wall-clock seconds of the whole step.
+    pub const TIME_STEP: &str = "time/step_s";
+    /// Generated tokens per second.
+    pub const TOKENS_PER_S: &str = "tokens_per_s";
+    /// Optional array of per-call environment latencies (seconds).
+    pub const ENV_LATENCY: &str = "env/latency_s";
+    /// Tokens the trainer trained on in THIS step (not cumulative).
+    pub const TRAINED_TOKENS: &str = "trained_tokens";
+    /// Mean policy-version lag of the consumed trajectories (async mode).
+    pub const STALENESS_MEAN: &str = "staleness/mean";
+    /// Max policy-version lag of the consumed trajectories (async mode).
+    pub const STALENESS_MAX: &str = "staleness/max";
+    /// Trajectories dropped in this step for exceeding the staleness bound.
+    pub const STALENESS_DROPPED: &str = "staleness/dropped";
+    /// Array of per-trajectory policy-version lags (async mode).
+    pub const STALENESS_VALUES: &str = "staleness/values";
+    /// Seconds the generator waited (async mode).
+    pub const IDLE_GENERATOR: &str = "idle/generator_s";
+    /// Seconds the trainer waited for data (async mode).
+    pub const IDLE_TRAINER: &str = "idle/trainer_s";
+    /// Seconds the rewarder waited (async mode).
+    pub const IDLE_REWARDER: &str = "idle/rewarder_s";
+    /// DiLoCo outer round.
+    pub const DILOCO_ROUND: &str = "diloco/round";
+    /// DiLoCo replicas that joined the round.
+    pub const DILOCO_REPLICAS: &str = "diloco/replicas";
+    /// Bytes exchanged in the DiLoCo round.
+    pub const DILOCO_BYTES: &str = "diloco/bytes";
+    /// Seconds in the DiLoCo outer synchronisation.
+    pub const TIME_OUTER_SYNC: &str = "time/outer_sync_s";
+    /// Held-out accuracy on an eval line.
+    pub const EVAL_ACCURACY: &str = "eval/accuracy";
+}
+
+/// Appends metric records to a JSONL file, one object per line, flushed after each line.
+#[derive(Debug)]
+pub struct MetricsWriter {
+    path: PathBuf,
+    out: BufWriter<File>,
+}
+
+impl MetricsWriter {
+    /// Creates (or truncates) `path`, creating its parent directories.
+    pub fn create(path: &Path) -> Result<Self> {
+        create_parent(path)?;
+        let file = File::create(path)
+            .with_context(|| format!("creating metrics file {}", path.display()))?;
+        Ok(Self::from_file(path, file))
+    }
+
+    /// Opens `path` for appending (creating it if absent).
+    pub fn open_append(path: &Path) -> Result<Self> {
+        create_parent(path)?;
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("opening metrics file {} for append", path.display()))?;
+        Ok(Self::from_file(path, file))
+    }
+
+    /// Opens `path` for a run resumed from the checkpoint of step `last_step`: records with
+    /// `step > last_step` (written after that checkpoint, and about to be re-done) are dropped,
+    /// all others (including records without a `step`) are kept in order. The file is rewritten
+    /// atomically (temp file in the same directory + fsync + rename), so a crash during the
+    /// rewrite leaves either the old or the new file. A final line cut short by a crash
+    /// (no trailing newline, not valid JSON) is dropped with a warning; any other bad line is an
+    /// error naming the file and line. A missing file is created.
+    pub fn open_resume(path: &Path, last_step: u64) -> Result<Self> {
+        if !path.exists() {
+            return Self::create(path);
+        }
+        let records = read_metrics(path)?;
+        let kept: Vec<&Value> = records
+            .iter()
+            .filter(|r| match r.get(keys::STEP).and_then(Value::as_f64) {
+                Some(step) => step <= last_step as f64,
+                None => true,
+            })
+            .collect();
+        let file_name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "metrics.jsonl".to_string());
+        let tmp = path.with_file_name(format!(".{file_name}.resume.tmp"));
+        {
+            let file = File::create(&tmp)
+                .with_context(|| format!("creating temporary file {}", tmp.display()))?;
+            let mut out = BufWriter::new(file);
+            for record in kept {
+                serde_json::to_writer(&mut out, record)
+                    .with_context(|| format!("writing {}", tmp.display()))?;
+                out.write_all(b"\n")
+                    .with_context(|| format!("writing {}", tmp.display()))?;
+            }
+            let file = out
+                .into_inner()
+                .map_err(|e| anyhow::anyhow!("flushing {}: {}", tmp.display(), e.error()))?;
+            file.sync_all()
+                .with_context(|| format!("syncing {}", tmp.display()))?;
+        }
+        fs::rename(&tmp, path).with_context(|| {
+            format!("replacing {} with {}", path.display(), tmp.display())
+        })?;
+        Self::open_append(path)
+    }
+
+    fn from_file(path: &Path, file: File) -> Self {
+        Self {
+            path: path.to_path_buf(),
+            out: BufWriter::new(file),
+        }
+    }
+
+    /// The file this writer appends to.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Writes one record (must be a JSON object) as one line and flushes it.
+    pub fn write(&mut self, record: &Value) -> Result<()> {
+        if !record.is_object() {
+            bail!(
+                "metrics record for {} must be a JSON object, got {}",
+                self.path.display(),
+                type_name(record)
+            );
+        }
+        // Serialise first so a line is written whole or not at all.
+        let mut line = serde_json::to_vec(record)
+            .with_context(|| format!("serialising a metrics record for {}", self.path.display()))?;
+        line.push(b'\n');
+        self.out
+            .write_all(&line)
+            .and_then(|_| self.out.flush())
+            .with_context(|| format!("writing metrics to {}", self.path.display()))
+    }
+}
+
+fn create_parent(path: &Path) -> Result<()> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        fs::create_dir_all(parent)
+            .with_context(|| format!("creating directory {}", parent.display()))?;
+    }
+    Ok(())
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Reads every record of a metrics JSONL file. Blank lines are skipped. A bad line is an error
+/// naming the file and the 1-based line number, except a final line without a trailing newline
+/// that does not parse (a write cut short by a crash), which is dropped with a warning.
+pub fn read_metrics(path: &Path) -> Result<Vec<Value>> {
+    let file =
+        File::open(path).with_context(|| format!("opening metrics file {}", path.display()))?;
+    let mut reader = BufReader::new(file);
+    let mut records = Vec::new();
+    let mut line = String::new();
+    let mut line_no = 0usize;
+    loop {
+        line.clear();
+        let n = reader
+            .read_line(&mut line)
+            .with_context(|| format!("{}: reading line {}", path.display(), line_no + 1))?;
+        if n == 0 {
+            break;
+        }
+        line_no += 1;
+        let complete = line.ends_with('\n');
+        let text = line.trim();
+        if text.is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<Value>(text) {
+            Ok(v) if v.is_object() => records.push(v),
+            Ok(v) => bail!(
+                "{} line {}: expected a JSON object, got {}",
+                path.display(),
+                line_no,
+                type_name(&v)
+            ),
+            Err(e) if !complete => {
+                tracing::warn!(
+                    "{} line {}: dropping a truncated final line ({e})",
+                    path.display(),
+                    line_no
+                );
+            }
+            Err(e) => bail!("{} line {}: invalid JSON: {e}", path.display(), line_no),
+        }
+    }
+    Ok(records)
+}
+
+/// A numeric field of a record, if present and a number.
+pub fn num(record: &Value, key: &str) -> Option<f64> {
+    record.get(key).and_then(Value::as_f64).filter(|x| x.is_finite())
+}
+
+/// The numbers in an array field of a record (non-numbers are skipped).
+pub fn nums(record: &Value, key: &str) -> Vec<f64> {
+    record
+        .get(key)
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_f64)
+                .filter(|x| x.is_finite())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether a record is a training-step line: `kind == "train"`, or no `kind` and not an eval
+/// line (older files without `kind`).
+pub fn is_train(record: &Value) -> bool {
+    match record.get(keys::KIND).and_then(Value::as_str) {
+        Some(kind) => kind == keys::KIND_TRAIN,
+        None => record.get(keys::EVAL_ACCURACY).is_none(),
+    }
+}
+
+/// Whether a record is an evaluation line (`kind == "eval"`, or carries `eval/accuracy`).
+pub fn is_eval(record: &Value) -> bool {
+    match record.get(keys::KIND).and_then(Value::as_str) {
+        Some(kind) => kind == keys::KIND_EVAL,
+        None => record.get(keys::EVAL_ACCURACY).is_some(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn write_then_read_roundtrip() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run/metrics.jsonl");
+        let mut w = MetricsWriter::create(&path).unwrap();
+        w.write(&json!({"step": 1, "kind": "train", "reward/mean": 0.5}))
+            .unwrap();
+        w.write(&json!({"step": 1, "kind": "eval", "eval/accuracy": 0.25}))
+            .unwrap();
+        // Flushed per line: visible before the writer is dropped.
+        let back = read_metrics(&path).unwrap();
+        assert_eq!(back.len(), 2);
+        assert_eq!(back[0]["reward/mean"], 0.5);
+        assert!(is_train(&back[0]) && is_eval(&back[1]));
+        assert!(w.write(&json!([1, 2])).is_err());
+    }
+
+    #[test]
+    fn resume_drops_steps_after_checkpoint_and_appends() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let mut w = MetricsWriter::create(&path).unwrap();
+        for step in 1..=5 {
+            w.write(&json!({"step": step, "kind": "train"})).unwrap();
+        }
+        w.write(&json!({"note": "no step"})).unwrap();
+        drop(w);
+        // A crash mid-write leaves a partial last line.
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(b"{\"step\": 6, \"ki").unwrap();
+        drop(f);
+
+        let mut w = MetricsWriter::open_resume(&path, 3).unwrap();
+        w.write(&json!({"step": 4, "kind": "train", "resumed": true}))
+            .unwrap();
+        let back = read_metrics(&path).unwrap();
+        let steps: Vec<Option<u64>> = back.iter().map(|r| r["step"].as_u64()).collect();
+        assert_eq!(steps, vec![Some(1), Some(2), Some(3), None, Some(4)]);
+        assert_eq!(back[4]["resumed"], true);
+        // No temp file left behind.
+        let names: Vec<_> = fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(names.len(), 1);
+    }
+
+    #[test]
+    fn resume_of_missing_file_creates_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let mut w = MetricsWriter::open_resume(&path, 10).unwrap();
+        w.write(&json!({"step": 11})).unwrap();
+        assert_eq!(read_metrics(&path).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn bad_lines_name_file_and_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        fs::write(&path, "{\"step\":1}\n\nnot json\n{\"step\":2}\n").unwrap();
+        let err = format!("{:#}", read_metrics(&path).unwrap_err());
+        assert!(err.contains("metrics.jsonl line 3"), "{err}");
+
+        fs::write(&path, "{\"step\":1}\n[1,2]\n").unwrap();
+        let err = format!("{:#}", read_metrics(&path).unwrap_err());
+        assert!(err.contains("line 2") && err.contains("JSON object"), "{err}");
+
+        let missing = dir.path().join("nope.jsonl");
+        let err = format!("{:#}", read_metrics(&missing).unwrap_err());
+        assert!(err.contains("nope.jsonl"), "{err}");
+        // Resume refuses to rewrite a file with a corrupt middle line (never lose data).
+        fs::write(&path, "{\"step\":1}\nbad\n{\"step\":2}\n").unwrap();
+        assert!(MetricsWriter::open_resume(&path, 1).is_err());
+        assert_eq!(
+            fs::read_to_string(&path).unwrap(),
+            "{\"step\":1}\nbad\n{\"step\":2}\n"
+        );
+    }
+}

@@ -1,0 +1,115 @@
+//! `composer-rl bench channels`: RLVR alone vs RLVR + hint vs RLVR + hint + replay on the
+//! embedded default task, same seeds; samples (completions generated) needed to reach the
+//! target greedy accuracy.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+
+use crate::recipe::EMBEDDED_DEFAULT_RECIPE;
+use crate::trainer::{run_train, TrainOptions};
+
+/// Benchmark knobs.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Seeds (each arm runs every seed).
+    pub seeds: Vec<u64>,
+    /// Target greedy accuracy.
+    pub target: f64,
+    /// Step budget per run.
+    pub max_steps: usize,
+    /// Where runs are written (one sub-directory per arm and seed).
+    pub out_dir: PathBuf,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        Self { seeds: vec![0, 1, 2], target: 0.9, max_steps: 150, out_dir: PathBuf::from("runs/bench-channels") }
+    }
+}
+
+/// One arm's result on one seed.
+#[derive(Debug, Clone)]
+pub struct BenchRow {
+    /// Arm name.
+    pub arm: String,
+    /// Seed.
+    pub seed: u64,
+    /// Accuracy after warm-up.
+    pub warmup_accuracy: Option<f64>,
+    /// (step, samples, seconds) at the target, if reached.
+    pub reached: Option<(usize, u64, f64)>,
+    /// Last accuracy.
+    pub final_accuracy: Option<f64>,
+}
+
+/// Run the three arms and return the markdown table (also printed by the CLI).
+pub fn bench_channels(opts: &BenchOptions) -> Result<(Vec<BenchRow>, String)> {
+    let arms = [("RLVR", 0.0, 0.0), ("RLVR + hint", 1.0, 0.0), ("RLVR + hint + replay", 1.0, 0.5)];
+    let mut rows = Vec::new();
+    for (name, alpha, beta) in arms {
+        for &seed in &opts.seeds {
+            let text = arm_recipe(alpha, beta, seed, opts);
+            let dir = opts.out_dir.join(format!("{}-seed{seed}", name.replace(" + ", "-").to_lowercase()));
+            let recipe_path = opts.out_dir.join(format!("{}-seed{seed}.toml", name.replace(" + ", "-").to_lowercase()));
+            std::fs::create_dir_all(&opts.out_dir)?;
+            std::fs::write(&recipe_path, text)?;
+            let out = run_train(&TrainOptions {
+                recipe_path: Some(recipe_path),
+                resume: None,
+                quiet: true,
+                run_dir_override: Some(dir),
+                max_steps_override: None,
+            })?;
+            rows.push(BenchRow {
+                arm: name.into(),
+                seed,
+                warmup_accuracy: out.warmup_accuracy,
+                reached: out.reached_target,
+                final_accuracy: out.final_accuracy,
+            });
+        }
+    }
+    Ok((rows.clone(), table(&rows, opts)))
+}
+
+fn arm_recipe(alpha: f64, beta: f64, seed: u64, opts: &BenchOptions) -> String {
+    let mut out = String::new();
+    let mut section = String::new();
+    for line in EMBEDDED_DEFAULT_RECIPE.lines() {
+        let t = line.trim();
+        if t.starts_with('[') {
+            section = t.to_string();
+        }
+        let key = t.split('=').next().unwrap_or("").trim();
+        let replaced = match (section.as_str(), key) {
+            ("[loss]", "hint_weight") => format!("hint_weight = {alpha:?}"),
+            ("[loss]", "replay_weight") => format!("replay_weight = {beta:?}"),
+            ("[train]", "seed") => format!("seed = {seed}"),
+            ("[train]", "steps") => format!("steps = {}\nstop_at_accuracy = {:?}", opts.max_steps, opts.target),
+            ("[train]", "eval_every") => "eval_every = 5".to_string(),
+            ("[train]", "checkpoint_every") => "checkpoint_every = 0".to_string(),
+            _ => line.to_string(),
+        };
+        out.push_str(&replaced);
+        out.push('\n');
+    }
+    out
+}
+
+fn table(rows: &[BenchRow], opts: &BenchOptions) -> String {
+    let mut s = format!(
+        "| arm | seed | warm-up acc | steps to {:.0}% | samples to {:.0}% | seconds | final acc |\n|---|---|---|---|---|---|---|\n",
+        opts.target * 100.0,
+        opts.target * 100.0
+    );
+    let pct = |x: Option<f64>| x.map(|a| format!("{:.1}%", a * 100.0)).unwrap_or_else(|| "-".into());
+    for r in rows {
+        let (st, sm, sec) = match r.reached {
+            Some((a, b, c)) => (a.to_string(), b.to_string(), format!("{c:.0}")),
+            None => (format!("> {}", opts.max_steps), "not reached".into(), "-".into()),
+        };
+        s.push_str(&format!("| {} | {} | {} | {st} | {sm} | {sec} | {} |\n", r.arm, r.seed, pct(r.warmup_accuracy), pct(r.final_accuracy)));
+    }
+    s
+}

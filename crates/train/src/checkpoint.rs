@@ -1,0 +1,168 @@
+//! Checkpoints: `RUN_DIR/checkpoint/` holds the model in HF format (config.json,
+//! model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja), the AdamW
+//! state (optimizer.safetensors), the trainer state (step, policy version, counters; the RNG
+//! state is the seed, since every random draw is ChaCha8(mix(seed, step, index))) and the
+//! recipe.
+//!
+//! Atomicity: everything is written into `checkpoint.tmp/`, each file fsynced, then the old
+//! checkpoint is renamed to `checkpoint.old/`, the new one renamed into place, and the old one
+//! removed. A kill at any moment leaves a complete `checkpoint/` or (between the two renames)
+//! a complete `checkpoint.old/`, which [`find_checkpoint`] falls back to.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+/// Test hook: when set to a step number, the process aborts half-way through writing that
+/// step's checkpoint (after the weights, before the rename), like a `kill -9`.
+pub const ABORT_HOOK_ENV: &str = "COMPOSER_TRAIN_ABORT_DURING_CHECKPOINT";
+
+/// ChatML chat template written next to the built-in tiny model.
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// What the trainer needs to continue exactly where it stopped.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Last completed RL step.
+    pub step: usize,
+    /// Weights version (bumped after every step's updates).
+    pub policy_version: u64,
+    /// AdamW steps taken.
+    pub optimizer_step: u64,
+    /// Steps skipped for non-finite loss/gradients, in total.
+    pub skipped_steps: usize,
+    /// Consecutive skipped steps at the time of the checkpoint.
+    pub consecutive_skipped: usize,
+    /// Completions generated so far.
+    pub samples_generated: u64,
+    /// Completion tokens trained on so far.
+    pub trained_tokens: u64,
+    /// The recipe seed; with (step, index) it determines every random draw.
+    pub seed: u64,
+    /// Warm-up accuracy (eval before RL), if measured.
+    pub warmup_accuracy: Option<f64>,
+}
+
+/// Everything one checkpoint holds, borrowed from the trainer.
+pub struct CheckpointData<'a> {
+    /// HF config.json contents.
+    pub config: serde_json::Value,
+    /// Model weights by HF name.
+    pub weights: HashMap<String, Tensor>,
+    /// tokenizer.json contents.
+    pub tokenizer_json: String,
+    /// Optimizer moments.
+    pub optimizer: HashMap<String, Tensor>,
+    /// Trainer state.
+    pub state: &'a TrainerState,
+    /// The recipe text.
+    pub recipe_text: &'a str,
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    f.write_all(bytes).with_context(|| format!("writing {}", path.display()))?;
+    f.sync_all().with_context(|| format!("syncing {}", path.display()))?;
+    Ok(())
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("syncing directory {}", dir.display()))
+}
+
+/// Write a checkpoint atomically into `run_dir/checkpoint`.
+pub fn save_checkpoint(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf> {
+    let final_dir = run_dir.join("checkpoint");
+    let tmp = run_dir.join("checkpoint.tmp");
+    let old = run_dir.join("checkpoint.old");
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).with_context(|| format!("removing stale {}", tmp.display()))?;
+    }
+    std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let st = |t: &HashMap<String, Tensor>| -> Result<Vec<u8>> {
+        let mut sorted: Vec<(&String, &Tensor)> = t.iter().collect();
+        sorted.sort_by(|a, b| a.0.cmp(b.0));
+        Ok(safetensors::serialize(
+            sorted.into_iter().map(|(k, v)| (k.clone(), v.clone())).collect::<Vec<_>>(),
+            Some(HashMap::from([("format".to_string(), "pt".to_string())])),
+        )?)
+    };
+    write_synced(&tmp.join("model.safetensors"), &st(&data.weights)?)?;
+    if std::env::var(ABORT_HOOK_ENV).ok().and_then(|s| s.parse::<usize>().ok()) == Some(data.state.step) {
+        eprintln!("{ABORT_HOOK_ENV}: aborting while writing the checkpoint of step {}", data.state.step);
+        std::process::abort();
+    }
+    write_synced(&tmp.join("config.json"), serde_json::to_string_pretty(&data.config)?.as_bytes())?;
+    write_synced(&tmp.join("tokenizer.json"), data.tokenizer_json.as_bytes())?;
+    let tok_cfg = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": crate::tokenizer::EOS_TOKEN,
+        "pad_token": crate::tokenizer::EOS_TOKEN,
+        "unk_token": crate::tokenizer::UNK_TOKEN,
+        "model_max_length": 256,
+        "chat_template": CHATML_TEMPLATE,
+    });
+    write_synced(&tmp.join("tokenizer_config.json"), serde_json::to_string_pretty(&tok_cfg)?.as_bytes())?;
+    write_synced(&tmp.join("chat_template.jinja"), CHATML_TEMPLATE.as_bytes())?;
+    write_synced(&tmp.join("optimizer.safetensors"), &st(&data.optimizer)?)?;
+    write_synced(&tmp.join("trainer_state.json"), serde_json::to_string_pretty(data.state)?.as_bytes())?;
+    write_synced(&tmp.join("recipe.toml"), data.recipe_text.as_bytes())?;
+    sync_dir(&tmp)?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
+    }
+    if final_dir.exists() {
+        std::fs::rename(&final_dir, &old).with_context(|| format!("moving {} aside", final_dir.display()))?;
+    }
+    std::fs::rename(&tmp, &final_dir).with_context(|| format!("renaming into {}", final_dir.display()))?;
+    sync_dir(run_dir)?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
+    }
+    Ok(final_dir)
+}
+
+/// The newest complete checkpoint directory of a run (`checkpoint/`, else `checkpoint.old/`).
+pub fn find_checkpoint(run_dir: &Path) -> Result<PathBuf> {
+    for name in ["checkpoint", "checkpoint.old"] {
+        let d = run_dir.join(name);
+        if d.join("trainer_state.json").is_file() {
+            return Ok(d);
+        }
+    }
+    bail!("{}: no complete checkpoint (expected {}/trainer_state.json)", run_dir.display(), run_dir.join("checkpoint").display())
+}
+
+/// A loaded checkpoint.
+pub struct LoadedCheckpoint {
+    /// Its directory.
+    pub dir: PathBuf,
+    /// Trainer state.
+    pub state: TrainerState,
+    /// Optimizer moments.
+    pub optimizer: HashMap<String, Tensor>,
+    /// Recipe text.
+    pub recipe_text: String,
+}
+
+/// Read trainer state, optimizer and recipe from a checkpoint directory (weights are read by
+/// the model loader from `dir/model.safetensors`).
+pub fn load_checkpoint(dir: &Path, device: &Device) -> Result<LoadedCheckpoint> {
+    let sp = dir.join("trainer_state.json");
+    let state: TrainerState = serde_json::from_str(
+        &std::fs::read_to_string(&sp).with_context(|| format!("reading {}", sp.display()))?,
+    )
+    .with_context(|| format!("{}: not a valid trainer state", sp.display()))?;
+    let op = dir.join("optimizer.safetensors");
+    let optimizer = candle_core::safetensors::load(&op, device).with_context(|| format!("reading {}", op.display()))?;
+    let rp = dir.join("recipe.toml");
+    let recipe_text = std::fs::read_to_string(&rp).with_context(|| format!("reading {}", rp.display()))?;
+    Ok(LoadedCheckpoint { dir: dir.to_path_buf(), state, optimizer, recipe_text })
+}

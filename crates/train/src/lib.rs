@@ -1,0 +1,22 @@
+//! composer-train: the recipe, data and rewards, the built-in tiny model and arithmetic task,
+//! the step loop with its three-channel loss, checkpoints and resume.
+//!
+//! Entry points: [`run_train`] (what `composer-rl train` calls), [`EXAMPLE_RECIPE`],
+//! [`embedded_default_recipe`], [`bench_channels`].
+
+pub mod bench;
+pub mod checkpoint;
+pub mod data;
+pub mod optim;
+pub mod policy;
+pub mod recipe;
+pub mod replay;
+pub mod task;
+pub mod tiny;
+pub mod tokenizer;
+pub mod trainer;
+pub mod verifiers;
+
+pub use bench::{bench_channels, BenchOptions};
+pub use recipe::{embedded_default_recipe, load_recipe, parse_recipe, Recipe, EMBEDDED_DEFAULT_RECIPE, EXAMPLE_RECIPE};
+pub use trainer::{run_train, RunOutcome, TrainOptions};

@@ -1,0 +1,685 @@
+//! The training recipe: one TOML file with sections `[model]`, `[data]`, `[rollout]`, `[loss]`,
+//! `[optimizer]`, `[train]`, `[warmup]`, `[replay]`, `[output]`.
+//!
+//! Unknown keys are rejected (`deny_unknown_fields` everywhere); the error names the file, the
+//! key path (`[section] key`) and the closest valid key (Jaro-Winkler via `strsim`).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use composer_loss::hint::HintTemplate;
+use composer_loss::{AdvantageConfig, HintConfig, RlvrConfig};
+use serde::de::DeserializeOwned;
+
+use crate::tiny::TinyConfig;
+
+/// A complete recipe.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recipe {
+    /// The policy.
+    pub model: ModelSection,
+    /// Prompts and rewards.
+    pub data: DataSection,
+    /// Sampling.
+    pub rollout: RolloutSection,
+    /// The three-channel loss.
+    pub loss: LossSection,
+    /// AdamW and the learning-rate schedule.
+    pub optimizer: OptimizerSection,
+    /// Step counts, batch shape, seed, intervals.
+    pub train: TrainSection,
+    /// Supervised warm-up before RL (optional).
+    pub warmup: Option<WarmupSection>,
+    /// Teacher traces for the replay channel (optional).
+    pub replay: Option<ReplaySection>,
+    /// Where the run writes.
+    pub output: OutputSection,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRecipe {
+    /// The policy.
+    model: ModelSection,
+    /// Prompts and rewards.
+    data: DataSection,
+    /// Sampling.
+    #[serde(default)]
+    rollout: RolloutSection,
+    #[serde(default)]
+    loss: Option<toml::Table>,
+    /// AdamW and the learning-rate schedule.
+    #[serde(default)]
+    optimizer: OptimizerSection,
+    /// Step counts, batch shape, seed, intervals.
+    #[serde(default)]
+    train: TrainSection,
+    /// Supervised warm-up before RL (optional).
+    #[serde(default)]
+    warmup: Option<WarmupSection>,
+    /// Teacher traces for the replay channel (optional).
+    #[serde(default)]
+    replay: Option<ReplaySection>,
+    /// Where the run writes.
+    #[serde(default)]
+    output: OutputSection,
+}
+
+/// `[model]`: an HF checkpoint directory, or the built-in tiny model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// Directory of an HF checkpoint (config.json, model.safetensors, tokenizer.json).
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// Shape of a randomly initialised Llama-architecture model with a char-level tokenizer
+    /// built for the data.
+    #[serde(default)]
+    pub builtin_tiny: Option<TinyConfig>,
+}
+
+/// `[data]`: a JSONL dataset or the built-in procedural task, plus the reward verifiers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// Built-in procedural task: `"arithmetic"`.
+    #[serde(default)]
+    pub task: Option<String>,
+    /// Knobs of the arithmetic task.
+    #[serde(default)]
+    pub arithmetic: ArithmeticConfig,
+    /// JSONL prompts with `prompt` or `messages`, and `answer`.
+    #[serde(default)]
+    pub dataset: Option<PathBuf>,
+    /// Held-out JSONL for eval; when absent, `eval_size` rows are held out of the training data.
+    #[serde(default)]
+    pub eval_dataset: Option<PathBuf>,
+    /// Held-out eval set size.
+    #[serde(default = "d_eval_size")]
+    pub eval_size: usize,
+    /// Rewards, summed with their weights. Default: numeric match, weight 1.
+    #[serde(default = "d_verifiers")]
+    pub verifiers: Vec<VerifierSpec>,
+}
+
+/// The built-in arithmetic task: `"37+58="` → `"95"`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ArithmeticConfig {
+    /// Digits of each operand (operands in [10^(d-1), 10^d - 1]).
+    #[serde(default = "d_digits")]
+    pub digits: u32,
+    /// Operators drawn uniformly: any of `+`, `-`, `*`.
+    #[serde(default = "d_ops")]
+    pub ops: Vec<String>,
+}
+
+impl Default for ArithmeticConfig {
+    fn default() -> Self {
+        Self { digits: d_digits(), ops: d_ops() }
+    }
+}
+
+/// One reward: `kind` = `"exact"`, `"numeric"` or `"regex"` (with `pattern`), and its weight.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VerifierSpec {
+    /// `exact` | `numeric` | `regex`.
+    pub kind: String,
+    /// Weight in the summed reward.
+    #[serde(default = "one")]
+    pub weight: f64,
+    /// Regex for `kind = "regex"` (`{answer}` is replaced by the escaped answer).
+    #[serde(default)]
+    pub pattern: Option<String>,
+}
+
+/// `[rollout]`: sampling of the RL completions.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutSection {
+    /// Completions per prompt (the group size G).
+    #[serde(default = "d_num_generations")]
+    pub num_generations: usize,
+    /// Longest completion in tokens.
+    #[serde(default = "d_max_completion_length")]
+    pub max_completion_length: usize,
+    /// Sampling temperature (the trainer divides its logits by it too, as TRL does).
+    #[serde(default = "one")]
+    pub temperature: f64,
+    /// Nucleus sampling mass (1 = off).
+    #[serde(default = "one")]
+    pub top_p: f64,
+    /// Top-k sampling (0 = off).
+    #[serde(default)]
+    pub top_k: usize,
+}
+
+impl Default for RolloutSection {
+    fn default() -> Self {
+        Self {
+            num_generations: d_num_generations(),
+            max_completion_length: d_max_completion_length(),
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+        }
+    }
+}
+
+/// `[loss]`: L = L_rlvr + hint_weight · L_hint + replay_weight · L_replay.
+///
+/// Keys directly under `[loss]` are those of composer-loss's [`RlvrConfig`] (TRL names:
+/// `loss_type`, `epsilon`, `epsilon_high`, `delta`, `beta`, `mask_truncated_completions`,
+/// `importance_sampling_level`, ...) and [`AdvantageConfig`] (`estimator`, `scale_rewards`,
+/// `dynamic_sampling`, ...), plus the channel weights.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LossSection {
+    /// The policy-gradient surrogate's options.
+    pub rlvr: RlvrConfig,
+    /// The advantage estimator's options.
+    pub advantage: AdvantageConfig,
+    /// α: weight of the hint self-distillation channel (0 = off).
+    pub hint_weight: f64,
+    /// β: weight of the trace replay channel (0 = off).
+    pub replay_weight: f64,
+    /// `[loss.hint]`.
+    pub hint: HintSection,
+    /// `[loss.replay]`.
+    pub replay: ReplayLossConfig,
+}
+
+/// `[loss.hint]`: composer-loss's [`HintConfig`] keys (`divergence`, `alpha`, `support`,
+/// `is_clip`) plus how the teacher prompt is built.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HintSection {
+    /// Divergence options.
+    pub config: HintConfig,
+    /// Student top-K tokens per position (+ one tail bucket).
+    pub top_k: usize,
+    /// Apply only to failing completions (passing ones already agree with their peers).
+    pub only_failed: bool,
+    /// `[loss.hint.template]`: `reprompt` (`{prompt}`, `{solution}`, `{feedback}`),
+    /// `solution` (`{successful_previous_attempt}`), `feedback` (`{feedback_raw}`).
+    pub template: HintTemplate,
+}
+
+impl Default for HintSection {
+    fn default() -> Self {
+        Self { config: HintConfig::default(), top_k: 8, only_failed: false, template: HintTemplate::default() }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HintOwn {
+    #[serde(default = "d_hint_top_k")]
+    top_k: usize,
+    #[serde(default)]
+    only_failed: bool,
+    #[serde(default)]
+    template: HintTemplate,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LossOwn {
+    #[serde(default)]
+    hint_weight: f64,
+    #[serde(default)]
+    replay_weight: f64,
+    #[serde(default)]
+    hint: Option<toml::Table>,
+    #[serde(default)]
+    replay: ReplayLossConfig,
+}
+
+/// `[loss.replay]`: DPO pairs (chosen = passing teacher trace, rejected = failing rollout of the
+/// same prompt) and token-level forward KL to the teachers' recorded top-K distributions.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplayLossConfig {
+    /// Weight of the DPO term.
+    #[serde(default = "one")]
+    pub dpo_weight: f64,
+    /// DPO β (TRL DPOTrainer `beta`).
+    #[serde(default = "d_dpo_beta")]
+    pub dpo_beta: f64,
+    /// Weight of the token-KL term.
+    #[serde(default = "one")]
+    pub kl_weight: f64,
+}
+
+impl Default for ReplayLossConfig {
+    fn default() -> Self {
+        Self { dpo_weight: 1.0, dpo_beta: d_dpo_beta(), kl_weight: 1.0 }
+    }
+}
+
+/// `[optimizer]`: AdamW (torch.optim.AdamW semantics) with warm-up and schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerSection {
+    /// Peak learning rate.
+    #[serde(default = "d_lr")]
+    pub lr: f64,
+    /// (β1, β2).
+    #[serde(default = "d_betas")]
+    pub betas: [f64; 2],
+    /// Decoupled weight decay.
+    #[serde(default)]
+    pub weight_decay: f64,
+    /// Adam ε.
+    #[serde(default = "d_eps")]
+    pub eps: f64,
+    /// Linear warm-up steps (optimizer steps).
+    #[serde(default)]
+    pub warmup_steps: usize,
+    /// `constant` | `cosine` (to 0 at the last step).
+    #[serde(default = "d_schedule")]
+    pub schedule: String,
+    /// Global gradient-norm clip (0 = off).
+    #[serde(default = "one")]
+    pub max_grad_norm: f64,
+}
+
+impl Default for OptimizerSection {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults parse")
+    }
+}
+
+/// `[train]`: the step loop's shape.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSection {
+    /// RL steps.
+    #[serde(default = "d_steps")]
+    pub steps: usize,
+    /// Prompts sampled per step (each gets `num_generations` completions).
+    #[serde(default = "d_prompts")]
+    pub prompts_per_step: usize,
+    /// μ: passes over each batch; old log-probs are recomputed before the first update when > 1.
+    #[serde(default = "one_usize")]
+    pub num_iterations: usize,
+    /// Optimizer steps per pass (the batch is split by prompt groups).
+    #[serde(default = "one_usize")]
+    pub mini_batches: usize,
+    /// Micro-batches whose gradients are accumulated inside one mini-batch.
+    #[serde(default = "one_usize")]
+    pub gradient_accumulation_steps: usize,
+    /// Seed of every random draw (each draw depends on (seed, step, index)).
+    #[serde(default)]
+    pub seed: u64,
+    /// Greedy eval every N steps (0 = only at the end).
+    #[serde(default = "d_eval_every")]
+    pub eval_every: usize,
+    /// Checkpoint every N steps (0 = only at the end).
+    #[serde(default = "d_ckpt_every")]
+    pub checkpoint_every: usize,
+    /// Consecutive non-finite steps before the run stops.
+    #[serde(default = "d_max_nonfinite")]
+    pub max_nonfinite_steps: usize,
+    /// Stop early once eval accuracy reaches this (0 = never).
+    #[serde(default)]
+    pub stop_at_accuracy: f64,
+}
+
+impl Default for TrainSection {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults parse")
+    }
+}
+
+/// `[warmup]`: supervised fine-tuning before RL; loss on completion tokens only.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WarmupSection {
+    /// JSONL of `prompt` + `completion` rows; when absent, examples come from the built-in task.
+    #[serde(default)]
+    pub dataset: Option<PathBuf>,
+    /// Optimizer steps.
+    #[serde(default = "d_warm_steps")]
+    pub steps: usize,
+    /// Rows per step.
+    #[serde(default = "d_warm_batch")]
+    pub batch_size: usize,
+    /// Constant learning rate.
+    #[serde(default = "d_warm_lr")]
+    pub lr: f64,
+    /// Fraction of generated examples shown in the hint format (the teacher prompt of the hint
+    /// channel), so the model learns to read a hint.
+    #[serde(default)]
+    pub hint_fraction: f64,
+}
+
+/// `[replay]`: teacher trace files (trace store JSONL) and their weights.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplaySection {
+    /// Trace files; `"builtin:scripted"` = traces written by the arithmetic task's scripted
+    /// teacher into RUN_DIR/traces/scripted.jsonl at the start of the run.
+    pub traces: Vec<String>,
+    /// One weight per trace file (default 1 each).
+    #[serde(default)]
+    pub teacher_weights: Vec<f64>,
+}
+
+/// `[output]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputSection {
+    /// Run directory (metrics.jsonl, checkpoint/, report.html, recipe.toml).
+    #[serde(default = "d_run_dir")]
+    pub run_dir: PathBuf,
+}
+
+impl Default for OutputSection {
+    fn default() -> Self {
+        Self { run_dir: d_run_dir() }
+    }
+}
+
+fn one() -> f64 {
+    1.0
+}
+fn one_usize() -> usize {
+    1
+}
+fn d_eval_size() -> usize {
+    200
+}
+fn d_verifiers() -> Vec<VerifierSpec> {
+    vec![VerifierSpec { kind: "numeric".into(), weight: 1.0, pattern: None }]
+}
+fn d_digits() -> u32 {
+    2
+}
+fn d_ops() -> Vec<String> {
+    vec!["+".into()]
+}
+fn d_num_generations() -> usize {
+    8
+}
+fn d_max_completion_length() -> usize {
+    8
+}
+fn d_hint_top_k() -> usize {
+    8
+}
+fn d_template() -> String {
+    "[{hint}]{prompt}".into()
+}
+fn d_dpo_beta() -> f64 {
+    0.1
+}
+fn d_lr() -> f64 {
+    1e-3
+}
+fn d_betas() -> [f64; 2] {
+    [0.9, 0.999]
+}
+fn d_eps() -> f64 {
+    1e-8
+}
+fn d_schedule() -> String {
+    "constant".into()
+}
+fn d_steps() -> usize {
+    100
+}
+fn d_prompts() -> usize {
+    16
+}
+fn d_eval_every() -> usize {
+    10
+}
+fn d_ckpt_every() -> usize {
+    50
+}
+fn d_max_nonfinite() -> usize {
+    3
+}
+fn d_warm_steps() -> usize {
+    200
+}
+fn d_warm_batch() -> usize {
+    64
+}
+fn d_warm_lr() -> f64 {
+    3e-3
+}
+fn d_run_dir() -> PathBuf {
+    PathBuf::from("runs/default")
+}
+
+/// A complete, commented example recipe (shown by `composer-rl train --help`).
+pub const EXAMPLE_RECIPE: &str = include_str!("example_recipe.toml");
+
+/// The recipe `composer-rl train` runs with no arguments: the built-in arithmetic task, a tiny
+/// model from scratch, a short warm-up, then RL with all three channels on.
+pub const EMBEDDED_DEFAULT_RECIPE: &str = include_str!("default_recipe.toml");
+
+/// The embedded default recipe, parsed.
+pub fn embedded_default_recipe() -> Recipe {
+    parse_recipe(EMBEDDED_DEFAULT_RECIPE, Path::new("<embedded default recipe>"))
+        .expect("the embedded default recipe parses (tested)")
+}
+
+/// Read and validate a recipe file.
+pub fn load_recipe(path: &Path) -> Result<Recipe> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading recipe {}", path.display()))?;
+    parse_recipe(&text, path)
+}
+
+/// Parse and validate recipe text; `origin` names the file in errors.
+pub fn parse_recipe(text: &str, origin: &Path) -> Result<Recipe> {
+    let raw: RawRecipe = toml::from_str(text).map_err(|e| {
+        let msg = e.message().to_string();
+        let line = e.span().map(|s| text[..s.start.min(text.len())].lines().count().max(1));
+        let section = line.map(|l| section_at(text, l)).unwrap_or_default();
+        let key = e
+            .span()
+            .map(|s| text[s.start.min(text.len())..s.end.min(text.len())].trim().to_string())
+            .unwrap_or_default();
+        let key = key.split(['=', '\n']).next().unwrap_or("").trim().to_string();
+        let key_path = if section.is_empty() { key.clone() } else { format!("[{section}] {key}") };
+        let hint = suggestion(&msg).map(|s| format!(" (did you mean `{s}`?)")).unwrap_or_default();
+        let at = line.map(|l| format!(" line {l}")).unwrap_or_default();
+        anyhow::anyhow!("recipe {}{at}, key `{key_path}`: {msg}{hint}", origin.display())
+    })?;
+    let loss = parse_loss(raw.loss.unwrap_or_default(), text)
+        .map_err(|e| anyhow::anyhow!("recipe {}{e}", origin.display()))?;
+    let recipe = Recipe {
+        model: raw.model,
+        data: raw.data,
+        rollout: raw.rollout,
+        loss,
+        optimizer: raw.optimizer,
+        train: raw.train,
+        warmup: raw.warmup,
+        replay: raw.replay,
+        output: raw.output,
+    };
+    validate(&recipe).with_context(|| format!("recipe {}", origin.display()))?;
+    Ok(recipe)
+}
+
+/// Field names of a `deny_unknown_fields` struct, read from serde's "expected one of" message.
+fn field_names<T: DeserializeOwned>() -> Vec<String> {
+    let mut probe = toml::Table::new();
+    probe.insert("__composer_probe__".into(), toml::Value::Integer(0));
+    match T::deserialize(toml::Value::Table(probe)) {
+        Ok(_) => vec![],
+        Err(e) => {
+            let msg = e.to_string();
+            let rest = msg.split_once("expected").map(|x| x.1).unwrap_or("");
+            rest.split('`').skip(1).step_by(2).map(str::to_string).collect()
+        }
+    }
+}
+
+/// Split `table` between several key sets (first match wins); an unknown key is an error
+/// naming `section`, the line, and the closest known key.
+fn split_table(table: toml::Table, section: &str, sets: &[Vec<String>], text: &str) -> std::result::Result<Vec<toml::Table>, String> {
+    let mut out = vec![toml::Table::new(); sets.len()];
+    for (k, v) in table {
+        match sets.iter().position(|s| s.contains(&k)) {
+            Some(i) => {
+                out[i].insert(k, v);
+            }
+            None => {
+                let all: Vec<&String> = sets.iter().flatten().collect();
+                let best = all
+                    .iter()
+                    .map(|c| (strsim::jaro_winkler(&k, c), c))
+                    .filter(|(s, _)| *s > 0.6)
+                    .max_by(|a, b| a.0.total_cmp(&b.0))
+                    .map(|(_, c)| format!(" (did you mean `{c}`?)"))
+                    .unwrap_or_default();
+                return Err(format!("{}, key `[{section}] {k}`: unknown key{best}", line_of(text, section, &k)));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// " line N" of `key` inside `[section]`, or "" when not found.
+fn line_of(text: &str, section: &str, key: &str) -> String {
+    let mut in_section = false;
+    for (i, l) in text.lines().enumerate() {
+        let t = l.trim();
+        if t.starts_with('[') {
+            in_section = t.trim_matches(|c| c == '[' || c == ']').trim() == section;
+        } else if in_section && t.split('=').next().map(str::trim) == Some(key) {
+            return format!(" line {}", i + 1);
+        }
+    }
+    String::new()
+}
+
+fn typed<T: DeserializeOwned>(t: toml::Table, section: &str, text: &str) -> std::result::Result<T, String> {
+    let keys: Vec<String> = t.keys().cloned().collect();
+    T::deserialize(toml::Value::Table(t)).map_err(|e| {
+        let msg = e.to_string();
+        let key = keys.iter().find(|k| msg.contains(&format!("`{k}`"))).or(keys.first());
+        match key {
+            Some(k) => format!("{}, key `[{section}] {k}`: {}", line_of(text, section, k), msg.trim()),
+            None => format!(", section `[{section}]`: {}", msg.trim()),
+        }
+    })
+}
+
+fn parse_loss(table: toml::Table, text: &str) -> std::result::Result<LossSection, String> {
+    let sets = [field_names::<RlvrConfig>(), field_names::<AdvantageConfig>(), field_names::<LossOwn>()];
+    let mut parts = split_table(table, "loss", &sets, text)?.into_iter();
+    let rlvr: RlvrConfig = typed(parts.next().unwrap_or_default(), "loss", text)?;
+    let advantage: AdvantageConfig = typed(parts.next().unwrap_or_default(), "loss", text)?;
+    let own: LossOwn = typed(parts.next().unwrap_or_default(), "loss", text)?;
+    let hint_sets = [field_names::<HintConfig>(), field_names::<HintOwn>()];
+    let mut hp = split_table(own.hint.unwrap_or_default(), "loss.hint", &hint_sets, text)?.into_iter();
+    let config: HintConfig = typed(hp.next().unwrap_or_default(), "loss.hint", text)?;
+    let hown: HintOwn = typed(hp.next().unwrap_or_default(), "loss.hint", text)?;
+    Ok(LossSection {
+        rlvr,
+        advantage,
+        hint_weight: own.hint_weight,
+        replay_weight: own.replay_weight,
+        hint: HintSection { config, top_k: hown.top_k, only_failed: hown.only_failed, template: hown.template },
+        replay: own.replay,
+    })
+}
+
+/// The `[section]` header in force at 1-based `line`.
+fn section_at(text: &str, line: usize) -> String {
+    let mut section = String::new();
+    for l in text.lines().take(line) {
+        let t = l.trim();
+        if t.starts_with('[') {
+            section = t.trim_matches(|c| c == '[' || c == ']').trim().to_string();
+        }
+    }
+    section
+}
+
+/// For serde's "unknown field `x`, expected one of `a`, `b`", the closest expected key.
+fn suggestion(msg: &str) -> Option<String> {
+    let rest = msg.strip_prefix("unknown field `")?;
+    let (unknown, expected) = rest.split_once('`')?;
+    expected
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .map(|k| (strsim::jaro_winkler(unknown, k), k))
+        .filter(|(s, _)| *s > 0.6)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| k.to_string())
+}
+
+fn validate(r: &Recipe) -> Result<()> {
+    match (&r.model.path, &r.model.builtin_tiny) {
+        (None, None) => bail!("key `[model]`: set `path` (an HF checkpoint) or `builtin_tiny`"),
+        (Some(_), Some(_)) => bail!("key `[model]`: set only one of `path` and `builtin_tiny`"),
+        _ => {}
+    }
+    match (&r.data.task, &r.data.dataset) {
+        (None, None) => bail!("key `[data]`: set `task = \"arithmetic\"` or `dataset = \"file.jsonl\"`"),
+        (Some(t), _) if t != "arithmetic" => {
+            bail!("key `[data] task`: unknown task {t:?} (known: \"arithmetic\")")
+        }
+        _ => {}
+    }
+    if !(1..=4).contains(&r.data.arithmetic.digits) {
+        bail!("key `[data.arithmetic] digits`: must be 1..=4, got {}", r.data.arithmetic.digits);
+    }
+    for op in &r.data.arithmetic.ops {
+        if !["+", "-", "*"].contains(&op.as_str()) {
+            bail!("key `[data.arithmetic] ops`: unknown operator {op:?} (known: + - *)");
+        }
+    }
+    for (i, v) in r.data.verifiers.iter().enumerate() {
+        match v.kind.as_str() {
+            "exact" | "numeric" => {}
+            "regex" => {
+                let p = v.pattern.as_deref().with_context(|| {
+                    format!("key `[[data.verifiers]]` #{i}: kind = \"regex\" needs `pattern`")
+                })?;
+                regex::Regex::new(&p.replace("{answer}", "0"))
+                    .with_context(|| format!("key `[[data.verifiers]]` #{i} pattern"))?;
+            }
+            k => bail!("key `[[data.verifiers]]` #{i} kind: unknown verifier {k:?} (known: exact, numeric, regex)"),
+        }
+    }
+    let one_of = |key: &str, v: &str, allowed: &[&str]| -> Result<()> {
+        if !allowed.contains(&v) {
+            bail!("key `{key}`: unknown value {v:?} (known: {})", allowed.join(", "));
+        }
+        Ok(())
+    };
+    one_of("[optimizer] schedule", &r.optimizer.schedule, &["constant", "cosine"])?;
+    r.loss.rlvr.validate().map_err(|e| anyhow::anyhow!("key `[loss]`: {e}"))?;
+    if !r.loss.hint.template.reprompt.contains("{prompt}") {
+        bail!("key `[loss.hint.template] reprompt`: must contain {{prompt}}");
+    }
+    if r.loss.hint.top_k == 0 {
+        bail!("key `[loss.hint] top_k`: must be >= 1");
+    }
+    if r.rollout.num_generations < 1 || r.train.prompts_per_step < 1 {
+        bail!("key `[rollout] num_generations` and `[train] prompts_per_step` must be >= 1");
+    }
+    if r.rollout.temperature < 0.0 {
+        bail!("key `[rollout] temperature`: must be >= 0");
+    }
+    if r.train.num_iterations < 1 || r.train.mini_batches < 1 || r.train.gradient_accumulation_steps < 1 {
+        bail!("key `[train] num_iterations`, `mini_batches`, `gradient_accumulation_steps` must be >= 1");
+    }
+    if let Some(rp) = &r.replay {
+        if !rp.teacher_weights.is_empty() && rp.teacher_weights.len() != rp.traces.len() {
+            bail!("key `[replay] teacher_weights`: {} weights for {} trace files", rp.teacher_weights.len(), rp.traces.len());
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,359 @@
+//! `composer-rl`: the command line. Each subcommand maps its flags onto one library call; the
+//! work lives in the crates (`composer-train`, `composer-model`, `composer-env`,
+//! `composer-telemetry`), so this file stays a table of contents.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "composer-rl",
+    version,
+    about = "RL post-training for coding-agent language models: RLVR + hint self-distillation + trace replay",
+    long_about = None
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train with a recipe (no recipe: the embedded default, which needs no download, server or GPU).
+    #[command(after_long_help = train_help())]
+    Train(TrainArgs),
+    /// Sample completions from a Hugging Face checkpoint (token ids + sampler log-probs).
+    Generate(GenerateArgs),
+    /// Teacher-forced next-token log-probs of a text under a checkpoint.
+    Score(ScoreArgs),
+    /// Write the self-contained HTML report of a run (RUN_DIR/report.html) and print its summary.
+    Report {
+        /// The run directory (holds metrics.jsonl and recipe.toml).
+        run_dir: PathBuf,
+    },
+    /// Estimate the four walls (rollout, verifier, trainer, weight sync) and recommend a layout.
+    Plan(PlanArgs),
+    /// Serve a built-in environment over the OpenEnv protocol (HTTP + WebSocket /ws).
+    ServeEnv(ServeEnvArgs),
+    /// Benchmarks: model throughput, or the channel comparison of the embedded default.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+fn train_help() -> String {
+    format!("A complete example recipe (every section, with comments):\n\n{}", composer_train::EXAMPLE_RECIPE)
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    /// Recipe (TOML). Omit to run the embedded default.
+    recipe: Option<PathBuf>,
+    /// Continue the run in RUN_DIR from its last checkpoint.
+    #[arg(long, value_name = "RUN_DIR")]
+    resume: Option<PathBuf>,
+    /// Plain log lines instead of a progress bar.
+    #[arg(long)]
+    quiet: bool,
+    /// Override `[output] run_dir`.
+    #[arg(long, value_name = "DIR")]
+    run_dir: Option<PathBuf>,
+    /// Override `[train] steps`.
+    #[arg(long)]
+    steps: Option<usize>,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Checkpoint directory (config.json, model.safetensors, tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt text.
+    #[arg(long)]
+    prompt: String,
+    /// Render the prompt as one user message through the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f64,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, default_value_t = 1)]
+    num_samples: usize,
+    /// Print `{"samples":[...]}` as JSON.
+    #[arg(long)]
+    json: bool,
+    /// `cpu` or `cuda:N` (with the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+#[derive(Args)]
+struct ScoreArgs {
+    /// Checkpoint directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Text to score (tokenized without special tokens).
+    #[arg(long)]
+    text: String,
+    /// Print `{"input_ids":[...],"next_token_logprobs":[...]}` as JSON.
+    #[arg(long)]
+    json: bool,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// Plan from a run's measured walls instead of a shape.
+    #[arg(long, value_name = "RUN_DIR")]
+    from_run: Option<PathBuf>,
+    /// Parameter count, e.g. 7e9.
+    #[arg(long)]
+    params: Option<f64>,
+    /// Mean completion length (tokens).
+    #[arg(long)]
+    mean_output: Option<f64>,
+    /// p95 completion length (tokens).
+    #[arg(long)]
+    p95_output: Option<f64>,
+    /// Prompt length (tokens).
+    #[arg(long)]
+    prompt_tokens: Option<f64>,
+    /// Completions per step.
+    #[arg(long)]
+    samples_per_step: Option<usize>,
+    /// Mean environment/verifier latency per call (s).
+    #[arg(long)]
+    env_latency: Option<f64>,
+    /// p95 environment latency (s).
+    #[arg(long)]
+    env_latency_p95: Option<f64>,
+    /// Concurrent environment calls.
+    #[arg(long)]
+    env_concurrency: Option<usize>,
+    /// Environment calls per sample.
+    #[arg(long)]
+    env_calls: Option<f64>,
+    /// Staleness the recipe tolerates (policy versions).
+    #[arg(long)]
+    staleness: Option<u32>,
+    /// GPU count.
+    #[arg(long)]
+    gpus: Option<usize>,
+    /// GPU kind: h100, h200, a100, l40s, cpu.
+    #[arg(long)]
+    gpu: Option<String>,
+    #[arg(long)]
+    layers: Option<usize>,
+    #[arg(long)]
+    hidden: Option<usize>,
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    #[arg(long)]
+    head_dim: Option<usize>,
+    /// Achievable fraction of peak FLOP/s (default 0.4).
+    #[arg(long)]
+    mfu: Option<f64>,
+    /// Weight copies published per update.
+    #[arg(long)]
+    weight_copies: Option<usize>,
+    /// Print the plan as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct ServeEnvArgs {
+    /// Built-in environment: `code` (sandboxed Python tasks) or `echo`.
+    env: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Concurrent WebSocket sessions before CAPACITY_REACHED.
+    #[arg(long, default_value_t = 4)]
+    max_sessions: usize,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Training forward+backward and decode throughput (tokens/s) at batch 1, 16, 64.
+    Model {
+        /// `small` (CPU-sized) or `qwen2.5-0.5b` (random weights of that shape).
+        #[arg(long, default_value = "small")]
+        shape: String,
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Batch sizes, comma separated.
+        #[arg(long, value_delimiter = ',')]
+        batch: Option<Vec<usize>>,
+        /// Decode only (skip the training forward+backward).
+        #[arg(long)]
+        skip_train: bool,
+    },
+    /// RLVR alone vs + hint vs + hint + replay on the embedded default: samples to target accuracy.
+    Channels {
+        /// Seeds, comma separated.
+        #[arg(long, value_delimiter = ',', default_value = "0,1,2")]
+        seeds: Vec<u64>,
+        #[arg(long, default_value_t = 0.9)]
+        target: f64,
+        #[arg(long, default_value_t = 150)]
+        max_steps: usize,
+        #[arg(long, default_value = "runs/bench-channels")]
+        out_dir: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,composer=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Train(a) => {
+            let outcome = composer_train::run_train(&composer_train::TrainOptions {
+                recipe_path: a.recipe,
+                resume: a.resume,
+                quiet: a.quiet,
+                run_dir_override: a.run_dir,
+                max_steps_override: a.steps,
+            })?;
+            println!(
+                "run {}: {} steps, final greedy accuracy {}, {:.1} s",
+                outcome.run_dir.display(),
+                outcome.steps_completed,
+                outcome.final_accuracy.map_or("n/a".to_string(), |a| format!("{:.1}%", 100.0 * a)),
+                outcome.wall_s
+            );
+            Ok(())
+        }
+        Command::Generate(a) => {
+            let json = a.json;
+            let out = composer_model::generate_cli(&composer_model::GenerateOptions {
+                model_dir: a.model,
+                prompt: a.prompt,
+                chat: a.chat,
+                max_new_tokens: a.max_new_tokens,
+                temperature: a.temperature,
+                top_p: a.top_p,
+                top_k: a.top_k,
+                seed: a.seed,
+                num_samples: a.num_samples,
+                device: a.device,
+            })?;
+            if json {
+                println!("{}", serde_json::to_string(&out)?);
+            } else {
+                for (i, s) in out["samples"].as_array().into_iter().flatten().enumerate() {
+                    println!("--- sample {i} ({})", s["finish_reason"].as_str().unwrap_or("?"));
+                    println!("{}", s["completion_text"].as_str().unwrap_or(""));
+                }
+            }
+            Ok(())
+        }
+        Command::Score(a) => {
+            let out = composer_model::score_cli(&a.model, &a.text, &a.device)?;
+            if a.json {
+                println!("{}", serde_json::to_string(&out)?);
+            } else {
+                let ids = out["input_ids"].as_array().cloned().unwrap_or_default();
+                let lps = out["next_token_logprobs"].as_array().cloned().unwrap_or_default();
+                for (t, lp) in lps.iter().enumerate() {
+                    println!("{:>5} {:>8} {:>10.5}", t + 1, ids[t + 1], lp.as_f64().unwrap_or(f64::NAN));
+                }
+            }
+            Ok(())
+        }
+        Command::Report { run_dir } => {
+            println!("{}", composer_telemetry::report::report_cli(&run_dir)?);
+            Ok(())
+        }
+        Command::Plan(a) => {
+            let opts = composer_telemetry::plan::PlanOptions {
+                from_run: a.from_run,
+                params: a.params,
+                mean_output: a.mean_output,
+                p95_output: a.p95_output,
+                prompt_tokens: a.prompt_tokens,
+                samples_per_step: a.samples_per_step,
+                env_latency: a.env_latency,
+                env_latency_p95: a.env_latency_p95,
+                env_concurrency: a.env_concurrency,
+                env_calls: a.env_calls,
+                staleness: a.staleness,
+                gpus: a.gpus,
+                gpu: a.gpu,
+                layers: a.layers,
+                hidden: a.hidden,
+                kv_heads: a.kv_heads,
+                head_dim: a.head_dim,
+                mfu: a.mfu,
+                weight_copies: a.weight_copies,
+                json: a.json,
+            };
+            println!("{}", composer_telemetry::plan::plan_cli(&opts)?);
+            Ok(())
+        }
+        Command::ServeEnv(a) => {
+            let factory = composer_env::builtin_env_factory(&a.env)?;
+            let addr: SocketAddr = format!("{}:{}", a.host, a.port)
+                .parse()
+                .with_context(|| format!("--host {} --port {} is not a socket address", a.host, a.port))?;
+            let config = composer_env::ServeConfig { max_sessions: a.max_sessions, ..Default::default() };
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            eprintln!("serving env `{}` on http://{addr} (WebSocket ws://{addr}/ws); Ctrl-C stops", a.env);
+            runtime.block_on(composer_env::serve_env(factory, addr, config))
+        }
+        Command::Bench(BenchCommand::Model { shape, device, batch, skip_train }) => {
+            let device = composer_model::device_from_str(&device)?;
+            let mut cfg = match shape.as_str() {
+                "small" => composer_model::bench::BenchConfig::small_cpu(),
+                "qwen2.5-0.5b" => composer_model::bench::BenchConfig::qwen2_5_0_5b(device.clone()),
+                other => anyhow::bail!("--shape {other:?} is not one of: small, qwen2.5-0.5b"),
+            };
+            cfg.device = device;
+            if let Some(b) = batch {
+                cfg.batch_sizes = b;
+            }
+            cfg.skip_train |= skip_train;
+            let report = composer_model::bench::run(&cfg)?;
+            println!("{}", report.table());
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Channels { seeds, target, max_steps, out_dir }) => {
+            let (_, table) = composer_train::bench_channels(&composer_train::BenchOptions {
+                seeds,
+                target,
+                max_steps,
+                out_dir,
+            })?;
+            println!("{table}");
+            Ok(())
+        }
+    }
+}
