@@ -603,7 +603,20 @@ impl<W: Send + Sync> Controller<W> {
                     anyhow::Error::new(e).context("spawning an actor thread"),
                 );
             }
-            let result = self.trainer_loop(trainer, hooks, &shared, &scored, bound, summary);
+            let mut result = self.trainer_loop(trainer, hooks, &shared, &scored, bound, summary);
+            // Record the trainer's (or hook's) failure in the same first-wins slot, so the
+            // root cause is reported even when another actor failed just after.
+            if let Err(ControllerError::Actor {
+                actor,
+                index,
+                source,
+            }) = result
+            {
+                shared.fail(actor, index, source);
+                result = Err(ControllerError::Cancelled {
+                    steps_done: summary.steps,
+                });
+            }
             // Stop and unblock everyone; the scope then joins both threads.
             shared.stop.cancel();
             generated.close();
@@ -616,15 +629,12 @@ impl<W: Send + Sync> Controller<W> {
             .into_inner()
             .unwrap_or_else(|e| e.into_inner());
         match (trainer_result, failure) {
-            // An actor thread's failure is the root cause of whatever the trainer saw.
-            (Err(e @ ControllerError::Actor { .. }), None) | (Err(e @ ControllerError::NoData { .. }), None) => Err(e),
             (_, Some(f)) => Err(ControllerError::Actor {
                 actor: f.actor,
                 index: f.index,
                 source: f.error,
             }),
-            (Err(e), None) => Err(e),
-            (Ok(()), None) => Ok(()),
+            (result, None) => result,
         }
     }
 

@@ -81,7 +81,6 @@ pub(crate) struct RawRun {
     pub stderr_truncated: bool,
     pub result_channel: Vec<u8>,
     pub exit_code: Option<i32>,
-    pub signal: Option<i32>,
     pub outcome: Outcome,
     pub wall_s: f64,
 }
@@ -95,7 +94,6 @@ impl RawRun {
             stderr_truncated: false,
             result_channel: Vec::new(),
             exit_code: None,
-            signal: None,
             outcome: Outcome::SandboxError(reason),
             wall_s,
         }
@@ -453,7 +451,6 @@ fn run_in_dir(
         stderr_truncated,
         result_channel,
         exit_code,
-        signal,
         outcome,
         wall_s,
     }
@@ -592,11 +589,11 @@ unsafe fn write_proc(path: &std::ffi::CStr, text: &[u8]) -> std::io::Result<()> 
     Ok(())
 }
 
-/// Formats "`id` `id` 1\n" (an identity id map of one id) into `buf` without allocating.
-fn id_map_line(id: u32, buf: &mut [u8; 40]) -> usize {
+/// Writes the decimal digits of `v` into `out`, returning how many (no allocation).
+fn format_u32(v: u32, out: &mut [u8]) -> usize {
     let mut digits = [0u8; 10];
     let mut n = 0;
-    let mut v = id;
+    let mut v = v;
     loop {
         digits[n] = b'0' + (v % 10) as u8;
         n += 1;
@@ -605,18 +602,40 @@ fn id_map_line(id: u32, buf: &mut [u8; 40]) -> usize {
             break;
         }
     }
-    let mut len = 0;
-    for _ in 0..2 {
-        for i in (0..n).rev() {
-            buf[len] = digits[i];
-            len += 1;
-        }
-        buf[len] = b' ';
-        len += 1;
+    for i in 0..n {
+        out[i] = digits[n - 1 - i];
     }
-    buf[len] = b'1';
-    buf[len + 1] = b'\n';
-    len + 2
+    n
+}
+
+/// Formats "`id` `id` 1\n" (an identity map of one id) into `buf` without allocating.
+fn id_map_line(id: u32, buf: &mut [u8; 40]) -> usize {
+    let mut len = format_u32(id, &mut buf[..]);
+    buf[len] = b' ';
+    len += 1;
+    len += format_u32(id, &mut buf[len..]);
+    buf[len..len + 3].copy_from_slice(b" 1\n");
+    len + 3
+}
+
+/// `mkdir -p` for an absolute path, without allocating (existing directories are fine).
+unsafe fn mkdir_all(path: &[u8]) -> std::io::Result<()> {
+    let mut buf = [0u8; 4096];
+    if path.len() >= buf.len() {
+        return Err(std::io::Error::from_raw_os_error(libc::ENAMETOOLONG));
+    }
+    buf[..path.len()].copy_from_slice(path);
+    for i in 1..=path.len() {
+        if i == path.len() || buf[i] == b'/' {
+            let saved = buf[i];
+            buf[i] = 0;
+            if libc::mkdir(buf.as_ptr().cast(), 0o700) != 0 && *libc::__errno_location() != libc::EEXIST {
+                return Err(os_err());
+            }
+            buf[i] = saved;
+        }
+    }
+    Ok(())
 }
 
 /// Sets a resource limit, clamped to the current hard limit (we may lack CAP_SYS_RESOURCE).
@@ -720,30 +739,46 @@ unsafe fn child_setup(plan: &ChildPlan) -> std::io::Result<()> {
         {
             return Err(os_err());
         }
-        // Read-only file system except the working directory (a writable bind of itself).
-        // Best effort: kernels without mount_setattr (< 5.12) keep only the uid protection.
-        if libc::mount(
+        // A handle on the working directory in the new mount namespace, to bind it back once
+        // /tmp is covered.
+        let workdir_fd = libc::open(
             plan.workdir.as_ptr(),
-            plan.workdir.as_ptr(),
-            std::ptr::null(),
-            libc::MS_BIND | libc::MS_REC,
-            std::ptr::null(),
-        ) == 0
-            && mount_setattr(c"/", MOUNT_ATTR_RDONLY, 0) == 0
-        {
-            mount_setattr(plan.workdir.as_c_str(), 0, MOUNT_ATTR_RDONLY);
-            // Device nodes such as /dev/null stay writable.
-            mount_setattr(c"/dev", 0, MOUNT_ATTR_RDONLY);
-        }
-        // Enter the (new) bind mount of the working directory before /tmp is covered.
-        if libc::chdir(plan.workdir.as_ptr()) != 0 {
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        );
+        if workdir_fd < 0 {
             return Err(os_err());
         }
+        // Read-only file system (best effort: needs mount_setattr, Linux >= 5.12)...
+        mount_setattr(c"/", MOUNT_ATTR_RDONLY, 0);
+        // ...except device nodes such as /dev/null,
+        mount_setattr(c"/dev", 0, MOUNT_ATTR_RDONLY);
+        // private, size-limited tmpfs on the world-writable directories,
         if mount_tmpfs(c"/tmp") != 0 {
             return Err(os_err());
         }
         mount_tmpfs(c"/var/tmp");
         mount_tmpfs(c"/dev/shm");
+        // and the working directory, writable, at its usual path (which the tmpfs may cover).
+        mkdir_all(plan.workdir.as_bytes())?;
+        let mut fd_path = [0u8; 40];
+        fd_path[..14].copy_from_slice(b"/proc/self/fd/");
+        let n = format_u32(workdir_fd as u32, &mut fd_path[14..]);
+        fd_path[14 + n] = 0;
+        if libc::mount(
+            fd_path.as_ptr().cast(),
+            plan.workdir.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND | libc::MS_REC,
+            std::ptr::null(),
+        ) != 0
+        {
+            return Err(os_err());
+        }
+        libc::close(workdir_fd);
+        mount_setattr(plan.workdir.as_c_str(), 0, MOUNT_ATTR_RDONLY);
+        if libc::chdir(plan.workdir.as_ptr()) != 0 {
+            return Err(os_err());
+        }
 
         let pid = libc::fork();
         if pid < 0 {

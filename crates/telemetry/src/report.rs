@@ -73,20 +73,20 @@ fn x_range(points: impl Iterator<Item = f64>) -> (f64, f64) {
     }
 }
 
-fn fmt_tick(v: &f64) -> String {
-    let a = v.abs();
-    if a == 0.0 {
-        "0".into()
-    } else if a >= 1e4 {
-        crate::summary::fmt_num(*v)
-    } else if a >= 100.0 {
-        format!("{v:.0}")
-    } else if a >= 1.0 {
-        format!("{v:.1}")
-    } else if a >= 0.01 {
-        format!("{v:.3}")
+/// Tick labels with as many decimals as the axis span needs (span 1 → 2 decimals, 0.02 → 4),
+/// so every label of one axis has the same format.
+fn tick_formatter(span: f64) -> impl Fn(&f64) -> String {
+    let decimals = if span > 0.0 && span.is_finite() {
+        (2.0 - span.log10().floor()).clamp(0.0, 8.0) as usize
     } else {
-        format!("{v:.1e}")
+        2
+    };
+    move |v: &f64| {
+        if v.abs() >= 1e4 {
+            crate::summary::fmt_num(*v)
+        } else {
+            format!("{v:.decimals$}")
+        }
     }
 }
 
@@ -108,9 +108,15 @@ fn line_chart(title: &str, y_desc: &str, series: &[Series]) -> Result<Option<Str
                 .flat_map(|b| b.iter().flat_map(|(_, lo, hi)| [*lo, *hi])),
         )
     });
-    let Some((y0, y1)) = padded_range(ys) else {
+    let Some((y0, mut y1)) = padded_range(ys) else {
         return Ok(None);
     };
+    let has_legend = series.len() > 1 || series.iter().any(|s| s.band.is_some());
+    if has_legend {
+        // Headroom so the legend (upper left) sits above the data, not on it.
+        y1 += (y1 - y0) * 0.3;
+    }
+    let y_fmt = tick_formatter(y1 - y0);
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (PLOT_W, PLOT_H)).into_drawing_area();
@@ -128,10 +134,10 @@ fn line_chart(title: &str, y_desc: &str, series: &[Series]) -> Result<Option<Str
             .y_desc(y_desc)
             .x_labels(8)
             .y_labels(6)
-            .y_label_formatter(&fmt_tick)
+            .y_label_formatter(&y_fmt)
             .x_label_formatter(&|x| format!("{x:.0}"))
-            .light_line_style(RGBColor(238, 238, 238))
-            .bold_line_style(RGBColor(220, 220, 220))
+            .light_line_style(RGBColor(247, 247, 247))
+            .bold_line_style(RGBColor(225, 225, 225))
             .draw()
             .map_err(plot_err(title))?;
         for s in series.iter().filter(|s| !s.points.is_empty()) {
@@ -167,7 +173,7 @@ fn line_chart(title: &str, y_desc: &str, series: &[Series]) -> Result<Option<Str
                     .map_err(plot_err(title))?;
             }
         }
-        if series.len() > 1 || series.iter().any(|s| s.band.is_some()) {
+        if has_legend {
             chart
                 .configure_series_labels()
                 .position(SeriesLabelPosition::UpperLeft)
@@ -210,7 +216,9 @@ fn time_split_chart(train: &[&Value]) -> Result<Option<String>> {
         .iter()
         .map(|(_, w)| w.iter().sum::<f64>())
         .fold(0.0, f64::max);
-    let y1 = if y_max > 0.0 { y_max * 1.12 } else { 1.0 };
+    // Headroom for the legend (upper right) above the stack.
+    let y1 = if y_max > 0.0 { y_max * 1.4 } else { 1.0 };
+    let y_fmt = tick_formatter(y1);
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (PLOT_W, PLOT_H)).into_drawing_area();
@@ -228,10 +236,10 @@ fn time_split_chart(train: &[&Value]) -> Result<Option<String>> {
             .y_desc("seconds")
             .x_labels(8)
             .y_labels(6)
-            .y_label_formatter(&fmt_tick)
+            .y_label_formatter(&y_fmt)
             .x_label_formatter(&|x| format!("{x:.0}"))
-            .light_line_style(RGBColor(238, 238, 238))
-            .bold_line_style(RGBColor(220, 220, 220))
+            .light_line_style(RGBColor(247, 247, 247))
+            .bold_line_style(RGBColor(225, 225, 225))
             .draw()
             .map_err(plot_err(title))?;
         // A single step gets a bar of width 1 so it is visible.
@@ -320,8 +328,8 @@ fn draw_histogram(
         .disable_x_mesh()
         .x_desc("policy-version lag")
         .y_desc("trajectories")
-        .light_line_style(RGBColor(238, 238, 238))
-        .bold_line_style(RGBColor(220, 220, 220))
+        .light_line_style(RGBColor(247, 247, 247))
+        .bold_line_style(RGBColor(225, 225, 225))
         .draw()
         .map_err(plot_err(title))?;
     chart

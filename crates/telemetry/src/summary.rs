@@ -410,7 +410,7 @@ pub fn fmt_num(x: f64) -> String {
         format!("{:.2}M", x / 1e6)
     } else if a >= 1e4 {
         format!("{:.1}k", x / 1e3)
-    } else if x.fract() == 0.0 {
+    } else if x.fract() == 0.0 || a >= 100.0 {
         format!("{x:.0}")
     } else {
         format!("{x:.2}")

@@ -114,11 +114,14 @@ pub struct ArithmeticConfig {
     /// Operators drawn uniformly: any of `+`, `-`, `*`.
     #[serde(default = "d_ops")]
     pub ops: Vec<String>,
+    /// Largest operand (default 10^digits − 1); e.g. 49 keeps 2-digit sums at two digits.
+    #[serde(default)]
+    pub operand_max: Option<u64>,
 }
 
 impl Default for ArithmeticConfig {
     fn default() -> Self {
-        Self { digits: d_digits(), ops: d_ops() }
+        Self { digits: d_digits(), ops: d_ops(), operand_max: None }
     }
 }
 

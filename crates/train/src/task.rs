@@ -18,7 +18,7 @@ use crate::replay::TeacherTrace;
 pub fn arithmetic_split(cfg: &ArithmeticConfig, eval_size: usize, seed: u64) -> (Vec<PromptRow>, Vec<PromptRow>) {
     let lo = 10u64.pow(cfg.digits - 1);
     let lo = if cfg.digits == 1 { 0 } else { lo };
-    let hi = 10u64.pow(cfg.digits);
+    let hi = cfg.operand_max.map(|m| m + 1).unwrap_or(10u64.pow(cfg.digits)).max(lo + 1);
     let mut all = Vec::new();
     for op in &cfg.ops {
         for a in lo..hi {

@@ -7,6 +7,23 @@ use composer_train::data::{load_prompts, load_sft, render_chatml};
 use composer_train::recipe::{parse_recipe, EMBEDDED_DEFAULT_RECIPE, EXAMPLE_RECIPE};
 use composer_train::verifiers::{extract_number, RewardFn, Verifier};
 
+/// The default recipe with the first line starting with `prefix` replaced by `line`.
+fn with_line(prefix: &str, line: &str) -> String {
+    let mut done = false;
+    EMBEDDED_DEFAULT_RECIPE
+        .lines()
+        .map(|l| {
+            if !done && l.starts_with(prefix) {
+                done = true;
+                line.to_string()
+            } else {
+                l.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 #[test]
 fn example_and_default_recipes_parse() {
     let r = parse_recipe(EXAMPLE_RECIPE, Path::new("example.toml")).unwrap();
@@ -19,7 +36,7 @@ fn example_and_default_recipes_parse() {
 
 #[test]
 fn unknown_key_is_rejected_with_suggestion_and_file() {
-    let text = EMBEDDED_DEFAULT_RECIPE.replace("prompts_per_step = 16", "prompts_per_stp = 16");
+    let text = with_line("prompts_per_step", "prompts_per_stp = 16");
     let e = format!("{:#}", parse_recipe(&text, Path::new("my-recipe.toml")).unwrap_err());
     assert!(e.contains("my-recipe.toml"), "{e}");
     assert!(e.contains("[train] prompts_per_stp"), "{e}");
@@ -28,25 +45,25 @@ fn unknown_key_is_rejected_with_suggestion_and_file() {
 
 #[test]
 fn unknown_loss_key_names_section_line_and_suggestion() {
-    let text = EMBEDDED_DEFAULT_RECIPE.replace("epsilon_high = 0.28", "epsilon_hgh = 0.28");
+    let text = with_line("epsilon_high", "epsilon_hgh = 0.28");
     let e = format!("{:#}", parse_recipe(&text, Path::new("r.toml")).unwrap_err());
     assert!(e.contains("r.toml") && e.contains("[loss] epsilon_hgh"), "{e}");
     assert!(e.contains("did you mean `epsilon_high`"), "{e}");
     assert!(e.contains("line "), "{e}");
-    let text = EMBEDDED_DEFAULT_RECIPE.replace("top_k = 8", "top_kk = 8");
+    let text = with_line("top_k", "top_kk = 8");
     let e = format!("{:#}", parse_recipe(&text, Path::new("r.toml")).unwrap_err());
     assert!(e.contains("[loss.hint] top_kk") && e.contains("`top_k`"), "{e}");
 }
 
 #[test]
 fn bad_values_name_the_key() {
-    let text = EMBEDDED_DEFAULT_RECIPE.replace("loss_type = \"dapo\"", "loss_type = \"ppo2\"");
+    let text = with_line("loss_type", "loss_type = \"ppo2\"");
     let e = format!("{:#}", parse_recipe(&text, Path::new("r.toml")).unwrap_err());
     assert!(e.contains("loss_type") && e.contains("r.toml"), "{e}");
-    let text = EMBEDDED_DEFAULT_RECIPE.replace("lr = 1e-3", "lr = \"fast\"");
+    let text = with_line("lr = 5", "lr = \"fast\"");
     let e = format!("{:#}", parse_recipe(&text, Path::new("r.toml")).unwrap_err());
     assert!(e.contains("[optimizer] lr") && e.contains("r.toml"), "{e}");
-    let text = EMBEDDED_DEFAULT_RECIPE.replace("task = \"arithmetic\"", "task = \"chess\"");
+    let text = with_line("task", "task = \"chess\"");
     let e = format!("{:#}", parse_recipe(&text, Path::new("r.toml")).unwrap_err());
     assert!(e.contains("[data] task") && e.contains("chess"), "{e}");
 }

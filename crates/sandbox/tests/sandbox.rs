@@ -1,0 +1,563 @@
+//! Real-subprocess tests of the sandbox: built-in tasks, grading, and the escape suite.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use composer_sandbox::*;
+
+fn limits() -> SandboxLimits {
+    SandboxLimits::default()
+}
+
+/// Short limits for the escape attempts, so the suite stays fast.
+fn tight() -> SandboxLimits {
+    SandboxLimits {
+        wall_time: Duration::from_secs(3),
+        cpu_time_s: 2,
+        ..SandboxLimits::default()
+    }
+}
+
+fn task(name: &str) -> CodeTask {
+    let id = format!("builtin/{name}");
+    builtin_tasks()
+        .into_iter()
+        .find(|t| t.id == id)
+        .unwrap_or_else(|| panic!("no built-in task {id}"))
+}
+
+/// Runs `f` over `items` on a few threads (the suite must stay fast on 2 cores).
+fn par_map<T: Sync, R: Send>(items: &[T], threads: usize, f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let next = AtomicUsize::new(0);
+    let mut out: Vec<Option<R>> = (0..items.len()).map(|_| None).collect();
+    let slots = std::sync::Mutex::new(&mut out);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= items.len() {
+                    break;
+                }
+                let r = f(&items[i]);
+                slots.lock().unwrap()[i] = Some(r);
+            });
+        }
+    });
+    out.into_iter().map(|r| r.unwrap()).collect()
+}
+
+/// Processes (host view) whose command line contains `marker`.
+fn processes_with_marker(marker: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if !name.chars().all(|c| c.is_ascii_digit()) {
+                continue;
+            }
+            if let Ok(cmd) = std::fs::read(e.path().join("cmdline")) {
+                if String::from_utf8_lossy(&cmd).contains(marker) {
+                    found.push(name);
+                }
+            }
+        }
+    }
+    found
+}
+
+fn unique_marker(tag: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("composer-escape-{tag}-{}-{nanos}", std::process::id())
+}
+
+/// The path the sandbox printed as its working directory (a line `CWD=<path>`).
+fn printed_cwd(stdout: &str) -> PathBuf {
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("CWD="))
+        .unwrap_or_else(|| panic!("no CWD line in {stdout:?}"));
+    PathBuf::from(line)
+}
+
+fn assert_removed(dir: &Path) {
+    assert!(
+        dir.starts_with(std::env::temp_dir()) && !dir.exists(),
+        "working directory {} not removed",
+        dir.display()
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tasks and grading
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn builtin_task_set_is_large_and_well_formed() {
+    let tasks = builtin_tasks();
+    assert!(tasks.len() >= 30, "only {} built-in tasks", tasks.len());
+    let mut ids: Vec<&str> = tasks.iter().map(|t| t.id.as_str()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), tasks.len(), "duplicate task ids");
+    let refs = builtin_reference_solutions();
+    assert_eq!(refs.len(), tasks.len());
+    for t in &tasks {
+        assert!(t.tests.len() >= 4, "{} has too few tests", t.id);
+        assert!(t.prompt.contains(&t.entry_point), "{} prompt does not name its function", t.id);
+    }
+}
+
+/// Every reference solution passes all its tests, and a stub that returns None fails at least
+/// one: every task is solvable and its tests are meaningful.
+#[test]
+fn every_builtin_task_is_solvable_and_its_tests_discriminate() {
+    let tasks = builtin_tasks();
+    let refs = builtin_reference_solutions();
+    let jobs: Vec<(CodeTask, String)> = tasks.into_iter().zip(refs.into_iter().map(|r| r.1)).collect();
+    let reports = par_map(&jobs, 3, |(task, reference)| {
+        let good = grade(reference, task, &limits(), RewardMode::AllOrNothing);
+        let stub = format!("def {}(*args, **kwargs):\n    return None\n", task.entry_point);
+        let bad = grade(&stub, task, &limits(), RewardMode::FractionPassed);
+        (task.id.clone(), good, bad)
+    });
+    for (id, good, bad) in reports {
+        assert!(
+            good.all_passed && good.reward == 1.0 && good.outcome == Outcome::Completed,
+            "{id}: reference solution failed: {good:#?}"
+        );
+        assert!(bad.passed < bad.total && bad.reward < 1.0, "{id}: a stub passes every test");
+    }
+}
+
+#[test]
+fn partial_credit_and_reward_modes() {
+    let t = task("sum_of_evens");
+    // Sums every number: only the empty-list test (0) passes, of 4.
+    let code = "def sum_of_evens(numbers):\n    return sum(numbers)\n";
+    let frac = grade(code, &t, &limits(), RewardMode::FractionPassed);
+    assert_eq!((frac.passed, frac.total), (1, 4), "{frac:#?}");
+    assert_eq!(frac.reward, 0.25);
+    assert!(!frac.all_passed);
+    assert!(frac.feedback.contains("first failing test (#1)"), "{}", frac.feedback);
+    assert!(frac.feedback.contains("sum_of_evens([1, 2, 3, 4]) == 6"), "{}", frac.feedback);
+    let all = grade(code, &t, &limits(), RewardMode::AllOrNothing);
+    assert_eq!((all.passed, all.reward), (1, 0.0));
+}
+
+#[test]
+fn model_output_is_extracted_then_graded() {
+    let t = task("count_vowels");
+    let answer = "Sure, here it is:\n```python\ndef count_vowels(text):\n    return sum(c in 'aeiouAEIOU' for c in text)\n```\nThis counts vowels.";
+    let report = grade(&extract_code(answer), &t, &limits(), RewardMode::AllOrNothing);
+    assert!(report.all_passed, "{report:#?}");
+}
+
+#[test]
+fn syntax_error_gets_zero_and_says_why() {
+    let t = task("sum_of_evens");
+    let report = grade("def sum_of_evens(numbers)\n    return 0\n", &t, &limits(), RewardMode::FractionPassed);
+    assert_eq!((report.passed, report.reward), (0, 0.0));
+    assert_eq!(report.outcome, Outcome::Completed);
+    assert!(report.feedback.contains("failed to load"), "{}", report.feedback);
+    assert!(report.feedback.contains("SyntaxError"), "{}", report.feedback);
+}
+
+#[test]
+fn exceptions_fail_tests_with_their_error() {
+    let t = task("reverse_words");
+    let code = "def reverse_words(sentence):\n    if not sentence:\n        return ''\n    raise KeyError('boom')\n";
+    let report = grade(code, &t, &limits(), RewardMode::FractionPassed);
+    // Only the empty-string test passes.
+    assert_eq!((report.passed, report.total), (1, 4), "{report:#?}");
+    assert!(report.feedback.contains("KeyError: 'boom'"), "{}", report.feedback);
+}
+
+#[test]
+fn missing_entry_point_and_exit_calls_are_failures() {
+    let t = task("sum_of_evens");
+    let report = grade("def other():\n    pass\n", &t, &limits(), RewardMode::FractionPassed);
+    assert_eq!(report.passed, 0);
+    assert!(report.feedback.contains("does not define `sum_of_evens`"), "{}", report.feedback);
+
+    // sys.exit inside the function only fails the tests that call it.
+    let code = "import sys\ndef sum_of_evens(numbers):\n    if numbers:\n        sys.exit(0)\n    return 0\n";
+    let report = grade(code, &t, &limits(), RewardMode::FractionPassed);
+    assert_eq!((report.passed, report.total), (1, 4), "{report:#?}");
+
+    // os._exit at import time: nothing reported, nothing passes.
+    let report = grade("import os\nos._exit(0)\n", &t, &limits(), RewardMode::FractionPassed);
+    assert_eq!(report.passed, 0, "{report:#?}");
+    assert!(report.feedback.contains("did not finish loading"), "{}", report.feedback);
+}
+
+#[test]
+fn printed_or_guessed_fake_results_do_not_count() {
+    let t = task("sum_of_evens");
+    let code = r#"
+import os, json
+fake = json.dumps({"kind": "test", "index": 0, "ok": True, "error": ""})
+for i in range(4):
+    print("00000000000000000000000000000000 " + json.dumps({"kind": "test", "index": i, "ok": True, "error": ""}))
+for fd in range(3, 20):
+    try:
+        os.write(fd, ("deadbeef " + fake + "\n").encode())
+    except OSError:
+        pass
+def sum_of_evens(numbers):
+    return -1
+"#;
+    let report = grade(code, &t, &limits(), RewardMode::FractionPassed);
+    assert_eq!(report.passed, 0, "{report:#?}");
+}
+
+#[test]
+fn output_is_captured_and_truncated() {
+    let small = SandboxLimits {
+        max_output_bytes: 1024,
+        ..limits()
+    };
+    let r = run_python("print('x' * 100000)\nimport sys\nprint('err', file=sys.stderr)\n", &small);
+    assert_eq!(r.outcome, Outcome::Completed);
+    assert_eq!(r.stdout.len(), 1024);
+    assert!(r.truncated);
+    assert_eq!(r.stderr, "err\n");
+
+    let t = task("sum_of_evens");
+    let code = "print('y' * 100000)\ndef sum_of_evens(numbers):\n    return 0\n";
+    let report = grade(code, &t, &small, RewardMode::FractionPassed);
+    assert!(report.feedback.len() <= 1024, "{}", report.feedback.len());
+    assert!(report.feedback.starts_with("passed 2/4 tests"), "{}", report.feedback);
+    assert!(report.feedback.ends_with("[truncated]"), "{}", report.feedback);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Escape suite: every attempt contained, this process unharmed, the working directory removed.
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn escape_fork_bomb_is_contained_and_leaves_nothing_behind() {
+    let marker = unique_marker("fork");
+    // Children detach (setsid) and exec a long sleeper carrying the marker in argv.
+    let code = format!(
+        r#"
+import os, sys
+print("CWD=" + os.getcwd(), flush=True)
+n = 0
+while True:
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        try:
+            os.setsid()
+        except OSError:
+            pass
+        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(600)", "{marker}"])
+    n += 1
+print("forked", n, flush=True)
+"#
+    );
+    let lim = tight();
+    let r = run_python(&code, &lim);
+    let forked: u64 = r
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("forked "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no fork count: {r:#?}"));
+    assert!(forked < lim.max_processes, "forked {forked} processes, limit {}", lim.max_processes);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(processes_with_marker(&marker), Vec::<String>::new(), "sleepers survived the run");
+    assert_removed(&printed_cwd(&r.stdout));
+
+    // The classic bomb: every process forks forever. Contained by the process limit and the
+    // deadline; this process is unharmed.
+    let short = SandboxLimits {
+        wall_time: Duration::from_secs(2),
+        cpu_time_s: 1,
+        ..lim
+    };
+    let r = run_python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", &short);
+    assert!(
+        matches!(r.outcome, Outcome::TimedOut | Outcome::CpuLimit | Outcome::Killed { .. }),
+        "{r:#?}"
+    );
+    // The machine can still start processes.
+    let ok = run_python("print('alive')", &limits());
+    assert_eq!(ok.stdout, "alive\n", "{ok:#?}");
+}
+
+#[test]
+fn escape_infinite_loops_hit_cpu_and_wall_limits() {
+    let r = run_python("while True:\n    pass\n", &tight());
+    assert_eq!(r.outcome, Outcome::CpuLimit, "{r:#?}");
+
+    // Sleeping burns no CPU: the wall-clock limit ends it.
+    let lim = SandboxLimits {
+        wall_time: Duration::from_secs(1),
+        ..tight()
+    };
+    let r = run_python("import time\ntime.sleep(100)\n", &lim);
+    assert_eq!(r.outcome, Outcome::TimedOut, "{r:#?}");
+
+    // In grading, a looping test fails the remaining tests, earlier ones still count.
+    let t = task("sum_of_evens");
+    let code = "def sum_of_evens(numbers):\n    if not numbers:\n        while True:\n            pass\n    return sum(n for n in numbers if n % 2 == 0)\n";
+    let report = grade(code, &t, &tight(), RewardMode::FractionPassed);
+    assert_eq!((report.passed, report.total), (1, 4), "{report:#?}");
+    assert!(matches!(report.outcome, Outcome::CpuLimit | Outcome::TimedOut), "{report:#?}");
+    assert!(report.feedback.contains("first failing test (#2)"), "{}", report.feedback);
+}
+
+#[test]
+fn escape_ten_gigabyte_allocation_fails_cleanly() {
+    let r = run_python("x = bytearray(10 * 1024 ** 3)\nprint(len(x))\n", &tight());
+    assert_eq!(r.outcome, Outcome::MemoryLimit, "{r:#?}");
+    assert!(r.stderr.contains("MemoryError"), "{r:#?}");
+
+    let t = task("sum_of_evens");
+    let code = "def sum_of_evens(numbers):\n    x = bytearray(10 * 1024 ** 3)\n    return 0\n";
+    let report = grade(code, &t, &tight(), RewardMode::FractionPassed);
+    assert_eq!(report.passed, 0);
+    assert_eq!(report.outcome, Outcome::MemoryLimit, "{report:#?}");
+    assert!(report.feedback.contains("MemoryError"), "{}", report.feedback);
+}
+
+#[test]
+fn escape_writing_outside_the_working_directory_is_contained() {
+    let marker = unique_marker("write");
+    let host_tmp = std::env::temp_dir().join(&marker);
+    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".to_string());
+    let targets = [
+        host_tmp.display().to_string(),
+        format!("/var/tmp/{marker}"),
+        format!("/dev/shm/{marker}"),
+        format!("{home}/{marker}"),
+        format!("/etc/{marker}"),
+        format!("{}/{marker}", env!("CARGO_MANIFEST_DIR")),
+        format!("../{marker}"),
+    ];
+    let code = format!(
+        r#"
+import os
+print("CWD=" + os.getcwd())
+with open("inside.txt", "w") as f:
+    f.write("ok")
+print("inside", open("inside.txt").read())
+for path in {targets:?}:
+    try:
+        with open(path, "w") as f:
+            f.write("escaped")
+        print("wrote", path)
+    except OSError as e:
+        print("blocked", path, e.errno)
+# A file bigger than the file-size limit is cut off.
+try:
+    with open("big.bin", "wb") as f:
+        f.write(b"0" * (64 * 1024 * 1024))
+    print("big ok")
+except OSError as e:
+    print("big blocked", e.errno)
+"#
+    );
+    let r = run_python(&code, &tight());
+    assert_eq!(r.outcome, Outcome::Completed, "{r:#?}");
+    assert!(r.stdout.contains("inside ok"), "{r:#?}");
+    assert!(r.stdout.contains("big blocked 27"), "EFBIG expected: {r:#?}");
+    let caps = sandbox_capabilities();
+    for path in &targets {
+        let host_path = if path.starts_with("../") {
+            std::env::temp_dir().join(&marker)
+        } else {
+            PathBuf::from(path)
+        };
+        assert!(!host_path.exists(), "{} was written on the host: {}", host_path.display(), r.stdout);
+        // With a private /tmp or another uid, even the sandbox's own view must be blocked or
+        // private; what must never happen is a host-visible file (checked above).
+        if !caps.private_tmp && !path.contains("tmp") && !path.contains("shm") {
+            assert!(!r.stdout.contains(&format!("wrote {path}")), "{r:#?}");
+        }
+    }
+    if caps.read_only_root {
+        for path in &targets[3..6] {
+            assert!(r.stdout.contains(&format!("blocked {path}")), "{path}: {r:#?}");
+        }
+    }
+    assert_removed(&printed_cwd(&r.stdout));
+}
+
+#[test]
+fn escape_network_connection_to_localhost_is_blocked() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let code = format!(
+        r#"
+import socket
+try:
+    s = socket.create_connection(("127.0.0.1", {port}), timeout=1)
+    s.sendall(b"escaped")
+    print("connected")
+except OSError as e:
+    print("blocked", e.errno)
+"#
+    );
+    let r = run_python(&code, &tight());
+    let caps = sandbox_capabilities();
+    if !caps.network_namespace {
+        // Not a missing service but a kernel without network namespaces: the README documents
+        // that the network is then not isolated.
+        eprintln!("SKIPPED: no network namespace on this kernel ({:?})", caps.notes);
+        return;
+    }
+    assert!(r.stdout.starts_with("blocked"), "{r:#?}");
+    assert!(listener.accept().is_err(), "the sandbox reached the listener");
+
+    // NetworkPolicy::Allowed really allows it (so the test above is meaningful).
+    let open = SandboxLimits {
+        network: NetworkPolicy::Allowed,
+        ..tight()
+    };
+    let r = run_python(&code, &open);
+    assert_eq!(r.stdout.trim(), "connected", "{r:#?}");
+}
+
+#[test]
+fn escape_killing_the_parent_and_everyone_else_fails() {
+    let me = std::process::id();
+    let code = format!(
+        r#"
+import os, signal
+print("CWD=" + os.getcwd(), flush=True)
+for target in (os.getppid(), {me}, 1):
+    try:
+        os.kill(target, signal.SIGKILL)
+        print("signalled", target, flush=True)
+    except OSError as e:
+        print("blocked", target, e.errno, flush=True)
+for name in os.listdir("/proc"):
+    if name.isdigit() and int(name) != os.getpid():
+        try:
+            os.kill(int(name), signal.SIGKILL)
+        except OSError:
+            pass
+try:
+    os.kill(-1, signal.SIGKILL)
+except OSError:
+    pass
+print("still here", flush=True)
+"#
+    );
+    let r = run_python(&code, &tight());
+    // We are still alive to check this: the test process was not killed.
+    assert!(
+        matches!(r.outcome, Outcome::Completed | Outcome::Killed { .. }),
+        "{r:#?}"
+    );
+    assert!(!r.stdout.contains(&format!("signalled {me}")), "{r:#?}");
+    assert_removed(&printed_cwd(&r.stdout));
+    // The sandbox still works afterwards.
+    assert_eq!(run_python("print(1)", &limits()).stdout, "1\n");
+}
+
+#[test]
+fn escape_reading_the_parent_environment_fails() {
+    let me = std::process::id();
+    let code = format!(
+        r#"
+import os
+print(sorted(os.environ.items()))
+for pid in (os.getppid(), {me}, 1):
+    try:
+        print(open("/proc/%d/environ" % pid, "rb").read().decode("utf-8", "replace"))
+    except OSError as e:
+        print("blocked", pid, e.errno)
+"#
+    );
+    let r = run_python(&code, &tight());
+    assert_eq!(r.outcome, Outcome::Completed, "{r:#?}");
+    let sandbox_vars = ["PATH", "HOME", "TMPDIR", "LANG"];
+    let mut checked = 0;
+    for (name, value) in std::env::vars() {
+        if sandbox_vars.contains(&name.as_str()) || value.len() < 4 {
+            continue;
+        }
+        checked += 1;
+        assert!(
+            !r.stdout.contains(&format!("{name}={value}")) && !r.stdout.contains(&format!("'{name}'")),
+            "the parent's {name} leaked: {}",
+            r.stdout
+        );
+    }
+    assert!(checked > 0, "the test process has no environment to protect");
+    let env_line = r.stdout.lines().next().unwrap_or_default();
+    for name in ["HOME", "LANG", "PATH", "TMPDIR"] {
+        assert!(env_line.contains(&format!("'{name}'")), "{env_line}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Task files
+// ---------------------------------------------------------------------------------------------
+
+fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn task_files_load_and_bad_ones_name_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = write_file(
+        dir.path(),
+        "good.jsonl",
+        concat!(
+            "{\"id\": \"t1\", \"prompt\": \"Write add(a, b).\", \"entry_point\": \"add\", \"tests\": [\"assert add(1, 2) == 3\"]}\n",
+            "\n",
+            "# a comment\n",
+            "{\"id\": \"t2\", \"prompt\": \"Write neg(x).\", \"entry_point\": \"neg\", \"tests\": [\"assert neg(1) == -1\"], \"extra\": 1}\n",
+        ),
+    );
+    let tasks = load_tasks_jsonl(&good).unwrap();
+    assert_eq!(tasks.len(), 2);
+    assert_eq!(tasks[1].entry_point, "neg");
+    let r = grade("def add(a, b):\n    return a + b\n", &tasks[0], &limits(), RewardMode::AllOrNothing);
+    assert!(r.all_passed, "{r:#?}");
+
+    let line = |id: &str, entry: &str, tests: &str| {
+        format!("{{\"id\": \"{id}\", \"prompt\": \"p\", \"entry_point\": \"{entry}\", \"tests\": {tests}}}\n")
+    };
+    let ok = line("a", "f", "[\"assert f()\"]");
+    let cases = [
+        ("syntax.jsonl", format!("{ok}{{not json\n"), "syntax.jsonl:2"),
+        ("missing.jsonl", format!("{ok}{{\"id\": \"b\", \"prompt\": \"p\", \"tests\": []}}\n"), "missing.jsonl:2"),
+        ("notests.jsonl", format!("\n{}", line("b", "f", "[]")), "notests.jsonl:2"),
+        ("badentry.jsonl", line("b", "not valid", "[\"assert 1\"]"), "badentry.jsonl:1"),
+        ("dup.jsonl", format!("{ok}{ok}"), "dup.jsonl:2"),
+        ("emptytest.jsonl", line("b", "f", "[\"  \"]"), "emptytest.jsonl:1"),
+        ("empty.jsonl", String::new(), "empty.jsonl"),
+    ];
+    for (name, text, expected) in cases {
+        let path = write_file(dir.path(), name, &text);
+        let err = format!("{:#}", load_tasks_jsonl(&path).unwrap_err());
+        assert!(err.contains(expected), "{name}: error {err:?} does not name {expected}");
+    }
+    let err = format!("{:#}", load_tasks_jsonl(&dir.path().join("absent.jsonl")).unwrap_err());
+    assert!(err.contains("absent.jsonl"), "{err}");
+}
+
+#[test]
+fn capabilities_are_reported() {
+    let caps = sandbox_capabilities();
+    eprintln!("sandbox capabilities: {caps:#?}");
+    assert!(caps.python.is_some(), "no python3: {caps:?}");
+    if !caps.user_namespace {
+        eprintln!("NOTE: namespaces unavailable, rlimit-only sandbox: {:?}", caps.notes);
+    }
+}
