@@ -212,6 +212,13 @@ fn probe() -> (Capabilities, Mode) {
         wall_time: Duration::from_secs(10),
         ..SandboxLimits::default()
     };
+    if std::env::var_os("COMPOSER_SANDBOX_NO_NAMESPACES").is_some() {
+        // For testing the fallback on a kernel that has namespaces.
+        caps.notes
+            .push("namespaces disabled by COMPOSER_SANDBOX_NO_NAMESPACES".to_string());
+        mode.namespaces = false;
+        return (caps, mode);
+    }
     let run = run_raw_with_mode(
         &[("probe.py", PROBE_SCRIPT.as_bytes())],
         "probe.py",
@@ -262,7 +269,18 @@ pub(crate) fn run_raw(
     stdin: &[u8],
     limits: &SandboxLimits,
 ) -> RawRun {
-    run_raw_with_mode(files, script, stdin, limits, mode())
+    let mode = mode();
+    if !mode.namespaces && !mode.root && std::env::var_os("COMPOSER_SANDBOX_ALLOW_WEAK").is_none() {
+        // Same uid as the parent and no pid namespace: the code could signal or ptrace-read
+        // this process and leave processes behind. Refuse unless explicitly accepted.
+        return RawRun::sandbox_error(
+            "refusing to run untrusted code: not root and no user namespaces, so the code \
+             could signal this process (set COMPOSER_SANDBOX_ALLOW_WEAK=1 to accept)"
+                .to_string(),
+            0.0,
+        );
+    }
+    run_raw_with_mode(files, script, stdin, limits, mode)
 }
 
 fn run_raw_with_mode(
@@ -288,7 +306,16 @@ fn run_raw_with_mode(
             )
         }
     };
-    let run = run_in_dir(workdir.path(), python, files, script, stdin, limits, mode, start);
+    let run = run_in_dir(
+        workdir.path(),
+        python,
+        files,
+        script,
+        stdin,
+        limits,
+        mode,
+        start,
+    );
     remove_dir_robust(workdir);
     run
 }
@@ -405,10 +432,30 @@ fn run_in_dir(
     }
     // SAFETY: as above; leftovers of the group (only possible without a pid namespace).
     unsafe { libc::killpg(pid, libc::SIGKILL) };
-    let status = child.wait();
+    // Reap with wait4 for the CPU time: the supervisor's rusage includes python's (it waited
+    // for it). `child` is not used after this.
+    let (status, cpu_used_s) = loop {
+        let mut raw_status: libc::c_int = 0;
+        // SAFETY: rusage is plain data filled by wait4.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: pid is our exited, unreaped child.
+        let r = unsafe { libc::wait4(pid, &mut raw_status, 0, &mut usage) };
+        if r == pid {
+            let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+            let cpu = secs(usage.ru_utime) + secs(usage.ru_stime);
+            break (Ok(std::process::ExitStatus::from_raw(raw_status)), cpu);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            break (Err(e), 0.0);
+        }
+    };
+    drop(child);
     let wall_s = elapsed(start);
     if mode.root && !mode.namespaces {
-        reap_uid(SANDBOX_UID_BASE + pid as u32);
+        let uid = SANDBOX_UID_BASE + pid as u32;
+        reap_uid(uid);
+        remove_files_of_uid(uid);
     }
 
     let collect = |rx: Option<mpsc::Receiver<(Vec<u8>, bool)>>| {
@@ -430,7 +477,10 @@ fn run_in_dir(
     let outcome = if timed_out {
         Outcome::TimedOut
     } else if let Some(sig) = signal {
-        if sig == libc::SIGXCPU {
+        // RLIMIT_CPU: SIGKILL at the hard limit (pid 1 of a pid namespace ignores SIGXCPU).
+        // (rusage is tick-sampled and reads up to a few % below the enforced runtime)
+        let at_cpu_limit = cpu_used_s >= 0.9 * limits.cpu_time_s.max(1) as f64 - 0.05;
+        if sig == libc::SIGXCPU || (sig == libc::SIGKILL && at_cpu_limit) {
             Outcome::CpuLimit
         } else {
             Outcome::Killed { signal: sig }
@@ -543,6 +593,29 @@ fn reap_uid(uid: u32) {
     }
 }
 
+/// Fallback without a private /tmp (root only): removes what the run's uid left in the
+/// world-writable directories.
+fn remove_files_of_uid(uid: u32) {
+    use std::os::unix::fs::MetadataExt;
+    for dir in ["/tmp", "/var/tmp", "/dev/shm"] {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            match std::fs::symlink_metadata(&path) {
+                Ok(meta) if meta.uid() == uid && meta.is_dir() => {
+                    let _ = std::fs::remove_dir_all(&path);
+                }
+                Ok(meta) if meta.uid() == uid => {
+                    let _ = std::fs::remove_file(&path);
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
 /// Removes the working directory even if the sandbox made parts of it unreadable.
 fn remove_dir_robust(dir: tempfile::TempDir) {
     let path = dir.path().to_path_buf();
@@ -629,7 +702,9 @@ unsafe fn mkdir_all(path: &[u8]) -> std::io::Result<()> {
         if i == path.len() || buf[i] == b'/' {
             let saved = buf[i];
             buf[i] = 0;
-            if libc::mkdir(buf.as_ptr().cast(), 0o700) != 0 && *libc::__errno_location() != libc::EEXIST {
+            if libc::mkdir(buf.as_ptr().cast(), 0o700) != 0
+                && *libc::__errno_location() != libc::EEXIST
+            {
                 return Err(os_err());
             }
             buf[i] = saved;
@@ -639,7 +714,11 @@ unsafe fn mkdir_all(path: &[u8]) -> std::io::Result<()> {
 }
 
 /// Sets a resource limit, clamped to the current hard limit (we may lack CAP_SYS_RESOURCE).
-unsafe fn set_limit(resource: libc::__rlimit_resource_t, soft: u64, hard: u64) -> std::io::Result<()> {
+unsafe fn set_limit(
+    resource: libc::__rlimit_resource_t,
+    soft: u64,
+    hard: u64,
+) -> std::io::Result<()> {
     let mut cur: libc::rlimit = std::mem::zeroed();
     if libc::getrlimit(resource, &mut cur) != 0 {
         return Err(os_err());
@@ -810,7 +889,8 @@ unsafe fn child_setup(plan: &ChildPlan) -> std::io::Result<()> {
     if flags < 0 || libc::fcntl(plan.result_fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
         return Err(os_err());
     }
-    set_limit(libc::RLIMIT_CPU, plan.cpu_s, plan.cpu_s + 1)?;
+    // soft == hard: SIGKILL at the limit (SIGXCPU would be ignored by a pid-namespace init).
+    set_limit(libc::RLIMIT_CPU, plan.cpu_s, plan.cpu_s)?;
     set_limit(libc::RLIMIT_AS, plan.address_space, plan.address_space)?;
     set_limit(libc::RLIMIT_FSIZE, plan.fsize, plan.fsize)?;
     set_limit(libc::RLIMIT_NOFILE, MAX_OPEN_FILES, MAX_OPEN_FILES)?;
@@ -822,9 +902,22 @@ unsafe fn child_setup(plan: &ChildPlan) -> std::io::Result<()> {
 /// returns and its pipes see EOF when python is done), waits for python, kills it at the
 /// wall-clock deadline, and exits the way python did.
 unsafe fn supervise(pid: libc::pid_t, plan: &ChildPlan) -> ! {
-    libc::syscall(libc::SYS_close_range, 3 as libc::c_uint, libc::c_uint::MAX, 0 as libc::c_uint);
+    // This process is a copy of the parent (its environment and heap included) running under
+    // the sandbox's uid: non-dumpable, so the sandbox cannot read its /proc files or ptrace it.
+    libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
+    libc::syscall(
+        libc::SYS_close_range,
+        3 as libc::c_uint,
+        libc::c_uint::MAX,
+        0 as libc::c_uint,
+    );
     let mut start: libc::timespec = std::mem::zeroed();
     libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut start);
+    // Sleep until python changes state (SIGCHLD, blocked so it stays pending) or the deadline.
+    let mut sigchld: libc::sigset_t = std::mem::zeroed();
+    libc::sigemptyset(&mut sigchld);
+    libc::sigaddset(&mut sigchld, libc::SIGCHLD);
+    libc::sigprocmask(libc::SIG_BLOCK, &sigchld, std::ptr::null_mut());
     let mut status: libc::c_int = 0;
     loop {
         let r = libc::waitpid(pid, &mut status, libc::WNOHANG);
@@ -846,11 +939,12 @@ unsafe fn supervise(pid: libc::pid_t, plan: &ChildPlan) -> ! {
             libc::waitpid(pid, &mut status, 0);
             libc::_exit(SUPERVISOR_TIMEOUT_EXIT);
         }
+        let remaining_ms = (plan.wall_ms as i64 - elapsed_ms).clamp(1, 100);
         let pause = libc::timespec {
             tv_sec: 0,
-            tv_nsec: 2_000_000,
+            tv_nsec: remaining_ms * 1_000_000,
         };
-        libc::nanosleep(&pause, std::ptr::null_mut());
+        libc::sigtimedwait(&sigchld, std::ptr::null_mut(), &pause);
     }
     if libc::WIFSIGNALED(status) {
         let sig = libc::WTERMSIG(status);

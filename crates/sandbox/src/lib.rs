@@ -37,7 +37,7 @@ pub enum NetworkPolicy {
 pub struct SandboxLimits {
     /// Wall-clock limit; at the deadline every process of the run is killed.
     pub wall_time: Duration,
-    /// CPU-time limit in seconds (RLIMIT_CPU: SIGXCPU, then SIGKILL one second later).
+    /// CPU-time limit in seconds per process (RLIMIT_CPU: SIGKILL at the limit).
     pub cpu_time_s: u64,
     /// Address-space limit per process in bytes (RLIMIT_AS; Python raises MemoryError).
     pub address_space_bytes: u64,
@@ -85,7 +85,7 @@ pub enum Outcome {
     Completed,
     /// Killed at the wall-clock limit.
     TimedOut,
-    /// Killed by the CPU-time limit (SIGXCPU).
+    /// Killed by the CPU-time limit (RLIMIT_CPU).
     CpuLimit,
     /// Ran out of address space (an uncaught MemoryError, or a test failing with one).
     MemoryLimit,
@@ -246,7 +246,10 @@ pub fn grade(code: &str, task: &CodeTask, limits: &SandboxLimits, mode: RewardMo
             _ => {}
         }
     }
-    let passed = results.iter().filter(|r| matches!(r, Some((true, _)))).count();
+    let passed = results
+        .iter()
+        .filter(|r| matches!(r, Some((true, _))))
+        .count();
     let all_passed = total > 0 && passed == total;
     let reward = match mode {
         _ if total == 0 => 0.0,

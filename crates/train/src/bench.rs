@@ -24,7 +24,12 @@ pub struct BenchOptions {
 
 impl Default for BenchOptions {
     fn default() -> Self {
-        Self { seeds: vec![0, 1, 2], target: 0.9, max_steps: 150, out_dir: PathBuf::from("runs/bench-channels") }
+        Self {
+            seeds: vec![0, 1, 2],
+            target: 0.9,
+            max_steps: 150,
+            out_dir: PathBuf::from("runs/bench-channels"),
+        }
     }
 }
 
@@ -45,13 +50,23 @@ pub struct BenchRow {
 
 /// Run the three arms and return the markdown table (also printed by the CLI).
 pub fn bench_channels(opts: &BenchOptions) -> Result<(Vec<BenchRow>, String)> {
-    let arms = [("RLVR", 0.0, 0.0), ("RLVR + hint", 1.0, 0.0), ("RLVR + hint + replay", 1.0, 0.5)];
+    let arms = [
+        ("RLVR", 0.0, 0.0),
+        ("RLVR + hint", 1.0, 0.0),
+        ("RLVR + hint + replay", 1.0, 0.5),
+    ];
     let mut rows = Vec::new();
     for (name, alpha, beta) in arms {
         for &seed in &opts.seeds {
             let text = arm_recipe(alpha, beta, seed, opts);
-            let dir = opts.out_dir.join(format!("{}-seed{seed}", name.replace(" + ", "-").to_lowercase()));
-            let recipe_path = opts.out_dir.join(format!("{}-seed{seed}.toml", name.replace(" + ", "-").to_lowercase()));
+            let dir = opts.out_dir.join(format!(
+                "{}-seed{seed}",
+                name.replace(" + ", "-").to_lowercase()
+            ));
+            let recipe_path = opts.out_dir.join(format!(
+                "{}-seed{seed}.toml",
+                name.replace(" + ", "-").to_lowercase()
+            ));
             std::fs::create_dir_all(&opts.out_dir)?;
             std::fs::write(&recipe_path, text)?;
             let out = run_train(&TrainOptions {
@@ -86,7 +101,10 @@ fn arm_recipe(alpha: f64, beta: f64, seed: u64, opts: &BenchOptions) -> String {
             ("[loss]", "hint_weight") => format!("hint_weight = {alpha:?}"),
             ("[loss]", "replay_weight") => format!("replay_weight = {beta:?}"),
             ("[train]", "seed") => format!("seed = {seed}"),
-            ("[train]", "steps") => format!("steps = {}\nstop_at_accuracy = {:?}", opts.max_steps, opts.target),
+            ("[train]", "steps") => format!(
+                "steps = {}\nstop_at_accuracy = {:?}",
+                opts.max_steps, opts.target
+            ),
             ("[train]", "eval_every") => "eval_every = 5".to_string(),
             ("[train]", "checkpoint_every") => "checkpoint_every = 0".to_string(),
             _ => line.to_string(),
@@ -103,13 +121,26 @@ fn table(rows: &[BenchRow], opts: &BenchOptions) -> String {
         opts.target * 100.0,
         opts.target * 100.0
     );
-    let pct = |x: Option<f64>| x.map(|a| format!("{:.1}%", a * 100.0)).unwrap_or_else(|| "-".into());
+    let pct = |x: Option<f64>| {
+        x.map(|a| format!("{:.1}%", a * 100.0))
+            .unwrap_or_else(|| "-".into())
+    };
     for r in rows {
         let (st, sm, sec) = match r.reached {
             Some((a, b, c)) => (a.to_string(), b.to_string(), format!("{c:.0}")),
-            None => (format!("> {}", opts.max_steps), "not reached".into(), "-".into()),
+            None => (
+                format!("> {}", opts.max_steps),
+                "not reached".into(),
+                "-".into(),
+            ),
         };
-        s.push_str(&format!("| {} | {} | {} | {st} | {sm} | {sec} | {} |\n", r.arm, r.seed, pct(r.warmup_accuracy), pct(r.final_accuracy)));
+        s.push_str(&format!(
+            "| {} | {} | {} | {st} | {sm} | {sec} | {} |\n",
+            r.arm,
+            r.seed,
+            pct(r.warmup_accuracy),
+            pct(r.final_accuracy)
+        ));
     }
     s
 }

@@ -58,6 +58,10 @@ pub struct CheckpointData<'a> {
     pub tokenizer_json: String,
     /// Optimizer moments.
     pub optimizer: HashMap<String, Tensor>,
+    /// tokenizer_config.json contents (default: the char-level tokenizer's).
+    pub tokenizer_config: Option<String>,
+    /// chat_template.jinja contents (default: ChatML).
+    pub chat_template: Option<String>,
     /// Trainer state.
     pub state: &'a TrainerState,
     /// The recipe text.
@@ -66,8 +70,10 @@ pub struct CheckpointData<'a> {
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    f.write_all(bytes).with_context(|| format!("writing {}", path.display()))?;
-    f.sync_all().with_context(|| format!("syncing {}", path.display()))?;
+    f.write_all(bytes)
+        .with_context(|| format!("writing {}", path.display()))?;
+    f.sync_all()
+        .with_context(|| format!("syncing {}", path.display()))?;
     Ok(())
 }
 
@@ -83,23 +89,37 @@ pub fn save_checkpoint(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf>
     let tmp = run_dir.join("checkpoint.tmp");
     let old = run_dir.join("checkpoint.old");
     if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).with_context(|| format!("removing stale {}", tmp.display()))?;
+        std::fs::remove_dir_all(&tmp)
+            .with_context(|| format!("removing stale {}", tmp.display()))?;
     }
     std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
     let st = |t: &HashMap<String, Tensor>| -> Result<Vec<u8>> {
         let mut sorted: Vec<(&String, &Tensor)> = t.iter().collect();
         sorted.sort_by(|a, b| a.0.cmp(b.0));
         Ok(safetensors::serialize(
-            sorted.into_iter().map(|(k, v)| (k.clone(), v.clone())).collect::<Vec<_>>(),
+            sorted
+                .into_iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect::<Vec<_>>(),
             Some(HashMap::from([("format".to_string(), "pt".to_string())])),
         )?)
     };
     write_synced(&tmp.join("model.safetensors"), &st(&data.weights)?)?;
-    if std::env::var(ABORT_HOOK_ENV).ok().and_then(|s| s.parse::<usize>().ok()) == Some(data.state.step) {
-        eprintln!("{ABORT_HOOK_ENV}: aborting while writing the checkpoint of step {}", data.state.step);
+    if std::env::var(ABORT_HOOK_ENV)
+        .ok()
+        .and_then(|s| s.parse::<usize>().ok())
+        == Some(data.state.step)
+    {
+        eprintln!(
+            "{ABORT_HOOK_ENV}: aborting while writing the checkpoint of step {}",
+            data.state.step
+        );
         std::process::abort();
     }
-    write_synced(&tmp.join("config.json"), serde_json::to_string_pretty(&data.config)?.as_bytes())?;
+    write_synced(
+        &tmp.join("config.json"),
+        serde_json::to_string_pretty(&data.config)?.as_bytes(),
+    )?;
     write_synced(&tmp.join("tokenizer.json"), data.tokenizer_json.as_bytes())?;
     let tok_cfg = serde_json::json!({
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -109,19 +129,27 @@ pub fn save_checkpoint(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf>
         "model_max_length": 256,
         "chat_template": CHATML_TEMPLATE,
     });
-    write_synced(&tmp.join("tokenizer_config.json"), serde_json::to_string_pretty(&tok_cfg)?.as_bytes())?;
+    write_synced(
+        &tmp.join("tokenizer_config.json"),
+        serde_json::to_string_pretty(&tok_cfg)?.as_bytes(),
+    )?;
     write_synced(&tmp.join("chat_template.jinja"), CHATML_TEMPLATE.as_bytes())?;
     write_synced(&tmp.join("optimizer.safetensors"), &st(&data.optimizer)?)?;
-    write_synced(&tmp.join("trainer_state.json"), serde_json::to_string_pretty(data.state)?.as_bytes())?;
+    write_synced(
+        &tmp.join("trainer_state.json"),
+        serde_json::to_string_pretty(data.state)?.as_bytes(),
+    )?;
     write_synced(&tmp.join("recipe.toml"), data.recipe_text.as_bytes())?;
     sync_dir(&tmp)?;
     if old.exists() {
         std::fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
     }
     if final_dir.exists() {
-        std::fs::rename(&final_dir, &old).with_context(|| format!("moving {} aside", final_dir.display()))?;
+        std::fs::rename(&final_dir, &old)
+            .with_context(|| format!("moving {} aside", final_dir.display()))?;
     }
-    std::fs::rename(&tmp, &final_dir).with_context(|| format!("renaming into {}", final_dir.display()))?;
+    std::fs::rename(&tmp, &final_dir)
+        .with_context(|| format!("renaming into {}", final_dir.display()))?;
     sync_dir(run_dir)?;
     if old.exists() {
         std::fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
@@ -137,7 +165,11 @@ pub fn find_checkpoint(run_dir: &Path) -> Result<PathBuf> {
             return Ok(d);
         }
     }
-    bail!("{}: no complete checkpoint (expected {}/trainer_state.json)", run_dir.display(), run_dir.join("checkpoint").display())
+    bail!(
+        "{}: no complete checkpoint (expected {}/trainer_state.json)",
+        run_dir.display(),
+        run_dir.join("checkpoint").display()
+    )
 }
 
 /// A loaded checkpoint.
@@ -161,8 +193,15 @@ pub fn load_checkpoint(dir: &Path, device: &Device) -> Result<LoadedCheckpoint> 
     )
     .with_context(|| format!("{}: not a valid trainer state", sp.display()))?;
     let op = dir.join("optimizer.safetensors");
-    let optimizer = candle_core::safetensors::load(&op, device).with_context(|| format!("reading {}", op.display()))?;
+    let optimizer = candle_core::safetensors::load(&op, device)
+        .with_context(|| format!("reading {}", op.display()))?;
     let rp = dir.join("recipe.toml");
-    let recipe_text = std::fs::read_to_string(&rp).with_context(|| format!("reading {}", rp.display()))?;
-    Ok(LoadedCheckpoint { dir: dir.to_path_buf(), state, optimizer, recipe_text })
+    let recipe_text =
+        std::fs::read_to_string(&rp).with_context(|| format!("reading {}", rp.display()))?;
+    Ok(LoadedCheckpoint {
+        dir: dir.to_path_buf(),
+        state,
+        optimizer,
+        recipe_text,
+    })
 }

@@ -52,14 +52,18 @@ pub type ChatRenderer<'a> = &'a dyn Fn(&[Message]) -> Result<String>;
 pub fn render_chatml(messages: &[Message]) -> Result<String> {
     let mut s = String::new();
     for m in messages {
-        s.push_str(&format!("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content));
+        s.push_str(&format!(
+            "<|im_start|>{}\n{}<|im_end|>\n",
+            m.role, m.content
+        ));
     }
     s.push_str("<|im_start|>assistant\n");
     Ok(s)
 }
 
 fn read_rows(path: &Path) -> Result<Vec<(usize, RawRow)>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading dataset {}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading dataset {}", path.display()))?;
     let mut rows = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
@@ -82,7 +86,9 @@ pub fn load_prompts(path: &Path, chat: ChatRenderer) -> Result<Vec<PromptRow>> {
         let at = || format!("{} line {line}", path.display());
         let prompt = match (row.prompt, row.messages) {
             (Some(p), None) => p,
-            (None, Some(m)) => chat(&m).with_context(|| format!("{}: rendering `messages`", at()))?,
+            (None, Some(m)) => {
+                chat(&m).with_context(|| format!("{}: rendering `messages`", at()))?
+            }
             (Some(_), Some(_)) => bail!("{}: set `prompt` or `messages`, not both", at()),
             (None, None) => bail!("{}: missing `prompt` (or `messages`)", at()),
         };
@@ -104,11 +110,15 @@ pub fn load_sft(path: &Path, chat: ChatRenderer) -> Result<Vec<SftRow>> {
         let at = || format!("{} line {line}", path.display());
         let prompt = match (row.prompt, row.messages) {
             (Some(p), None) => p,
-            (None, Some(m)) => chat(&m).with_context(|| format!("{}: rendering `messages`", at()))?,
+            (None, Some(m)) => {
+                chat(&m).with_context(|| format!("{}: rendering `messages`", at()))?
+            }
             (Some(_), Some(_)) => bail!("{}: set `prompt` or `messages`, not both", at()),
             (None, None) => bail!("{}: missing `prompt` (or `messages`)", at()),
         };
-        let completion = row.completion.with_context(|| format!("{}: missing `completion`", at()))?;
+        let completion = row
+            .completion
+            .with_context(|| format!("{}: missing `completion`", at()))?;
         out.push(SftRow { prompt, completion });
     }
     Ok(out)

@@ -18,5 +18,8 @@ pub mod trainer;
 pub mod verifiers;
 
 pub use bench::{bench_channels, BenchOptions};
-pub use recipe::{embedded_default_recipe, load_recipe, parse_recipe, Recipe, EMBEDDED_DEFAULT_RECIPE, EXAMPLE_RECIPE};
+pub use recipe::{
+    embedded_default_recipe, load_recipe, parse_recipe, Recipe, EMBEDDED_DEFAULT_RECIPE,
+    EXAMPLE_RECIPE,
+};
 pub use trainer::{run_train, RunOutcome, TrainOptions};

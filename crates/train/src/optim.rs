@@ -49,7 +49,13 @@ impl AdamW {
             m.insert(name.clone(), var.as_tensor().zeros_like()?);
             v.insert(name.clone(), var.as_tensor().zeros_like()?);
         }
-        Ok(Self { vars, m, v, step: 0, params })
+        Ok(Self {
+            vars,
+            m,
+            v,
+            step: 0,
+            params,
+        })
     }
 
     /// One update with learning rate `lr` from `grads` (by name; a missing gradient counts as 0).
@@ -93,9 +99,15 @@ impl AdamW {
         for (name, var) in &self.vars {
             for (prefix, map) in [("m", &mut self.m), ("v", &mut self.v)] {
                 let key = format!("{prefix}.{name}");
-                let t = tensors.get(&key).with_context(|| format!("optimizer state: missing tensor {key}"))?;
+                let t = tensors
+                    .get(&key)
+                    .with_context(|| format!("optimizer state: missing tensor {key}"))?;
                 if t.dims() != var.dims() {
-                    anyhow::bail!("optimizer state: tensor {key} has shape {:?}, expected {:?}", t.dims(), var.dims());
+                    anyhow::bail!(
+                        "optimizer state: tensor {key} has shape {:?}, expected {:?}",
+                        t.dims(),
+                        var.dims()
+                    );
                 }
                 map.insert(name.clone(), t.clone());
             }

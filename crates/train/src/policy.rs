@@ -87,7 +87,9 @@ pub fn generate(
             policy_version,
         })
         .collect();
-    let mut rngs: Vec<ChaCha8Rng> = (0..rows).map(|i| ChaCha8Rng::seed_from_u64(seed_of(i))).collect();
+    let mut rngs: Vec<ChaCha8Rng> = (0..rows)
+        .map(|i| ChaCha8Rng::seed_from_u64(seed_of(i)))
+        .collect();
     let mut active: Vec<usize> = (0..rows).collect();
     for _ in 0..params.max_new_tokens {
         if active.is_empty() {
@@ -96,11 +98,18 @@ pub fn generate(
         let batch: Vec<Vec<u32>> = active.iter().map(|&i| seqs[i].clone()).collect();
         let ids = pad_batch(&batch, eos, model.device())?;
         let (b, l) = ids.dims2()?;
-        let logits = model.forward(&ids)?;
+        let logits = model.forward_inference(&ids)?;
         let v = logits.dim(2)?;
-        let last: Vec<u32> = batch.iter().enumerate().map(|(r, s)| (r * l + s.len() - 1) as u32).collect();
+        let last: Vec<u32> = batch
+            .iter()
+            .enumerate()
+            .map(|(r, s)| (r * l + s.len() - 1) as u32)
+            .collect();
         let last = Tensor::from_vec(last, b, model.device())?;
-        let rows_logits: Vec<Vec<f32>> = logits.reshape((b * l, v))?.index_select(&last, 0)?.to_vec2()?;
+        let rows_logits: Vec<Vec<f32>> = logits
+            .reshape((b * l, v))?
+            .index_select(&last, 0)?
+            .to_vec2()?;
         let mut still = Vec::new();
         for (r, &i) in active.iter().enumerate() {
             let (tok, lp) = sample_token(&rows_logits[r], params, &mut rngs[i]);
@@ -122,13 +131,21 @@ pub fn generate(
 /// Draw one token: greedy at temperature 0; else softmax(logits / T) filtered by top-k/top-p.
 /// Returns the token and its log-prob under softmax(logits / T).
 fn sample_token(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (u32, f32) {
-    let t = if p.temperature <= 0.0 { 1.0 } else { p.temperature };
+    let t = if p.temperature <= 0.0 {
+        1.0
+    } else {
+        p.temperature
+    };
     let scaled: Vec<f64> = logits.iter().map(|&x| x as f64 / t).collect();
     let max = scaled.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let lse = max + scaled.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
     let logp: Vec<f64> = scaled.iter().map(|x| x - lse).collect();
     if p.temperature <= 0.0 {
-        let (i, _) = logp.iter().enumerate().fold((0, f64::NEG_INFINITY), |a, (i, &x)| if x > a.1 { (i, x) } else { a });
+        let (i, _) =
+            logp.iter().enumerate().fold(
+                (0, f64::NEG_INFINITY),
+                |a, (i, &x)| if x > a.1 { (i, x) } else { a },
+            );
         return (i as u32, logp[i] as f32);
     }
     let mut order: Vec<usize> = (0..logp.len()).collect();
@@ -176,7 +193,12 @@ pub struct TokenBatch {
 
 /// Build a batch from (prompt, completion) id pairs.
 pub fn token_batch(pairs: &[(&[u32], &[u32])], pad: u32, device: &Device) -> Result<TokenBatch> {
-    let l = pairs.iter().map(|(p, c)| p.len() + c.len() - 1).max().unwrap_or(1).max(1);
+    let l = pairs
+        .iter()
+        .map(|(p, c)| p.len() + c.len() - 1)
+        .max()
+        .unwrap_or(1)
+        .max(1);
     let b = pairs.len();
     let mut input = vec![pad; b * l];
     let mut targets = vec![pad; b * l];
@@ -214,9 +236,17 @@ pub fn log_softmax(x: &Tensor) -> Result<Tensor> {
 
 /// Per-token log-probs of the targets `[B, L]` and the full log-softmax `[B, L, V]`, at
 /// temperature `t` (logits divided by t, as TRL's trainer does).
-pub fn token_logprobs(model: &TinyModel, batch: &TokenBatch, temperature: f64) -> Result<(Tensor, Tensor)> {
+pub fn token_logprobs(
+    model: &TinyModel,
+    batch: &TokenBatch,
+    temperature: f64,
+) -> Result<(Tensor, Tensor)> {
     let logits = model.forward(&batch.input)?;
-    let logits = if temperature > 0.0 && temperature != 1.0 { (logits / temperature)? } else { logits };
+    let logits = if temperature > 0.0 && temperature != 1.0 {
+        (logits / temperature)?
+    } else {
+        logits
+    };
     let ls = log_softmax(&logits)?;
     let lp = ls.gather(&batch.targets.unsqueeze(2)?, 2)?.squeeze(2)?;
     Ok((lp, ls))
@@ -225,7 +255,11 @@ pub fn token_logprobs(model: &TinyModel, batch: &TokenBatch, temperature: f64) -
 /// Rows of `[B, L, V]` at flat positions → `[N, V]`.
 pub fn rows_at(ls: &Tensor, positions: &[usize]) -> Result<Tensor> {
     let (b, l, v) = ls.dims3()?;
-    let idx = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect::<Vec<_>>(), positions.len(), ls.device())?;
+    let idx = Tensor::from_vec(
+        positions.iter().map(|&p| p as u32).collect::<Vec<_>>(),
+        positions.len(),
+        ls.device(),
+    )?;
     Ok(ls.reshape((b * l, v))?.index_select(&idx, 0)?)
 }
 

@@ -121,7 +121,11 @@ pub struct ArithmeticConfig {
 
 impl Default for ArithmeticConfig {
     fn default() -> Self {
-        Self { digits: d_digits(), ops: d_ops(), operand_max: None }
+        Self {
+            digits: d_digits(),
+            ops: d_ops(),
+            operand_max: None,
+        }
     }
 }
 
@@ -211,7 +215,12 @@ pub struct HintSection {
 
 impl Default for HintSection {
     fn default() -> Self {
-        Self { config: HintConfig::default(), top_k: 8, only_failed: false, template: HintTemplate::default() }
+        Self {
+            config: HintConfig::default(),
+            top_k: 8,
+            only_failed: false,
+            template: HintTemplate::default(),
+        }
     }
 }
 
@@ -257,7 +266,11 @@ pub struct ReplayLossConfig {
 
 impl Default for ReplayLossConfig {
     fn default() -> Self {
-        Self { dpo_weight: 1.0, dpo_beta: d_dpo_beta(), kl_weight: 1.0 }
+        Self {
+            dpo_weight: 1.0,
+            dpo_beta: d_dpo_beta(),
+            kl_weight: 1.0,
+        }
     }
 }
 
@@ -381,7 +394,9 @@ pub struct OutputSection {
 
 impl Default for OutputSection {
     fn default() -> Self {
-        Self { run_dir: d_run_dir() }
+        Self {
+            run_dir: d_run_dir(),
+        }
     }
 }
 
@@ -395,7 +410,11 @@ fn d_eval_size() -> usize {
     200
 }
 fn d_verifiers() -> Vec<VerifierSpec> {
-    vec![VerifierSpec { kind: "numeric".into(), weight: 1.0, pattern: None }]
+    vec![VerifierSpec {
+        kind: "numeric".into(),
+        weight: 1.0,
+        pattern: None,
+    }]
 }
 fn d_digits() -> u32 {
     2
@@ -411,9 +430,6 @@ fn d_max_completion_length() -> usize {
 }
 fn d_hint_top_k() -> usize {
     8
-}
-fn d_template() -> String {
-    "[{hint}]{prompt}".into()
 }
 fn d_dpo_beta() -> f64 {
     0.1
@@ -467,8 +483,11 @@ pub const EMBEDDED_DEFAULT_RECIPE: &str = include_str!("default_recipe.toml");
 
 /// The embedded default recipe, parsed.
 pub fn embedded_default_recipe() -> Recipe {
-    parse_recipe(EMBEDDED_DEFAULT_RECIPE, Path::new("<embedded default recipe>"))
-        .expect("the embedded default recipe parses (tested)")
+    parse_recipe(
+        EMBEDDED_DEFAULT_RECIPE,
+        Path::new("<embedded default recipe>"),
+    )
+    .expect("the embedded default recipe parses (tested)")
 }
 
 /// Read and validate a recipe file.
@@ -482,17 +501,40 @@ pub fn load_recipe(path: &Path) -> Result<Recipe> {
 pub fn parse_recipe(text: &str, origin: &Path) -> Result<Recipe> {
     let raw: RawRecipe = toml::from_str(text).map_err(|e| {
         let msg = e.message().to_string();
-        let line = e.span().map(|s| text[..s.start.min(text.len())].lines().count().max(1));
+        let line = e
+            .span()
+            .map(|s| text[..s.start.min(text.len())].lines().count().max(1));
         let section = line.map(|l| section_at(text, l)).unwrap_or_default();
+        // The key is what precedes `=` on the error's line (the span may cover the value).
         let key = e
             .span()
-            .map(|s| text[s.start.min(text.len())..s.end.min(text.len())].trim().to_string())
+            .map(|s| {
+                let start = s.start.min(text.len());
+                let line_start = text[..start].rfind('\n').map(|i| i + 1).unwrap_or(0);
+                let line_end = text[start..]
+                    .find('\n')
+                    .map(|i| start + i)
+                    .unwrap_or(text.len());
+                let line = &text[line_start..line_end];
+                match line.split_once('=') {
+                    Some((k, _)) if !line.trim_start().starts_with('[') => k.trim().to_string(),
+                    _ => text[start..s.end.min(text.len())].trim().to_string(),
+                }
+            })
             .unwrap_or_default();
-        let key = key.split(['=', '\n']).next().unwrap_or("").trim().to_string();
-        let key_path = if section.is_empty() { key.clone() } else { format!("[{section}] {key}") };
-        let hint = suggestion(&msg).map(|s| format!(" (did you mean `{s}`?)")).unwrap_or_default();
+        let key_path = if section.is_empty() {
+            key.clone()
+        } else {
+            format!("[{section}] {key}")
+        };
+        let hint = suggestion(&msg)
+            .map(|s| format!(" (did you mean `{s}`?)"))
+            .unwrap_or_default();
         let at = line.map(|l| format!(" line {l}")).unwrap_or_default();
-        anyhow::anyhow!("recipe {}{at}, key `{key_path}`: {msg}{hint}", origin.display())
+        anyhow::anyhow!(
+            "recipe {}{at}, key `{key_path}`: {msg}{hint}",
+            origin.display()
+        )
     })?;
     let loss = parse_loss(raw.loss.unwrap_or_default(), text)
         .map_err(|e| anyhow::anyhow!("recipe {}{e}", origin.display()))?;
@@ -520,14 +562,23 @@ fn field_names<T: DeserializeOwned>() -> Vec<String> {
         Err(e) => {
             let msg = e.to_string();
             let rest = msg.split_once("expected").map(|x| x.1).unwrap_or("");
-            rest.split('`').skip(1).step_by(2).map(str::to_string).collect()
+            rest.split('`')
+                .skip(1)
+                .step_by(2)
+                .map(str::to_string)
+                .collect()
         }
     }
 }
 
 /// Split `table` between several key sets (first match wins); an unknown key is an error
 /// naming `section`, the line, and the closest known key.
-fn split_table(table: toml::Table, section: &str, sets: &[Vec<String>], text: &str) -> std::result::Result<Vec<toml::Table>, String> {
+fn split_table(
+    table: toml::Table,
+    section: &str,
+    sets: &[Vec<String>],
+    text: &str,
+) -> std::result::Result<Vec<toml::Table>, String> {
     let mut out = vec![toml::Table::new(); sets.len()];
     for (k, v) in table {
         match sets.iter().position(|s| s.contains(&k)) {
@@ -543,7 +594,10 @@ fn split_table(table: toml::Table, section: &str, sets: &[Vec<String>], text: &s
                     .max_by(|a, b| a.0.total_cmp(&b.0))
                     .map(|(_, c)| format!(" (did you mean `{c}`?)"))
                     .unwrap_or_default();
-                return Err(format!("{}, key `[{section}] {k}`: unknown key{best}", line_of(text, section, &k)));
+                return Err(format!(
+                    "{}, key `[{section}] {k}`: unknown key{best}",
+                    line_of(text, section, &k)
+                ));
             }
         }
     }
@@ -564,26 +618,42 @@ fn line_of(text: &str, section: &str, key: &str) -> String {
     String::new()
 }
 
-fn typed<T: DeserializeOwned>(t: toml::Table, section: &str, text: &str) -> std::result::Result<T, String> {
+fn typed<T: DeserializeOwned>(
+    t: toml::Table,
+    section: &str,
+    text: &str,
+) -> std::result::Result<T, String> {
     let keys: Vec<String> = t.keys().cloned().collect();
     T::deserialize(toml::Value::Table(t)).map_err(|e| {
         let msg = e.to_string();
-        let key = keys.iter().find(|k| msg.contains(&format!("`{k}`"))).or(keys.first());
+        let key = keys
+            .iter()
+            .find(|k| msg.contains(&format!("`{k}`")))
+            .or(keys.first());
         match key {
-            Some(k) => format!("{}, key `[{section}] {k}`: {}", line_of(text, section, k), msg.trim()),
+            Some(k) => format!(
+                "{}, key `[{section}] {k}`: {}",
+                line_of(text, section, k),
+                msg.trim()
+            ),
             None => format!(", section `[{section}]`: {}", msg.trim()),
         }
     })
 }
 
 fn parse_loss(table: toml::Table, text: &str) -> std::result::Result<LossSection, String> {
-    let sets = [field_names::<RlvrConfig>(), field_names::<AdvantageConfig>(), field_names::<LossOwn>()];
+    let sets = [
+        field_names::<RlvrConfig>(),
+        field_names::<AdvantageConfig>(),
+        field_names::<LossOwn>(),
+    ];
     let mut parts = split_table(table, "loss", &sets, text)?.into_iter();
     let rlvr: RlvrConfig = typed(parts.next().unwrap_or_default(), "loss", text)?;
     let advantage: AdvantageConfig = typed(parts.next().unwrap_or_default(), "loss", text)?;
     let own: LossOwn = typed(parts.next().unwrap_or_default(), "loss", text)?;
     let hint_sets = [field_names::<HintConfig>(), field_names::<HintOwn>()];
-    let mut hp = split_table(own.hint.unwrap_or_default(), "loss.hint", &hint_sets, text)?.into_iter();
+    let mut hp =
+        split_table(own.hint.unwrap_or_default(), "loss.hint", &hint_sets, text)?.into_iter();
     let config: HintConfig = typed(hp.next().unwrap_or_default(), "loss.hint", text)?;
     let hown: HintOwn = typed(hp.next().unwrap_or_default(), "loss.hint", text)?;
     Ok(LossSection {
@@ -591,7 +661,12 @@ fn parse_loss(table: toml::Table, text: &str) -> std::result::Result<LossSection
         advantage,
         hint_weight: own.hint_weight,
         replay_weight: own.replay_weight,
-        hint: HintSection { config, top_k: hown.top_k, only_failed: hown.only_failed, template: hown.template },
+        hint: HintSection {
+            config,
+            top_k: hown.top_k,
+            only_failed: hown.only_failed,
+            template: hown.template,
+        },
         replay: own.replay,
     })
 }
@@ -629,14 +704,19 @@ fn validate(r: &Recipe) -> Result<()> {
         _ => {}
     }
     match (&r.data.task, &r.data.dataset) {
-        (None, None) => bail!("key `[data]`: set `task = \"arithmetic\"` or `dataset = \"file.jsonl\"`"),
+        (None, None) => {
+            bail!("key `[data]`: set `task = \"arithmetic\"` or `dataset = \"file.jsonl\"`")
+        }
         (Some(t), _) if t != "arithmetic" => {
             bail!("key `[data] task`: unknown task {t:?} (known: \"arithmetic\")")
         }
         _ => {}
     }
     if !(1..=4).contains(&r.data.arithmetic.digits) {
-        bail!("key `[data.arithmetic] digits`: must be 1..=4, got {}", r.data.arithmetic.digits);
+        bail!(
+            "key `[data.arithmetic] digits`: must be 1..=4, got {}",
+            r.data.arithmetic.digits
+        );
     }
     for op in &r.data.arithmetic.ops {
         if !["+", "-", "*"].contains(&op.as_str()) {
@@ -658,12 +738,22 @@ fn validate(r: &Recipe) -> Result<()> {
     }
     let one_of = |key: &str, v: &str, allowed: &[&str]| -> Result<()> {
         if !allowed.contains(&v) {
-            bail!("key `{key}`: unknown value {v:?} (known: {})", allowed.join(", "));
+            bail!(
+                "key `{key}`: unknown value {v:?} (known: {})",
+                allowed.join(", ")
+            );
         }
         Ok(())
     };
-    one_of("[optimizer] schedule", &r.optimizer.schedule, &["constant", "cosine"])?;
-    r.loss.rlvr.validate().map_err(|e| anyhow::anyhow!("key `[loss]`: {e}"))?;
+    one_of(
+        "[optimizer] schedule",
+        &r.optimizer.schedule,
+        &["constant", "cosine"],
+    )?;
+    r.loss
+        .rlvr
+        .validate()
+        .map_err(|e| anyhow::anyhow!("key `[loss]`: {e}"))?;
     if !r.loss.hint.template.reprompt.contains("{prompt}") {
         bail!("key `[loss.hint.template] reprompt`: must contain {{prompt}}");
     }
@@ -676,12 +766,19 @@ fn validate(r: &Recipe) -> Result<()> {
     if r.rollout.temperature < 0.0 {
         bail!("key `[rollout] temperature`: must be >= 0");
     }
-    if r.train.num_iterations < 1 || r.train.mini_batches < 1 || r.train.gradient_accumulation_steps < 1 {
+    if r.train.num_iterations < 1
+        || r.train.mini_batches < 1
+        || r.train.gradient_accumulation_steps < 1
+    {
         bail!("key `[train] num_iterations`, `mini_batches`, `gradient_accumulation_steps` must be >= 1");
     }
     if let Some(rp) = &r.replay {
         if !rp.teacher_weights.is_empty() && rp.teacher_weights.len() != rp.traces.len() {
-            bail!("key `[replay] teacher_weights`: {} weights for {} trace files", rp.teacher_weights.len(), rp.traces.len());
+            bail!(
+                "key `[replay] teacher_weights`: {} weights for {} trace files",
+                rp.teacher_weights.len(),
+                rp.traces.len()
+            );
         }
     }
     Ok(())

@@ -1,49 +1,31 @@
-//! Teacher traces for the replay channel: one JSONL row per trace with the completion's token
-//! ids and, per token, the teacher's top-K token ids and log-probs.
+//! Teacher traces for the replay channel, in composer-loss's trace-store format
+//! ([`composer_loss::Trace`]: prompt/completion token ids, per-token top-K ids and log-probs,
+//! reward, passed), read with [`composer_loss::TraceStore`].
 
 use std::path::Path;
 
-use anyhow::{bail, Context, Result};
-use serde::{Deserialize, Serialize};
+use anyhow::{bail, Result};
 
-/// One recorded teacher trace.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TeacherTrace {
-    /// Which teacher wrote it.
-    pub teacher: String,
-    /// Prompt text (the key that pairs a trace with rollouts of the same prompt).
-    pub prompt: String,
-    /// Prompt token ids.
-    pub prompt_ids: Vec<u32>,
-    /// Completion token ids.
-    pub completion_ids: Vec<u32>,
-    /// Per completion token, the teacher's top-K token ids.
-    pub topk_ids: Vec<Vec<u32>>,
-    /// Per completion token, the teacher's top-K log-probs (same order).
-    pub topk_logprobs: Vec<Vec<f32>>,
-    /// The trace's verified reward (passing traces are the DPO "chosen").
-    pub reward: f64,
-}
+/// One recorded teacher trace (the trace store's row type).
+pub use composer_loss::Trace as TeacherTrace;
 
-/// Read a trace file; errors name file and line.
+/// Read and validate a trace file; errors name file and line.
 pub fn read_traces(path: &Path, vocab_size: usize) -> Result<Vec<TeacherTrace>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading traces {}", path.display()))?;
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let t: TeacherTrace = serde_json::from_str(line)
-            .with_context(|| format!("{} line {}: not a valid trace", path.display(), i + 1))?;
-        let n = t.completion_ids.len();
-        if t.topk_ids.len() != n || t.topk_logprobs.len() != n {
-            bail!("{} line {}: topk_ids/topk_logprobs must have one entry per completion token ({n})", path.display(), i + 1);
-        }
-        let bad = t.prompt_ids.iter().chain(&t.completion_ids).chain(t.topk_ids.iter().flatten()).any(|&id| id as usize >= vocab_size);
+    let store = composer_loss::TraceStore::load(path).map_err(|e| anyhow::anyhow!("{e}"))?;
+    for (i, t) in store.traces.iter().enumerate() {
+        let bad = t
+            .prompt_ids
+            .iter()
+            .chain(&t.completion_ids)
+            .chain(t.topk_ids.iter().flatten())
+            .any(|&id| id as usize >= vocab_size);
         if bad {
-            bail!("{} line {}: token id outside the vocabulary ({vocab_size})", path.display(), i + 1);
+            bail!(
+                "{}: trace #{} has a token id outside the vocabulary ({vocab_size})",
+                path.display(),
+                i + 1
+            );
         }
-        out.push(t);
     }
-    Ok(out)
+    Ok(store.traces)
 }

@@ -2,7 +2,6 @@
 //! disjoint from the training prompts, and a scripted teacher that solves the task and writes
 //! traces in the trace-store format (per-token top-K log-probs).
 
-use std::io::Write;
 use std::path::Path;
 
 use anyhow::{Context, Result};
@@ -15,10 +14,18 @@ use crate::recipe::ArithmeticConfig;
 use crate::replay::TeacherTrace;
 
 /// All problems of the task, split into (train, eval) with `eval_size` held out (seeded shuffle).
-pub fn arithmetic_split(cfg: &ArithmeticConfig, eval_size: usize, seed: u64) -> (Vec<PromptRow>, Vec<PromptRow>) {
+pub fn arithmetic_split(
+    cfg: &ArithmeticConfig,
+    eval_size: usize,
+    seed: u64,
+) -> (Vec<PromptRow>, Vec<PromptRow>) {
     let lo = 10u64.pow(cfg.digits - 1);
     let lo = if cfg.digits == 1 { 0 } else { lo };
-    let hi = cfg.operand_max.map(|m| m + 1).unwrap_or(10u64.pow(cfg.digits)).max(lo + 1);
+    let hi = cfg
+        .operand_max
+        .map(|m| m + 1)
+        .unwrap_or(10u64.pow(cfg.digits))
+        .max(lo + 1);
     let mut all = Vec::new();
     for op in &cfg.ops {
         for a in lo..hi {
@@ -28,7 +35,10 @@ pub fn arithmetic_split(cfg: &ArithmeticConfig, eval_size: usize, seed: u64) -> 
                     "*" => (a * b) as i64,
                     _ => (a + b) as i64,
                 };
-                all.push(PromptRow { prompt: format!("{a}{op}{b}="), answer: ans.to_string() });
+                all.push(PromptRow {
+                    prompt: format!("{a}{op}{b}="),
+                    answer: ans.to_string(),
+                });
             }
         }
     }
@@ -67,32 +77,30 @@ pub fn scripted_trace(
         topk_ids.push(ids);
         topk_logprobs.push(lps);
     }
+    let _ = row;
     TeacherTrace {
         teacher: "scripted-arithmetic".into(),
-        prompt: row.prompt.clone(),
         prompt_ids,
         completion_ids,
         topk_ids,
         topk_logprobs,
         reward: 1.0,
+        passed: true,
     }
 }
 
-/// Write traces as JSONL (atomically: temp file + rename).
+/// Write traces with the trace store's writer, atomically (temp file + rename).
 pub fn write_traces(path: &Path, traces: &[TeacherTrace]) -> Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     let tmp = path.with_extension("jsonl.tmp");
-    let mut f = std::io::BufWriter::new(
-        std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
-    );
+    let mut w = composer_loss::TraceWriter::create(&tmp).map_err(|e| anyhow::anyhow!("{e}"))?;
     for t in traces {
-        serde_json::to_writer(&mut f, t)?;
-        f.write_all(b"\n")?;
+        w.write(t).map_err(|e| anyhow::anyhow!("{e}"))?;
     }
-    f.flush()?;
-    drop(f);
+    w.flush().map_err(|e| anyhow::anyhow!("{e}"))?;
+    drop(w);
     std::fs::rename(&tmp, path).with_context(|| format!("renaming into {}", path.display()))?;
     Ok(())
 }

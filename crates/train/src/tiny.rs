@@ -66,6 +66,18 @@ pub struct TinyModel {
     /// All trainable variables, by HF name.
     pub varmap: VarMap,
     device: Device,
+    /// An HF checkpoint loaded through composer-model (then `cfg` is informational).
+    hf: Option<HfBackbone>,
+}
+
+/// A Hugging Face checkpoint loaded through composer-model, with trainable f32 variables.
+pub struct HfBackbone {
+    /// The transformer (its tensors share storage with the `VarMap`'s variables).
+    pub transformer: composer_model::Transformer,
+    /// Its config.
+    pub config: composer_model::ModelConfig,
+    /// The checkpoint directory (tokenizer_config.json, chat template are copied from it).
+    pub source_dir: std::path::PathBuf,
 }
 
 impl TinyModel {
@@ -83,9 +95,18 @@ impl TinyModel {
             w.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, d]));
             w.push((format!("{p}.self_attn.o_proj.weight"), vec![d, d]));
             w.push((format!("{p}.post_attention_layernorm.weight"), vec![d]));
-            w.push((format!("{p}.mlp.gate_proj.weight"), vec![cfg.intermediate_size, d]));
-            w.push((format!("{p}.mlp.up_proj.weight"), vec![cfg.intermediate_size, d]));
-            w.push((format!("{p}.mlp.down_proj.weight"), vec![d, cfg.intermediate_size]));
+            w.push((
+                format!("{p}.mlp.gate_proj.weight"),
+                vec![cfg.intermediate_size, d],
+            ));
+            w.push((
+                format!("{p}.mlp.up_proj.weight"),
+                vec![cfg.intermediate_size, d],
+            ));
+            w.push((
+                format!("{p}.mlp.down_proj.weight"),
+                vec![d, cfg.intermediate_size],
+            ));
         }
         w.push(("model.norm.weight".to_string(), vec![d]));
         w.push(("lm_head.weight".to_string(), vec![vocab, d]));
@@ -93,12 +114,20 @@ impl TinyModel {
     }
 
     /// Randomly initialised model: norms at 1, matrices N(0, init_std²) from ChaCha8(seed).
-    pub fn random_init(cfg: &TinyConfig, vocab_size: usize, seed: u64, device: &Device) -> Result<Self> {
+    pub fn random_init(
+        cfg: &TinyConfig,
+        vocab_size: usize,
+        seed: u64,
+        device: &Device,
+    ) -> Result<Self> {
         validate(cfg)?;
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let varmap = VarMap::new();
         {
-            let mut data = varmap.data().lock().map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
+            let mut data = varmap
+                .data()
+                .lock()
+                .map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
             for (name, shape) in Self::weight_shapes(cfg, vocab_size) {
                 let n: usize = shape.iter().product();
                 let values: Vec<f32> = if shape.len() == 1 {
@@ -111,20 +140,70 @@ impl TinyModel {
                 data.insert(name, Var::from_tensor(&t)?);
             }
         }
-        Ok(Self { cfg: cfg.clone(), vocab_size, varmap, device: device.clone() })
+        Ok(Self {
+            cfg: cfg.clone(),
+            vocab_size,
+            varmap,
+            device: device.clone(),
+            hf: None,
+        })
+    }
+
+    /// Load an HF checkpoint directory with trainable f32 weights (composer-model's loader).
+    pub fn load_hf(dir: &Path, device: &Device) -> Result<Self> {
+        let (transformer, varmap) =
+            composer_model::Transformer::load_trainable(dir, device, DType::F32)
+                .with_context(|| format!("loading HF checkpoint {}", dir.display()))?;
+        let config = transformer.cfg.clone();
+        let cfg = TinyConfig {
+            hidden_size: config.hidden_size,
+            layers: config.num_hidden_layers,
+            heads: config.num_attention_heads,
+            kv_heads: config.num_key_value_heads,
+            intermediate_size: config.intermediate_size,
+            rope_theta: config.rope_theta,
+            rms_norm_eps: config.rms_norm_eps,
+            init_std: default_init_std(),
+            max_position_embeddings: config.max_position_embeddings,
+        };
+        Ok(Self {
+            cfg,
+            vocab_size: config.vocab_size,
+            varmap,
+            device: device.clone(),
+            hf: Some(HfBackbone {
+                transformer,
+                config,
+                source_dir: dir.to_path_buf(),
+            }),
+        })
+    }
+
+    /// The HF backbone, when this policy was loaded from a checkpoint.
+    pub fn hf(&self) -> Option<&HfBackbone> {
+        self.hf.as_ref()
     }
 
     /// Load weights from a `model.safetensors` written by [`TinyModel::save_weights`].
     pub fn load_weights(&self, path: &Path) -> Result<()> {
         let tensors = candle_core::safetensors::load(path, &self.device)
             .with_context(|| format!("reading weights {}", path.display()))?;
-        let data = self.varmap.data().lock().map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
+        let data = self
+            .varmap
+            .data()
+            .lock()
+            .map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
         for (name, var) in data.iter() {
             let t = tensors
                 .get(name)
                 .with_context(|| format!("{}: missing tensor {name}", path.display()))?;
             if t.dims() != var.dims() {
-                bail!("{}: tensor {name} has shape {:?}, expected {:?}", path.display(), t.dims(), var.dims());
+                bail!(
+                    "{}: tensor {name} has shape {:?}, expected {:?}",
+                    path.display(),
+                    t.dims(),
+                    var.dims()
+                );
             }
             var.set(&t.to_dtype(DType::F32)?)?;
         }
@@ -133,11 +212,16 @@ impl TinyModel {
 
     /// Write all weights to `path` (safetensors, HF names).
     pub fn save_weights(&self, path: &Path) -> Result<()> {
-        self.varmap.save(path).with_context(|| format!("writing {}", path.display()))
+        self.varmap
+            .save(path)
+            .with_context(|| format!("writing {}", path.display()))
     }
 
     /// HF `config.json` for this model (LlamaForCausalLM).
     pub fn hf_config(&self, bos: u32, eos: u32) -> serde_json::Value {
+        if let Some(h) = &self.hf {
+            return h.config.to_hf_json("float32");
+        }
         let c = &self.cfg;
         serde_json::json!({
             "architectures": ["LlamaForCausalLM"],
@@ -163,7 +247,11 @@ impl TinyModel {
     }
 
     fn w(&self, name: &str) -> Result<Tensor> {
-        let data = self.varmap.data().lock().map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
+        let data = self
+            .varmap
+            .data()
+            .lock()
+            .map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
         Ok(data
             .get(name)
             .with_context(|| format!("missing weight {name}"))?
@@ -174,6 +262,9 @@ impl TinyModel {
     /// Logits `[B, T, V]` for right-padded token ids `[B, T]` (causal; padding at the end of a
     /// row never influences earlier positions). Differentiable with respect to every weight.
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        if let Some(h) = &self.hf {
+            return Ok(h.transformer.forward_train(ids, None)?);
+        }
         let (b, t) = ids.dims2()?;
         let c = &self.cfg;
         let d = c.hidden_size;
@@ -181,27 +272,45 @@ impl TinyModel {
         let (cos, sin) = rope_tables(t, hd, c.rope_theta, &self.device)?;
         let mask = causal_mask(t, &self.device)?;
         let emb = self.w("model.embed_tokens.weight")?;
-        let mut x = emb.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, d))?;
+        let mut x = emb
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, d))?;
         for l in 0..c.layers {
             let p = format!("model.layers.{l}");
-            let h = rms_norm(&x, &self.w(&format!("{p}.input_layernorm.weight"))?, c.rms_norm_eps)?;
+            let h = rms_norm(
+                &x,
+                &self.w(&format!("{p}.input_layernorm.weight"))?,
+                c.rms_norm_eps,
+            )?;
             let q = linear(&h, &self.w(&format!("{p}.self_attn.q_proj.weight"))?)?;
             let k = linear(&h, &self.w(&format!("{p}.self_attn.k_proj.weight"))?)?;
             let v = linear(&h, &self.w(&format!("{p}.self_attn.v_proj.weight"))?)?;
             let q = q.reshape((b, t, c.heads, hd))?.transpose(1, 2)?;
             let k = k.reshape((b, t, c.kv_heads, hd))?.transpose(1, 2)?;
-            let v = v.reshape((b, t, c.kv_heads, hd))?.transpose(1, 2)?.contiguous()?;
+            let v = v
+                .reshape((b, t, c.kv_heads, hd))?
+                .transpose(1, 2)?
+                .contiguous()?;
             let q = apply_rope(&q, &cos, &sin)?;
             let k = apply_rope(&k, &cos, &sin)?;
             let rep = c.heads / c.kv_heads;
-            let (k, v) = if rep > 1 { (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?) } else { (k, v) };
-            let scores = (q.contiguous()?.matmul(&k.transpose(2, 3)?.contiguous()?)? / (hd as f64).sqrt())?;
+            let (k, v) = if rep > 1 {
+                (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?)
+            } else {
+                (k, v)
+            };
+            let scores =
+                (q.contiguous()?.matmul(&k.transpose(2, 3)?.contiguous()?)? / (hd as f64).sqrt())?;
             let scores = scores.broadcast_add(&mask)?;
             let attn = softmax_last(&scores)?;
             let o = attn.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
             let o = linear(&o, &self.w(&format!("{p}.self_attn.o_proj.weight"))?)?;
             x = (x + o)?;
-            let h = rms_norm(&x, &self.w(&format!("{p}.post_attention_layernorm.weight"))?, c.rms_norm_eps)?;
+            let h = rms_norm(
+                &x,
+                &self.w(&format!("{p}.post_attention_layernorm.weight"))?,
+                c.rms_norm_eps,
+            )?;
             let g = linear(&h, &self.w(&format!("{p}.mlp.gate_proj.weight"))?)?;
             let u = linear(&h, &self.w(&format!("{p}.mlp.up_proj.weight"))?)?;
             let act = (candle_nn::ops::silu(&g)? * u)?;
@@ -212,6 +321,15 @@ impl TinyModel {
         linear(&x, &self.w("lm_head.weight")?)
     }
 
+    /// Logits for decoding: HF checkpoints use composer-model's fused inference forward; the
+    /// tiny model's result is detached so no graph is kept.
+    pub fn forward_inference(&self, ids: &Tensor) -> Result<Tensor> {
+        if let Some(h) = &self.hf {
+            return Ok(h.transformer.forward(ids, None)?);
+        }
+        Ok(self.forward(ids)?.detach())
+    }
+
     /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device
@@ -219,14 +337,23 @@ impl TinyModel {
 }
 
 fn validate(cfg: &TinyConfig) -> Result<()> {
-    if cfg.hidden_size == 0 || cfg.layers == 0 || cfg.heads == 0 || cfg.kv_heads == 0 || cfg.intermediate_size == 0 {
+    if cfg.hidden_size == 0
+        || cfg.layers == 0
+        || cfg.heads == 0
+        || cfg.kv_heads == 0
+        || cfg.intermediate_size == 0
+    {
         bail!("model.builtin_tiny: hidden_size, layers, heads, kv_heads and intermediate_size must be > 0");
     }
     if cfg.hidden_size % cfg.heads != 0 || (cfg.hidden_size / cfg.heads) % 2 != 0 {
         bail!("model.builtin_tiny: hidden_size ({}) must be divisible by heads ({}) with an even head size", cfg.hidden_size, cfg.heads);
     }
     if cfg.heads % cfg.kv_heads != 0 {
-        bail!("model.builtin_tiny: kv_heads ({}) must divide heads ({})", cfg.kv_heads, cfg.heads);
+        bail!(
+            "model.builtin_tiny: kv_heads ({}) must divide heads ({})",
+            cfg.kv_heads,
+            cfg.heads
+        );
     }
     Ok(())
 }

@@ -22,7 +22,7 @@ use tokenizers::Tokenizer;
 use crate::checkpoint::{self, CheckpointData, TrainerState};
 use crate::data::{self, PromptRow, SftRow};
 use crate::optim::{self, AdamW, AdamWParams};
-use crate::policy::{self, mix_seed, pad_batch, scalar, Sample, SamplingParams};
+use crate::policy::{self, mix_seed, scalar, Sample, SamplingParams};
 use crate::recipe::{self, Recipe};
 use crate::replay::{self, TeacherTrace};
 use crate::task;
@@ -80,7 +80,11 @@ extern "C" fn on_sigint(_: libc::c_int) {
 
 fn install_sigint_handler() {
     use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
-    let action = SigAction::new(SigHandler::Handler(on_sigint), SaFlags::empty(), SigSet::empty());
+    let action = SigAction::new(
+        SigHandler::Handler(on_sigint),
+        SaFlags::empty(),
+        SigSet::empty(),
+    );
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     let _ = unsafe { sigaction(Signal::SIGINT, &action) };
 }
@@ -109,8 +113,8 @@ pub struct Session {
     pub reward: RewardFn,
     /// Teacher traces and each one's teacher weight.
     pub traces: Vec<(TeacherTrace, f64)>,
-    /// Trace indices by prompt text.
-    pub traces_by_prompt: HashMap<String, Vec<usize>>,
+    /// Indices of passing traces, by prompt token ids.
+    pub traces_by_prompt: HashMap<Vec<u32>, Vec<usize>>,
     /// Resumable counters.
     pub state: TrainerState,
 }
@@ -176,16 +180,23 @@ pub struct TrainStats {
 pub fn open_session(opts: &TrainOptions) -> Result<Session> {
     let device = Device::Cpu;
     let resume_ckpt = match &opts.resume {
-        Some(dir) => Some(checkpoint::load_checkpoint(&checkpoint::find_checkpoint(dir)?, &device)?),
+        Some(dir) => Some(checkpoint::load_checkpoint(
+            &checkpoint::find_checkpoint(dir)?,
+            &device,
+        )?),
         None => None,
     };
     let (recipe_text, origin) = match (&resume_ckpt, &opts.recipe_path) {
         (Some(c), _) => (c.recipe_text.clone(), c.dir.join("recipe.toml")),
         (None, Some(p)) => (
-            std::fs::read_to_string(p).with_context(|| format!("reading recipe {}", p.display()))?,
+            std::fs::read_to_string(p)
+                .with_context(|| format!("reading recipe {}", p.display()))?,
             p.clone(),
         ),
-        (None, None) => (recipe::EMBEDDED_DEFAULT_RECIPE.to_string(), PathBuf::from("<embedded default recipe>")),
+        (None, None) => (
+            recipe::EMBEDDED_DEFAULT_RECIPE.to_string(),
+            PathBuf::from("<embedded default recipe>"),
+        ),
     };
     let mut recipe = recipe::parse_recipe(&recipe_text, &origin)?;
     if let Some(s) = opts.max_steps_override {
@@ -196,12 +207,15 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
         (None, Some(d)) => d.clone(),
         (None, None) => recipe.output.run_dir.clone(),
     };
-    std::fs::create_dir_all(&run_dir).with_context(|| format!("creating run dir {}", run_dir.display()))?;
+    std::fs::create_dir_all(&run_dir)
+        .with_context(|| format!("creating run dir {}", run_dir.display()))?;
     let seed = recipe.train.seed;
 
     // Data.
     let (train_rows, eval_rows) = match (&recipe.data.task, &recipe.data.dataset) {
-        (Some(_), _) => task::arithmetic_split(&recipe.data.arithmetic, recipe.data.eval_size, seed),
+        (Some(_), _) => {
+            task::arithmetic_split(&recipe.data.arithmetic, recipe.data.eval_size, seed)
+        }
         (None, Some(path)) => {
             let rows = data::load_prompts(path, &data::render_chatml)?;
             match &recipe.data.eval_dataset {
@@ -220,50 +234,80 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
         bail!("[data]: no training prompts");
     }
 
-    // Tokenizer and model.
-    let Some(tiny) = recipe.model.builtin_tiny.clone() else {
-        bail!(
-            "key `[model] path`: loading HF checkpoints into the trainer needs composer-model's loader, \
-             which this build does not wire yet; use `[model.builtin_tiny]`"
-        );
-    };
-    let tok = match &resume_ckpt {
-        Some(c) => Tokenizer::from_file(c.dir.join("tokenizer.json"))
-            .map_err(|e| anyhow::anyhow!("{}: {e}", c.dir.join("tokenizer.json").display()))?,
-        None => {
-            let t = &recipe.loss.hint.template;
-            let mut texts: Vec<&str> = vec![&t.reprompt, &t.solution, &t.feedback];
-            for r in train_rows.iter().chain(&eval_rows) {
-                texts.push(&r.prompt);
-                texts.push(&r.answer);
-            }
-            let sft_rows;
-            if let Some(w) = &recipe.warmup {
-                if let Some(p) = &w.dataset {
-                    sft_rows = data::load_sft(p, &data::render_chatml)?;
-                    for r in &sft_rows {
-                        texts.push(&r.prompt);
-                        texts.push(&r.completion);
-                    }
-                }
-            }
-            chartok::build_char_tokenizer(texts)?
+    // Tokenizer and model: an HF checkpoint (via composer-model), or the built-in tiny model
+    // with a char-level tokenizer built for the data.
+    let (tok, model) = match (&recipe.model.path, recipe.model.builtin_tiny.clone()) {
+        (Some(path), _) => {
+            let dir = resume_ckpt
+                .as_ref()
+                .map(|c| c.dir.clone())
+                .unwrap_or_else(|| path.clone());
+            let tp = dir.join("tokenizer.json");
+            let tok =
+                Tokenizer::from_file(&tp).map_err(|e| anyhow::anyhow!("{}: {e}", tp.display()))?;
+            (tok, TinyModel::load_hf(&dir, &device)?)
         }
+        (None, Some(tiny)) => {
+            let tok = match &resume_ckpt {
+                Some(c) => Tokenizer::from_file(c.dir.join("tokenizer.json")).map_err(|e| {
+                    anyhow::anyhow!("{}: {e}", c.dir.join("tokenizer.json").display())
+                })?,
+                None => {
+                    let t = &recipe.loss.hint.template;
+                    let mut texts: Vec<&str> = vec![&t.reprompt, &t.solution, &t.feedback];
+                    for r in train_rows.iter().chain(&eval_rows) {
+                        texts.push(&r.prompt);
+                        texts.push(&r.answer);
+                    }
+                    let sft_rows;
+                    if let Some(w) = &recipe.warmup {
+                        if let Some(p) = &w.dataset {
+                            sft_rows = data::load_sft(p, &data::render_chatml)?;
+                            for r in &sft_rows {
+                                texts.push(&r.prompt);
+                                texts.push(&r.completion);
+                            }
+                        }
+                    }
+                    chartok::build_char_tokenizer(texts)?
+                }
+            };
+            let vocab = tok.get_vocab_size(true);
+            let model = TinyModel::random_init(&tiny, vocab, mix_seed(seed, u64::MAX, 0), &device)?;
+            if let Some(c) = &resume_ckpt {
+                model.load_weights(&c.dir.join("model.safetensors"))?;
+            }
+            (tok, model)
+        }
+        (None, None) => bail!("key `[model]`: set `path` or `builtin_tiny`"),
     };
-    let eos = chartok::token_id(&tok, chartok::EOS_TOKEN)?;
-    let vocab = tok.get_vocab_size(true);
-    let model = TinyModel::random_init(&tiny, vocab, mix_seed(seed, u64::MAX, 0), &device)?;
-    if let Some(c) = &resume_ckpt {
-        model.load_weights(&c.dir.join("model.safetensors"))?;
-    }
+    let eos = match model.hf() {
+        Some(h) => match h.config.eos_token_ids.first() {
+            Some(&e) => e,
+            None => chartok::token_id(&tok, chartok::EOS_TOKEN)?,
+        },
+        None => chartok::token_id(&tok, chartok::EOS_TOKEN)?,
+    };
+    let vocab = model.vocab_size;
 
     // Optimizer over the model's variables.
     let vars: Vec<(String, candle_core::Var)> = {
-        let data = model.varmap.data().lock().map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
+        let data = model
+            .varmap
+            .data()
+            .lock()
+            .map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
         data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
     };
     let o = &recipe.optimizer;
-    let mut opt = AdamW::new(vars, AdamWParams { betas: o.betas, eps: o.eps, weight_decay: o.weight_decay })?;
+    let mut opt = AdamW::new(
+        vars,
+        AdamWParams {
+            betas: o.betas,
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+        },
+    )?;
 
     let state = match &resume_ckpt {
         Some(c) => {
@@ -297,24 +341,47 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
             } else {
                 PathBuf::from(src)
             };
-            for t in replay::read_traces(&path, vocab).with_context(|| format!("key `[replay] traces` #{i}"))? {
+            for t in replay::read_traces(&path, vocab)
+                .with_context(|| format!("key `[replay] traces` #{i}"))?
+            {
                 traces.push((t, w));
             }
         }
     }
-    let mut traces_by_prompt: HashMap<String, Vec<usize>> = HashMap::new();
+    let mut traces_by_prompt: HashMap<Vec<u32>, Vec<usize>> = HashMap::new();
     for (i, (t, _)) in traces.iter().enumerate() {
-        if t.reward > 0.0 {
-            traces_by_prompt.entry(t.prompt.clone()).or_default().push(i);
+        if t.passed {
+            traces_by_prompt
+                .entry(t.prompt_ids.clone())
+                .or_default()
+                .push(i);
         }
     }
     let reward = RewardFn::from_specs(&recipe.data.verifiers)?;
-    Ok(Session { recipe, recipe_text, run_dir, tok, eos, model, opt, train_rows, eval_rows, reward, traces, traces_by_prompt, state })
+    Ok(Session {
+        recipe,
+        recipe_text,
+        run_dir,
+        tok,
+        eos,
+        model,
+        opt,
+        train_rows,
+        eval_rows,
+        reward,
+        traces,
+        traces_by_prompt,
+        state,
+    })
 }
 
 /// The scripted arithmetic teacher's traces for every training prompt.
 fn write_scripted_traces(path: &Path, rows: &[PromptRow], tok: &Tokenizer, eos: u32) -> Result<()> {
-    let digit_ids: Vec<u32> = "0123456789-".chars().filter_map(|c| tok.token_to_id(&c.to_string())).chain([eos]).collect();
+    let digit_ids: Vec<u32> = "0123456789-"
+        .chars()
+        .filter_map(|c| tok.token_to_id(&c.to_string()))
+        .chain([eos])
+        .collect();
     let mut traces = Vec::with_capacity(rows.len());
     for r in rows {
         let p = chartok::encode(tok, &r.prompt)?;
@@ -341,7 +408,11 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
     let total_steps = s.recipe.train.steps;
     let mut progress = TrainProgress::new(total_steps as u64, opts.quiet);
     progress.resume_from(s.state.step as u64);
-    let target = if s.recipe.train.stop_at_accuracy > 0.0 { s.recipe.train.stop_at_accuracy } else { 0.9 };
+    let target = if s.recipe.train.stop_at_accuracy > 0.0 {
+        s.recipe.train.stop_at_accuracy
+    } else {
+        0.9
+    };
     let nan_steps: Vec<usize> = std::env::var(NAN_HOOK_ENV)
         .unwrap_or_default()
         .split(',')
@@ -354,7 +425,11 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
             let loss = warmup(&mut s, &w)?;
             let acc = evaluate(&s)?;
             s.state.warmup_accuracy = Some(acc);
-            progress.println(format!("warm-up: {} steps, final loss {loss:.4}, greedy accuracy {:.1}%", w.steps, acc * 100.0));
+            progress.println(format!(
+                "warm-up: {} steps, final loss {loss:.4}, greedy accuracy {:.1}%",
+                w.steps,
+                acc * 100.0
+            ));
             metrics.write(&json!({"step": 0, "kind": "eval", "eval/accuracy": acc, "policy_version": 0, "warmup/loss": loss}))?;
         }
     }
@@ -374,13 +449,29 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
         let rewards = reward_batch(&s, &batch);
         let reward_s = t0.elapsed().as_secs_f64();
 
-        let lengths: Vec<usize> = batch.samples.iter().map(|x| x.completion_ids.len()).collect();
+        let lengths: Vec<usize> = batch
+            .samples
+            .iter()
+            .map(|x| x.completion_ids.len())
+            .collect();
         let g = s.recipe.rollout.num_generations;
-        let advantages = compute_advantages(&s.recipe.loss.advantage, &rewards.per_func_weighted(&s.reward), &lengths, g)
-            .context("computing advantages")?;
+        let advantages = compute_advantages(
+            &s.recipe.loss.advantage,
+            &rewards.per_func_weighted(&s.reward),
+            &lengths,
+            g,
+        )
+        .context("computing advantages")?;
 
         let t0 = Instant::now();
-        let stats = train_on_batch(&mut s, step, &batch, &rewards, &advantages, nan_steps.contains(&step))?;
+        let stats = train_on_batch(
+            &mut s,
+            step,
+            &batch,
+            &rewards,
+            &advantages,
+            nan_steps.contains(&step),
+        )?;
         let train_s = t0.elapsed().as_secs_f64();
 
         let t0 = Instant::now();
@@ -390,7 +481,11 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
         s.state.step = step;
         s.state.samples_generated += batch.samples.len() as u64;
         let gen_tokens: usize = lengths.iter().sum();
-        s.state.trained_tokens += if stats.non_finite { 0 } else { gen_tokens as u64 };
+        s.state.trained_tokens += if stats.non_finite {
+            0
+        } else {
+            gen_tokens as u64
+        };
         if stats.non_finite {
             s.state.skipped_steps += 1;
             s.state.consecutive_skipped += 1;
@@ -400,7 +495,13 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
 
         let n = rewards.total.len() as f64;
         let mean = rewards.total.iter().sum::<f64>() / n;
-        let std = (rewards.total.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / n).sqrt();
+        let std = (rewards
+            .total
+            .iter()
+            .map(|r| (r - mean).powi(2))
+            .sum::<f64>()
+            / n)
+            .sqrt();
         let step_s = t_step.elapsed().as_secs_f64();
         let mut line = json!({
             "step": step,
@@ -448,7 +549,11 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
             final_accuracy = Some(acc);
             metrics.write(&json!({"step": step, "kind": "eval", "policy_version": s.state.policy_version, "eval/accuracy": acc, "samples": s.state.samples_generated}))?;
             if acc >= target && reached_target.is_none() {
-                reached_target = Some((step, s.state.samples_generated, started.elapsed().as_secs_f64()));
+                reached_target = Some((
+                    step,
+                    s.state.samples_generated,
+                    started.elapsed().as_secs_f64(),
+                ));
             }
         }
         progress.update(&StepSnapshot {
@@ -461,7 +566,8 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
 
         let ck = s.recipe.train.checkpoint_every;
         interrupted = INTERRUPTED.load(Ordering::SeqCst);
-        let stop_early = s.recipe.train.stop_at_accuracy > 0.0 && eval_acc.is_some_and(|a| a >= target);
+        let stop_early =
+            s.recipe.train.stop_at_accuracy > 0.0 && eval_acc.is_some_and(|a| a >= target);
         if s.state.consecutive_skipped >= s.recipe.train.max_nonfinite_steps.max(1) {
             let last_good = checkpoint::find_checkpoint(&s.run_dir)
                 .map(|p| p.display().to_string())
@@ -477,7 +583,10 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
             save(&s)?;
         }
         if interrupted {
-            progress.println(format!("interrupted: checkpoint written at step {step}; continue with --resume {}", s.run_dir.display()));
+            progress.println(format!(
+                "interrupted: checkpoint written at step {step}; continue with --resume {}",
+                s.run_dir.display()
+            ));
             break;
         }
         if stop_early {
@@ -511,18 +620,29 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
 }
 
 fn fmt_pct(x: Option<f64>) -> String {
-    x.map(|a| format!("{:.1}%", a * 100.0)).unwrap_or_else(|| "n/a".into())
+    x.map(|a| format!("{:.1}%", a * 100.0))
+        .unwrap_or_else(|| "n/a".into())
 }
 
 /// Write the session's checkpoint.
 pub fn save(s: &Session) -> Result<PathBuf> {
     let weights = {
-        let data = s.model.varmap.data().lock().map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
-        data.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect()
+        let data = s
+            .model
+            .varmap
+            .data()
+            .lock()
+            .map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
+        data.iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+            .collect()
     };
     let mut state = s.state.clone();
     state.optimizer_step = s.opt.step;
-    let tokenizer_json = s.tok.to_string(true).map_err(|e| anyhow::anyhow!("serialising tokenizer: {e}"))?;
+    let tokenizer_json = s
+        .tok
+        .to_string(true)
+        .map_err(|e| anyhow::anyhow!("serialising tokenizer: {e}"))?;
     checkpoint::save_checkpoint(
         &s.run_dir,
         &CheckpointData {
@@ -530,6 +650,12 @@ pub fn save(s: &Session) -> Result<PathBuf> {
             weights,
             tokenizer_json,
             optimizer: s.opt.state_tensors(),
+            tokenizer_config: s.model.hf().and_then(|h| {
+                std::fs::read_to_string(h.source_dir.join("tokenizer_config.json")).ok()
+            }),
+            chat_template: s.model.hf().and_then(|h| {
+                std::fs::read_to_string(h.source_dir.join("chat_template.jinja")).ok()
+            }),
             state: &state,
             recipe_text: &s.recipe_text,
         },
@@ -541,26 +667,51 @@ pub fn rollout_batch(s: &Session, step: usize) -> Result<RolloutBatch> {
     let seed = s.recipe.train.seed;
     let n_prompts = s.recipe.train.prompts_per_step;
     let prompts: Vec<usize> = (0..n_prompts)
-        .map(|i| (mix_seed(seed, step as u64, 1_000_000 + i as u64) % s.train_rows.len() as u64) as usize)
+        .map(|i| {
+            (mix_seed(seed, step as u64, 1_000_000 + i as u64) % s.train_rows.len() as u64) as usize
+        })
         .collect();
     let prompt_ids: Vec<Vec<u32>> = prompts
         .iter()
         .map(|&i| chartok::encode(&s.tok, &s.train_rows[i].prompt))
         .collect::<Result<_>>()?;
     let r = &s.recipe.rollout;
-    let params = SamplingParams { temperature: r.temperature, top_p: r.top_p, top_k: r.top_k, max_new_tokens: r.max_completion_length };
-    let samples = policy::generate(&s.model, &prompt_ids, r.num_generations, &params, s.eos, s.state.policy_version, |i| {
-        mix_seed(seed, step as u64, i as u64)
-    })?;
-    let texts = samples.iter().map(|x| chartok::decode(&s.tok, &x.completion_ids)).collect();
-    Ok(RolloutBatch { prompts, samples, texts })
+    let params = SamplingParams {
+        temperature: r.temperature,
+        top_p: r.top_p,
+        top_k: r.top_k,
+        max_new_tokens: r.max_completion_length,
+    };
+    let samples = policy::generate(
+        &s.model,
+        &prompt_ids,
+        r.num_generations,
+        &params,
+        s.eos,
+        s.state.policy_version,
+        |i| mix_seed(seed, step as u64, i as u64),
+    )?;
+    let texts = samples
+        .iter()
+        .map(|x| chartok::decode(&s.tok, &x.completion_ids))
+        .collect();
+    Ok(RolloutBatch {
+        prompts,
+        samples,
+        texts,
+    })
 }
 
 /// Score every completion with the verifiers.
 pub fn reward_batch(s: &Session, batch: &RolloutBatch) -> Rewards {
     let g = s.recipe.rollout.num_generations;
     let max = s.reward.max_reward();
-    let mut out = Rewards { total: vec![], per_func: vec![], passed: vec![], latency_s: vec![] };
+    let mut out = Rewards {
+        total: vec![],
+        per_func: vec![],
+        passed: vec![],
+        latency_s: vec![],
+    };
     for (i, text) in batch.texts.iter().enumerate() {
         let t0 = Instant::now();
         let answer = &s.train_rows[batch.prompts[i / g]].answer;
@@ -594,12 +745,28 @@ pub fn publish_weights(s: &mut Session, stats: &TrainStats) {
 
 /// Greedy accuracy on the held-out set.
 pub fn evaluate(s: &Session) -> Result<f64> {
-    let params = SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: s.recipe.rollout.max_completion_length };
+    let params = SamplingParams {
+        temperature: 0.0,
+        top_p: 1.0,
+        top_k: 0,
+        max_new_tokens: s.recipe.rollout.max_completion_length,
+    };
     let max = s.reward.max_reward();
     let mut correct = 0usize;
     for chunk in s.eval_rows.chunks(256) {
-        let ids: Vec<Vec<u32>> = chunk.iter().map(|r| chartok::encode(&s.tok, &r.prompt)).collect::<Result<_>>()?;
-        let out = policy::generate(&s.model, &ids, 1, &params, s.eos, s.state.policy_version, |_| 0)?;
+        let ids: Vec<Vec<u32>> = chunk
+            .iter()
+            .map(|r| chartok::encode(&s.tok, &r.prompt))
+            .collect::<Result<_>>()?;
+        let out = policy::generate(
+            &s.model,
+            &ids,
+            1,
+            &params,
+            s.eos,
+            s.state.policy_version,
+            |_| 0,
+        )?;
         for (row, smp) in chunk.iter().zip(&out) {
             let text = chartok::decode(&s.tok, &smp.completion_ids);
             if s.reward.score(&text, &row.answer).0 >= max - 1e-9 {
@@ -615,7 +782,14 @@ pub fn evaluate(s: &Session) -> Result<f64> {
 pub fn warmup(s: &mut Session, w: &crate::recipe::WarmupSection) -> Result<f64> {
     let rows: Vec<SftRow> = match &w.dataset {
         Some(p) => data::load_sft(p, &data::render_chatml)?,
-        None => s.train_rows.iter().map(|r| SftRow { prompt: r.prompt.clone(), completion: r.answer.clone() }).collect(),
+        None => s
+            .train_rows
+            .iter()
+            .map(|r| SftRow {
+                prompt: r.prompt.clone(),
+                completion: r.answer.clone(),
+            })
+            .collect(),
     };
     let seed = s.recipe.train.seed;
     let mut opt = AdamW::new(s.opt.vars.clone(), s.opt.params)?;
@@ -628,10 +802,16 @@ pub fn warmup(s: &mut Session, w: &crate::recipe::WarmupSection) -> Result<f64> 
             let row = &rows[(r % rows.len() as u64) as usize];
             // A fraction of generated examples is shown in the hint format so the model learns
             // to read a hint (the hinted teacher of the hint channel).
-            let hinted = w.dataset.is_none() && ((r >> 32) as f64 / u32::MAX as f64) < w.hint_fraction;
+            let hinted =
+                w.dataset.is_none() && ((r >> 32) as f64 / u32::MAX as f64) < w.hint_fraction;
             let prompt = if hinted {
                 tmpl.reprompt
-                    .replace("{solution}", &tmpl.solution.replace("{successful_previous_attempt}", &row.completion))
+                    .replace(
+                        "{solution}",
+                        &tmpl
+                            .solution
+                            .replace("{successful_previous_attempt}", &row.completion),
+                    )
                     .replace("{feedback}", "")
                     .replace("{prompt}", &row.prompt)
             } else {
@@ -642,7 +822,10 @@ pub fn warmup(s: &mut Session, w: &crate::recipe::WarmupSection) -> Result<f64> 
             c.push(s.eos);
             pairs_owned.push((p, c));
         }
-        let pairs: Vec<(&[u32], &[u32])> = pairs_owned.iter().map(|(p, c)| (p.as_slice(), c.as_slice())).collect();
+        let pairs: Vec<(&[u32], &[u32])> = pairs_owned
+            .iter()
+            .map(|(p, c)| (p.as_slice(), c.as_slice()))
+            .collect();
         let tb = policy::token_batch(&pairs, s.eos, s.model.device())?;
         let (lp, _) = policy::token_logprobs(&s.model, &tb, 1.0)?;
         let loss = policy::masked_mean(&lp.neg()?, &tb.mask)?;
@@ -705,7 +888,10 @@ pub fn train_on_batch(
                     feedback: None,
                 })
                 .collect();
-            for (k, hp) in build_hint_prompts(&group, &s.recipe.loss.hint.template).into_iter().enumerate() {
+            for (k, hp) in build_hint_prompts(&group, &s.recipe.loss.hint.template)
+                .into_iter()
+                .enumerate()
+            {
                 let i = gi * g + k;
                 if s.recipe.loss.hint.only_failed && rewards.passed[i] {
                     continue;
@@ -724,7 +910,9 @@ pub fn train_on_batch(
         .chunks(groups_per_mb.max(1))
         .map(|gs| {
             let per_micro = gs.len().div_ceil(tr.gradient_accumulation_steps).max(1);
-            gs.chunks(per_micro).map(|c| c.iter().flat_map(|&gi| gi * g..(gi + 1) * g).collect()).collect()
+            gs.chunks(per_micro)
+                .map(|c| c.iter().flat_map(|&gi| gi * g..(gi + 1) * g).collect())
+                .collect()
         })
         .collect();
 
@@ -735,10 +923,18 @@ pub fn train_on_batch(
         let mut v = Vec::new();
         for micro in mb {
             if tr.num_iterations > 1 {
-                let (_, old, trace_ref) = micro_loss(s, step, micro, batch, rewards, advantages, &hint_ids, None, true)?;
-                v.push(Frozen { old_logprobs: old, trace_ref });
+                let (_, old, trace_ref) = micro_loss(
+                    s, step, micro, batch, rewards, advantages, &hint_ids, None, true,
+                )?;
+                v.push(Frozen {
+                    old_logprobs: old,
+                    trace_ref,
+                });
             } else {
-                v.push(Frozen { old_logprobs: None, trace_ref: None });
+                v.push(Frozen {
+                    old_logprobs: None,
+                    trace_ref: None,
+                });
             }
         }
         frozen.push(v);
@@ -754,9 +950,23 @@ pub fn train_on_batch(
             let mut finite = true;
             for (mi, micro) in mb.iter().enumerate() {
                 let fz = &frozen[mb_i][mi];
-                let (out, _, _) = micro_loss(s, step, micro, batch, rewards, advantages, &hint_ids, Some(fz), false)?;
+                let (out, _, _) = micro_loss(
+                    s,
+                    step,
+                    micro,
+                    batch,
+                    rewards,
+                    advantages,
+                    &hint_ids,
+                    Some(fz),
+                    false,
+                )?;
                 let Some(out) = out else { continue };
-                let loss = if inject_nan { (&out.loss * f64::NAN)? } else { out.loss.clone() };
+                let loss = if inject_nan {
+                    (&out.loss * f64::NAN)?
+                } else {
+                    out.loss.clone()
+                };
                 let loss = (loss / mb.len() as f64)?;
                 let value = scalar(&loss)?;
                 stats.loss_rlvr += out.rlvr;
@@ -791,7 +1001,13 @@ pub fn train_on_batch(
             }
             optim::clip_grads(&mut grads, norm, s.recipe.optimizer.max_grad_norm)?;
             let o = &s.recipe.optimizer;
-            let lr = optim::lr_at(o.lr, s.opt.step as usize, o.warmup_steps, total_updates, o.schedule == "cosine");
+            let lr = optim::lr_at(
+                o.lr,
+                s.opt.step as usize,
+                o.warmup_steps,
+                total_updates,
+                o.schedule == "cosine",
+            );
             stats.lr = lr;
             s.opt.step(&grads, lr)?;
             stats.updates += 1;
@@ -851,7 +1067,10 @@ fn micro_loss(
     let temp = s.recipe.rollout.temperature;
     let temp = if temp > 0.0 { temp } else { 1.0 };
     let samples: Vec<&Sample> = idx.iter().map(|&i| &batch.samples[i]).collect();
-    let pairs: Vec<(&[u32], &[u32])> = samples.iter().map(|x| (x.prompt_ids.as_slice(), x.completion_ids.as_slice())).collect();
+    let pairs: Vec<(&[u32], &[u32])> = samples
+        .iter()
+        .map(|x| (x.prompt_ids.as_slice(), x.completion_ids.as_slice()))
+        .collect();
     let tb = policy::token_batch(&pairs, s.eos, &dev)?;
     let (b, l) = tb.input.dims2()?;
     let (lp, ls) = policy::token_logprobs(&s.model, &tb, temp)?;
@@ -866,7 +1085,7 @@ fn micro_loss(
         for &i in idx {
             let gi = i / g;
             if seen.insert(gi) {
-                if let Some(ts) = s.traces_by_prompt.get(&s.train_rows[batch.prompts[gi]].prompt) {
+                if let Some(ts) = s.traces_by_prompt.get(&batch.samples[i].prompt_ids) {
                     trace_ids.extend(ts.iter().copied());
                 }
             }
@@ -874,7 +1093,12 @@ fn micro_loss(
     }
     let trace_pairs: Vec<(&[u32], &[u32])> = trace_ids
         .iter()
-        .map(|&t| (s.traces[t].0.prompt_ids.as_slice(), s.traces[t].0.completion_ids.as_slice()))
+        .map(|&t| {
+            (
+                s.traces[t].0.prompt_ids.as_slice(),
+                s.traces[t].0.completion_ids.as_slice(),
+            )
+        })
         .collect();
     let trace_fw = if trace_pairs.is_empty() {
         None
@@ -920,7 +1144,12 @@ fn micro_loss(
         let tpairs: Vec<(&[u32], &[u32])> = idx
             .iter()
             .zip(&samples)
-            .map(|(&i, smp)| (hint_ids[i].as_deref().unwrap_or(smp.prompt_ids.as_slice()), smp.completion_ids.as_slice()))
+            .map(|(&i, smp)| {
+                (
+                    hint_ids[i].as_deref().unwrap_or(smp.prompt_ids.as_slice()),
+                    smp.completion_ids.as_slice(),
+                )
+            })
             .collect();
         let ttb = policy::token_batch(&tpairs, s.eos, &dev)?;
         let (_, tls) = policy::token_logprobs(&s.model, &ttb, temp)?;
@@ -934,13 +1163,20 @@ fn micro_loss(
             }
         }
         let map = Tensor::from_vec(map, b * l, &dev)?;
-        let teacher_full = tls.reshape((b * lt, v))?.index_select(&map, 0)?.reshape((b, l, v))?;
+        let teacher_full = tls
+            .reshape((b * lt, v))?
+            .index_select(&map, 0)?
+            .reshape((b, l, v))?;
         let topk = topk_ids(&ls.detach(), k)?;
         inputs.hint = Some(HintInputs {
             student_topk_logprobs: Some(ls.gather(&topk, 2)?),
             teacher_topk_logprobs: Some(teacher_full.gather(&topk, 2)?),
             topk_ids: Some(topk),
-            teacher_token_logprobs: Some(teacher_full.gather(&tb.targets.unsqueeze(2)?, 2)?.squeeze(2)?),
+            teacher_token_logprobs: Some(
+                teacher_full
+                    .gather(&tb.targets.unsqueeze(2)?, 2)?
+                    .squeeze(2)?,
+            ),
             has_hint,
         });
     }
@@ -948,7 +1184,8 @@ fn micro_loss(
     let mut loss = l_rlvr;
     let mut hint_value = 0.0;
     if inputs.hint.is_some() {
-        let (l_hint, m_hint) = hint_loss(&inputs, &s.recipe.loss.hint.config).context("hint loss")?;
+        let (l_hint, m_hint) =
+            hint_loss(&inputs, &s.recipe.loss.hint.config).context("hint loss")?;
         hint_value = m_hint.loss;
         loss = (loss + (l_hint * alpha)?)?;
     }
@@ -962,13 +1199,21 @@ fn micro_loss(
         let w = Tensor::from_vec(weights, trace_ids.len(), &dev)?;
         // Token-level forward KL(teacher ‖ student) over the recorded top-K plus a tail bucket.
         let (bt, lt) = ttb.input.dims2()?;
-        let kmax = trace_ids.iter().flat_map(|&t| s.traces[t].0.topk_ids.iter().map(|x| x.len())).max().unwrap_or(1);
+        let kmax = trace_ids
+            .iter()
+            .flat_map(|&t| s.traces[t].0.topk_ids.iter().map(|x| x.len()))
+            .max()
+            .unwrap_or(1);
         let mut ids = vec![0u32; bt * lt * kmax];
         let mut tlps = vec![-1e4f32; bt * lt * kmax];
         for (r, &t) in trace_ids.iter().enumerate() {
             let tr = &s.traces[t].0;
             for (kk, &pos) in ttb.completion_positions[r].iter().enumerate() {
-                for (j, (&id, &lpv)) in tr.topk_ids[kk].iter().zip(&tr.topk_logprobs[kk]).enumerate() {
+                for (j, (&id, &lpv)) in tr.topk_ids[kk]
+                    .iter()
+                    .zip(&tr.topk_logprobs[kk])
+                    .enumerate()
+                {
                     ids[pos * kmax + j] = id;
                     tlps[pos * kmax + j] = lpv;
                 }
@@ -991,7 +1236,9 @@ fn micro_loss(
         // DPO (sigmoid): −log σ(β·[(log π(c) − log π_ref(c)) − (log π(r) − log π_ref(r))]),
         // reference = the policy before this step's updates.
         let chosen = (tlp * &ttb.mask)?.sum(1)?; // [bt]
-        let chosen_ref = frozen.and_then(|f| f.trace_ref.clone()).unwrap_or_else(|| chosen.detach());
+        let chosen_ref = frozen
+            .and_then(|f| f.trace_ref.clone())
+            .unwrap_or_else(|| chosen.detach());
         let rejected = (&lp * &tb.mask)?.sum(1)?; // [b]
         let rejected_ref = match frozen.and_then(|f| f.old_logprobs.clone()) {
             Some(old) => (old * &tb.mask)?.sum(1)?,
@@ -1001,7 +1248,7 @@ fn micro_loss(
         let mut pr = Vec::new();
         for (ti, &t) in trace_ids.iter().enumerate() {
             for (r, &i) in idx.iter().enumerate() {
-                if !rewards.passed[i] && s.train_rows[batch.prompts[i / g]].prompt == s.traces[t].0.prompt {
+                if !rewards.passed[i] && batch.samples[i].prompt_ids == s.traces[t].0.prompt_ids {
                     pc.push(ti as u32);
                     pr.push(r as u32);
                 }
@@ -1057,15 +1304,12 @@ fn topk_ids(ls: &Tensor, k: usize) -> Result<Tensor> {
     for row in rows.chunks(v) {
         order.clear();
         order.extend(0..v as u32);
-        order.select_nth_unstable_by(k.saturating_sub(1).min(v - 1), |&a, &c| row[c as usize].total_cmp(&row[a as usize]));
+        order.select_nth_unstable_by(k.saturating_sub(1).min(v - 1), |&a, &c| {
+            row[c as usize].total_cmp(&row[a as usize])
+        });
         let mut top: Vec<u32> = order[..k].to_vec();
         top.sort_by(|&a, &c| row[c as usize].total_cmp(&row[a as usize]).then(a.cmp(&c)));
         out.extend(top);
     }
     Ok(Tensor::from_vec(out, (b, l, k), ls.device())?)
-}
-
-/// Unused helper kept for adapters: pad rows (re-exported for the actor layout).
-pub fn pad(rows: &[Vec<u32>], pad_id: u32, device: &Device) -> Result<Tensor> {
-    pad_batch(rows, pad_id, device)
 }

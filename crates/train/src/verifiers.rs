@@ -79,7 +79,11 @@ impl RewardFn {
 
     /// Total reward and its components.
     pub fn score(&self, completion: &str, answer: &str) -> (f64, Vec<f64>) {
-        let comps: Vec<f64> = self.parts.iter().map(|(v, _)| v.score(completion, answer)).collect();
+        let comps: Vec<f64> = self
+            .parts
+            .iter()
+            .map(|(v, _)| v.score(completion, answer))
+            .collect();
         let total = comps.iter().zip(&self.parts).map(|(c, (_, w))| c * w).sum();
         (total, comps)
     }

@@ -1,0 +1,1 @@
+//! composer-agent (under construction)
