@@ -45,7 +45,10 @@ enum Command {
 }
 
 fn train_help() -> String {
-    format!("A complete example recipe (every section, with comments):\n\n{}", composer_train::EXAMPLE_RECIPE)
+    format!(
+        "A complete example recipe (every section, with comments):\n\n{}",
+        composer_train::EXAMPLE_RECIPE
+    )
 }
 
 #[derive(Args)]
@@ -220,7 +223,8 @@ enum BenchCommand {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,composer=info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,composer=info".into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -247,7 +251,9 @@ fn run(cli: Cli) -> Result<()> {
                 "run {}: {} steps, final greedy accuracy {}, {:.1} s",
                 outcome.run_dir.display(),
                 outcome.steps_completed,
-                outcome.final_accuracy.map_or("n/a".to_string(), |a| format!("{:.1}%", 100.0 * a)),
+                outcome
+                    .final_accuracy
+                    .map_or("n/a".to_string(), |a| format!("{:.1}%", 100.0 * a)),
                 outcome.wall_s
             );
             Ok(())
@@ -270,7 +276,10 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{}", serde_json::to_string(&out)?);
             } else {
                 for (i, s) in out["samples"].as_array().into_iter().flatten().enumerate() {
-                    println!("--- sample {i} ({})", s["finish_reason"].as_str().unwrap_or("?"));
+                    println!(
+                        "--- sample {i} ({})",
+                        s["finish_reason"].as_str().unwrap_or("?")
+                    );
                     println!("{}", s["completion_text"].as_str().unwrap_or(""));
                 }
             }
@@ -282,9 +291,17 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{}", serde_json::to_string(&out)?);
             } else {
                 let ids = out["input_ids"].as_array().cloned().unwrap_or_default();
-                let lps = out["next_token_logprobs"].as_array().cloned().unwrap_or_default();
+                let lps = out["next_token_logprobs"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default();
                 for (t, lp) in lps.iter().enumerate() {
-                    println!("{:>5} {:>8} {:>10.5}", t + 1, ids[t + 1], lp.as_f64().unwrap_or(f64::NAN));
+                    println!(
+                        "{:>5} {:>8} {:>10.5}",
+                        t + 1,
+                        ids[t + 1],
+                        lp.as_f64().unwrap_or(f64::NAN)
+                    );
                 }
             }
             Ok(())
@@ -321,15 +338,29 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::ServeEnv(a) => {
             let factory = composer_env::builtin_env_factory(&a.env)?;
-            let addr: SocketAddr = format!("{}:{}", a.host, a.port)
-                .parse()
-                .with_context(|| format!("--host {} --port {} is not a socket address", a.host, a.port))?;
-            let config = composer_env::ServeConfig { max_sessions: a.max_sessions, ..Default::default() };
+            let addr: SocketAddr = format!("{}:{}", a.host, a.port).parse().with_context(|| {
+                format!(
+                    "--host {} --port {} is not a socket address",
+                    a.host, a.port
+                )
+            })?;
+            let config = composer_env::ServeConfig {
+                max_sessions: a.max_sessions,
+                ..Default::default()
+            };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            eprintln!("serving env `{}` on http://{addr} (WebSocket ws://{addr}/ws); Ctrl-C stops", a.env);
+            eprintln!(
+                "serving env `{}` on http://{addr} (WebSocket ws://{addr}/ws); Ctrl-C stops",
+                a.env
+            );
             runtime.block_on(composer_env::serve_env(factory, addr, config))
         }
-        Command::Bench(BenchCommand::Model { shape, device, batch, skip_train }) => {
+        Command::Bench(BenchCommand::Model {
+            shape,
+            device,
+            batch,
+            skip_train,
+        }) => {
             let device = composer_model::device_from_str(&device)?;
             let mut cfg = match shape.as_str() {
                 "small" => composer_model::bench::BenchConfig::small_cpu(),
@@ -345,7 +376,12 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", report.table());
             Ok(())
         }
-        Command::Bench(BenchCommand::Channels { seeds, target, max_steps, out_dir }) => {
+        Command::Bench(BenchCommand::Channels {
+            seeds,
+            target,
+            max_steps,
+            out_dir,
+        }) => {
             let (_, table) = composer_train::bench_channels(&composer_train::BenchOptions {
                 seeds,
                 target,

@@ -100,7 +100,8 @@ pub trait Rewarder<I>: Send {
     type Scored: Versioned + Send;
     /// Scores one batch. It may return fewer items (e.g. dynamic sampling); an empty result
     /// makes the controller use the next batch for the same step.
-    fn score(&mut self, items: Vec<I>, ctx: &ScoreContext<'_>) -> anyhow::Result<Vec<Self::Scored>>;
+    fn score(&mut self, items: Vec<I>, ctx: &ScoreContext<'_>)
+        -> anyhow::Result<Vec<Self::Scored>>;
 }
 
 /// What the trainer gets for one step.
@@ -126,7 +127,11 @@ pub trait Trainer<W> {
     /// Per-step metrics it returns (losses, rewards, ...), carried in the step record.
     type Report;
     /// One optimizer step on `batch` (never empty; stale items already dropped).
-    fn train(&mut self, batch: Vec<Self::Scored>, ctx: &TrainContext) -> anyhow::Result<Self::Report>;
+    fn train(
+        &mut self,
+        batch: Vec<Self::Scored>,
+        ctx: &TrainContext,
+    ) -> anyhow::Result<Self::Report>;
     /// Snapshots the updated weights as `policy_version` for the generator. Its duration is
     /// τ_S (`time/sync_s`); colocated, return a cheap shared snapshot rather than a deep copy.
     fn publish(&mut self, policy_version: PolicyVersion) -> anyhow::Result<Arc<W>>;

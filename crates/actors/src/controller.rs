@@ -284,7 +284,12 @@ impl<T: Versioned> StepInput<T> {
     }
 
     /// Adds an envelope's fresh items; returns whether the step now has something to train on.
-    fn absorb(&mut self, envelope: Envelope<T>, trainer_version: PolicyVersion, bound: u64) -> bool {
+    fn absorb(
+        &mut self,
+        envelope: Envelope<T>,
+        trainer_version: PolicyVersion,
+        bound: u64,
+    ) -> bool {
         let (items, lags, dropped) = drop_stale(envelope.items, trainer_version, bound);
         self.batch_indices.push(envelope.batch_index);
         self.rollout_s += envelope.rollout_s;
@@ -395,6 +400,7 @@ impl<W: Send + Sync> Controller<W> {
     }
 
     /// Trains on `input`, publishes, records and calls the step hook.
+    #[allow(clippy::too_many_arguments)]
     fn finish_step<T, H>(
         &self,
         trainer: &mut T,
@@ -694,7 +700,15 @@ impl<W: Send + Sync> Controller<W> {
                 take_idle_s(&shared.idle_rewarder_ns),
                 idle_trainer_s,
             );
-            self.finish_step(trainer, hooks, step, input, Some(idle), step_started, summary)?;
+            self.finish_step(
+                trainer,
+                hooks,
+                step,
+                input,
+                Some(idle),
+                step_started,
+                summary,
+            )?;
             step_started = Instant::now();
         }
         Ok(())

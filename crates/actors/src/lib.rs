@@ -47,6 +47,9 @@
 //! [`Controller::run`] returns [`ControllerError::Actor`] naming the actor, the batch or step
 //! and the cause, or [`ControllerError::Cancelled`].
 
+// `!(x > 0.0)` is used on purpose in validation: it also rejects NaN.
+#![allow(clippy::neg_cmp_op_on_partial_ord)]
+
 mod actor;
 mod cancel;
 mod controller;

@@ -136,7 +136,10 @@ impl<R> StepRecord<R> {
         }
         m.insert(keys::STALENESS_MEAN.into(), json!(self.staleness.mean()));
         m.insert(keys::STALENESS_MAX.into(), json!(self.staleness.max()));
-        m.insert(keys::STALENESS_DROPPED.into(), json!(self.staleness.dropped));
+        m.insert(
+            keys::STALENESS_DROPPED.into(),
+            json!(self.staleness.dropped),
+        );
         m.insert(keys::STALENESS_VALUES.into(), json!(self.staleness.values));
         m.insert(keys::STALENESS_BOUND.into(), json!(self.staleness.bound));
         m.insert(keys::CONSUMED.into(), json!(self.consumed));

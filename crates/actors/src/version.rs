@@ -121,6 +121,9 @@ mod tests {
         assert_eq!(s.segments().len(), 3);
         assert_eq!(s.version_of_token(40), Some(6));
         assert_eq!(VersionSegments::default().oldest_policy_version(), 0);
-        assert_eq!(vec![s.clone(), VersionSegments::single(1)].oldest_policy_version(), 1);
+        assert_eq!(
+            vec![s.clone(), VersionSegments::single(1)].oldest_policy_version(),
+            1
+        );
     }
 }

@@ -118,7 +118,10 @@ mod tests {
         slot.publish(1, Arc::clone(&w));
         let got = slot.latest();
         assert_eq!(got.policy_version, 1);
-        assert!(Arc::ptr_eq(&got.weights, &w), "the slot must hand out the same allocation");
+        assert!(
+            Arc::ptr_eq(&got.weights, &w),
+            "the slot must hand out the same allocation"
+        );
         assert!(slot.newer_than(1).is_none());
         assert_eq!(slot.newer_than(0).map(|p| p.policy_version), Some(1));
     }

@@ -46,7 +46,13 @@ impl Env for EchoEnv {
         let observation =
             object(json!({"echoed_message": "Echo Env environment ready!", "message_length": 0}));
         let text = render_observation(&observation);
-        Ok(StepResult { observation, text, reward: Some(0.0), done: false, feedback: None })
+        Ok(StepResult {
+            observation,
+            text,
+            reward: Some(0.0),
+            done: false,
+            feedback: None,
+        })
     }
 
     async fn step(&mut self, action: Action) -> Result<StepResult, EnvError> {
@@ -201,10 +207,13 @@ impl Env for CodeEnv {
     async fn reset(&mut self, opts: ResetOptions) -> Result<StepResult, EnvError> {
         let tasks = &self.config.tasks;
         let index = if let Some(id) = &opts.task_id {
-            tasks.iter().position(|t| &t.id == id).ok_or_else(|| EnvError::Server {
-                code: "EXECUTION_ERROR".into(),
-                message: format!("unknown task_id `{id}` ({} tasks)", tasks.len()),
-            })?
+            tasks
+                .iter()
+                .position(|t| &t.id == id)
+                .ok_or_else(|| EnvError::Server {
+                    code: "EXECUTION_ERROR".into(),
+                    message: format!("unknown task_id `{id}` ({} tasks)", tasks.len()),
+                })?
         } else if let Some(seed) = opts.seed {
             (seed % tasks.len() as u64) as usize
         } else {
@@ -236,7 +245,9 @@ impl Env for CodeEnv {
 
     async fn step(&mut self, action: Action) -> Result<StepResult, EnvError> {
         let Some(task) = self.task.clone() else {
-            return Err(EnvError::NoSession("CodeEnv: call reset before step".into()));
+            return Err(EnvError::NoSession(
+                "CodeEnv: call reset before step".into(),
+            ));
         };
         let text = ["code", "message"]
             .iter()

@@ -89,7 +89,9 @@ fn server_urls(url: &str) -> Result<(String, String), EnvError> {
     let trimmed = url.trim().trim_end_matches('/');
     let trimmed = trimmed.strip_suffix("/ws").unwrap_or(trimmed);
     let (scheme, rest) = trimmed.split_once("://").ok_or_else(|| {
-        EnvError::Connection(format!("bad OpenEnv URL `{url}`: expected http://HOST:PORT"))
+        EnvError::Connection(format!(
+            "bad OpenEnv URL `{url}`: expected http://HOST:PORT"
+        ))
     })?;
     let (http, ws) = match scheme {
         "http" | "ws" => ("http", "ws"),
@@ -101,14 +103,19 @@ fn server_urls(url: &str) -> Result<(String, String), EnvError> {
         }
     };
     if rest.is_empty() || rest.starts_with('/') || rest.contains(char::is_whitespace) {
-        return Err(EnvError::Connection(format!("bad OpenEnv URL `{url}`: no host")));
+        return Err(EnvError::Connection(format!(
+            "bad OpenEnv URL `{url}`: no host"
+        )));
     }
     Ok((format!("{http}://{rest}"), format!("{ws}://{rest}/ws")))
 }
 
 fn http_error(url: &str, e: reqwest::Error, timeout: Duration) -> EnvError {
     if e.is_timeout() {
-        EnvError::Timeout { seconds: timeout.as_secs_f64(), during: format!("GET {url}") }
+        EnvError::Timeout {
+            seconds: timeout.as_secs_f64(),
+            during: format!("GET {url}"),
+        }
     } else {
         EnvError::Connection(format!("GET {url}: {e}"))
     }
@@ -125,12 +132,20 @@ impl OpenEnvClient {
             .build()
             .map_err(|e| EnvError::Connection(format!("building the HTTP client: {e}")))?;
         let mut client = OpenEnvClient {
-            inner: Arc::new(ClientInner { base_url, ws_url, http, config, schema: Value::Null }),
+            inner: Arc::new(ClientInner {
+                base_url,
+                ws_url,
+                http,
+                config,
+                schema: Value::Null,
+            }),
         };
         client.wait_healthy().await?;
         let schema = client.get_json("/schema").await?;
         if !schema.is_object() {
-            return Err(EnvError::Protocol(format!("GET /schema: not a JSON object: {schema}")));
+            return Err(EnvError::Protocol(format!(
+                "GET /schema: not a JSON object: {schema}"
+            )));
         }
         if let Some(inner) = Arc::get_mut(&mut client.inner) {
             inner.schema = schema;
@@ -166,10 +181,18 @@ impl OpenEnvClient {
     async fn get_json(&self, path: &str) -> Result<Value, EnvError> {
         let url = format!("{}{path}", self.inner.base_url);
         let timeout = self.inner.config.http_timeout;
-        let resp =
-            self.inner.http.get(&url).send().await.map_err(|e| http_error(&url, e, timeout))?;
+        let resp = self
+            .inner
+            .http
+            .get(&url)
+            .send()
+            .await
+            .map_err(|e| http_error(&url, e, timeout))?;
         let status = resp.status();
-        let body = resp.text().await.map_err(|e| http_error(&url, e, timeout))?;
+        let body = resp
+            .text()
+            .await
+            .map_err(|e| http_error(&url, e, timeout))?;
         if !status.is_success() {
             return Err(EnvError::Server {
                 code: format!("HTTP {}", status.as_u16()),
@@ -185,7 +208,9 @@ impl OpenEnvClient {
         let v = self.get_json("/health").await?;
         match v.get("status").and_then(Value::as_str) {
             Some("healthy") => Ok(()),
-            _ => Err(EnvError::Protocol(format!("GET /health: unexpected body {v}"))),
+            _ => Err(EnvError::Protocol(format!(
+                "GET /health: unexpected body {v}"
+            ))),
         }
     }
 
@@ -219,7 +244,11 @@ impl OpenEnvClient {
 
     /// A new, not yet connected session; its first `reset` connects.
     pub fn session(&self) -> RemoteEnv {
-        RemoteEnv { client: self.clone(), conn: None, episode_deadline: None }
+        RemoteEnv {
+            client: self.clone(),
+            conn: None,
+            episode_deadline: None,
+        }
     }
 
     /// A factory of sessions on this server, for [`crate::EnvPool`].
@@ -263,8 +292,16 @@ pub struct RemoteEnv {
 
 /// Maps a server error frame's `data` to an [`EnvError`].
 fn error_from_frame(data: &Value) -> EnvError {
-    let code = data.get("code").and_then(Value::as_str).unwrap_or("UNKNOWN").to_string();
-    let message = data.get("message").and_then(Value::as_str).unwrap_or("").to_string();
+    let code = data
+        .get("code")
+        .and_then(Value::as_str)
+        .unwrap_or("UNKNOWN")
+        .to_string();
+    let message = data
+        .get("message")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
     match code.as_str() {
         "VALIDATION_ERROR" => EnvError::InvalidAction {
             message: format!("{message}: {}", data.get("errors").unwrap_or(&Value::Null)),
@@ -295,7 +332,9 @@ fn parse_frame(text: &str) -> Result<Value, EnvError> {
     match v.get("type").and_then(Value::as_str) {
         Some("error") => Err(error_from_frame(v.get("data").unwrap_or(&Value::Null))),
         Some(_) => Ok(v),
-        None => Err(EnvError::Protocol(format!("server frame without `type`: {text:.200}"))),
+        None => Err(EnvError::Protocol(format!(
+            "server frame without `type`: {text:.200}"
+        ))),
     }
 }
 
@@ -390,7 +429,9 @@ impl RemoteEnv {
 
     /// Whether a WebSocket session is open.
     pub fn is_connected(&self) -> bool {
-        self.conn.as_ref().is_some_and(|c| !c.tx.is_closed() && !c.task.is_finished())
+        self.conn
+            .as_ref()
+            .is_some_and(|c| !c.tx.is_closed() && !c.task.is_finished())
     }
 
     fn drop_conn(&mut self) {
@@ -413,8 +454,12 @@ impl RemoteEnv {
             if attempt > 0 {
                 tokio::time::sleep(cfg.backoff(attempt - 1)).await;
             }
-            let result = if attempt > 0 && self.client.health().await.is_err() {
-                Err(EnvError::Connection(format!("{} is not healthy", self.client.base_url())))
+            let result: Result<(), EnvError> = if attempt > 0 && self.client.health().await.is_err()
+            {
+                Err(EnvError::Connection(format!(
+                    "{} is not healthy",
+                    self.client.base_url()
+                )))
             } else {
                 match tokio::time::timeout(
                     cfg.connect_timeout,
@@ -426,7 +471,11 @@ impl RemoteEnv {
                         let (tx, rx) = mpsc::channel(16);
                         let dead_reason = Arc::new(Mutex::new(None));
                         let task = tokio::spawn(socket_task(ws, rx, dead_reason.clone()));
-                        self.conn = Some(Connection { tx, task, dead_reason });
+                        self.conn = Some(Connection {
+                            tx,
+                            task,
+                            dead_reason,
+                        });
                         return Ok(());
                     }
                     Ok(Err(tokio_tungstenite::tungstenite::Error::Http(resp))) => {
@@ -456,7 +505,9 @@ impl RemoteEnv {
     /// Sends one message and waits for its reply within the call / episode timeout.
     async fn call(&mut self, msg: Value, during: &str) -> Result<Value, EnvError> {
         let Some(conn) = self.conn.as_ref() else {
-            return Err(EnvError::NoSession(format!("{during}: no open session; call reset")));
+            return Err(EnvError::NoSession(format!(
+                "{during}: no open session; call reset"
+            )));
         };
         let call_timeout = self.client.inner.config.call_timeout;
         let (limit, episode_bound) = match self.episode_deadline {
@@ -467,7 +518,15 @@ impl RemoteEnv {
             None => (call_timeout, false),
         };
         let (tx, rx) = oneshot::channel();
-        if conn.tx.send(Request { text: msg.to_string(), reply: Some(tx) }).await.is_err() {
+        if conn
+            .tx
+            .send(Request {
+                text: msg.to_string(),
+                reply: Some(tx),
+            })
+            .await
+            .is_err()
+        {
             let e = conn.dead_error();
             self.drop_conn();
             return Err(e);
@@ -477,7 +536,11 @@ impl RemoteEnv {
             Ok(Err(_)) => Err(conn.dead_error()),
             Err(_) => Err(EnvError::Timeout {
                 seconds: limit.as_secs_f64(),
-                during: if episode_bound { format!("{during} (episode timeout)") } else { during.into() },
+                during: if episode_bound {
+                    format!("{during} (episode timeout)")
+                } else {
+                    during.into()
+                },
             }),
         };
         if let Err(e) = &result {
@@ -490,14 +553,18 @@ impl RemoteEnv {
 
     fn expect_type(reply: Value, ty: &str) -> Result<Value, EnvError> {
         if reply.get("type").and_then(Value::as_str) != Some(ty) {
-            return Err(EnvError::Protocol(format!("expected a `{ty}` reply, got {reply:.300}")));
+            return Err(EnvError::Protocol(format!(
+                "expected a `{ty}` reply, got {reply:.300}"
+            )));
         }
         Ok(reply.get("data").cloned().unwrap_or(Value::Null))
     }
 
     /// Sends an MCP JSON-RPC request over `/ws` (`{"type":"mcp"}`) and returns the response.
     pub async fn mcp(&mut self, request: Value) -> Result<Value, EnvError> {
-        let reply = self.call(json!({"type": "mcp", "data": request}), "mcp").await?;
+        let reply = self
+            .call(json!({"type": "mcp", "data": request}), "mcp")
+            .await?;
         Self::expect_type(reply, "mcp")
     }
 }
@@ -505,7 +572,12 @@ impl RemoteEnv {
 #[async_trait]
 impl Env for RemoteEnv {
     async fn reset(&mut self, opts: ResetOptions) -> Result<StepResult, EnvError> {
-        self.episode_deadline = self.client.inner.config.episode_timeout.map(|d| Instant::now() + d);
+        self.episode_deadline = self
+            .client
+            .inner
+            .config
+            .episode_timeout
+            .map(|d| Instant::now() + d);
         let data = serde_json::to_value(&opts)
             .map_err(|e| EnvError::Protocol(format!("encoding reset options: {e}")))?;
         let msg = json!({"type": "reset", "data": data});
@@ -517,7 +589,9 @@ impl Env for RemoteEnv {
                 self.connect().await?;
             }
             match self.call(msg.clone(), "reset").await {
-                Ok(reply) => return StepResult::from_wire(&Self::expect_type(reply, "observation")?),
+                Ok(reply) => {
+                    return StepResult::from_wire(&Self::expect_type(reply, "observation")?)
+                }
                 Err(EnvError::Capacity(m))
                     if capacity_attempt < self.client.inner.config.capacity_retries =>
                 {
@@ -536,7 +610,9 @@ impl Env for RemoteEnv {
     }
 
     async fn step(&mut self, action: Action) -> Result<StepResult, EnvError> {
-        let reply = self.call(json!({"type": "step", "data": action}), "step").await?;
+        let reply = self
+            .call(json!({"type": "step", "data": action}), "step")
+            .await?;
         StepResult::from_wire(&Self::expect_type(reply, "observation")?)
     }
 
@@ -559,11 +635,21 @@ impl Env for RemoteEnv {
     }
 
     fn observation_schema(&self) -> Value {
-        self.client.inner.schema.get("observation").cloned().unwrap_or(Value::Null)
+        self.client
+            .inner
+            .schema
+            .get("observation")
+            .cloned()
+            .unwrap_or(Value::Null)
     }
 
     fn state_schema(&self) -> Value {
-        self.client.inner.schema.get("state").cloned().unwrap_or(Value::Null)
+        self.client
+            .inner
+            .schema
+            .get("state")
+            .cloned()
+            .unwrap_or(Value::Null)
     }
 }
 
@@ -574,9 +660,15 @@ mod tests {
     #[test]
     fn urls() {
         let (h, w) = server_urls("http://127.0.0.1:8765/").unwrap();
-        assert_eq!((h.as_str(), w.as_str()), ("http://127.0.0.1:8765", "ws://127.0.0.1:8765/ws"));
+        assert_eq!(
+            (h.as_str(), w.as_str()),
+            ("http://127.0.0.1:8765", "ws://127.0.0.1:8765/ws")
+        );
         let (h, w) = server_urls("ws://host:1/ws").unwrap();
-        assert_eq!((h.as_str(), w.as_str()), ("http://host:1", "ws://host:1/ws"));
+        assert_eq!(
+            (h.as_str(), w.as_str()),
+            ("http://host:1", "ws://host:1/ws")
+        );
         assert!(server_urls("127.0.0.1:8765").is_err());
         assert!(server_urls("ftp://x").is_err());
         assert!(server_urls("http://").is_err());
@@ -588,9 +680,13 @@ mod tests {
         assert!(matches!(e, EnvError::InvalidAction { .. }) && !closes_session(&e));
         let e = parse_frame(r#"{"type":"error","data":{"message":"x","code":"CAPACITY_REACHED","active_sessions":1,"max_sessions":1}}"#).unwrap_err();
         assert!(matches!(e, EnvError::Capacity(_)) && closes_session(&e));
-        let e = parse_frame(r#"{"type":"error","data":{"message":"boom","code":"EXECUTION_ERROR"}}"#).unwrap_err();
+        let e =
+            parse_frame(r#"{"type":"error","data":{"message":"boom","code":"EXECUTION_ERROR"}}"#)
+                .unwrap_err();
         assert!(!closes_session(&e));
-        let e = parse_frame(r#"{"type":"error","data":{"message":"'text'","code":"SESSION_ERROR"}}"#).unwrap_err();
+        let e =
+            parse_frame(r#"{"type":"error","data":{"message":"'text'","code":"SESSION_ERROR"}}"#)
+                .unwrap_err();
         assert!(closes_session(&e));
         assert!(parse_frame("nope").is_err());
     }

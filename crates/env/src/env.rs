@@ -29,7 +29,10 @@ pub struct ResetOptions {
 impl ResetOptions {
     /// Reset options with only a seed.
     pub fn seeded(seed: u64) -> Self {
-        ResetOptions { seed: Some(seed), ..Default::default() }
+        ResetOptions {
+            seed: Some(seed),
+            ..Default::default()
+        }
     }
 }
 
@@ -69,12 +72,23 @@ impl StepResult {
             Some(Value::Bool(b)) => *b,
             None | Some(Value::Null) => false,
             Some(other) => {
-                return Err(EnvError::Protocol(format!("field `done` is not a bool: {other}")))
+                return Err(EnvError::Protocol(format!(
+                    "field `done` is not a bool: {other}"
+                )))
             }
         };
-        let feedback = observation.get("feedback").and_then(Value::as_str).map(str::to_string);
+        let feedback = observation
+            .get("feedback")
+            .and_then(Value::as_str)
+            .map(str::to_string);
         let text = render_observation(&observation);
-        Ok(StepResult { observation, text, reward, done, feedback })
+        Ok(StepResult {
+            observation,
+            text,
+            reward,
+            done,
+            feedback,
+        })
     }
 
     /// The OpenEnv wire form `{"observation", "reward", "done"}`.
@@ -92,7 +106,10 @@ pub fn parse_reward(v: &Value) -> Result<Option<f64>, String> {
     match v {
         Value::Null => Ok(None),
         Value::Bool(b) => Ok(Some(if *b { 1.0 } else { 0.0 })),
-        Value::Number(n) => n.as_f64().map(Some).ok_or_else(|| format!("not an f64: {n}")),
+        Value::Number(n) => n
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| format!("not an f64: {n}")),
         other => Err(format!("expected number, bool or null, got {other}")),
     }
 }
@@ -101,8 +118,15 @@ pub fn parse_reward(v: &Value) -> Result<Option<f64>, String> {
 /// fields (`prompt`, `text`, `feedback`, `echoed_message`, `message`, `output`, `stdout`),
 /// else the only string field, else the compact JSON of the object.
 pub fn render_observation(observation: &Map<String, Value>) -> String {
-    const TEXT_FIELDS: [&str; 7] =
-        ["prompt", "text", "feedback", "echoed_message", "message", "output", "stdout"];
+    const TEXT_FIELDS: [&str; 7] = [
+        "prompt",
+        "text",
+        "feedback",
+        "echoed_message",
+        "message",
+        "output",
+        "stdout",
+    ];
     for key in TEXT_FIELDS {
         if let Some(Value::String(s)) = observation.get(key) {
             return s.clone();
@@ -198,7 +222,10 @@ impl EnvError {
 
     /// An invalid-action error without structured details.
     pub fn invalid_action(message: impl Into<String>) -> Self {
-        EnvError::InvalidAction { message: message.into(), errors: Value::Null }
+        EnvError::InvalidAction {
+            message: message.into(),
+            errors: Value::Null,
+        }
     }
 }
 

@@ -72,7 +72,10 @@ pub struct EpisodeConfig {
 
 impl Default for EpisodeConfig {
     fn default() -> Self {
-        EpisodeConfig { max_turns: 4, max_total_tokens: 4096 }
+        EpisodeConfig {
+            max_turns: 4,
+            max_total_tokens: 4096,
+        }
     }
 }
 
@@ -178,7 +181,10 @@ impl Episode {
     /// An episode that failed before producing anything.
     pub fn failed(err: &EnvError) -> Self {
         let mut ep = Self::empty();
-        ep.end = EpisodeEnd::EnvFailed { kind: err.kind(), message: err.to_string() };
+        ep.end = EpisodeEnd::EnvFailed {
+            kind: err.kind(),
+            message: err.to_string(),
+        };
         ep
     }
 
@@ -235,7 +241,10 @@ pub fn parse_action(text: &str, schema: Option<&Value>) -> Result<Value, String>
                 return Ok(v);
             }
             let fields = required_string_fields(schema);
-            let n_required = schema.get("required").and_then(Value::as_array).map_or(0, Vec::len);
+            let n_required = schema
+                .get("required")
+                .and_then(Value::as_array)
+                .map_or(0, Vec::len);
             if fields.len() == 1 && n_required == 1 {
                 let mut m = Map::new();
                 m.insert(fields[0].clone(), Value::String(text.to_string()));
@@ -303,7 +312,11 @@ pub async fn run_episode<P: TurnPolicy + ?Sized>(
         let mut turn = Turn {
             model_tokens,
             action_text,
-            finish_reason: if over_budget { FinishReason::Length } else { out.finish_reason },
+            finish_reason: if over_budget {
+                FinishReason::Length
+            } else {
+                out.finish_reason
+            },
             policy_version: out.policy_version,
             action: None,
             invalid_action: None,
@@ -337,7 +350,10 @@ pub async fn run_episode<P: TurnPolicy + ?Sized>(
                     }
                     Err(e) => {
                         ep.turns.push(turn);
-                        ep.end = EpisodeEnd::EnvFailed { kind: e.kind(), message: e.to_string() };
+                        ep.end = EpisodeEnd::EnvFailed {
+                            kind: e.kind(),
+                            message: e.to_string(),
+                        };
                         return Ok(ep);
                     }
                 }
@@ -387,15 +403,24 @@ mod tests {
         let echo = json!({"type": "object", "additionalProperties": false,
             "properties": {"message": {"type": "string"}}, "required": ["message"]});
         // A JSON object fitting the schema wins.
-        let a = parse_action("I will say ```json\n{\"message\": \"hi\"}\n```", Some(&echo)).unwrap();
+        let a = parse_action(
+            "I will say ```json\n{\"message\": \"hi\"}\n```",
+            Some(&echo),
+        )
+        .unwrap();
         assert_eq!(a, json!({"message": "hi"}));
         // Otherwise the whole text goes into the only required string field.
         let a = parse_action("just text {not json}", Some(&echo)).unwrap();
         assert_eq!(a, json!({"message": "just text {not json}"}));
         // Two required fields and no JSON: an error with a reason.
         let two = json!({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "required": ["a", "b"]});
-        assert!(parse_action("nothing here", Some(&two)).unwrap_err().contains("no JSON object"));
-        assert_eq!(parse_action(r#"x {"a": "1", "b": 2} y"#, Some(&two)).unwrap(), json!({"a": "1", "b": 2}));
+        assert!(parse_action("nothing here", Some(&two))
+            .unwrap_err()
+            .contains("no JSON object"));
+        assert_eq!(
+            parse_action(r#"x {"a": "1", "b": 2} y"#, Some(&two)).unwrap(),
+            json!({"a": "1", "b": 2})
+        );
         assert!(parse_action("no schema, no json", None).is_err());
         assert_eq!(parse_action(r#"{"k": 1}"#, None).unwrap(), json!({"k": 1}));
     }

@@ -10,6 +10,9 @@
 //!   percentiles (the τ_V wall) and failure counts by cause.
 //! - [`run_episode`]: token-faithful multi-turn episodes driven by a [`TurnPolicy`].
 
+// `!(x > 0.0)` is used on purpose in validation: it also rejects NaN.
+#![allow(clippy::neg_cmp_op_on_partial_ord)]
+
 mod builtin;
 mod client;
 mod env;
@@ -21,12 +24,12 @@ mod server;
 pub use builtin::{builtin_env_factory, CodeEnv, CodeEnvConfig, EchoEnv, TaskSelection};
 pub use client::{OpenEnvClient, OpenEnvClientConfig, RemoteEnv};
 pub use env::{
-    parse_reward, render_observation, Action, Env, EnvError, EnvFactory, FailureKind,
-    ResetOptions, StepResult,
+    parse_reward, render_observation, Action, Env, EnvError, EnvFactory, FailureKind, ResetOptions,
+    StepResult,
 };
 pub use episode::{
-    parse_action, run_episode, Episode, EpisodeConfig, EpisodeEnd, FinishReason, Turn,
-    TurnOutput, TurnPolicy,
+    parse_action, run_episode, Episode, EpisodeConfig, EpisodeEnd, FinishReason, Turn, TurnOutput,
+    TurnPolicy,
 };
 pub use pool::{
     EnvPool, FailureCounts, LatencySummary, PoolConfig, PoolStats, PooledEnv, ServerStats,

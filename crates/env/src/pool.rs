@@ -191,11 +191,20 @@ pub struct EnvPool {
 impl EnvPool {
     /// An empty pool; add servers with [`EnvPool::add_server`].
     pub fn new(config: PoolConfig) -> Self {
-        EnvPool { config, servers: Vec::new(), next: AtomicUsize::new(0) }
+        EnvPool {
+            config,
+            servers: Vec::new(),
+            next: AtomicUsize::new(0),
+        }
     }
 
     /// Adds a server (or built-in env factory) running at most `max_concurrent` episodes.
-    pub fn add_server(&mut self, name: impl Into<String>, factory: EnvFactory, max_concurrent: usize) {
+    pub fn add_server(
+        &mut self,
+        name: impl Into<String>,
+        factory: EnvFactory,
+        max_concurrent: usize,
+    ) {
         let max_concurrent = max_concurrent.max(1);
         self.servers.push(Server {
             name: name.into(),
@@ -222,10 +231,15 @@ impl EnvPool {
         anyhow::ensure!(!self.servers.is_empty(), "EnvPool has no server");
         let now = Instant::now();
         let cooling = |s: &Server| {
-            s.recorder.lock().ok().and_then(|r| r.cooldown_until).is_some_and(|t| t > now)
+            s.recorder
+                .lock()
+                .ok()
+                .and_then(|r| r.cooldown_until)
+                .is_some_and(|t| t > now)
         };
-        let mut eligible: Vec<usize> =
-            (0..self.servers.len()).filter(|&i| !cooling(&self.servers[i])).collect();
+        let mut eligible: Vec<usize> = (0..self.servers.len())
+            .filter(|&i| !cooling(&self.servers[i]))
+            .collect();
         if eligible.is_empty() {
             eligible = (0..self.servers.len()).collect();
         }
@@ -382,7 +396,10 @@ impl Env for PooledEnv {
         let start = Instant::now();
         let result = match tokio::time::timeout(timeout, self.env.reset(opts)).await {
             Ok(r) => r,
-            Err(_) => Err(EnvError::Timeout { seconds: timeout.as_secs_f64(), during: "reset".into() }),
+            Err(_) => Err(EnvError::Timeout {
+                seconds: timeout.as_secs_f64(),
+                during: "reset".into(),
+            }),
         };
         self.record(&result, start.elapsed().as_secs_f64(), false);
         result
@@ -393,7 +410,10 @@ impl Env for PooledEnv {
         let start = Instant::now();
         let result = match tokio::time::timeout(timeout, self.env.step(action)).await {
             Ok(r) => r,
-            Err(_) => Err(EnvError::Timeout { seconds: timeout.as_secs_f64(), during: "step".into() }),
+            Err(_) => Err(EnvError::Timeout {
+                seconds: timeout.as_secs_f64(),
+                during: "step".into(),
+            }),
         };
         self.record(&result, start.elapsed().as_secs_f64(), true);
         result
@@ -403,7 +423,10 @@ impl Env for PooledEnv {
         let timeout = self.call_timeout;
         match tokio::time::timeout(timeout, self.env.state()).await {
             Ok(r) => r,
-            Err(_) => Err(EnvError::Timeout { seconds: timeout.as_secs_f64(), during: "state".into() }),
+            Err(_) => Err(EnvError::Timeout {
+                seconds: timeout.as_secs_f64(),
+                during: "state".into(),
+            }),
         }
     }
 
@@ -411,7 +434,10 @@ impl Env for PooledEnv {
         let timeout = self.call_timeout;
         match tokio::time::timeout(timeout, self.env.close()).await {
             Ok(r) => r,
-            Err(_) => Err(EnvError::Timeout { seconds: timeout.as_secs_f64(), during: "close".into() }),
+            Err(_) => Err(EnvError::Timeout {
+                seconds: timeout.as_secs_f64(),
+                during: "close".into(),
+            }),
         }
     }
 

@@ -48,13 +48,23 @@ fn check(schema: &Value, v: &Value, loc: &mut Vec<Value>, out: &mut Vec<Validati
             sub.is_empty()
         });
         if !ok {
-            out.push(issue("union_type", loc, "Input matches none of the allowed types", v));
+            out.push(issue(
+                "union_type",
+                loc,
+                "Input matches none of the allowed types",
+                v,
+            ));
         }
         return;
     }
     if let Some(allowed) = s.get("enum").and_then(Value::as_array) {
         if !allowed.contains(v) {
-            out.push(issue("enum", loc, &format!("Input should be one of {allowed:?}"), v));
+            out.push(issue(
+                "enum",
+                loc,
+                &format!("Input should be one of {allowed:?}"),
+                v,
+            ));
             return;
         }
     }
@@ -73,7 +83,12 @@ fn check(schema: &Value, v: &Value, loc: &mut Vec<Value>, out: &mut Vec<Validati
             "array" => "list_type",
             other => other,
         };
-        out.push(issue(kind, loc, &format!("Input should be of type {}", types.join(" or ")), v));
+        out.push(issue(
+            kind,
+            loc,
+            &format!("Input should be of type {}", types.join(" or ")),
+            v,
+        ));
         return;
     }
     let Some(obj) = v.as_object() else { return };
@@ -92,9 +107,12 @@ fn check(schema: &Value, v: &Value, loc: &mut Vec<Value>, out: &mut Vec<Validati
         loc.push(json!(name));
         match props.and_then(|p| p.get(name)) {
             Some(field_schema) => check(field_schema, field, loc, out),
-            None if extra_forbidden => {
-                out.push(issue("extra_forbidden", loc, "Extra inputs are not permitted", field))
-            }
+            None if extra_forbidden => out.push(issue(
+                "extra_forbidden",
+                loc,
+                "Extra inputs are not permitted",
+                field,
+            )),
             None => {}
         }
         loc.pop();
@@ -102,19 +120,28 @@ fn check(schema: &Value, v: &Value, loc: &mut Vec<Value>, out: &mut Vec<Validati
 }
 
 fn issue(kind: &str, loc: &[Value], msg: &str, input: &Value) -> ValidationIssue {
-    ValidationIssue { kind: kind.into(), loc: loc.to_vec(), msg: msg.into(), input: input.clone() }
+    ValidationIssue {
+        kind: kind.into(),
+        loc: loc.to_vec(),
+        msg: msg.into(),
+        input: input.clone(),
+    }
 }
 
 /// The required string fields of an object schema, when that is all it requires.
 pub(crate) fn required_string_fields(schema: &Value) -> Vec<String> {
     let props = schema.get("properties").and_then(Value::as_object);
     let required = schema.get("required").and_then(Value::as_array);
-    let (Some(props), Some(required)) = (props, required) else { return vec![] };
+    let (Some(props), Some(required)) = (props, required) else {
+        return vec![];
+    };
     required
         .iter()
         .filter_map(Value::as_str)
         .filter(|name| {
-            props.get(*name).is_some_and(|p| p.get("type").and_then(Value::as_str) == Some("string"))
+            props
+                .get(*name)
+                .is_some_and(|p| p.get("type").and_then(Value::as_str) == Some("string"))
         })
         .map(str::to_string)
         .collect()
@@ -140,8 +167,14 @@ mod tests {
         assert_eq!(issues[0].loc, vec![json!("message")]);
         let issues = validate_action(&echo_schema(), &json!({"message": 3}));
         assert_eq!(issues[0].kind, "string_type");
-        assert_eq!(validate_action(&echo_schema(), &json!("hi"))[0].kind, "model_type");
-        assert_eq!(required_string_fields(&echo_schema()), vec!["message".to_string()]);
+        assert_eq!(
+            validate_action(&echo_schema(), &json!("hi"))[0].kind,
+            "model_type"
+        );
+        assert_eq!(
+            required_string_fields(&echo_schema()),
+            vec!["message".to_string()]
+        );
     }
 
     #[test]

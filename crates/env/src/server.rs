@@ -33,7 +33,10 @@ pub struct ServeConfig {
 
 impl Default for ServeConfig {
     fn default() -> Self {
-        ServeConfig { max_sessions: 16, max_message_bytes: 128 << 20 }
+        ServeConfig {
+            max_sessions: 16,
+            max_message_bytes: 128 << 20,
+        }
     }
 }
 
@@ -49,8 +52,14 @@ struct AppState {
 }
 
 /// Serves `factory` on `addr` until Ctrl-C or SIGTERM (open sessions get close code 1012).
-pub async fn serve_env(factory: EnvFactory, addr: SocketAddr, config: ServeConfig) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+pub async fn serve_env(
+    factory: EnvFactory,
+    addr: SocketAddr,
+    config: ServeConfig,
+) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
     tracing::info!("serving the OpenEnv protocol on http://{addr} (ws://{addr}/ws)");
     serve_env_until(factory, listener, config, shutdown_signal()).await
 }
@@ -58,13 +67,14 @@ pub async fn serve_env(factory: EnvFactory, addr: SocketAddr, config: ServeConfi
 async fn shutdown_signal() {
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
@@ -105,9 +115,18 @@ pub async fn serve_env_until(
         metadata: Arc::new(metadata),
     };
     let app = Router::new()
-        .route("/health", get(|| async { Json(json!({"status": "healthy"})) }))
-        .route("/metadata", get(|State(s): State<AppState>| async move { Json((*s.metadata).clone()) }))
-        .route("/schema", get(|State(s): State<AppState>| async move { Json((*s.schema).clone()) }))
+        .route(
+            "/health",
+            get(|| async { Json(json!({"status": "healthy"})) }),
+        )
+        .route(
+            "/metadata",
+            get(|State(s): State<AppState>| async move { Json((*s.metadata).clone()) }),
+        )
+        .route(
+            "/schema",
+            get(|State(s): State<AppState>| async move { Json((*s.schema).clone()) }),
+        )
         .route("/reset", post(http_reset))
         .route("/step", post(http_step))
         .route("/state", get(http_state))
@@ -123,7 +142,11 @@ pub async fn serve_env_until(
 }
 
 fn detail(issues: Value) -> Response {
-    (StatusCode::UNPROCESSABLE_ENTITY, Json(json!({ "detail": issues }))).into_response()
+    (
+        StatusCode::UNPROCESSABLE_ENTITY,
+        Json(json!({ "detail": issues })),
+    )
+        .into_response()
 }
 
 fn internal_error(e: impl std::fmt::Display) -> Response {
@@ -132,14 +155,17 @@ fn internal_error(e: impl std::fmt::Display) -> Response {
 }
 
 /// Parses an optional JSON object body (FastAPI style 422 on errors).
+#[allow(clippy::result_large_err)] // the error is the ready HTTP response; it is returned once per request
 fn parse_body(body: &Bytes) -> Result<Map<String, Value>, Response> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(Map::new());
     }
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(m)) => Ok(m),
-        Ok(other) => Err(detail(json!([{"type": "model_attributes_type", "loc": ["body"],
-            "msg": "Input should be a valid dictionary or object to extract fields from", "input": other}]))),
+        Ok(other) => Err(detail(
+            json!([{"type": "model_attributes_type", "loc": ["body"],
+            "msg": "Input should be a valid dictionary or object to extract fields from", "input": other}]),
+        )),
         Err(e) => Err(detail(json!([{"type": "json_invalid", "loc": ["body", 0],
             "msg": "JSON decode error", "input": {}, "ctx": {"error": e.to_string()}}]))),
     }
@@ -181,9 +207,9 @@ fn reset_options(data: &Map<String, Value>, loc_prefix: &[&str]) -> Result<Reset
     }
     let mut data = data.clone();
     data.retain(|_, v| !v.is_null());
-    serde_json::from_value(Value::Object(data)).map_err(|e| {
-        json!([{"type": "value_error", "loc": loc_prefix, "msg": e.to_string(), "input": {}}])
-    })
+    serde_json::from_value(Value::Object(data)).map_err(
+        |e| json!([{"type": "value_error", "loc": loc_prefix, "msg": e.to_string(), "input": {}}]),
+    )
 }
 
 fn validation_issues(state: &AppState, action: &Value) -> Option<Value> {
@@ -223,8 +249,10 @@ async fn http_step(State(state): State<AppState>, body: Bytes) -> Response {
         Err(r) => return r,
     };
     let Some(action) = data.get("action") else {
-        return detail(json!([{"type": "missing", "loc": ["body", "action"], "msg": "Field required",
-            "input": data}]));
+        return detail(
+            json!([{"type": "missing", "loc": ["body", "action"], "msg": "Field required",
+            "input": data}]),
+        );
     };
     if let Some(issues) = validation_issues(&state, action) {
         return detail(issues);
@@ -261,7 +289,9 @@ async fn http_state(State(state): State<AppState>) -> Response {
 
 async fn ws_upgrade(State(state): State<AppState>, ws: WebSocketUpgrade) -> Response {
     let max = state.config.max_message_bytes;
-    ws.max_message_size(max).max_frame_size(max).on_upgrade(move |socket| ws_session(socket, state))
+    ws.max_message_size(max)
+        .max_frame_size(max)
+        .on_upgrade(move |socket| ws_session(socket, state))
 }
 
 fn error_frame(code: &str, message: &str, extra: Value) -> Message {
@@ -273,7 +303,10 @@ fn error_frame(code: &str, message: &str, extra: Value) -> Message {
 }
 
 fn close_frame(code: u16, reason: &str) -> Message {
-    Message::Close(Some(CloseFrame { code, reason: reason.into() }))
+    Message::Close(Some(CloseFrame {
+        code,
+        reason: reason.into(),
+    }))
 }
 
 /// Decrements the active-session count when a session ends, however it ends.
@@ -322,7 +355,7 @@ async fn ws_session(mut socket: WebSocket, state: AppState) {
     let mut shutdown = state.shutdown.clone();
     loop {
         let msg = tokio::select! {
-            _ = shutdown.wait_for(|stop| *stop) => {
+            _ = wait_for_shutdown(&mut shutdown) => {
                 let _ = socket.send(close_frame(1012, "service restart")).await;
                 break;
             }
@@ -334,7 +367,9 @@ async fn ws_session(mut socket: WebSocket, state: AppState) {
             Some(Ok(Message::Binary(_))) => {
                 Next::Close(Some(error_frame("SESSION_ERROR", "'text'", json!({}))))
             }
-            Some(Ok(Message::Text(text))) => handle_message(&state, env.as_mut(), text.as_str()).await,
+            Some(Ok(Message::Text(text))) => {
+                handle_message(&state, env.as_mut(), text.as_str()).await
+            }
         };
         match next {
             Next::Reply(reply) => {
@@ -366,13 +401,33 @@ fn env_error_frame(e: &EnvError) -> Message {
 async fn handle_message(state: &AppState, env: &mut dyn Env, text: &str) -> Next {
     let value: Value = match serde_json::from_str(text) {
         Ok(v) => v,
-        Err(e) => return Next::Reply(error_frame("INVALID_JSON", &format!("Invalid JSON: {e}"), json!({}))),
+        Err(e) => {
+            return Next::Reply(error_frame(
+                "INVALID_JSON",
+                &format!("Invalid JSON: {e}"),
+                json!({}),
+            ))
+        }
     };
-    let ty = value.get("type").and_then(Value::as_str).unwrap_or("").to_string();
-    let invalid = |errors: Value| Next::Reply(error_frame("VALIDATION_ERROR", "Invalid message", json!({"errors": errors})));
+    let ty = value
+        .get("type")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let invalid = |errors: Value| {
+        Next::Reply(error_frame(
+            "VALIDATION_ERROR",
+            "Invalid message",
+            json!({"errors": errors}),
+        ))
+    };
     if let Some(obj) = value.as_object() {
-        let extra: Vec<&String> = obj.keys().filter(|k| *k != "type" && *k != "data").collect();
-        if !extra.is_empty() && matches!(ty.as_str(), "reset" | "step" | "state" | "close" | "mcp") {
+        let extra: Vec<&String> = obj
+            .keys()
+            .filter(|k| *k != "type" && *k != "data")
+            .collect();
+        if !extra.is_empty() && matches!(ty.as_str(), "reset" | "step" | "state" | "close" | "mcp")
+        {
             let errors: Vec<Value> = extra
                 .iter()
                 .map(|k| json!({"type": "extra_forbidden", "loc": [k], "msg": "Extra inputs are not permitted", "input": obj[k.as_str()]}))
@@ -387,7 +442,9 @@ async fn handle_message(state: &AppState, env: &mut dyn Env, text: &str) -> Next
                 Value::Null => Map::new(),
                 Value::Object(m) => m,
                 other => {
-                    return invalid(json!([{"type": "dict_type", "loc": ["data"], "msg": "Input should be a valid dictionary", "input": other}]))
+                    return invalid(
+                        json!([{"type": "dict_type", "loc": ["data"], "msg": "Input should be a valid dictionary", "input": other}]),
+                    )
                 }
             };
             let opts = match reset_options(&data, &["data"]) {
@@ -395,24 +452,32 @@ async fn handle_message(state: &AppState, env: &mut dyn Env, text: &str) -> Next
                 Err(errors) => return invalid(errors),
             };
             match env.reset(opts).await {
-                Ok(r) => Next::Reply(Message::text(json!({"type": "observation", "data": r.to_wire()}).to_string())),
+                Ok(r) => Next::Reply(Message::text(
+                    json!({"type": "observation", "data": r.to_wire()}).to_string(),
+                )),
                 Err(e) => Next::Reply(env_error_frame(&e)),
             }
         }
         "step" => {
             if data.is_null() {
-                return invalid(json!([{"type": "missing", "loc": ["data"], "msg": "Field required", "input": value}]));
+                return invalid(
+                    json!([{"type": "missing", "loc": ["data"], "msg": "Field required", "input": value}]),
+                );
             }
             if let Some(errors) = validation_issues(state, &data) {
                 return invalid(errors);
             }
             match env.step(data).await {
-                Ok(r) => Next::Reply(Message::text(json!({"type": "observation", "data": r.to_wire()}).to_string())),
+                Ok(r) => Next::Reply(Message::text(
+                    json!({"type": "observation", "data": r.to_wire()}).to_string(),
+                )),
                 Err(e) => Next::Reply(env_error_frame(&e)),
             }
         }
         "state" => match env.state().await {
-            Ok(s) => Next::Reply(Message::text(json!({"type": "state", "data": s}).to_string())),
+            Ok(s) => Next::Reply(Message::text(
+                json!({"type": "state", "data": s}).to_string(),
+            )),
             Err(e) => Next::Reply(env_error_frame(&e)),
         },
         "close" => Next::Close(None),
@@ -424,6 +489,16 @@ async fn handle_message(state: &AppState, env: &mut dyn Env, text: &str) -> Next
                 .to_string(),
             ))
         }
-        other => Next::Reply(error_frame("UNKNOWN_TYPE", &format!("Unknown message type: {other}"), json!({}))),
+        other => Next::Reply(error_frame(
+            "UNKNOWN_TYPE",
+            &format!("Unknown message type: {other}"),
+            json!({}),
+        )),
     }
+}
+
+/// Resolves once the server is shutting down. The watch guard is dropped inside, so the
+/// caller's future stays `Send`.
+async fn wait_for_shutdown(shutdown: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await.map(|_| ());
 }

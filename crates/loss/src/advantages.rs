@@ -86,7 +86,7 @@ impl Default for AdvantageConfig {
 }
 
 fn check_groups(n: usize, group_size: usize) -> Result<()> {
-    if group_size == 0 || n % group_size != 0 {
+    if group_size == 0 || !n.is_multiple_of(group_size) {
         return Err(LossError::Input {
             field: "rewards",
             message: format!("{n} rewards do not split into groups of {group_size}"),
@@ -149,7 +149,13 @@ pub fn rloo_advantages(rewards: &[f64], group_size: usize) -> Result<Vec<f64>> {
     for g in rewards.chunks(group_size) {
         let n = g.len() as f64;
         let m = mean(g);
-        out.extend(g.iter().map(|r| if g.len() > 1 { r * n / (n - 1.0) - m * n / (n - 1.0) } else { *r }));
+        out.extend(g.iter().map(|r| {
+            if g.len() > 1 {
+                r * n / (n - 1.0) - m * n / (n - 1.0)
+            } else {
+                *r
+            }
+        }));
     }
     Ok(out)
 }
@@ -164,7 +170,12 @@ fn token_whiten(values: &[f64], lengths: &[usize]) -> Result<Vec<f64>> {
             message: "REINFORCE++ whitening needs at least two completion tokens".into(),
         });
     }
-    let mu = values.iter().zip(lengths).map(|(v, &l)| v * l as f64).sum::<f64>() / (n_tok + 1e-8);
+    let mu = values
+        .iter()
+        .zip(lengths)
+        .map(|(v, &l)| v * l as f64)
+        .sum::<f64>()
+        / (n_tok + 1e-8);
     let var = values
         .iter()
         .zip(lengths)
@@ -172,7 +183,10 @@ fn token_whiten(values: &[f64], lengths: &[usize]) -> Result<Vec<f64>> {
         .sum::<f64>()
         / (n_tok + 1e-8)
         * (n_tok / (n_tok - 1.0));
-    Ok(values.iter().map(|v| (v - mu) / (var + 1e-8).sqrt()).collect())
+    Ok(values
+        .iter()
+        .map(|v| (v - mu) / (var + 1e-8).sqrt())
+        .collect())
 }
 
 fn check_lengths(rewards: &[f64], lengths: &[usize]) -> Result<()> {
@@ -243,7 +257,10 @@ pub struct DynamicSamplingResult {
 
 /// DAPO's dynamic sampling: drop groups whose rewards have zero variance (all equal), since
 /// their group-relative advantages are all zero.
-pub fn filter_zero_variance_groups(rewards: &[f64], group_size: usize) -> Result<DynamicSamplingResult> {
+pub fn filter_zero_variance_groups(
+    rewards: &[f64],
+    group_size: usize,
+) -> Result<DynamicSamplingResult> {
     check_groups(rewards.len(), group_size)?;
     check_finite("rewards", rewards)?;
     let mut kept_groups = Vec::new();
@@ -256,8 +273,16 @@ pub fn filter_zero_variance_groups(rewards: &[f64], group_size: usize) -> Result
         }
         keep.extend(std::iter::repeat_n(k, g.len()));
     }
-    let fraction_dropped = if n_groups == 0 { 0.0 } else { 1.0 - kept_groups.len() as f64 / n_groups as f64 };
-    Ok(DynamicSamplingResult { kept_groups, keep, fraction_dropped })
+    let fraction_dropped = if n_groups == 0 {
+        0.0
+    } else {
+        1.0 - kept_groups.len() as f64 / n_groups as f64
+    };
+    Ok(DynamicSamplingResult {
+        kept_groups,
+        keep,
+        fraction_dropped,
+    })
 }
 
 /// Combine several reward functions and compute advantages.
@@ -279,7 +304,10 @@ pub fn compute_advantages(
     if let Some(i) = rewards_per_func.iter().position(|r| r.len() != k) {
         return Err(LossError::Input {
             field: "rewards_per_func",
-            message: format!("row {i} has {} rewards, row 0 has {k}", rewards_per_func[i].len()),
+            message: format!(
+                "row {i} has {} rewards, row 0 has {k}",
+                rewards_per_func[i].len()
+            ),
         });
     }
     let weights = cfg.reward_weights.clone().unwrap_or_else(|| vec![1.0; k]);
@@ -291,12 +319,18 @@ pub fn compute_advantages(
     }
     match cfg.multi_objective_aggregation {
         MultiRewardAggregation::SumThenNormalize => {
-            let summed: Vec<f64> =
-                rewards_per_func.iter().map(|r| r.iter().zip(&weights).map(|(x, w)| x * w).sum()).collect();
+            let summed: Vec<f64> = rewards_per_func
+                .iter()
+                .map(|r| r.iter().zip(&weights).map(|(x, w)| x * w).sum())
+                .collect();
             match cfg.estimator {
-                AdvantageEstimator::Grpo => group_advantages(&summed, group_size, cfg.scale_rewards),
+                AdvantageEstimator::Grpo => {
+                    group_advantages(&summed, group_size, cfg.scale_rewards)
+                }
                 AdvantageEstimator::Rloo => rloo_advantages(&summed, group_size),
-                AdvantageEstimator::ReinforcePlusPlus => reinforce_plus_plus_advantages(&summed, lengths),
+                AdvantageEstimator::ReinforcePlusPlus => {
+                    reinforce_plus_plus_advantages(&summed, lengths)
+                }
                 AdvantageEstimator::ReinforcePlusPlusBaseline => {
                     reinforce_plus_plus_baseline_advantages(&summed, lengths, group_size)
                 }

@@ -64,9 +64,16 @@ pub struct ComposerMetrics {
 ///
 /// The hint channel reads `inputs.hint` and the replay channel `inputs.replay`; an enabled
 /// channel whose inputs are absent is an error (a silent zero would hide a wiring bug).
-pub fn composer_loss(inputs: &LossInputs, cfg: &ComposerConfig, scale: &LossScale) -> Result<(Tensor, ComposerMetrics)> {
+pub fn composer_loss(
+    inputs: &LossInputs,
+    cfg: &ComposerConfig,
+    scale: &LossScale,
+) -> Result<(Tensor, ComposerMetrics)> {
     if !(cfg.use_rlvr || cfg.use_hint || cfg.use_replay) {
-        return Err(LossError::Config { key: "use_rlvr/use_hint/use_replay", message: "all channels are off".into() });
+        return Err(LossError::Config {
+            key: "use_rlvr/use_hint/use_replay",
+            message: "all channels are off".into(),
+        });
     }
     let mut total: Option<Tensor> = None;
     let mut metrics = ComposerMetrics::default();
@@ -88,7 +95,10 @@ pub fn composer_loss(inputs: &LossInputs, cfg: &ComposerConfig, scale: &LossScal
         metrics.hint = Some(m);
     }
     if cfg.use_replay {
-        let r = inputs.replay.as_ref().ok_or_else(|| LossError::Missing { field: "replay", reason: "use_replay is on".into() })?;
+        let r = inputs.replay.as_ref().ok_or_else(|| LossError::Missing {
+            field: "replay",
+            reason: "use_replay is on".into(),
+        })?;
         let (l, m) = replay_loss(r, &cfg.replay)?;
         add((l * cfg.replay_coef)?)?;
         metrics.replay = Some(m);

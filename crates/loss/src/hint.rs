@@ -65,7 +65,12 @@ pub struct HintConfig {
 
 impl Default for HintConfig {
     fn default() -> Self {
-        Self { divergence: HintDivergence::Jsd, alpha: 0.5, support: HintSupport::TopkTail, is_clip: Some(2.0) }
+        Self {
+            divergence: HintDivergence::Jsd,
+            alpha: 0.5,
+            support: HintSupport::TopkTail,
+            is_clip: Some(2.0),
+        }
     }
 }
 
@@ -108,8 +113,14 @@ fn add_tail(x: &Tensor) -> Result<Tensor> {
     let ls = logsumexp_last(x)?; // [B, T, 1]
     let ls_h = host3(&ls)?;
     // Where log Σp > −1e-7 the clamp is active: the value becomes the constant −1e-7.
-    let clamp_rows: Vec<Vec<f64>> =
-        ls_h.iter().map(|r| r.iter().map(|v| if v[0] > -1e-7 { 1.0 } else { 0.0 }).collect()).collect();
+    let clamp_rows: Vec<Vec<f64>> = ls_h
+        .iter()
+        .map(|r| {
+            r.iter()
+                .map(|v| if v[0] > -1e-7 { 1.0 } else { 0.0 })
+                .collect()
+        })
+        .collect();
     let c = const2(&clamp_rows, x)?.unsqueeze(D::Minus1)?;
     let one_minus_c = (c.ones_like()? - &c)?;
     let ls = ((ls * one_minus_c)? + (c * -1e-7)?)?;
@@ -128,7 +139,12 @@ fn kl_sum(input: &Tensor, target: &Tensor) -> Result<Tensor> {
 
 /// Per-token divergence `[B, T]` between student and teacher log-prob rows `[B, T, K']`
 /// (already on the chosen support). `teacher` must be detached.
-pub fn divergence_per_token(student: &Tensor, teacher: &Tensor, divergence: HintDivergence, alpha: f64) -> Result<Tensor> {
+pub fn divergence_per_token(
+    student: &Tensor,
+    teacher: &Tensor,
+    divergence: HintDivergence,
+    alpha: f64,
+) -> Result<Tensor> {
     match divergence {
         HintDivergence::ForwardKl => kl_sum(student, teacher),
         HintDivergence::ReverseKl => kl_sum(teacher, student),
@@ -165,7 +181,10 @@ pub fn hint_loss(inputs: &LossInputs, cfg: &HintConfig) -> Result<(Tensor, HintM
         });
     }
     if cfg.divergence == HintDivergence::Jsd && !(cfg.alpha > 0.0 && cfg.alpha < 1.0) {
-        return Err(LossError::Config { key: "alpha", message: format!("JSD mixing must be in (0, 1), got {}", cfg.alpha) });
+        return Err(LossError::Config {
+            key: "alpha",
+            message: format!("JSD mixing must be in (0, 1), got {}", cfg.alpha),
+        });
     }
     let lp = &inputs.trainer_logprobs;
     let mut m = host2(&inputs.loss_mask)?;
@@ -179,26 +198,41 @@ pub fn hint_loss(inputs: &LossInputs, cfg: &HintConfig) -> Result<(Tensor, HintM
 
     let per_token = match cfg.divergence {
         HintDivergence::SampledToken => {
-            let tt = hint.teacher_token_logprobs.as_ref().ok_or_else(|| LossError::Missing {
-                field: "hint.teacher_token_logprobs",
-                reason: "divergence = sampled_token".into(),
-            })?;
+            let tt = hint
+                .teacher_token_logprobs
+                .as_ref()
+                .ok_or_else(|| LossError::Missing {
+                    field: "hint.teacher_token_logprobs",
+                    reason: "divergence = sampled_token".into(),
+                })?;
             crate::util::check_shape(tt, "hint.teacher_token_logprobs", &[b, t])?;
             let tt = tt.detach().to_dtype(lp.dtype())?;
             ((lp - tt)?.detach() * lp)?
         }
         d => {
-            let s = hint.student_topk_logprobs.as_ref().ok_or_else(|| LossError::Missing {
-                field: "hint.student_topk_logprobs",
-                reason: "distribution divergences need the student's top-K log-probs".into(),
-            })?;
-            let te = hint.teacher_topk_logprobs.as_ref().ok_or_else(|| LossError::Missing {
-                field: "hint.teacher_topk_logprobs",
-                reason: "distribution divergences need the teacher's log-probs at the top-K ids".into(),
-            })?;
+            let s = hint
+                .student_topk_logprobs
+                .as_ref()
+                .ok_or_else(|| LossError::Missing {
+                    field: "hint.student_topk_logprobs",
+                    reason: "distribution divergences need the student's top-K log-probs".into(),
+                })?;
+            let te = hint
+                .teacher_topk_logprobs
+                .as_ref()
+                .ok_or_else(|| LossError::Missing {
+                    field: "hint.teacher_topk_logprobs",
+                    reason:
+                        "distribution divergences need the teacher's log-probs at the top-K ids"
+                            .into(),
+                })?;
             let dims = s.dims();
             if dims.len() != 3 || dims[0] != b || dims[1] != t {
-                return Err(LossError::Shape { tensor: "hint.student_topk_logprobs", expected: format!("[{b}, {t}, K]"), got: dims.to_vec() });
+                return Err(LossError::Shape {
+                    tensor: "hint.student_topk_logprobs",
+                    expected: format!("[{b}, {t}, K]"),
+                    got: dims.to_vec(),
+                });
             }
             crate::util::check_shape(te, "hint.teacher_topk_logprobs", dims)?;
             let te = te.detach().to_dtype(s.dtype())?;
@@ -211,7 +245,13 @@ pub fn hint_loss(inputs: &LossInputs, cfg: &HintConfig) -> Result<(Tensor, HintM
         }
     };
     let div_h = host2(&per_token)?;
-    let div_mean = div_h.iter().flatten().zip(m.iter().flatten()).map(|(d, k)| d * k).sum::<f64>() / n_tok.max(1.0);
+    let div_mean = div_h
+        .iter()
+        .flatten()
+        .zip(m.iter().flatten())
+        .map(|(d, k)| d * k)
+        .sum::<f64>()
+        / n_tok.max(1.0);
 
     let (per_token, is_mean, capped) = match cfg.is_clip {
         Some(cap) => {
@@ -237,7 +277,11 @@ pub fn hint_loss(inputs: &LossInputs, cfg: &HintConfig) -> Result<(Tensor, HintM
                         .collect()
                 })
                 .collect();
-            ((per_token * const2(&w, lp)?)?, sum_w / n_tok.max(1.0), capped / n_tok.max(1.0))
+            (
+                (per_token * const2(&w, lp)?)?,
+                sum_w / n_tok.max(1.0),
+                capped / n_tok.max(1.0),
+            )
         }
         None => (per_token, 1.0, 0.0),
     };
@@ -271,9 +315,11 @@ pub struct RolloutForHint {
 /// The default teacher-prompt template, SDPO style. Placeholders: `{prompt}` (the original
 /// prompt text), `{solution}` (the solution section, empty without a peer), `{feedback}` (the
 /// feedback section, empty when a peer solution is used or there is no feedback).
-pub const DEFAULT_HINT_TEMPLATE: &str = "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n";
+pub const DEFAULT_HINT_TEMPLATE: &str =
+    "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n";
 /// SDPO's solution section; placeholder `{successful_previous_attempt}`.
-pub const DEFAULT_SOLUTION_TEMPLATE: &str = "\nCorrect solution:\n\n{successful_previous_attempt}\n\n";
+pub const DEFAULT_SOLUTION_TEMPLATE: &str =
+    "\nCorrect solution:\n\n{successful_previous_attempt}\n\n";
 /// SDPO's feedback section; placeholder `{feedback_raw}`.
 pub const DEFAULT_FEEDBACK_TEMPLATE: &str =
     "\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback_raw}\n\n";
@@ -307,19 +353,30 @@ impl Default for HintTemplate {
 /// completion (solution section); else, if i has environment feedback, that feedback
 /// (feedback section); else `None` (the sample is excluded from the hint channel).
 /// Substitution is literal (`str::replace`), so braces inside texts are safe.
-pub fn build_hint_prompts(group: &[RolloutForHint], template: &HintTemplate) -> Vec<Option<String>> {
+pub fn build_hint_prompts(
+    group: &[RolloutForHint],
+    template: &HintTemplate,
+) -> Vec<Option<String>> {
     group
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            let peer = group.iter().enumerate().find(|(j, p)| *j != i && p.passed).map(|(_, p)| p);
+            let peer = group
+                .iter()
+                .enumerate()
+                .find(|(j, p)| *j != i && p.passed)
+                .map(|(_, p)| p);
             let (solution, feedback) = match (peer, &r.feedback) {
-                (Some(p), _) => {
-                    (template.solution.replace("{successful_previous_attempt}", &p.completion_text), String::new())
-                }
-                (None, Some(f)) if !f.trim().is_empty() => {
-                    (String::new(), template.feedback.replace("{feedback_raw}", f))
-                }
+                (Some(p), _) => (
+                    template
+                        .solution
+                        .replace("{successful_previous_attempt}", &p.completion_text),
+                    String::new(),
+                ),
+                (None, Some(f)) if !f.trim().is_empty() => (
+                    String::new(),
+                    template.feedback.replace("{feedback_raw}", f),
+                ),
                 _ => return None,
             };
             // Fill {prompt} last so that a prompt containing "{solution}" is not expanded.
@@ -339,15 +396,26 @@ pub fn ema_update(teacher: &[Var], student: &[Tensor], tau: f64) -> Result<()> {
     if teacher.len() != student.len() {
         return Err(LossError::Input {
             field: "student",
-            message: format!("{} teacher vs {} student tensors", teacher.len(), student.len()),
+            message: format!(
+                "{} teacher vs {} student tensors",
+                teacher.len(),
+                student.len()
+            ),
         });
     }
     if !(0.0..=1.0).contains(&tau) {
-        return Err(LossError::Config { key: "tau", message: format!("must be in [0, 1], got {tau}") });
+        return Err(LossError::Config {
+            key: "tau",
+            message: format!("must be in [0, 1], got {tau}"),
+        });
     }
     for (i, (tv, s)) in teacher.iter().zip(student).enumerate() {
         if tv.dims() != s.dims() {
-            return Err(LossError::Shape { tensor: "student", expected: format!("{:?} (teacher tensor {i})", tv.dims()), got: s.dims().to_vec() });
+            return Err(LossError::Shape {
+                tensor: "student",
+                expected: format!("{:?} (teacher tensor {i})", tv.dims()),
+                got: s.dims().to_vec(),
+            });
         }
         let s = s.detach().to_dtype(tv.dtype())?;
         let new = ((tv.as_tensor() * (1.0 - tau))? + (s * tau)?)?;
@@ -361,7 +429,11 @@ pub fn ema_tensors(teacher: &[Tensor], student: &[Tensor], tau: f64) -> Result<V
     if teacher.len() != student.len() {
         return Err(LossError::Input {
             field: "student",
-            message: format!("{} teacher vs {} student tensors", teacher.len(), student.len()),
+            message: format!(
+                "{} teacher vs {} student tensors",
+                teacher.len(),
+                student.len()
+            ),
         });
     }
     teacher

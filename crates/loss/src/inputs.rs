@@ -59,11 +59,11 @@ impl LossInputs {
 
     /// `(B, T)` of this micro-batch.
     pub fn dims(&self) -> Result<(usize, usize)> {
-        Ok(self.trainer_logprobs.dims2().map_err(|_| LossError::Shape {
+        self.trainer_logprobs.dims2().map_err(|_| LossError::Shape {
             tensor: "trainer_logprobs",
             expected: "[B, T]".into(),
             got: self.trainer_logprobs.dims().to_vec(),
-        })?)
+        })
     }
 
     /// Check every present tensor against `[B, T]` / `[B]` and the dtypes.

@@ -16,6 +16,9 @@
 //! floats; advantages are `[B]`. Every loss is a pure function returning `(scalar, metrics)`;
 //! inputs that must not receive gradients (old/sampler/reference/teacher log-probs) are detached
 //! inside the functions, so callers need not remember to.
+
+// `!(x > 0.0)` is used on purpose in validation: it also rejects NaN.
+#![allow(clippy::neg_cmp_op_on_partial_ord)]
 #![deny(missing_docs)]
 
 pub mod advantages;
@@ -30,13 +33,12 @@ mod util;
 pub use advantages::{
     compute_advantages, filter_zero_variance_groups, group_advantages, opo_advantages,
     reinforce_plus_plus_advantages, reinforce_plus_plus_baseline_advantages, rloo_advantages,
-    AdvantageConfig,
-    AdvantageEstimator, DynamicSamplingResult, MultiRewardAggregation, StdScaling,
+    AdvantageConfig, AdvantageEstimator, DynamicSamplingResult, MultiRewardAggregation, StdScaling,
 };
 pub use composer::{composer_loss, ComposerConfig, ComposerMetrics};
 pub use hint::{
-    build_hint_prompts, ema_tensors, ema_update, hint_loss, HintConfig, HintDivergence,
-    HintInputs, HintMetrics, HintSupport, HintTemplate, RolloutForHint, DEFAULT_HINT_TEMPLATE,
+    build_hint_prompts, ema_tensors, ema_update, hint_loss, HintConfig, HintDivergence, HintInputs,
+    HintMetrics, HintSupport, HintTemplate, RolloutForHint, DEFAULT_HINT_TEMPLATE,
 };
 pub use inputs::{LossInputs, LossScale};
 pub use replay::{

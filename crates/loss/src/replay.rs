@@ -46,7 +46,10 @@ pub struct DpoConfig {
 
 impl Default for DpoConfig {
     fn default() -> Self {
-        Self { loss_type: DpoLossType::Sigmoid, beta: 0.1 }
+        Self {
+            loss_type: DpoLossType::Sigmoid,
+            beta: 0.1,
+        }
     }
 }
 
@@ -92,42 +95,61 @@ pub fn sequence_logprobs(per_token_logprobs: &Tensor, loss_mask: &Tensor) -> Res
 
 /// The DPO loss, mean over pairs: `(scalar, metrics)`. Reference sums are detached.
 pub fn dpo_loss(inputs: &DpoInputs, cfg: &DpoConfig) -> Result<(Tensor, DpoMetrics)> {
-    let p = inputs.policy_chosen_logps.dims1().map_err(|_| LossError::Shape {
-        tensor: "policy_chosen_logps",
-        expected: "[P]".into(),
-        got: inputs.policy_chosen_logps.dims().to_vec(),
-    })?;
+    let p = inputs
+        .policy_chosen_logps
+        .dims1()
+        .map_err(|_| LossError::Shape {
+            tensor: "policy_chosen_logps",
+            expected: "[P]".into(),
+            got: inputs.policy_chosen_logps.dims().to_vec(),
+        })?;
     check_shape(&inputs.policy_rejected_logps, "policy_rejected_logps", &[p])?;
     check_shape(&inputs.ref_chosen_logps, "ref_chosen_logps", &[p])?;
     check_shape(&inputs.ref_rejected_logps, "ref_rejected_logps", &[p])?;
     if !(cfg.beta > 0.0) {
-        return Err(LossError::Config { key: "beta", message: format!("must be > 0, got {}", cfg.beta) });
+        return Err(LossError::Config {
+            key: "beta",
+            message: format!("must be > 0, got {}", cfg.beta),
+        });
     }
     let pc = &inputs.policy_chosen_logps;
     let dt = pc.dtype();
     let h_c = (pc - inputs.ref_chosen_logps.detach().to_dtype(dt)?)?;
-    let h_r = (&inputs.policy_rejected_logps.to_dtype(dt)? - inputs.ref_rejected_logps.detach().to_dtype(dt)?)?;
+    let h_r = (&inputs.policy_rejected_logps.to_dtype(dt)?
+        - inputs.ref_rejected_logps.detach().to_dtype(dt)?)?;
     let beta = cfg.beta;
     let per_pair = match cfg.loss_type {
         DpoLossType::Sigmoid => {
             // −log σ(x) = relu(−x) + log(1 + e^{−|x|}), the branch chosen on the host.
             let x = ((&h_c - &h_r)? * beta)?;
             let xh = host1(&x)?;
-            let sign: Vec<f64> = xh.iter().map(|v| if *v >= 0.0 { 1.0 } else { -1.0 }).collect();
-            let neg: Vec<f64> = xh.iter().map(|v| if *v < 0.0 { 1.0 } else { 0.0 }).collect();
+            let sign: Vec<f64> = xh
+                .iter()
+                .map(|v| if *v >= 0.0 { 1.0 } else { -1.0 })
+                .collect();
+            let neg: Vec<f64> = xh
+                .iter()
+                .map(|v| if *v < 0.0 { 1.0 } else { 0.0 })
+                .collect();
             let abs = (&x * const1(&sign, &x)?)?;
             let relu_neg = (x.neg()? * const1(&neg, &x)?)?;
             (relu_neg + (abs.neg()?.exp()? + 1.0)?.log()?)?
         }
         DpoLossType::Hinge => {
             let z = (((&h_c - &h_r)? * beta)?.neg()? + 1.0)?;
-            let on: Vec<f64> = host1(&z)?.iter().map(|v| if *v > 0.0 { 1.0 } else { 0.0 }).collect();
+            let on: Vec<f64> = host1(&z)?
+                .iter()
+                .map(|v| if *v > 0.0 { 1.0 } else { 0.0 })
+                .collect();
             (z * const1(&on, pc)?)?
         }
         DpoLossType::Ipo => {
             let n = |v: &[usize], field: &'static str| -> Result<Vec<f64>> {
                 if v.len() != p {
-                    return Err(LossError::Input { field, message: format!("{} lengths for {p} pairs", v.len()) });
+                    return Err(LossError::Input {
+                        field,
+                        message: format!("{} lengths for {p} pairs", v.len()),
+                    });
                 }
                 Ok(v.iter().map(|&l| (l as f64).max(1.0)).collect())
             };
@@ -144,7 +166,12 @@ pub fn dpo_loss(inputs: &DpoInputs, cfg: &DpoConfig) -> Result<(Tensor, DpoMetri
         loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
         chosen_reward: hc.iter().map(|x| beta * x).sum::<f64>() / pf,
         rejected_reward: hr.iter().map(|x| beta * x).sum::<f64>() / pf,
-        reward_accuracy: hc.iter().zip(&hr).filter(|(c, r)| beta * **c > beta * **r).count() as f64 / pf,
+        reward_accuracy: hc
+            .iter()
+            .zip(&hr)
+            .filter(|(c, r)| beta * **c > beta * **r)
+            .count() as f64
+            / pf,
         reward_margin: hc.iter().zip(&hr).map(|(c, r)| beta * (c - r)).sum::<f64>() / pf,
         pairs: p as f64,
     };
@@ -188,26 +215,46 @@ pub fn teacher_kl_loss(
     let s = &inputs.student_topk_logprobs;
     let dims = s.dims().to_vec();
     if dims.len() != 3 {
-        return Err(LossError::Shape { tensor: "student_topk_logprobs", expected: "[B, T, K]".into(), got: dims });
+        return Err(LossError::Shape {
+            tensor: "student_topk_logprobs",
+            expected: "[B, T, K]".into(),
+            got: dims,
+        });
     }
     let (b, t) = (dims[0], dims[1]);
-    check_shape(&inputs.teacher_topk_logprobs, "teacher_topk_logprobs", &dims)?;
+    check_shape(
+        &inputs.teacher_topk_logprobs,
+        "teacher_topk_logprobs",
+        &dims,
+    )?;
     check_shape(&inputs.loss_mask, "loss_mask", &[b, t])?;
     if inputs.teachers.len() != b {
-        return Err(LossError::Input { field: "teachers", message: format!("{} names for a batch of {b}", inputs.teachers.len()) });
+        return Err(LossError::Input {
+            field: "teachers",
+            message: format!("{} names for a batch of {b}", inputs.teachers.len()),
+        });
     }
     let te = inputs.teacher_topk_logprobs.detach().to_dtype(s.dtype())?;
     let (s2, t2) = match support {
         HintSupport::TopkTail => (tail(s)?, tail(&te)?),
-        HintSupport::TopkRenormalized => {
-            (s.broadcast_sub(&logsumexp_last(s)?)?, te.broadcast_sub(&logsumexp_last(&te)?)?)
-        }
+        HintSupport::TopkRenormalized => (
+            s.broadcast_sub(&logsumexp_last(s)?)?,
+            te.broadcast_sub(&logsumexp_last(&te)?)?,
+        ),
         HintSupport::Full => (s.clone(), te),
     };
     let kl = divergence_per_token(&s2, &t2, HintDivergence::ForwardKl, 0.0)?; // [B, T]
     let m = host2(&inputs.loss_mask)?;
-    let w: Vec<f64> = inputs.teachers.iter().map(|n| teacher_weights.get(n).copied().unwrap_or(1.0)).collect();
-    let wm: Vec<Vec<f64>> = m.iter().zip(&w).map(|(r, wi)| r.iter().map(|x| x * wi).collect()).collect();
+    let w: Vec<f64> = inputs
+        .teachers
+        .iter()
+        .map(|n| teacher_weights.get(n).copied().unwrap_or(1.0))
+        .collect();
+    let wm: Vec<Vec<f64>> = m
+        .iter()
+        .zip(&w)
+        .map(|(r, wi)| r.iter().map(|x| x * wi).collect())
+        .collect();
     let n_tok: f64 = m.iter().flatten().sum();
     let loss = ((&kl * crate::util::const2(&wm, &kl)?)?.sum_all()? / n_tok.max(1.0))?;
     let kl_h = host2(&kl)?;
@@ -225,7 +272,10 @@ pub fn teacher_kl_loss(
         loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
         kl_mean: tot / n_tok.max(1.0),
         tokens: n_tok,
-        per_teacher_kl: per.into_iter().map(|(k, (s, n))| (k, s / n.max(1.0))).collect(),
+        per_teacher_kl: per
+            .into_iter()
+            .map(|(k, (s, n))| (k, s / n.max(1.0)))
+            .collect(),
     };
     Ok((loss, metrics))
 }
@@ -234,7 +284,14 @@ fn tail(x: &Tensor) -> Result<Tensor> {
     // Same tail bucket as the hint channel: log(1 − Σ_K p), Σ clamped below 1.
     let ls = logsumexp_last(x)?;
     let ls_h = crate::util::host3(&ls)?;
-    let rows: Vec<Vec<f64>> = ls_h.iter().map(|r| r.iter().map(|v| if v[0] > -1e-7 { 1.0 } else { 0.0 }).collect()).collect();
+    let rows: Vec<Vec<f64>> = ls_h
+        .iter()
+        .map(|r| {
+            r.iter()
+                .map(|v| if v[0] > -1e-7 { 1.0 } else { 0.0 })
+                .collect()
+        })
+        .collect();
     let c = crate::util::const2(&rows, x)?.unsqueeze(D::Minus1)?;
     let ls = ((ls * (c.ones_like()? - &c)?)? + (c * -1e-7)?)?;
     let tail = (ls.exp()?.neg()? + 1.0)?.log()?;
@@ -259,7 +316,13 @@ pub struct ReplayConfig {
 
 impl Default for ReplayConfig {
     fn default() -> Self {
-        Self { dpo: DpoConfig::default(), dpo_coef: 1.0, kl_coef: 1.0, support: HintSupport::TopkTail, teacher_weights: BTreeMap::new() }
+        Self {
+            dpo: DpoConfig::default(),
+            dpo_coef: 1.0,
+            kl_coef: 1.0,
+            support: HintSupport::TopkTail,
+            teacher_weights: BTreeMap::new(),
+        }
     }
 }
 
@@ -296,7 +359,10 @@ pub fn replay_loss(inputs: &ReplayInputs, cfg: &ReplayConfig) -> Result<(Tensor,
         let (l, m) = teacher_kl_loss(k, cfg.support, &cfg.teacher_weights)?;
         let l = (l * cfg.kl_coef)?;
         total = Some(match total {
-            Some(t) => (t + l.to_dtype(t.dtype())?)?,
+            Some(t) => {
+                let l = l.to_dtype(t.dtype())?;
+                (t + l)?
+            }
             None => l,
         });
         metrics.teacher_kl = Some(m);

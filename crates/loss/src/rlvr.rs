@@ -245,10 +245,16 @@ impl RlvrConfig {
             return bad("epsilon", format!("must be >= 0, got {}", self.epsilon));
         }
         if !(self.epsilon_high() >= 0.0) {
-            return bad("epsilon_high", format!("must be >= 0, got {}", self.epsilon_high()));
+            return bad(
+                "epsilon_high",
+                format!("must be >= 0, got {}", self.epsilon_high()),
+            );
         }
         if self.dual_clip && !(self.clip_ratio_c > 1.0) {
-            return bad("clip_ratio_c", format!("must be > 1, got {}", self.clip_ratio_c));
+            return bad(
+                "clip_ratio_c",
+                format!("must be > 1, got {}", self.clip_ratio_c),
+            );
         }
         if !(self.top_entropy_quantile > 0.0 && self.top_entropy_quantile <= 1.0) {
             return bad(
@@ -356,7 +362,12 @@ fn high_entropy_mask(h: &[Vec<f64>], m: &[Vec<f64>], top_quantile: f64) -> Vec<V
     let mut active: Vec<f64> = h
         .iter()
         .zip(m)
-        .flat_map(|(hr, mr)| hr.iter().zip(mr).filter(|(_, &mm)| mm > 0.0).map(|(&x, _)| x))
+        .flat_map(|(hr, mr)| {
+            hr.iter()
+                .zip(mr)
+                .filter(|(_, &mm)| mm > 0.0)
+                .map(|(&x, _)| x)
+        })
         .collect();
     if active.is_empty() {
         return m.iter().map(|r| vec![0.0; r.len()]).collect();
@@ -425,7 +436,9 @@ pub fn rlvr_loss(
     let (coef1, coef1_h): (Tensor, Vec<Vec<f64>>) = if seq_level {
         let lens: Vec<f64> = seq_len.iter().map(|l| l.max(1.0)).collect();
         let lens_t = crate::util::const1(&lens, lp)?.unsqueeze(1)?;
-        let lw = (&log_ratio * &mask_t)?.sum_keepdim(1)?.broadcast_div(&lens_t)?;
+        let lw = (&log_ratio * &mask_t)?
+            .sum_keepdim(1)?
+            .broadcast_div(&lens_t)?;
         let host: Vec<Vec<f64>> = (0..b)
             .map(|i| {
                 let s: f64 = (0..t).map(|j| (lp_h[i][j] - old_h[i][j]) * m[i][j]).sum();
@@ -464,20 +477,28 @@ pub fn rlvr_loss(
                     message: "vespo needs token_truncate or token_mask (as TRL)".into(),
                 });
             }
-            let lo = cfg.sampler_importance_sampling_clip_min.unwrap_or(f64::NEG_INFINITY);
-            let hi = cfg.sampler_importance_sampling_clip_max.unwrap_or(f64::INFINITY);
+            let lo = cfg
+                .sampler_importance_sampling_clip_min
+                .unwrap_or(f64::NEG_INFINITY);
+            let hi = cfg
+                .sampler_importance_sampling_clip_max
+                .unwrap_or(f64::INFINITY);
             let mask_mode = matches!(mode, SamplerIsMode::SequenceMask | SamplerIsMode::TokenMask);
             let mut clipped = Vec::new();
             let w: Vec<Vec<f64>> = (0..b)
                 .map(|i| {
-                    let diffs: Vec<f64> =
-                        (0..t).map(|j| (old_h[i][j] - s_h[i][j]) * m[i][j]).collect();
+                    let diffs: Vec<f64> = (0..t)
+                        .map(|j| (old_h[i][j] - s_h[i][j]) * m[i][j])
+                        .collect();
                     let raw: Vec<f64> = if seq_mode {
                         vec![diffs.iter().sum::<f64>().exp(); t]
                     } else {
                         diffs.iter().map(|d| d.exp()).collect()
                     };
-                    let out_row: Vec<f64> = raw.iter().map(|&x| if x < lo || x > hi { 1.0 } else { 0.0 }).collect();
+                    let out_row: Vec<f64> = raw
+                        .iter()
+                        .map(|&x| if x < lo || x > hi { 1.0 } else { 0.0 })
+                        .collect();
                     clipped.push(out_row);
                     raw.iter()
                         .map(|&x| {
@@ -500,7 +521,9 @@ pub fn rlvr_loss(
             } else {
                 w.iter()
                     .zip(&m)
-                    .flat_map(|(wr, mr)| wr.iter().zip(mr).filter(|(_, &x)| x > 0.0).map(|(&v, _)| v))
+                    .flat_map(|(wr, mr)| {
+                        wr.iter().zip(mr).filter(|(_, &x)| x > 0.0).map(|(&v, _)| v)
+                    })
                     .collect()
             };
             if !sel.is_empty() {
@@ -556,7 +579,11 @@ pub fn rlvr_loss(
                         _ => (1.0, r),
                     };
                     let v2 = r.clamp(1.0 - eps_low, 1.0 + eps_high);
-                    let g2 = if r >= 1.0 - eps_low && r <= 1.0 + eps_high { 1.0 } else { 0.0 };
+                    let g2 = if r >= 1.0 - eps_low && r <= 1.0 + eps_high {
+                        1.0
+                    } else {
+                        0.0
+                    };
                     let (mut gg, mut vv) = if v1 * a <= v2 * a { (g1, v1) } else { (g2, v2) };
                     if cfg.dual_clip && a < 0.0 && vv > cfg.clip_ratio_c {
                         gg = 0.0;
@@ -564,14 +591,27 @@ pub fn rlvr_loss(
                     }
                     g[i][j] = gg;
                     c[i][j] = if gg > 0.0 { 0.0 } else { vv };
-                    low[i][j] = if r < 1.0 - eps_low && a < 0.0 { 1.0 } else { 0.0 };
-                    high[i][j] = if r > 1.0 + eps_high && a > 0.0 { 1.0 } else { 0.0 };
+                    low[i][j] = if r < 1.0 - eps_low && a < 0.0 {
+                        1.0
+                    } else {
+                        0.0
+                    };
+                    high[i][j] = if r > 1.0 + eps_high && a > 0.0 {
+                        1.0
+                    } else {
+                        0.0
+                    };
                 }
             }
             let region: Vec<Vec<f64>> = low
                 .iter()
                 .zip(&high)
-                .map(|(l, h)| l.iter().zip(h).map(|(x, y)| x.max(*y)).collect())
+                .map(|(l, h)| {
+                    l.iter()
+                        .zip(h)
+                        .map(|(x, y): (&f64, &f64)| x.max(*y))
+                        .collect()
+                })
                 .collect();
             metrics.clip_ratio_low = level_mean(&low);
             metrics.clip_ratio_high = level_mean(&high);
@@ -580,12 +620,20 @@ pub fn rlvr_loss(
             (coef * &adv_t)?.neg()?
         }
         LossType::Cispo => {
-            let capped: Vec<Vec<f64>> =
-                coef1_h.iter().map(|r| r.iter().map(|x| x.min(eps_high)).collect()).collect();
+            let capped: Vec<Vec<f64>> = coef1_h
+                .iter()
+                .map(|r| r.iter().map(|x| x.min(eps_high)).collect())
+                .collect();
             let clipped: Vec<Vec<f64>> = (0..b)
                 .map(|i| {
                     (0..t)
-                        .map(|j| if coef1_h[i][j] > eps_high && adv[i] > 0.0 { 1.0 } else { 0.0 })
+                        .map(|j| {
+                            if coef1_h[i][j] > eps_high && adv[i] > 0.0 {
+                                1.0
+                            } else {
+                                0.0
+                            }
+                        })
                         .collect()
                 })
                 .collect();
@@ -596,7 +644,14 @@ pub fn rlvr_loss(
             let taus: Vec<Vec<f64>> = adv
                 .iter()
                 .map(|&a| {
-                    vec![if a > 0.0 { cfg.sapo_temperature_pos } else { cfg.sapo_temperature_neg }; t]
+                    vec![
+                        if a > 0.0 {
+                            cfg.sapo_temperature_pos
+                        } else {
+                            cfg.sapo_temperature_neg
+                        };
+                        t
+                    ]
                 })
                 .collect();
             let tau_t = const2(&taus, lp)?;
@@ -678,10 +733,13 @@ pub fn rlvr_loss(
         }
     }
     if cfg.beta != 0.0 {
-        let r = inputs.ref_logprobs.as_ref().ok_or_else(|| LossError::Missing {
-            field: "ref_logprobs",
-            reason: format!("beta = {} adds a KL penalty to the reference", cfg.beta),
-        })?;
+        let r = inputs
+            .ref_logprobs
+            .as_ref()
+            .ok_or_else(|| LossError::Missing {
+                field: "ref_logprobs",
+                reason: format!("beta = {} adds a KL penalty to the reference", cfg.beta),
+            })?;
         let r = r.detach().to_dtype(lp.dtype())?;
         let mut kl = match cfg.kl_estimator {
             KlEstimator::K1 => (lp - &r)?,
@@ -727,10 +785,13 @@ pub fn rlvr_loss(
     metrics.policy_loss = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
 
     let loss = if cfg.entropy_coef != 0.0 {
-        let h = inputs.entropies.as_ref().ok_or_else(|| LossError::Missing {
-            field: "entropies",
-            reason: format!("entropy_coef = {} adds an entropy bonus", cfg.entropy_coef),
-        })?;
+        let h = inputs
+            .entropies
+            .as_ref()
+            .ok_or_else(|| LossError::Missing {
+                field: "entropies",
+                reason: format!("entropy_coef = {} adds an entropy bonus", cfg.entropy_coef),
+            })?;
         let h = h.to_dtype(lp.dtype())?;
         let eff: Vec<Vec<f64>> = match &entropy_mask {
             Some(em) => m

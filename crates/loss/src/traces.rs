@@ -79,11 +79,15 @@ impl Trace {
                 return Err(format!("position {pos}: `topk_ids` has {} entries, `topk_logprobs` {}, expected K = {k}", ids.len(), lps.len()));
             }
             if let Some(x) = lps.iter().find(|x| !x.is_finite() || **x > 1e-6) {
-                return Err(format!("position {pos}: `topk_logprobs` value {x} is not a finite log-probability ≤ 0"));
+                return Err(format!(
+                    "position {pos}: `topk_logprobs` value {x} is not a finite log-probability ≤ 0"
+                ));
             }
             let mass: f64 = lps.iter().map(|x| (*x as f64).exp()).sum();
             if mass > 1.0 + 1e-3 {
-                return Err(format!("position {pos}: `topk_logprobs` sum to probability {mass} > 1"));
+                return Err(format!(
+                    "position {pos}: `topk_logprobs` sum to probability {mass} > 1"
+                ));
             }
         }
         if !self.reward.is_finite() {
@@ -117,21 +121,36 @@ impl TraceStore {
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let name = path.display().to_string();
-        let file = File::open(path).map_err(|source| LossError::Io { path: name.clone(), source })?;
+        let file = File::open(path).map_err(|source| LossError::Io {
+            path: name.clone(),
+            source,
+        })?;
         let mut traces = Vec::new();
         for (i, line) in BufReader::new(file).lines().enumerate() {
-            let line = line.map_err(|e| LossError::TraceFile { path: name.clone(), line: i + 1, message: e.to_string() })?;
+            let line = line.map_err(|e| LossError::TraceFile {
+                path: name.clone(),
+                line: i + 1,
+                message: e.to_string(),
+            })?;
             if line.trim().is_empty() {
                 continue;
             }
-            let trace: Trace = serde_json::from_str(&line)
-                .map_err(|e| LossError::TraceFile { path: name.clone(), line: i + 1, message: e.to_string() })?;
-            trace
-                .validate()
-                .map_err(|message| LossError::TraceFile { path: name.clone(), line: i + 1, message })?;
+            let trace: Trace = serde_json::from_str(&line).map_err(|e| LossError::TraceFile {
+                path: name.clone(),
+                line: i + 1,
+                message: e.to_string(),
+            })?;
+            trace.validate().map_err(|message| LossError::TraceFile {
+                path: name.clone(),
+                line: i + 1,
+                message,
+            })?;
             traces.push(trace);
         }
-        Ok(Self { path: path.to_path_buf(), traces })
+        Ok(Self {
+            path: path.to_path_buf(),
+            traces,
+        })
     }
 
     /// Number of traces.
@@ -146,16 +165,26 @@ impl TraceStore {
 
     /// The distinct teacher names, sorted.
     pub fn teachers(&self) -> Vec<String> {
-        self.traces.iter().map(|t| t.teacher.clone()).collect::<BTreeSet<_>>().into_iter().collect()
+        self.traces
+            .iter()
+            .map(|t| t.teacher.clone())
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect()
     }
 
     /// Traces recorded for exactly this prompt.
     pub fn for_prompt<'a>(&'a self, prompt_ids: &'a [u32]) -> impl Iterator<Item = &'a Trace> + 'a {
-        self.traces.iter().filter(move |t| t.prompt_ids == prompt_ids)
+        self.traces
+            .iter()
+            .filter(move |t| t.prompt_ids == prompt_ids)
     }
 
     /// Passing traces recorded for this prompt (DPO "chosen" candidates).
-    pub fn passing_for_prompt<'a>(&'a self, prompt_ids: &'a [u32]) -> impl Iterator<Item = &'a Trace> + 'a {
+    pub fn passing_for_prompt<'a>(
+        &'a self,
+        prompt_ids: &'a [u32],
+    ) -> impl Iterator<Item = &'a Trace> + 'a {
         self.for_prompt(prompt_ids).filter(|t| t.passed)
     }
 }
@@ -171,8 +200,14 @@ impl TraceWriter {
     /// Create (truncate) a trace file.
     pub fn create(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        let f = File::create(&path).map_err(|source| LossError::Io { path: path.display().to_string(), source })?;
-        Ok(Self { path, out: BufWriter::new(f) })
+        let f = File::create(&path).map_err(|source| LossError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Ok(Self {
+            path,
+            out: BufWriter::new(f),
+        })
     }
 
     /// Open a trace file for appending (created if absent).
@@ -182,22 +217,38 @@ impl TraceWriter {
             .create(true)
             .append(true)
             .open(&path)
-            .map_err(|source| LossError::Io { path: path.display().to_string(), source })?;
-        Ok(Self { path, out: BufWriter::new(f) })
+            .map_err(|source| LossError::Io {
+                path: path.display().to_string(),
+                source,
+            })?;
+        Ok(Self {
+            path,
+            out: BufWriter::new(f),
+        })
     }
 
     /// Validate and write one trace as one line.
     pub fn write(&mut self, trace: &Trace) -> Result<()> {
         let name = self.path.display().to_string();
-        trace.validate().map_err(|message| LossError::TraceFile { path: name.clone(), line: 0, message })?;
-        let line = serde_json::to_string(trace)
-            .map_err(|e| LossError::TraceFile { path: name.clone(), line: 0, message: e.to_string() })?;
+        trace.validate().map_err(|message| LossError::TraceFile {
+            path: name.clone(),
+            line: 0,
+            message,
+        })?;
+        let line = serde_json::to_string(trace).map_err(|e| LossError::TraceFile {
+            path: name.clone(),
+            line: 0,
+            message: e.to_string(),
+        })?;
         writeln!(self.out, "{line}").map_err(|source| LossError::Io { path: name, source })
     }
 
     /// Flush to the OS (call before others read the file).
     pub fn flush(&mut self) -> Result<()> {
-        self.out.flush().map_err(|source| LossError::Io { path: self.path.display().to_string(), source })
+        self.out.flush().map_err(|source| LossError::Io {
+            path: self.path.display().to_string(),
+            source,
+        })
     }
 }
 
@@ -219,9 +270,19 @@ pub fn collate_topk(traces: &[&Trace], device: &Device, dtype: DType) -> Result<
     let b = traces.len();
     let k = traces.first().map_or(0, |t| t.k());
     if let Some(bad) = traces.iter().position(|t| t.k() != k) {
-        return Err(LossError::Input { field: "traces", message: format!("trace {bad} has K = {}, trace 0 has K = {k}", traces[bad].k()) });
+        return Err(LossError::Input {
+            field: "traces",
+            message: format!(
+                "trace {bad} has K = {}, trace 0 has K = {k}",
+                traces[bad].k()
+            ),
+        });
     }
-    let t = traces.iter().map(|x| x.completion_ids.len()).max().unwrap_or(0);
+    let t = traces
+        .iter()
+        .map(|x| x.completion_ids.len())
+        .max()
+        .unwrap_or(0);
     let mut ids = vec![0u32; b * t * k];
     let mut lps = vec![0f32; b * t * k];
     let mut mask = vec![0f32; b * t];

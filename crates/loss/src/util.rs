@@ -32,11 +32,6 @@ pub(crate) fn const1(v: &[f64], like: &Tensor) -> Result<Tensor> {
     Ok(Tensor::from_vec(v.to_vec(), v.len(), like.device())?.to_dtype(like.dtype())?)
 }
 
-/// A scalar constant with the dtype and device of `like`.
-pub(crate) fn scalar(v: f64, like: &Tensor) -> Result<Tensor> {
-    Ok(Tensor::new(v, like.device())?.to_dtype(like.dtype())?)
-}
-
 /// Check that `t` has exactly `dims`.
 pub(crate) fn check_shape(t: &Tensor, name: &'static str, dims: &[usize]) -> Result<()> {
     if t.dims() != dims {
@@ -63,7 +58,12 @@ pub(crate) fn check_float(t: &Tensor, name: &'static str) -> Result<()> {
 /// Differentiable log-sum-exp over the last dim (keepdim), the max taken as a constant.
 pub(crate) fn logsumexp_last(x: &Tensor) -> Result<Tensor> {
     let max = x.detach().max_keepdim(D::Minus1)?;
-    Ok((x.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &max)?)
+    Ok((x
+        .broadcast_sub(&max)?
+        .exp()?
+        .sum_keepdim(D::Minus1)?
+        .log()?
+        + &max)?)
 }
 
 /// Differentiable logistic sigmoid, composed from exp and recip (candle's fused op has no

@@ -14,20 +14,30 @@ const DTYPES: [DType; 2] = [DType::F64, DType::F32];
 
 fn rlvr_inputs(inp: &Value, dt: DType) -> (LossInputs, candle_core::Var) {
     let lp = var2(&inp["trainer_logprobs"], dt);
-    let mut x = LossInputs::new(lp.as_tensor().clone(), t1(&inp["advantages"], dt), t2(&inp["loss_mask"], dt));
+    let mut x = LossInputs::new(
+        lp.as_tensor().clone(),
+        t1(&inp["advantages"], dt),
+        t2(&inp["loss_mask"], dt),
+    );
     let opt2 = |k: &str| inp.get(k).filter(|v| !v.is_null()).map(|v| t2(v, dt));
     x.old_logprobs = opt2("old_logprobs");
     x.sampler_logprobs = opt2("sampler_logprobs");
     x.ref_logprobs = opt2("ref_logprobs");
     x.entropies = opt2("entropies");
-    x.truncated = inp.get("truncated").and_then(|v| v.as_array()).map(|a| a.iter().map(|b| b.as_bool().unwrap()).collect());
+    x.truncated = inp
+        .get("truncated")
+        .and_then(|v| v.as_array())
+        .map(|a| a.iter().map(|b| b.as_bool().unwrap()).collect());
     (x, lp)
 }
 
 fn check_metrics(name: &str, got: &impl serde::Serialize, want: &Value, dt: DType) {
     let got = serde_json::to_value(got).unwrap();
     for (k, w) in want.as_object().unwrap() {
-        let g = got.get(k).and_then(|v| v.as_f64()).unwrap_or_else(|| panic!("{name}: metric {k} missing in {got}"));
+        let g = got
+            .get(k)
+            .and_then(|v| v.as_f64())
+            .unwrap_or_else(|| panic!("{name}: metric {k} missing in {got}"));
         assert_close(&format!("{name} metric {k}"), g, w.as_f64().unwrap(), dt);
     }
 }
@@ -39,7 +49,8 @@ fn rlvr_matches_trl_verl_prime_rl() {
     assert!(cases.len() >= 20);
     for case in cases {
         let name = case["name"].as_str().unwrap();
-        let cfg: RlvrConfig = serde_json::from_value(case["config"].clone()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let cfg: RlvrConfig = serde_json::from_value(case["config"].clone())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
         let s = &case["scale"];
         let scale = LossScale {
             global_active_tokens: s["global_active_tokens"].as_f64().unwrap(),
@@ -48,14 +59,28 @@ fn rlvr_matches_trl_verl_prime_rl() {
         };
         for dt in DTYPES {
             let (inputs, lp) = rlvr_inputs(&case["inputs"], dt);
-            let (loss, metrics) = rlvr_loss(&inputs, &cfg, &scale).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let (loss, metrics) =
+                rlvr_loss(&inputs, &cfg, &scale).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(loss.dtype(), dt, "{name}: loss dtype");
-            assert_close(&format!("{name} loss"), flat(&loss)[0], case["expected"]["loss"].as_f64().unwrap(), dt);
+            assert_close(
+                &format!("{name} loss"),
+                flat(&loss)[0],
+                case["expected"]["loss"].as_f64().unwrap(),
+                dt,
+            );
             check_metrics(name, &metrics, &case["expected"]["metrics"], dt);
             let grads = loss.backward().unwrap();
-            let g = grads.get(lp.as_tensor()).map(flat).unwrap_or_else(|| vec![0.0; 20]);
+            let g = grads
+                .get(lp.as_tensor())
+                .map(flat)
+                .unwrap_or_else(|| vec![0.0; 20]);
             // FD gradients carry ~1e-9 error; f32 compares at 1e-5 (relative above 1) too.
-            assert_all_close(&format!("{name} grad"), &g, &flatten_value(&case["expected"]["grad_trainer_logprobs"]), dt);
+            assert_all_close(
+                &format!("{name} grad"),
+                &g,
+                &flatten_value(&case["expected"]["grad_trainer_logprobs"]),
+                dt,
+            );
         }
     }
 }
@@ -73,36 +98,83 @@ fn hint_divergences_match_sdpo() {
                     student_topk_logprobs: s.as_tensor().clone(),
                     teacher_topk_logprobs: t3(&inp["teacher_topk_logprobs"], dt),
                     loss_mask: t2(&inp["loss_mask"], dt),
-                    teachers: inp["teachers"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect(),
+                    teachers: inp["teachers"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.as_str().unwrap().to_string())
+                        .collect(),
                 };
-                let w: BTreeMap<String, f64> = serde_json::from_value(case["config"]["teacher_weights"].clone()).unwrap();
+                let w: BTreeMap<String, f64> =
+                    serde_json::from_value(case["config"]["teacher_weights"].clone()).unwrap();
                 let (loss, m) = teacher_kl_loss(&k, HintSupport::TopkTail, &w).unwrap();
-                assert_close(&format!("{name} loss"), flat(&loss)[0], case["expected"]["loss"].as_f64().unwrap(), dt);
+                assert_close(
+                    &format!("{name} loss"),
+                    flat(&loss)[0],
+                    case["expected"]["loss"].as_f64().unwrap(),
+                    dt,
+                );
                 assert!(m.per_teacher_kl.contains_key("beta"));
                 let g = loss.backward().unwrap();
-                assert_all_close(name, &flat(g.get(s.as_tensor()).unwrap()), &flatten_value(&case["expected"]["grad_student_topk_logprobs"]), dt);
+                assert_all_close(
+                    name,
+                    &flat(g.get(s.as_tensor()).unwrap()),
+                    &flatten_value(&case["expected"]["grad_student_topk_logprobs"]),
+                    dt,
+                );
                 continue;
             }
-            let cfg: HintConfig = serde_json::from_value(case["config"].clone()).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let cfg: HintConfig = serde_json::from_value(case["config"].clone())
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
             let lp = var2(&inp["trainer_logprobs"], dt);
             let topk = var3(&inp["student_topk_logprobs"], dt);
-            let mut x = LossInputs::new(lp.as_tensor().clone(), t1(&inp["advantages"], dt), t2(&inp["loss_mask"], dt));
+            let mut x = LossInputs::new(
+                lp.as_tensor().clone(),
+                t1(&inp["advantages"], dt),
+                t2(&inp["loss_mask"], dt),
+            );
             x.old_logprobs = Some(t2(&inp["old_logprobs"], dt));
             x.hint = Some(HintInputs {
                 student_topk_logprobs: Some(topk.as_tensor().clone()),
                 teacher_topk_logprobs: Some(t3(&inp["teacher_topk_logprobs"], dt)),
                 topk_ids: None,
                 teacher_token_logprobs: Some(t2(&inp["teacher_token_logprobs"], dt)),
-                has_hint: inp["has_hint"].as_array().unwrap().iter().map(|v| v.as_bool().unwrap()).collect(),
+                has_hint: inp["has_hint"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_bool().unwrap())
+                    .collect(),
             });
             let (loss, m) = hint_loss(&x, &cfg).unwrap_or_else(|e| panic!("{name}: {e}"));
-            assert_close(&format!("{name} loss"), flat(&loss)[0], case["expected"]["loss"].as_f64().unwrap(), dt);
+            assert_close(
+                &format!("{name} loss"),
+                flat(&loss)[0],
+                case["expected"]["loss"].as_f64().unwrap(),
+                dt,
+            );
             assert_eq!(m.hinted_samples, 2.0);
             let g = loss.backward().unwrap();
-            let gt = g.get(topk.as_tensor()).map(flat).unwrap_or_else(|| vec![0.0; flatten_value(&inp["student_topk_logprobs"]).len()]);
-            assert_all_close(&format!("{name} grad topk"), &gt, &flatten_value(&case["expected"]["grad_student_topk_logprobs"]), dt);
-            let gl = g.get(lp.as_tensor()).map(flat).unwrap_or_else(|| vec![0.0; 12]);
-            assert_all_close(&format!("{name} grad token"), &gl, &flatten_value(&case["expected"]["grad_trainer_logprobs"]), dt);
+            let gt = g
+                .get(topk.as_tensor())
+                .map(flat)
+                .unwrap_or_else(|| vec![0.0; flatten_value(&inp["student_topk_logprobs"]).len()]);
+            assert_all_close(
+                &format!("{name} grad topk"),
+                &gt,
+                &flatten_value(&case["expected"]["grad_student_topk_logprobs"]),
+                dt,
+            );
+            let gl = g
+                .get(lp.as_tensor())
+                .map(flat)
+                .unwrap_or_else(|| vec![0.0; 12]);
+            assert_all_close(
+                &format!("{name} grad token"),
+                &gl,
+                &flatten_value(&case["expected"]["grad_trainer_logprobs"]),
+                dt,
+            );
         }
     }
 }
@@ -117,7 +189,14 @@ fn dpo_matches_trl() {
         for dt in DTYPES {
             let pc = candle_core::Var::from_tensor(&t1(&inp["policy_chosen_logps"], dt)).unwrap();
             let pr = candle_core::Var::from_tensor(&t1(&inp["policy_rejected_logps"], dt)).unwrap();
-            let lens = |k: &str| inp[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
+            let lens = |k: &str| {
+                inp[k]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_u64().unwrap() as usize)
+                    .collect()
+            };
             let d = DpoInputs {
                 policy_chosen_logps: pc.as_tensor().clone(),
                 policy_rejected_logps: pr.as_tensor().clone(),
@@ -127,14 +206,29 @@ fn dpo_matches_trl() {
                 rejected_lengths: lens("rejected_lengths"),
             };
             let (loss, m) = dpo_loss(&d, &cfg).unwrap();
-            assert_close(&format!("{name} loss"), flat(&loss)[0], case["expected"]["loss"].as_f64().unwrap(), dt);
+            assert_close(
+                &format!("{name} loss"),
+                flat(&loss)[0],
+                case["expected"]["loss"].as_f64().unwrap(),
+                dt,
+            );
             check_metrics(name, &m, &case["expected"]["metrics"], dt);
             let g = loss.backward().unwrap();
             let zeros = vec![0.0; 4];
             let gc = g.get(pc.as_tensor()).map(flat).unwrap_or(zeros.clone());
             let gr = g.get(pr.as_tensor()).map(flat).unwrap_or(zeros);
-            assert_all_close(&format!("{name} grad chosen"), &gc, &f64s(&case["expected"]["grad_policy_chosen_logps"]), dt);
-            assert_all_close(&format!("{name} grad rejected"), &gr, &f64s(&case["expected"]["grad_policy_rejected_logps"]), dt);
+            assert_all_close(
+                &format!("{name} grad chosen"),
+                &gc,
+                &f64s(&case["expected"]["grad_policy_chosen_logps"]),
+                dt,
+            );
+            assert_all_close(
+                &format!("{name} grad rejected"),
+                &gr,
+                &f64s(&case["expected"]["grad_policy_rejected_logps"]),
+                dt,
+            );
         }
     }
 }
@@ -144,11 +238,18 @@ fn advantages_match_trl_and_verl() {
     let fx = fixture("advantages.json");
     for case in fx["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
-        let cfg: AdvantageConfig = serde_json::from_value(case["config"].clone()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let cfg: AdvantageConfig = serde_json::from_value(case["config"].clone())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
         let rpf = rows(&case["rewards_per_func"]);
-        let lengths: Vec<usize> = case["lengths"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
+        let lengths: Vec<usize> = case["lengths"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as usize)
+            .collect();
         let g = case["group_size"].as_u64().unwrap() as usize;
-        let got = compute_advantages(&cfg, &rpf, &lengths, g).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let got =
+            compute_advantages(&cfg, &rpf, &lengths, g).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_all_close(name, &got, &f64s(&case["expected"]), DType::F64);
     }
 }

@@ -37,7 +37,11 @@ pub struct BenchConfig {
 impl BenchConfig {
     /// The default: Qwen2.5-0.5B shape, batch 1/16/64.
     pub fn qwen2_5_0_5b(device: Device) -> Self {
-        let decode_dtype = if device.is_cuda() { DType::BF16 } else { DType::F32 };
+        let decode_dtype = if device.is_cuda() {
+            DType::BF16
+        } else {
+            DType::F32
+        };
         BenchConfig {
             model: ModelConfig::qwen2_5_0_5b(),
             device,
@@ -142,7 +146,9 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
             let input = Tensor::from_vec(ids, (b, t), &cfg.device)?;
             let targets = input.narrow(1, 1, t - 1)?;
             let step = || -> Result<()> {
-                let logits = train_model.forward_train(&input, None)?.narrow(1, 0, t - 1)?;
+                let logits = train_model
+                    .forward_train(&input, None)?
+                    .narrow(1, 0, t - 1)?;
                 let loss = token_logprobs(&logits, &targets)?.mean_all()?.neg()?;
                 let _grads = loss.backward()?;
                 Ok(())
@@ -184,8 +190,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         generate(&decode_model, &requests, &params(cfg.decode_tokens))?;
         sync(&cfg.device)?;
         let t_n = t0.elapsed().as_secs_f64();
-        let decode_tokens_per_s =
-            (b * (cfg.decode_tokens - 1)) as f64 / (t_n - t_one).max(1e-9);
+        let decode_tokens_per_s = (b * (cfg.decode_tokens - 1)) as f64 / (t_n - t_one).max(1e-9);
         rows.push(BenchRow {
             batch: b,
             train_tokens_per_s,

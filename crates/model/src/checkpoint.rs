@@ -61,7 +61,10 @@ pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
         let mut files: Vec<String> = Vec::new();
         for (name, f) in map {
             let f = f.as_str().with_context(|| {
-                format!("{}: weight_map[`{name}`] must be a file name", index.display())
+                format!(
+                    "{}: weight_map[`{name}`] must be a file name",
+                    index.display()
+                )
             })?;
             if !files.iter().any(|x| x == f) {
                 files.push(f.to_string());
@@ -177,7 +180,10 @@ pub fn save_dir(dir: &Path, tensors: &[(String, Tensor)], num_shards: usize) -> 
             cur = 0;
         }
         cur += bytes_of(t);
-        shards.last_mut().expect("non-empty").push((name.clone(), t.clone()));
+        shards
+            .last_mut()
+            .expect("non-empty")
+            .push((name.clone(), t.clone()));
     }
     while shards.len() < num_shards {
         shards.push(Vec::new());
@@ -191,5 +197,8 @@ pub fn save_dir(dir: &Path, tensors: &[(String, Tensor)], num_shards: usize) -> 
         }
     }
     let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-    write_atomic(&index_path, serde_json::to_string_pretty(&index)?.as_bytes())
+    write_atomic(
+        &index_path,
+        serde_json::to_string_pretty(&index)?.as_bytes(),
+    )
 }

@@ -158,17 +158,23 @@ impl ModelConfig {
         pos(self.num_key_value_heads, "num_key_value_heads")?;
         pos(self.head_dim, "head_dim")?;
         pos(self.max_position_embeddings, "max_position_embeddings")?;
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             bail!(
                 "config key `num_key_value_heads` ({}) must divide `num_attention_heads` ({})",
                 self.num_key_value_heads,
                 self.num_attention_heads
             );
         }
-        if self.head_dim % 2 != 0 {
-            bail!("config key `head_dim` ({}) must be even for RoPE", self.head_dim);
+        if !self.head_dim.is_multiple_of(2) {
+            bail!(
+                "config key `head_dim` ({}) must be even for RoPE",
+                self.head_dim
+            );
         }
-        if !(self.rope_theta > 0.0) {
+        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             bail!("config key `rope_theta` must be > 0");
         }
         Ok(())
@@ -207,25 +213,23 @@ impl ModelConfig {
 
     /// Parses a `config.json` value (transformers 4.x or 5.x layout).
     pub fn from_json(v: &Value) -> Result<Self> {
-        let obj = v
-            .as_object()
-            .context("config.json must be a JSON object")?;
+        let obj = v.as_object().context("config.json must be a JSON object")?;
         let model_type = match obj.get("model_type").and_then(Value::as_str) {
             Some("llama") => ModelType::Llama,
             Some("qwen2") => ModelType::Qwen2,
             Some("qwen3") => ModelType::Qwen3,
-            Some(other) => bail!(
-                "unsupported model_type `{other}` (supported: llama, qwen2, qwen3)"
-            ),
+            Some(other) => {
+                bail!("unsupported model_type `{other}` (supported: llama, qwen2, qwen3)")
+            }
             None => bail!("missing or non-string config key `model_type`"),
         };
         let req = |k: &str| -> Result<usize> {
             let x = obj
                 .get(k)
                 .with_context(|| format!("missing config key `{k}`"))?;
-            x.as_u64()
-                .map(|u| u as usize)
-                .with_context(|| format!("config key `{k}` must be a non-negative integer, got {x}"))
+            x.as_u64().map(|u| u as usize).with_context(|| {
+                format!("config key `{k}` must be a non-negative integer, got {x}")
+            })
         };
         let opt_usize = |k: &str| -> Result<Option<usize>> {
             match obj.get(k) {
@@ -301,9 +305,8 @@ impl ModelConfig {
                 Some(other) => bail!("config key `{key}` must be an object, got {other}"),
             }
         }
-        let rope_theta = rope_theta.context(
-            "missing config key `rope_theta` (top level or inside `rope_parameters`)",
-        )?;
+        let rope_theta = rope_theta
+            .context("missing config key `rope_theta` (top level or inside `rope_parameters`)")?;
         let default_tie = false;
         let tie_word_embeddings = opt_bool("tie_word_embeddings")?.unwrap_or(default_tie);
         let attention_bias = opt_bool("attention_bias")?.unwrap_or(false);
@@ -350,7 +353,10 @@ impl ModelConfig {
     /// torch dtype name of the saved weights ("float32", "bfloat16", "float16").
     pub fn to_hf_json(&self, dtype: &str) -> Value {
         let mut m = Map::new();
-        m.insert("architectures".into(), json!([self.model_type.architecture()]));
+        m.insert(
+            "architectures".into(),
+            json!([self.model_type.architecture()]),
+        );
         m.insert("model_type".into(), json!(self.model_type.as_str()));
         if self.model_type != ModelType::Qwen2 {
             m.insert("attention_bias".into(), json!(self.attention_bias));
@@ -391,9 +397,15 @@ impl ModelConfig {
             "max_position_embeddings".into(),
             json!(self.max_position_embeddings),
         );
-        m.insert("num_attention_heads".into(), json!(self.num_attention_heads));
+        m.insert(
+            "num_attention_heads".into(),
+            json!(self.num_attention_heads),
+        );
         m.insert("num_hidden_layers".into(), json!(self.num_hidden_layers));
-        m.insert("num_key_value_heads".into(), json!(self.num_key_value_heads));
+        m.insert(
+            "num_key_value_heads".into(),
+            json!(self.num_key_value_heads),
+        );
         if let Some(p) = self.pad_token_id {
             m.insert("pad_token_id".into(), json!(p));
         }
@@ -402,7 +414,10 @@ impl ModelConfig {
             "rope_parameters".into(),
             json!({"rope_theta": self.rope_theta, "rope_type": "default"}),
         );
-        m.insert("tie_word_embeddings".into(), json!(self.tie_word_embeddings));
+        m.insert(
+            "tie_word_embeddings".into(),
+            json!(self.tie_word_embeddings),
+        );
         m.insert("transformers_version".into(), json!("5.23.0"));
         m.insert("use_cache".into(), json!(true));
         m.insert("vocab_size".into(), json!(self.vocab_size));

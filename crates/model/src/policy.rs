@@ -200,5 +200,7 @@ pub fn score_cli(model_dir: &Path, text: &str, device: &str) -> Result<Value> {
     let policy = Policy::load(model_dir, &device, dtype_for(&device))?;
     let ids = policy.tokenizer.encode(text)?;
     let lp = score(&policy.model, std::slice::from_ref(&ids))?;
-    Ok(json!({ "input_ids": ids, "next_token_logprobs": lp.into_iter().next().unwrap_or_default() }))
+    Ok(
+        json!({ "input_ids": ids, "next_token_logprobs": lp.into_iter().next().unwrap_or_default() }),
+    )
 }

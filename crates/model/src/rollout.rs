@@ -98,7 +98,7 @@ pub fn generate(
     requests: &[GenerationRequest],
     params: &SamplingParams,
 ) -> Result<Vec<Vec<Sample>>> {
-    if !(params.temperature >= 0.0) || !params.temperature.is_finite() {
+    if params.temperature < 0.0 || !params.temperature.is_finite() {
         bail!("temperature must be >= 0, got {}", params.temperature);
     }
     if !(params.top_p > 0.0 && params.top_p <= 1.0) {
@@ -138,7 +138,11 @@ pub fn generate(
     let device = model.device().clone();
 
     // Prefill each distinct prompt once (left-padded batch).
-    let max_len = live.iter().map(|&i| requests[i].prompt_ids.len()).max().unwrap_or(0);
+    let max_len = live
+        .iter()
+        .map(|&i| requests[i].prompt_ids.len())
+        .max()
+        .unwrap_or(0);
     let mut ids = Vec::with_capacity(live.len() * max_len);
     let mut pads = Vec::with_capacity(live.len());
     for &i in &live {
@@ -186,7 +190,9 @@ pub fn generate(
         } else {
             (&logits / params.temperature)?
         };
-        let logp = logprobs::log_softmax(&scaled)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let logp = logprobs::log_softmax(&scaled)?
+            .to_dtype(DType::F32)?
+            .to_vec2::<f32>()?;
         let mut next_tokens = Vec::with_capacity(active.len());
         let mut keep = Vec::with_capacity(active.len());
         let mut still: Vec<Active> = Vec::with_capacity(active.len());
@@ -200,8 +206,8 @@ pub fn generate(
             a.ids.push(tok);
             a.logprobs.push(lp[tok as usize]);
             let stop = stop_ids.contains(&tok);
-            let at_limit = a.ids.len() >= params.max_new_tokens
-                || a.prompt_len + a.ids.len() >= max_pos;
+            let at_limit =
+                a.ids.len() >= params.max_new_tokens || a.prompt_len + a.ids.len() >= max_pos;
             if stop || at_limit {
                 let sample = Sample {
                     prompt_len: a.prompt_len,
@@ -281,7 +287,10 @@ fn sample_token(logp: &[f32], top_k: usize, top_p: f64, rng: &mut ChaCha8Rng) ->
             .map(|(i, &l)| (l, i as u32))
             .collect()
     } else {
-        logp.iter().enumerate().map(|(i, &l)| (l, i as u32)).collect()
+        logp.iter()
+            .enumerate()
+            .map(|(i, &l)| (l, i as u32))
+            .collect()
     };
     let by_desc = |a: &(f32, u32), b: &(f32, u32)| {
         b.0.partial_cmp(&a.0)

@@ -21,7 +21,7 @@ pub fn score_with_temperature(
     seqs: &[Vec<u32>],
     temperature: f64,
 ) -> Result<Vec<Vec<f32>>> {
-    if !(temperature > 0.0) {
+    if temperature.is_nan() || temperature <= 0.0 {
         bail!("scoring temperature must be > 0, got {temperature}");
     }
     let max_pos = model.cfg.max_position_embeddings;

@@ -202,7 +202,8 @@ impl ChatTemplate {
             eos_token: eos,
         };
         // Fail early on a template that does not parse.
-        t.env().with_context(|| format!("chat template in {}", dir.display()))?;
+        t.env()
+            .with_context(|| format!("chat template in {}", dir.display()))?;
         Ok(Some(t))
     }
 
@@ -256,7 +257,8 @@ fn pycompat_method(
     args: &[minijinja::Value],
 ) -> std::result::Result<minijinja::Value, minijinja::Error> {
     use minijinja::{Error, ErrorKind, Value as V};
-    let arg_str = |i: usize| -> Option<String> { args.get(i).and_then(|a| a.as_str().map(str::to_string)) };
+    let arg_str =
+        |i: usize| -> Option<String> { args.get(i).and_then(|a| a.as_str().map(str::to_string)) };
     if let Some(s) = value.as_str() {
         let out = match method {
             "strip" => match arg_str(0) {

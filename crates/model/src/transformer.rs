@@ -33,6 +33,9 @@ enum OpPath {
     Differentiable,
 }
 
+/// Fetches (or creates) one named parameter of a given shape.
+type ParamGetter<'a> = dyn FnMut(&str, &[usize], ParamInit) -> Result<Tensor> + 'a;
+
 /// `y = x Wᵀ + b`, weights stored `[out, in]` as in PyTorch.
 #[derive(Debug, Clone)]
 pub struct Linear {
@@ -78,7 +81,11 @@ impl RmsNorm {
             OpPath::Differentiable => {
                 // As transformers: normalise in f32 (or f64), cast back, then scale.
                 let dtype = x.dtype();
-                let work = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+                let work = if dtype == DType::F64 {
+                    DType::F64
+                } else {
+                    DType::F32
+                };
                 let xf = x.to_dtype(work)?;
                 let inv = (xf.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
                     .sqrt()?
@@ -417,7 +424,7 @@ impl Transformer {
         cfg: &ModelConfig,
         device: &Device,
         dtype: DType,
-        get: &mut dyn FnMut(&str, &[usize], ParamInit) -> Result<Tensor>,
+        get: &mut ParamGetter<'_>,
     ) -> Result<Self> {
         cfg.validate()?;
         let (h, hd, nh, nkv) = (
@@ -441,24 +448,50 @@ impl Transformer {
             let p = format!("model.layers.{i}");
             layer_linears.push((
                 linear(&format!("{p}.self_attn.q_proj"), nh * hd, h, cfg.qkv_bias())?,
-                linear(&format!("{p}.self_attn.k_proj"), nkv * hd, h, cfg.qkv_bias())?,
-                linear(&format!("{p}.self_attn.v_proj"), nkv * hd, h, cfg.qkv_bias())?,
+                linear(
+                    &format!("{p}.self_attn.k_proj"),
+                    nkv * hd,
+                    h,
+                    cfg.qkv_bias(),
+                )?,
+                linear(
+                    &format!("{p}.self_attn.v_proj"),
+                    nkv * hd,
+                    h,
+                    cfg.qkv_bias(),
+                )?,
                 linear(&format!("{p}.self_attn.o_proj"), h, nh * hd, cfg.o_bias())?,
-                linear(&format!("{p}.mlp.gate_proj"), cfg.intermediate_size, h, cfg.mlp_bias)?,
-                linear(&format!("{p}.mlp.up_proj"), cfg.intermediate_size, h, cfg.mlp_bias)?,
-                linear(&format!("{p}.mlp.down_proj"), h, cfg.intermediate_size, cfg.mlp_bias)?,
+                linear(
+                    &format!("{p}.mlp.gate_proj"),
+                    cfg.intermediate_size,
+                    h,
+                    cfg.mlp_bias,
+                )?,
+                linear(
+                    &format!("{p}.mlp.up_proj"),
+                    cfg.intermediate_size,
+                    h,
+                    cfg.mlp_bias,
+                )?,
+                linear(
+                    &format!("{p}.mlp.down_proj"),
+                    h,
+                    cfg.intermediate_size,
+                    cfg.mlp_bias,
+                )?,
             ));
         }
-        let norm = |get: &mut dyn FnMut(&str, &[usize], ParamInit) -> Result<Tensor>,
-                    name: &str,
-                    dim: usize|
-         -> Result<RmsNorm> {
+        let norm = |get: &mut ParamGetter<'_>, name: &str, dim: usize| -> Result<RmsNorm> {
             Ok(RmsNorm {
                 weight: get(&format!("{name}.weight"), &[dim], ParamInit::Ones)?,
                 eps: cfg.rms_norm_eps,
             })
         };
-        let embed_tokens = get("model.embed_tokens.weight", &[cfg.vocab_size, h], ParamInit::Normal)?;
+        let embed_tokens = get(
+            "model.embed_tokens.weight",
+            &[cfg.vocab_size, h],
+            ParamInit::Normal,
+        )?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for (i, (q, k, v, o, g, u, d)) in layer_linears.into_iter().enumerate() {
             let p = format!("model.layers.{i}");
@@ -555,7 +588,10 @@ impl Transformer {
                 .get(name)
                 .with_context(|| format!("VarMap is missing variable `{name}`"))?;
             if v.dims() != shape {
-                bail!("variable `{name}` has shape {:?}, expected {shape:?}", v.dims());
+                bail!(
+                    "variable `{name}` has shape {:?}, expected {shape:?}",
+                    v.dims()
+                );
             }
             dtype.get_or_insert(v.dtype());
             Ok(v.as_tensor().clone())
@@ -588,7 +624,8 @@ impl Transformer {
     /// The same weights without gradient tracking (shares storage: in-place optimizer
     /// updates of the variables are visible). Used by rollouts so decoding builds no graph.
     pub fn detached(&self) -> Self {
-        self.map_weights(&mut |t| Ok(t.detach())).expect("detach cannot fail")
+        self.map_weights(&mut |t| Ok(t.detach()))
+            .expect("detach cannot fail")
     }
 
     /// An independent copy of the weights in `dtype` (e.g. a bf16 generator snapshot).
@@ -671,13 +708,19 @@ impl Transformer {
             if let Some(n) = &l.self_attn.k_norm {
                 out.push((format!("{p}.self_attn.k_norm.weight"), n.weight.clone()));
             }
-            out.push((format!("{p}.input_layernorm.weight"), l.input_layernorm.weight.clone()));
+            out.push((
+                format!("{p}.input_layernorm.weight"),
+                l.input_layernorm.weight.clone(),
+            ));
             out.push((
                 format!("{p}.post_attention_layernorm.weight"),
                 l.post_attention_layernorm.weight.clone(),
             ));
         }
-        out.push(("model.norm.weight".to_string(), self.model.norm.weight.clone()));
+        out.push((
+            "model.norm.weight".to_string(),
+            self.model.norm.weight.clone(),
+        ));
         if !self.cfg.tie_word_embeddings {
             out.push(("lm_head.weight".to_string(), self.lm_head.clone()));
         }
@@ -686,7 +729,10 @@ impl Transformer {
 
     /// Total number of parameters (tied head counted once).
     pub fn num_parameters(&self) -> usize {
-        self.named_tensors().iter().map(|(_, t)| t.elem_count()).sum()
+        self.named_tensors()
+            .iter()
+            .map(|(_, t)| t.elem_count())
+            .sum()
     }
 
     /// Writes `config.json`, `generation_config.json` and the weights (in the model's
@@ -778,10 +824,7 @@ impl Transformer {
         let (pads, past): (Vec<usize>, usize) = match &cache {
             Some(c) => {
                 if c.batch_size() != b {
-                    bail!(
-                        "KV cache has {} rows but input_ids has {b}",
-                        c.batch_size()
-                    );
+                    bail!("KV cache has {} rows but input_ids has {b}", c.batch_size());
                 }
                 (c.left_pad.clone(), c.len)
             }
@@ -828,11 +871,11 @@ impl Transformer {
             _p: std::marker::PhantomData,
         };
         let ids = input_ids.flatten_all()?;
-        let mut x = self
-            .model
-            .embed_tokens
-            .index_select(&ids, 0)?
-            .reshape((b, t, self.cfg.hidden_size))?;
+        let mut x =
+            self.model
+                .embed_tokens
+                .index_select(&ids, 0)?
+                .reshape((b, t, self.cfg.hidden_size))?;
         for (i, layer) in self.model.layers.iter().enumerate() {
             let slot = cache.as_mut().map(|c| &mut c.layers[i]);
             x = layer.forward(&x, &ctx, slot)?;
@@ -866,7 +909,11 @@ impl Transformer {
                 }
             }
         }
-        Ok(Some(Tensor::from_vec(m, (rows, 1, 1, t, tk), &self.device)?))
+        Ok(Some(Tensor::from_vec(
+            m,
+            (rows, 1, 1, t, tk),
+            &self.device,
+        )?))
     }
 }
 

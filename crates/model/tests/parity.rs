@@ -9,7 +9,10 @@ use composer_model::*;
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 fn check_fixture(name: &str, train_path: bool) {
@@ -20,11 +23,17 @@ fn check_fixture(name: &str, train_path: bool) {
     for (ci, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
         let ids = as_u32s(&case["input_ids"]);
         assert_eq!(
-            policy.tokenizer.encode(case["text"].as_str().unwrap()).unwrap(),
+            policy
+                .tokenizer
+                .encode(case["text"].as_str().unwrap())
+                .unwrap(),
             ids,
             "{name} case {ci}: tokenizer ids"
         );
-        let input = Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let input = Tensor::new(ids.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
         let logits = if train_path {
             model.forward_train(&input, None).unwrap()
         } else {
@@ -36,14 +45,21 @@ fn check_fixture(name: &str, train_path: bool) {
         for (t, row) in refl.iter().enumerate() {
             max_logit = max_logit.max(max_abs_diff(&ours[t], &as_f32s(row)));
         }
-        assert!(max_logit < 1e-4, "{name} case {ci}: max |Δlogit| = {max_logit}");
+        assert!(
+            max_logit < 1e-4,
+            "{name} case {ci}: max |Δlogit| = {max_logit}"
+        );
         let lp = score(model, std::slice::from_ref(&ids)).unwrap();
         let d = max_abs_diff(&lp[0], &as_f32s(&case["next_token_logprobs"]));
         assert!(d <= 1e-4, "{name} case {ci}: max |Δ log-prob| = {d}");
         if !train_path {
             let greedy = generate(
                 model,
-                &[GenerationRequest { prompt_ids: ids.clone(), num_samples: 1, seed: 0 }],
+                &[GenerationRequest {
+                    prompt_ids: ids.clone(),
+                    num_samples: 1,
+                    seed: 0,
+                }],
                 &SamplingParams {
                     temperature: 0.0,
                     max_new_tokens: 16,
@@ -52,13 +68,26 @@ fn check_fixture(name: &str, train_path: bool) {
                 },
             )
             .unwrap();
-            assert_eq!(greedy[0][0].completion_ids, as_u32s(&case["greedy_16"]), "{name} case {ci}: greedy_16");
+            assert_eq!(
+                greedy[0][0].completion_ids,
+                as_u32s(&case["greedy_16"]),
+                "{name} case {ci}: greedy_16"
+            );
         }
     }
     let ex = &reference["chat_template_example"];
     let messages: Vec<ChatMessage> = serde_json::from_value(ex["messages"].clone()).unwrap();
-    let rendered = policy.chat_template.as_ref().expect("template").render(&messages, true).unwrap();
-    assert_eq!(rendered, ex["rendered"].as_str().unwrap(), "{name}: chat template");
+    let rendered = policy
+        .chat_template
+        .as_ref()
+        .expect("template")
+        .render(&messages, true)
+        .unwrap();
+    assert_eq!(
+        rendered,
+        ex["rendered"].as_str().unwrap(),
+        "{name}: chat template"
+    );
 }
 
 #[test]

@@ -9,6 +9,9 @@
 //! unprivileged uid. See the crate README for what is enforced where, and
 //! [`sandbox_capabilities`] for what this machine allows.
 
+// `!(x > 0.0)` is used on purpose in validation: it also rejects NaN.
+#![allow(clippy::neg_cmp_op_on_partial_ord)]
+
 mod exec;
 mod tasks;
 

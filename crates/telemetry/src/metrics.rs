@@ -161,9 +161,8 @@ impl MetricsWriter {
             file.sync_all()
                 .with_context(|| format!("syncing {}", tmp.display()))?;
         }
-        fs::rename(&tmp, path).with_context(|| {
-            format!("replacing {} with {}", path.display(), tmp.display())
-        })?;
+        fs::rename(&tmp, path)
+            .with_context(|| format!("replacing {} with {}", path.display(), tmp.display()))?;
         Self::open_append(path)
     }
 
@@ -265,7 +264,10 @@ pub fn read_metrics(path: &Path) -> Result<Vec<Value>> {
 
 /// A numeric field of a record, if present and a number.
 pub fn num(record: &Value, key: &str) -> Option<f64> {
-    record.get(key).and_then(Value::as_f64).filter(|x| x.is_finite())
+    record
+        .get(key)
+        .and_then(Value::as_f64)
+        .filter(|x| x.is_finite())
 }
 
 /// The numbers in an array field of a record (non-numbers are skipped).
@@ -367,7 +369,10 @@ mod tests {
 
         fs::write(&path, "{\"step\":1}\n[1,2]\n").unwrap();
         let err = format!("{:#}", read_metrics(&path).unwrap_err());
-        assert!(err.contains("line 2") && err.contains("JSON object"), "{err}");
+        assert!(
+            err.contains("line 2") && err.contains("JSON object"),
+            "{err}"
+        );
 
         let missing = dir.path().join("nope.jsonl");
         let err = format!("{:#}", read_metrics(&missing).unwrap_err());

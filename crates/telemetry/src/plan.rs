@@ -507,8 +507,8 @@ fn rollout_seconds(shape: &WorkloadShape, g: usize, async_batching: bool) -> (f6
     let waves = (per_replica / slots).ceil().max(1.0);
     let b = (per_replica / waves).ceil();
     let achievable = tpf * spec.bf16_flops * shape.mfu;
-    let t_mem =
-        (w + b * kv * (shape.prompt_tokens + shape.mean_output_tokens / 2.0)) / (tpf * spec.hbm_bytes_per_s);
+    let t_mem = (w + b * kv * (shape.prompt_tokens + shape.mean_output_tokens / 2.0))
+        / (tpf * spec.hbm_bytes_per_s);
     let t_compute = 2.0 * shape.params * b / achievable;
     let t_step = t_mem.max(t_compute);
     let steps = if async_batching {
@@ -521,7 +521,10 @@ fn rollout_seconds(shape: &WorkloadShape, g: usize, async_batching: bool) -> (f6
 }
 
 fn reward_seconds(shape: &WorkloadShape, async_batching: bool) -> f64 {
-    let concurrency = shape.env_concurrency.unwrap_or(shape.samples_per_step).max(1);
+    let concurrency = shape
+        .env_concurrency
+        .unwrap_or(shape.samples_per_step)
+        .max(1);
     let waves = (shape.samples_per_step as f64 / concurrency as f64).ceil();
     let latency = if async_batching {
         shape.env_latency_mean_s
@@ -598,7 +601,7 @@ pub fn plan_from_shape(shape: &WorkloadShape) -> Result<Plan> {
     // Split the GPUs between generator and trainer to minimise the step.
     let best_split = |async_batching: bool| -> Option<LayoutEstimate> {
         (1..g)
-            .filter_map(|g_t| {
+            .map(|g_t| {
                 let g_r = g - g_t;
                 let (r, fits_r, _) = rollout_seconds(shape, g_r, async_batching);
                 let w = Walls {
@@ -613,7 +616,7 @@ pub fn plan_from_shape(shape: &WorkloadShape) -> Result<Plan> {
                     (w.rollout_s + w.reward_s).max(w.train_s + w.sync_s)
                 };
                 let fits = fits_r && trainer_fits(shape, g_t, 0.0);
-                Some((fits, step, g_r, g_t, w))
+                (fits, step, g_r, g_t, w)
             })
             // Prefer splits that fit, then the fastest.
             .min_by(|a, b| b.0.cmp(&a.0).then(a.1.total_cmp(&b.1)))
@@ -933,7 +936,11 @@ impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "composer-rl plan ({}): {}", self.source, self.input)?;
         writeln!(f)?;
-        writeln!(f, "{:<24} {:>12} {:>7}", "wall (synchronous step)", "seconds", "share")?;
+        writeln!(
+            f,
+            "{:<24} {:>12} {:>7}",
+            "wall (synchronous step)", "seconds", "share"
+        )?;
         for (name, s) in self.walls.named() {
             let symbol = match name {
                 "rollout" => "τ_R",
@@ -946,7 +953,11 @@ impl fmt::Display for Plan {
             } else {
                 ""
             };
-            let share = if self.step_s > 0.0 { s / self.step_s } else { 0.0 };
+            let share = if self.step_s > 0.0 {
+                s / self.step_s
+            } else {
+                0.0
+            };
             writeln!(
                 f,
                 "  {symbol} {name:<18} {:>12} {:>6.1}%{marker}",
@@ -1174,9 +1185,17 @@ mod tests {
         // τ_S = 2e9 / 450e9 = 0.004444 s.
         // step = 5.772311 s; binding: reward, 4.0 / 5.772311 = 69.3%.
         let plan = plan_from_shape(&example()).unwrap();
-        assert!(close(plan.walls.rollout_s, 1.022387, 1e-5), "{}", plan.walls.rollout_s);
+        assert!(
+            close(plan.walls.rollout_s, 1.022387, 1e-5),
+            "{}",
+            plan.walls.rollout_s
+        );
         assert!(close(plan.walls.reward_s, 4.0, 1e-12));
-        assert!(close(plan.walls.train_s, 0.745480, 1e-5), "{}", plan.walls.train_s);
+        assert!(
+            close(plan.walls.train_s, 0.745480, 1e-5),
+            "{}",
+            plan.walls.train_s
+        );
         assert!(close(plan.walls.sync_s, 0.0044444, 1e-4));
         assert!(close(plan.step_s, 5.772311, 1e-5), "{}", plan.step_s);
         assert_eq!(plan.binding_wall, "reward");
@@ -1189,9 +1208,16 @@ mod tests {
         // One GPU: no split possible, colocated it is.
         assert_eq!(plan.layouts.len(), 1);
         assert_eq!(plan.recommended, Layout::ColocatedSync);
-        assert!(plan.first_knob.contains("env concurrency (now 16)"), "{}", plan.first_knob);
+        assert!(
+            plan.first_knob.contains("env concurrency (now 16)"),
+            "{}",
+            plan.first_knob
+        );
         let text = plan.to_string();
-        assert!(text.contains("← binding") && text.contains("recommended: colocated-sync"), "{text}");
+        assert!(
+            text.contains("← binding") && text.contains("recommended: colocated-sync"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -1215,9 +1241,19 @@ mod tests {
         assert!(async_l.step_s < plan.layouts[1].step_s);
         assert_eq!(plan.recommended, Layout::BoundedAsync { max_staleness: 2 });
         // Same workload, on-policy only: colocated, with the reason naming the tolerance.
-        let on_policy = plan_from_shape(&PlanOptions { staleness: Some(0), ..opts.clone() }.to_shape().unwrap()).unwrap();
+        let on_policy = plan_from_shape(
+            &PlanOptions {
+                staleness: Some(0),
+                ..opts.clone()
+            }
+            .to_shape()
+            .unwrap(),
+        )
+        .unwrap();
         assert_eq!(on_policy.recommended, Layout::ColocatedSync);
-        assert!(on_policy.recommendation.contains("staleness tolerance is 0"));
+        assert!(on_policy
+            .recommendation
+            .contains("staleness tolerance is 0"));
         let json: serde_json::Value =
             serde_json::from_str(&plan_cli(&PlanOptions { json: true, ..opts }).unwrap()).unwrap();
         assert_eq!(json["recommended"]["layout"], "bounded-async");

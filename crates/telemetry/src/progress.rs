@@ -36,7 +36,8 @@ impl TrainProgress {
     pub fn new(total_steps: u64, quiet: bool) -> Self {
         let use_bar = !quiet && std::io::stderr().is_terminal();
         let bar = use_bar.then(|| {
-            let bar = ProgressBar::with_draw_target(Some(total_steps), ProgressDrawTarget::stderr());
+            let bar =
+                ProgressBar::with_draw_target(Some(total_steps), ProgressDrawTarget::stderr());
             let style = ProgressStyle::with_template(
                 "{spinner} step {pos}/{len} [{elapsed_precise}<{eta_precise}] {wide_bar} {msg}",
             )
@@ -145,7 +146,10 @@ mod tests {
             extra: Some("diloco r1".into()),
         };
         let msg = p.message(&snap);
-        assert!(msg.contains("eval 0.500") && msg.contains("diloco r1"), "{msg}");
+        assert!(
+            msg.contains("eval 0.500") && msg.contains("diloco r1"),
+            "{msg}"
+        );
         let msg = p.message(&StepSnapshot {
             step: 6,
             ..Default::default()

@@ -142,7 +142,8 @@ fn line_chart(title: &str, y_desc: &str, series: &[Series]) -> Result<Option<Str
             .map_err(plot_err(title))?;
         for s in series.iter().filter(|s| !s.points.is_empty()) {
             if let Some(band) = s.band.as_ref().filter(|b| b.len() > 1) {
-                let mut outline: Vec<(f64, f64)> = band.iter().map(|(x, _, hi)| (*x, *hi)).collect();
+                let mut outline: Vec<(f64, f64)> =
+                    band.iter().map(|(x, _, hi)| (*x, *hi)).collect();
                 outline.extend(band.iter().rev().map(|(x, lo, _)| (*x, *lo)));
                 chart
                     .draw_series(std::iter::once(Polygon::new(
@@ -165,11 +166,7 @@ fn line_chart(title: &str, y_desc: &str, series: &[Series]) -> Result<Option<Str
             // Markers where points are sparse (evals, short runs), so single points show.
             if s.points.len() <= 60 {
                 chart
-                    .draw_series(
-                        s.points
-                            .iter()
-                            .map(|p| Circle::new(*p, 3, color.filled())),
-                    )
+                    .draw_series(s.points.iter().map(|p| Circle::new(*p, 3, color.filled())))
                     .map_err(plot_err(title))?;
             }
         }
@@ -256,8 +253,11 @@ fn time_split_chart(train: &[&Value]) -> Result<Option<String>> {
                 .zip(&below)
                 .map(|((_, w), b)| b + w[layer])
                 .collect();
-            let mut outline: Vec<(f64, f64)> =
-                rows.iter().zip(&above).map(|((x, _), y)| (*x, *y)).collect();
+            let mut outline: Vec<(f64, f64)> = rows
+                .iter()
+                .zip(&above)
+                .map(|((x, _), y)| (*x, *y))
+                .collect();
             outline.extend(rows.iter().zip(&below).rev().map(|((x, _), y)| (*x, *y)));
             let color = PALETTE[*palette_idx];
             chart
@@ -267,7 +267,9 @@ fn time_split_chart(train: &[&Value]) -> Result<Option<String>> {
                 )))
                 .map_err(plot_err(title))?
                 .label(*name)
-                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
+                .legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled())
+                });
             below = above;
         }
         chart
@@ -289,7 +291,12 @@ fn staleness_chart(summary: &RunSummary) -> Result<Option<String>> {
     if summary.staleness_histogram.is_empty() {
         return Ok(None);
     }
-    let max_lag = summary.staleness_histogram.keys().copied().max().unwrap_or(0);
+    let max_lag = summary
+        .staleness_histogram
+        .keys()
+        .copied()
+        .max()
+        .unwrap_or(0);
     let max_count = summary
         .staleness_histogram
         .values()
@@ -600,9 +607,9 @@ fn render_html(
     for plot in &plots {
         match &plot.svg {
             Some(svg) => {
-                let _ = write!(
+                let _ = writeln!(
                     w,
-                    "<figure aria-label=\"{}\">{svg}</figure>\n",
+                    "<figure aria-label=\"{}\">{svg}</figure>",
                     html_escape(plot.title)
                 );
             }
@@ -611,9 +618,9 @@ fn render_html(
     }
     let _ = w.write_str("</div>\n");
     if !missing.is_empty() {
-        let _ = write!(
+        let _ = writeln!(
             w,
-            "<p class=\"note\">Not in the metrics (no plot): {}.</p>\n",
+            "<p class=\"note\">Not in the metrics (no plot): {}.</p>",
             html_escape(&missing.join(", "))
         );
     }
@@ -621,7 +628,7 @@ fn render_html(
     let _ = w.write_str("<h2>Recipe</h2>\n");
     match recipe {
         Some(text) => {
-            let _ = write!(w, "<pre class=\"recipe\">{}</pre>\n", html_escape(text));
+            let _ = writeln!(w, "<pre class=\"recipe\">{}</pre>", html_escape(text));
         }
         None => {
             let _ = w.write_str("<p class=\"note\">No recipe.toml in the run directory.</p>\n");
@@ -730,7 +737,10 @@ pub(crate) mod tests {
         assert!(!html.contains("src=\"http") && !html.contains("href=\"http"));
         assert!(!html.contains("Not in the metrics"));
         // Recipe is escaped inside <pre>.
-        assert!(html.contains("name = &quot;qwen&lt;3&gt;&amp;co&quot;"), "{html}");
+        assert!(
+            html.contains("name = &quot;qwen&lt;3&gt;&amp;co&quot;"),
+            "{html}"
+        );
         assert!(!html.contains("qwen<3>"));
         // Summary numbers: rollout 6 s of a 10 s step binds at 60%; goodput 4000/10 = 400.
         assert!(html.contains("rollout (binding)"));
@@ -740,7 +750,10 @@ pub(crate) mod tests {
         assert!(html.contains("policy-version lag"));
         assert!(!dir.path().join(".report.html.tmp").exists());
         let text = report_cli(dir.path()).unwrap();
-        assert!(text.contains("report.html") && text.contains("binding"), "{text}");
+        assert!(
+            text.contains("report.html") && text.contains("binding"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -762,7 +775,10 @@ pub(crate) mod tests {
         assert!(err.contains("metrics.jsonl"), "{err}");
         fs::write(dir.path().join("metrics.jsonl"), "\n").unwrap();
         let err = format!("{:#}", write_report(dir.path()).unwrap_err());
-        assert!(err.contains("metrics.jsonl") && err.contains("no records"), "{err}");
+        assert!(
+            err.contains("metrics.jsonl") && err.contains("no records"),
+            "{err}"
+        );
         fs::write(dir.path().join("metrics.jsonl"), "{}\n{oops\n{}\n").unwrap();
         let err = format!("{:#}", write_report(dir.path()).unwrap_err());
         assert!(err.contains("metrics.jsonl line 2"), "{err}");

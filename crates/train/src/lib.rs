@@ -4,6 +4,9 @@
 //! Entry points: [`run_train`] (what `composer-rl train` calls), [`EXAMPLE_RECIPE`],
 //! [`embedded_default_recipe`], [`bench_channels`].
 
+// `!(x > 0.0)` is used on purpose in validation: it also rejects NaN.
+#![allow(clippy::neg_cmp_op_on_partial_ord)]
+
 pub mod bench;
 pub mod checkpoint;
 pub mod data;

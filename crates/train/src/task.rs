@@ -42,7 +42,7 @@ pub fn arithmetic_split(
             }
         }
     }
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xE7A1_5E7);
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x0E7A_15E7);
     all.shuffle(&mut rng);
     let eval_size = eval_size.min(all.len() / 2);
     let train = all.split_off(eval_size);

@@ -133,8 +133,7 @@ impl TinyModel {
                 let values: Vec<f32> = if shape.len() == 1 {
                     vec![1.0; n]
                 } else {
-                    let normal = rand_distr_normal(&mut rng, n, cfg.init_std);
-                    normal
+                    rand_distr_normal(&mut rng, n, cfg.init_std)
                 };
                 let t = Tensor::from_vec(values, shape, device)?;
                 data.insert(name, Var::from_tensor(&t)?);
@@ -263,7 +262,7 @@ impl TinyModel {
     /// row never influences earlier positions). Differentiable with respect to every weight.
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         if let Some(h) = &self.hf {
-            return Ok(h.transformer.forward_train(ids, None)?);
+            return h.transformer.forward_train(ids, None);
         }
         let (b, t) = ids.dims2()?;
         let c = &self.cfg;
@@ -325,7 +324,7 @@ impl TinyModel {
     /// tiny model's result is detached so no graph is kept.
     pub fn forward_inference(&self, ids: &Tensor) -> Result<Tensor> {
         if let Some(h) = &self.hf {
-            return Ok(h.transformer.forward(ids, None)?);
+            return h.transformer.forward(ids, None);
         }
         Ok(self.forward(ids)?.detach())
     }
@@ -345,10 +344,12 @@ fn validate(cfg: &TinyConfig) -> Result<()> {
     {
         bail!("model.builtin_tiny: hidden_size, layers, heads, kv_heads and intermediate_size must be > 0");
     }
-    if cfg.hidden_size % cfg.heads != 0 || (cfg.hidden_size / cfg.heads) % 2 != 0 {
+    if !cfg.hidden_size.is_multiple_of(cfg.heads)
+        || !(cfg.hidden_size / cfg.heads).is_multiple_of(2)
+    {
         bail!("model.builtin_tiny: hidden_size ({}) must be divisible by heads ({}) with an even head size", cfg.hidden_size, cfg.heads);
     }
-    if cfg.heads % cfg.kv_heads != 0 {
+    if !cfg.heads.is_multiple_of(cfg.kv_heads) {
         bail!(
             "model.builtin_tiny: kv_heads ({}) must divide heads ({})",
             cfg.kv_heads,

@@ -11,7 +11,11 @@ pub fn fixture(name: &str) -> Value {
 }
 
 pub fn f64s(v: &Value) -> Vec<f64> {
-    v.as_array().expect("array").iter().map(|x| x.as_f64().expect("number")).collect()
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_f64().expect("number"))
+        .collect()
 }
 
 pub fn rows(v: &Value) -> Vec<Vec<f64>> {
@@ -20,20 +24,29 @@ pub fn rows(v: &Value) -> Vec<Vec<f64>> {
 
 pub fn t1(v: &Value, dt: DType) -> Tensor {
     let x = f64s(v);
-    Tensor::from_vec(x.clone(), x.len(), &Device::Cpu).unwrap().to_dtype(dt).unwrap()
+    Tensor::from_vec(x.clone(), x.len(), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap()
 }
 
 pub fn t2(v: &Value, dt: DType) -> Tensor {
     let r = rows(v);
     let (b, t) = (r.len(), r[0].len());
-    Tensor::from_vec(r.concat(), (b, t), &Device::Cpu).unwrap().to_dtype(dt).unwrap()
+    Tensor::from_vec(r.concat(), (b, t), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap()
 }
 
 pub fn t3(v: &Value, dt: DType) -> Tensor {
     let r: Vec<Vec<Vec<f64>>> = v.as_array().unwrap().iter().map(rows).collect();
     let (b, t, k) = (r.len(), r[0].len(), r[0][0].len());
     let flat: Vec<f64> = r.into_iter().flatten().flatten().collect();
-    Tensor::from_vec(flat, (b, t, k), &Device::Cpu).unwrap().to_dtype(dt).unwrap()
+    Tensor::from_vec(flat, (b, t, k), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap()
 }
 
 pub fn var2(v: &Value, dt: DType) -> Var {
@@ -58,11 +71,20 @@ pub fn close(got: f64, want: f64, dt: DType) -> bool {
 }
 
 pub fn assert_close(what: &str, got: f64, want: f64, dt: DType) {
-    assert!(close(got, want, dt), "{what} ({dt:?}): got {got}, want {want}, diff {}", (got - want).abs());
+    assert!(
+        close(got, want, dt),
+        "{what} ({dt:?}): got {got}, want {want}, diff {}",
+        (got - want).abs()
+    );
 }
 
 pub fn flat(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap()
 }
 
 pub fn assert_all_close(what: &str, got: &[f64], want: &[f64], dt: DType) {

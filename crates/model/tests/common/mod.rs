@@ -22,7 +22,8 @@ pub const FIXTURES: [&str; 3] = ["llama-tiny", "qwen2-tiny", "qwen3-tiny"];
 /// reference.json of a fixture (computed by transformers 5.23, eager attention, f32, CPU).
 pub fn reference(name: &str) -> serde_json::Value {
     let p = fixture(name).join("reference.json");
-    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display()));
+    let text =
+        std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display()));
     serde_json::from_str(&text).expect("reference.json parses")
 }
 
@@ -40,9 +41,17 @@ pub fn copy_fixture(name: &str) -> tempfile::TempDir {
 }
 
 pub fn as_u32s(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().expect("array").iter().map(|x| x.as_u64().expect("int") as u32).collect()
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("int") as u32)
+        .collect()
 }
 
 pub fn as_f32s(v: &serde_json::Value) -> Vec<f32> {
-    v.as_array().expect("array").iter().map(|x| x.as_f64().expect("num") as f32).collect()
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_f64().expect("num") as f32)
+        .collect()
 }

@@ -1,1 +1,0 @@
-//! composer-agent (under construction)
