@@ -221,8 +221,8 @@ fn prompt_longer_than_the_positions_is_an_error() {
         num_samples: 1,
         seed: 0,
     };
-    let err = generate(&model, &[req], &params(1.0, 4))
-        .err()
-        .expect("must fail");
+    let Err(err) = generate(&model, &[req], &params(1.0, 4)) else {
+        panic!("must fail")
+    };
     assert!(format!("{err:#}").contains("256"), "{err:#}");
 }
