@@ -226,3 +226,61 @@ fn prompt_longer_than_the_positions_is_an_error() {
     };
     assert!(format!("{err:#}").contains("256"), "{err:#}");
 }
+
+#[test]
+fn unsupported_tensor_dtype_names_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixture("qwen2-tiny").join("config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
+    let data: Vec<u8> = (0..8 * 4i64).flat_map(|v| v.to_le_bytes()).collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::I64, vec![8, 4], &data).unwrap();
+    safetensors::serialize_to_file(
+        [("model.embed_tokens.weight", view)],
+        None,
+        &dir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let err = load_error(dir.path());
+    assert!(
+        err.contains("model.embed_tokens.weight") && err.contains("I64"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bf16_checkpoints_load_and_stay_close_to_f32() {
+    let model = Transformer::load(&fixture("qwen3-tiny"), &Device::Cpu, DType::F32).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    model
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .save_pretrained(dir.path())
+        .unwrap();
+    let reloaded = Transformer::load(dir.path(), &Device::Cpu, DType::F32).unwrap();
+    let ids = Tensor::new(&[PROMPT], &Device::Cpu).unwrap();
+    let a: Vec<f32> = model
+        .forward(&ids, None)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let b: Vec<f32> = reloaded
+        .forward(&ids, None)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let worst = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    // bf16 keeps 8 mantissa bits: weights round by ≤ 2^-9 relative, logits by a few 1e-2 here.
+    assert!(worst < 0.1, "bf16 round trip moved a logit by {worst}");
+}
