@@ -13,11 +13,20 @@ Each function below re-derives one reference implementation's formula (read, not
       compute_policy_loss_vanilla (dual clip c), agg_loss, kl_penalty_forward (k1, k2/mse,
       k3/low_var_kl), compute_rloo_outcome_advantage, compute_opo_outcome_advantage,
       compute_reinforce_plus_plus_outcome_advantage (+ _baseline), verl_F.masked_whiten.
+  * verl recipe/dapo/dapo_ray_trainer.py RayDAPOTrainer.fit, `filter_groups` (dynamic sampling:
+      keep a group iff np.std(rewards) > 0 or it has one sample).
   * PRIME-RL @ 559b44772 (2026-08): src/prime_rl/trainer/rl/loss.py default_loss_fn
       (DPPO mask + KL, adv_tau, kl_tau), compute_loss (sum / rl_scale).
   * SDPO: compute_self_distillation_loss (verl core_algos.py of the SDPO code; top-K + tail,
       renormalised top-K, alpha 0 = forward KL, 1 = reverse KL, else generalised JSD via lerp,
       sampled-token form, is_clip, token-mean).
+
+Coverage (checked by reference_parity.rs `fixtures_cover_every_variant`): every loss_type, clip
+variant (epsilon/epsilon_high, delta, verl dual clip where it bites), GSPO, DPPO+KL, KL k1/k2/k3,
+entropy bonus, top_entropy_quantile, mask_truncated_completions, all four sampler IS modes with
+C_min/C_max, gradient-accumulation scales (`*_ga4`), every advantage estimator and multi-reward
+aggregation, the DAPO filter, every hint divergence x support, IS cap on/off, DPO sigmoid/ipo/
+hinge, and the teacher KL with per-teacher weights (tail and renormalised).
 
 Gradients in the fixtures are central finite differences (h = 1e-6) of these reference
 functions with respect to the trainable input only; stop-gradients are honoured by passing
@@ -461,6 +470,18 @@ def verl_rfpp_baseline(rewards, lengths, G):
     return [float(adv[i, 0]) for i in range(len(rewards))]
 
 
+VERL_DAPO = ("verl@b178a3cd5 recipe/dapo/dapo_ray_trainer.py RayDAPOTrainer.fit (filter_groups: keep a prompt "
+             "iff np.std(metric_vals) > 0 or len(metric_vals) == 1)")
+
+
+def verl_dapo_filter(rewards, G):
+    """DAPO dynamic sampling: keep groups with non-zero reward std (or a single sample)."""
+    groups = np.array(rewards, dtype=float).reshape(-1, G)
+    kept = [g for g in range(groups.shape[0]) if np.std(groups[g]) > 0 or G == 1]
+    keep = [bool(i // G in kept) for i in range(len(rewards))]
+    return kept, keep, 1.0 - len(kept) / groups.shape[0]
+
+
 # ----------------------------------------------------------------------------- inputs
 def rlvr_inputs(rng, B=4, T=5, lens=(5, 3, 4, 2), old_noise=0.25, samp_noise=0.25, with_sampler=True):
     p = rng.uniform(0.05, 0.95, size=(B, T))
@@ -505,9 +526,9 @@ def main():
     rng = np.random.default_rng(20261122)
     cases = []
 
-    def trl(name, cfg, inp=None, note=None):
+    def trl(name, cfg, inp=None, note=None, scale=None):
         inp = inp or rlvr_inputs(rng)
-        sc = local_scale(inp, cfg.get("mask_truncated_completions", False))
+        sc = scale or local_scale(inp, cfg.get("mask_truncated_completions", False))
         c = rlvr_case(name, TRL, inp, cfg, sc, lambda x, xs: trl_grpo(inp, cfg, sc, x, xs))
         if note:
             c["note"] = note
@@ -539,6 +560,28 @@ def main():
     trl("trl_grpo_entropy_bonus", dict(loss_type="grpo", entropy_coef=0.05, **nos))
     trl("trl_dapo_mask_truncated", dict(loss_type="dapo", mask_truncated_completions=True))
     trl("trl_bnpo_bias_corrected_kl", dict(loss_type="bnpo", beta=0.1, use_bias_correction_kl=True, **nos))
+    # TRL's default correction (sequence_mask) with both bounds active: some sequences masked.
+    trl("trl_dapo_sequence_mask_cmin_cmax", dict(loss_type="dapo", sampler_importance_sampling_clip_min=0.7,
+                                                 sampler_importance_sampling_clip_max=1.3),
+        inp=rlvr_inputs(rng, samp_noise=0.3))
+    trl("trl_gspo_sequence_mask_is", dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4,
+                                          epsilon_high=4e-4))
+    trl("trl_dapo_k3_entropy_bonus", dict(loss_type="dapo", beta=0.04, entropy_coef=0.02, **nos))
+    # Gradient accumulation: the scale spans 4 micro-batches of which this is one.
+    ga = {"global_active_tokens": 51.0, "global_sequences": 16.0, "num_micro_batches": 4.0}
+    trl("trl_dapo_ga4_global_tokens", dict(loss_type="dapo", entropy_coef=0.01), scale=ga)
+    trl("trl_grpo_ga4", dict(loss_type="grpo", **nos), scale=ga)
+    trl("trl_bnpo_ga4", dict(loss_type="bnpo", **nos), scale=ga)
+    trl("trl_dr_grpo_ga4", dict(loss_type="dr_grpo", max_completion_length=16, **nos), scale=ga)
+    trl("trl_cispo_ga4", dict(loss_type="cispo", epsilon_high=1.05, **nos), scale=ga,
+        inp=rlvr_inputs(rng, old_noise=0.4))
+    trl("trl_sapo_ga4_asym", dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, **nos),
+        scale=ga, inp=rlvr_inputs(rng, old_noise=0.4))
+    trl("trl_luspo_ga4", dict(loss_type="luspo", importance_sampling_level="sequence", **nos), scale=ga)
+    trl("trl_vespo_token_mask_ga4", dict(loss_type="vespo", sampler_importance_sampling_mode="token_mask",
+                                         sampler_importance_sampling_clip_min=0.9,
+                                         sampler_importance_sampling_clip_max=1.1), scale=ga,
+        inp=rlvr_inputs(rng, old_noise=0.08, samp_noise=0.08))
 
     # verl: vanilla PPO with dual clip, all aggregation modes, k1/k2/k3.
     for mode, kl in (("token-mean", "k1"), ("seq-mean-token-sum", "k2"), ("seq-mean-token-mean", "k3"),
@@ -553,6 +596,19 @@ def main():
         c = rlvr_case(f"verl_vanilla_{mode}_{kl}", VERL + " compute_policy_loss_vanilla + agg_loss + kl_penalty",
                       inp, rcfg, sc, lambda x, xs, inp=inp, vcfg=vcfg: verl_policy_loss(inp, vcfg, x))
         cases.append(c)
+
+    # verl dual clip where it bites: negative-advantage tokens with ratio > c = 3.
+    inp = rlvr_inputs(rng, old_noise=0.1, with_sampler=False)
+    old = np.array(inp["old_logprobs"])
+    old[1, 0] -= 1.6; old[3, 1] -= 2.0; old[1, 2] -= 0.9  # ratios ~5, ~7.4 and ~2.5 (below c)
+    inp["old_logprobs"] = old.tolist()
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        vcfg = dict(epsilon=0.2, epsilon_high=0.2, clip_ratio_c=3.0, loss_agg_mode=mode, beta=0.0,
+                    kl_estimator="k3")
+        rcfg = dict(loss_type="dapo", epsilon=0.2, dual_clip=True, clip_ratio_c=3.0, loss_agg_mode=mode, **nos)
+        cases.append(rlvr_case(f"verl_dual_clip_triggered_{mode}",
+                               VERL + " compute_policy_loss_vanilla (dual clip c = 3) + agg_loss", inp, rcfg,
+                               local_scale(inp), lambda x, xs, inp=inp, vcfg=vcfg: verl_policy_loss(inp, vcfg, x)))
 
     # PRIME-RL DPPO + KL.
     for name, pcfg, noise in (("prime_dppo_default", {}, 0.3),
@@ -578,6 +634,11 @@ def main():
         ("sdpo_jsd_topk_renorm", "jsd", 0.5, "topk_renormalized", True, 2.0),
         ("sdpo_reverse_kl_full_vocab", "reverse_kl", 1.0, "full", True, 1.5),
         ("sdpo_sampled_token", "sampled_token", 1.0, "topk_tail", False, 2.0),
+        ("sdpo_sampled_token_no_is", "sampled_token", 1.0, "topk_tail", False, None),
+        ("sdpo_forward_kl_topk_renorm", "forward_kl", 0.0, "topk_renormalized", True, 2.0),
+        ("sdpo_reverse_kl_topk_renorm", "reverse_kl", 1.0, "topk_renormalized", True, 2.0),
+        ("sdpo_jsd07_full_vocab", "jsd", 0.7, "full", True, 2.0),
+        ("sdpo_jsd_topk_tail_is_cap_1_2", "jsd", 0.5, "topk_tail", True, 1.2),
     ):
         ls = rng.normal(0, 1.5, size=(B, T, V))
         lt = ls + rng.normal(0, 1.0, size=(B, T, V))
@@ -618,15 +679,18 @@ def main():
     weights = {"alpha": 1.0, "beta": 0.5}
     w = np.array([weights[t] for t in teachers])
 
-    def teacher_kl(x):
-        kl = kl_div(sdpo_add_tail(x), sdpo_add_tail(t_k)).sum(-1)
-        return float((kl * mask * w[:, None]).sum() / mask.sum())
-    hint_cases.append({"name": "replay_teacher_forward_kl_tail", "kind": "teacher_kl",
-                       "reference": SDPO + " with alpha = 0 (forward KL), top-K + tail; per-teacher weights ours",
-                       "config": {"teacher_weights": weights, "support": "topk_tail"},
-                       "inputs": {"student_topk_logprobs": s_k.tolist(), "teacher_topk_logprobs": t_k.tolist(),
-                                  "loss_mask": mask.tolist(), "teachers": teachers},
-                       "expected": {"loss": teacher_kl(s_k), "grad_student_topk_logprobs": fd_grad(teacher_kl, s_k).tolist()}})
+    for support, prep in (("topk_tail", sdpo_add_tail), ("topk_renormalized", sdpo_renorm)):
+        def teacher_kl(x, prep=prep):
+            kl = kl_div(prep(x), prep(t_k)).sum(-1)
+            return float((kl * mask * w[:, None]).sum() / mask.sum())
+        hint_cases.append({"name": f"replay_teacher_forward_kl_{support}", "kind": "teacher_kl",
+                           "reference": SDPO + f" with alpha = 0 (forward KL), support {support}; "
+                                               "per-teacher weights ours (weighted token sum / active tokens)",
+                           "config": {"teacher_weights": weights, "support": support},
+                           "inputs": {"student_topk_logprobs": s_k.tolist(), "teacher_topk_logprobs": t_k.tolist(),
+                                      "loss_mask": mask.tolist(), "teachers": teachers},
+                           "expected": {"loss": teacher_kl(s_k),
+                                        "grad_student_topk_logprobs": fd_grad(teacher_kl, s_k).tolist()}})
     with open(os.path.join(OUT, "hint.json"), "w") as f:
         json.dump({"generator": "tools/ref_losses.py", "cases": hint_cases}, f, indent=1)
 
@@ -673,8 +737,17 @@ def main():
         adv_cases.append({"name": f"verl_{est}", "reference": VERL + f" compute_{est}_outcome_advantage",
                           "config": {"estimator": est}, "rewards_per_func": [[r] for r in rewards],
                           "lengths": lengths, "group_size": G, "expected": [float(x) for x in fn()]})
+    ds_cases = []
+    for name, rw, G_ in (("verl_dapo_filter_g4", rewards, 4),
+                         ("verl_dapo_filter_all_equal", [1.0, 1.0, 0.0, 0.0, 0.5, 0.5], 2),
+                         ("verl_dapo_filter_g3_mixed", [0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.3, 0.3, 0.3], 3),
+                         ("verl_dapo_filter_g1_kept", [0.0, 1.0, 1.0], 1)):
+        kept, keep, frac = verl_dapo_filter(rw, G_)
+        ds_cases.append({"name": name, "reference": VERL_DAPO, "rewards": rw, "group_size": G_,
+                         "expected": {"kept_groups": kept, "keep": keep, "fraction_dropped": frac}})
     with open(os.path.join(OUT, "advantages.json"), "w") as f:
-        json.dump({"generator": "tools/ref_losses.py", "cases": adv_cases}, f, indent=1)
+        json.dump({"generator": "tools/ref_losses.py", "cases": adv_cases, "dynamic_sampling_cases": ds_cases},
+                  f, indent=1)
     print(f"wrote {len(cases)} rlvr, {len(hint_cases)} hint, {len(dpo_cases)} dpo, {len(adv_cases)} advantage cases")
 
 

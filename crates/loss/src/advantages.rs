@@ -69,7 +69,9 @@ pub struct AdvantageConfig {
     pub reward_weights: Option<Vec<f64>>,
     /// Multi-reward aggregation. TRL default `sum_then_normalize`.
     pub multi_objective_aggregation: MultiRewardAggregation,
-    /// Drop groups whose rewards all agree (DAPO dynamic sampling). Default false.
+    /// Drop groups whose rewards all agree (DAPO dynamic sampling). Default false. A flag for
+    /// the caller: apply [`filter_zero_variance_groups`] to the rewards before building the
+    /// batch ([`compute_advantages`] itself keeps every completion).
     pub dynamic_sampling: bool,
 }
 
@@ -200,14 +202,18 @@ fn check_lengths(rewards: &[f64], lengths: &[usize]) -> Result<()> {
 }
 
 /// verl's REINFORCE++ (γ = 1, outcome reward): the return equals the reward on every token of
-/// the completion; advantages are the returns whitened over all active tokens of the batch.
+/// the completion; advantages are the returns whitened over all active tokens of the batch:
+/// A_i = (r_i − μ) / sqrt(σ² + 1e-8), μ = Σ|o_j| r_j / N, σ² = Σ|o_j|(r_j − μ)² / (N − 1),
+/// N = Σ|o_j| (verl `masked_whiten`).
 pub fn reinforce_plus_plus_advantages(rewards: &[f64], lengths: &[usize]) -> Result<Vec<f64>> {
     check_lengths(rewards, lengths)?;
     check_finite("rewards", rewards)?;
     token_whiten(rewards, lengths)
 }
 
-/// verl's REINFORCE++-baseline: subtract the group mean, then whiten over all active tokens.
+/// verl's REINFORCE++-baseline: subtract the group mean, then whiten over all active tokens:
+/// A_i = whiten(r_i − mean_g(r)) with the token-weighted whitening of
+/// [`reinforce_plus_plus_advantages`].
 pub fn reinforce_plus_plus_baseline_advantages(
     rewards: &[f64],
     lengths: &[usize],
@@ -256,7 +262,9 @@ pub struct DynamicSamplingResult {
 }
 
 /// DAPO's dynamic sampling: drop groups whose rewards have zero variance (all equal), since
-/// their group-relative advantages are all zero.
+/// their group-relative advantages are all zero. As verl's DAPO trainer (`filter_groups`:
+/// keep iff `std(rewards) > 0 or len == 1`), a group of one completion is kept.
+/// `fraction_dropped` = dropped groups / groups.
 pub fn filter_zero_variance_groups(
     rewards: &[f64],
     group_size: usize,
@@ -267,7 +275,7 @@ pub fn filter_zero_variance_groups(
     let mut keep = Vec::with_capacity(rewards.len());
     let n_groups = rewards.len() / group_size;
     for (gi, g) in rewards.chunks(group_size).enumerate() {
-        let k = g.iter().any(|r| *r != g[0]);
+        let k = g.len() == 1 || g.iter().any(|r| *r != g[0]);
         if k {
             kept_groups.push(gi);
         }

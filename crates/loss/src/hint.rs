@@ -138,7 +138,9 @@ fn kl_sum(input: &Tensor, target: &Tensor) -> Result<Tensor> {
 }
 
 /// Per-token divergence `[B, T]` between student and teacher log-prob rows `[B, T, K']`
-/// (already on the chosen support). `teacher` must be detached.
+/// (already on the chosen support): forward KL Σ p_T(log p_T − log p_S), reverse KL
+/// Σ p_S(log p_S − log p_T), JSD (1−α)·KL(S‖M) + α·KL(T‖M) with M = (1−α)S + αT.
+/// `teacher` must be detached.
 pub fn divergence_per_token(
     student: &Tensor,
     teacher: &Tensor,
@@ -161,7 +163,10 @@ pub fn divergence_per_token(
     }
 }
 
-/// The hint self-distillation loss of one micro-batch: `(scalar, metrics)`.
+/// The hint self-distillation loss of one micro-batch: `(scalar, metrics)`,
+/// `L = Σ_it h_i m_it · sg(min(π_S/π_old, cap)) · D_it / Σ_it h_i m_it` with D the per-token
+/// divergence of `cfg.divergence` and h_i = `has_hint[i]` (SDPO
+/// `compute_self_distillation_loss`, token-mean).
 ///
 /// Reads `inputs.hint` (required), `inputs.trainer_logprobs` (student log-prob of the sampled
 /// token, for `sampled_token` and the IS weight), `inputs.old_logprobs` (IS weight; `None` →
@@ -347,12 +352,46 @@ impl Default for HintTemplate {
     }
 }
 
-/// Teacher prompts for one group of rollouts of the same prompt.
+/// Single-pass placeholder substitution: every `{key}` of `template` is replaced by its
+/// value; text coming from values is never scanned again, so a prompt, solution or feedback
+/// that itself contains `{prompt}` or `{feedback}` (code often does) stays literal.
+/// Unknown `{...}` sequences are kept as they are.
+fn fill_template(template: &str, values: &[(&str, &str)]) -> String {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    'scan: while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let after = &rest[open..];
+        for (key, value) in values {
+            let ph_len = key.len() + 2;
+            if after.len() >= ph_len
+                && after.as_bytes()[ph_len - 1] == b'}'
+                && &after[1..ph_len - 1] == *key
+            {
+                out.push_str(value);
+                rest = &after[ph_len..];
+                continue 'scan;
+            }
+        }
+        out.push('{');
+        rest = &after[1..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Teacher prompts for one group of rollouts of the same prompt (SDPO's reprompting).
 ///
 /// For rollout i: if some *other* rollout j ≠ i passed, the hint is the first such peer's
-/// completion (solution section); else, if i has environment feedback, that feedback
-/// (feedback section); else `None` (the sample is excluded from the hint channel).
-/// Substitution is literal (`str::replace`), so braces inside texts are safe.
+/// completion (solution section; the sample's own completion is never used); else, if i has
+/// non-blank environment feedback, that feedback (feedback section); else `None`: the sample
+/// gets no teacher prompt and is excluded from the hint channel (`HintInputs::has_hint`
+/// false, so its tokens are masked out of the hint loss).
+///
+/// `teacher_prompt_i = reprompt[{prompt} ← prompt_i, {solution} ← solution section or "",
+/// {feedback} ← feedback section or ""]`, with the default SDPO-style
+/// [`DEFAULT_HINT_TEMPLATE`]. Substitution is single-pass, so braces inside the prompt,
+/// solution or feedback texts are kept literally.
 pub fn build_hint_prompts(
     group: &[RolloutForHint],
     template: &HintTemplate,
@@ -368,64 +407,51 @@ pub fn build_hint_prompts(
                 .map(|(_, p)| p);
             let (solution, feedback) = match (peer, &r.feedback) {
                 (Some(p), _) => (
-                    template
-                        .solution
-                        .replace("{successful_previous_attempt}", &p.completion_text),
+                    fill_template(
+                        &template.solution,
+                        &[("successful_previous_attempt", &p.completion_text)],
+                    ),
                     String::new(),
                 ),
                 (None, Some(f)) if !f.trim().is_empty() => (
                     String::new(),
-                    template.feedback.replace("{feedback_raw}", f),
+                    fill_template(&template.feedback, &[("feedback_raw", f)]),
                 ),
                 _ => return None,
             };
-            // Fill {prompt} last so that a prompt containing "{solution}" is not expanded.
-            Some(
-                template
-                    .reprompt
-                    .replace("{solution}", &solution)
-                    .replace("{feedback}", &feedback)
-                    .replace("{prompt}", &r.prompt_text),
-            )
+            Some(fill_template(
+                &template.reprompt,
+                &[
+                    ("prompt", &r.prompt_text),
+                    ("solution", &solution),
+                    ("feedback", &feedback),
+                ],
+            ))
         })
         .collect()
 }
 
-/// EMA teacher update θ_T ← (1−τ)·θ_T + τ·θ_S, in place on the teacher's variables.
+/// EMA teacher update θ_T ← (1−τ)·θ_T + τ·θ_S, in place on the teacher's variables
+/// (τ ∈ [0, 1]; τ = 1 copies the student, τ = 0 keeps the teacher). Every count, shape and
+/// τ is checked before any variable is written, so an error leaves the teacher untouched.
 pub fn ema_update(teacher: &[Var], student: &[Tensor], tau: f64) -> Result<()> {
-    if teacher.len() != student.len() {
-        return Err(LossError::Input {
-            field: "student",
-            message: format!(
-                "{} teacher vs {} student tensors",
-                teacher.len(),
-                student.len()
-            ),
-        });
+    let current: Vec<Tensor> = teacher.iter().map(|v| v.as_tensor().clone()).collect();
+    let new = ema_tensors(&current, student, tau)?;
+    for (tv, n) in teacher.iter().zip(&new) {
+        tv.set(n)?;
     }
+    Ok(())
+}
+
+/// Pure form of [`ema_update`]: returns the new teacher tensors (1−τ)·θ_T + τ·θ_S
+/// (detached), τ ∈ [0, 1]; τ = 1 copies the student, τ = 0 keeps the teacher.
+pub fn ema_tensors(teacher: &[Tensor], student: &[Tensor], tau: f64) -> Result<Vec<Tensor>> {
     if !(0.0..=1.0).contains(&tau) {
         return Err(LossError::Config {
             key: "tau",
             message: format!("must be in [0, 1], got {tau}"),
         });
     }
-    for (i, (tv, s)) in teacher.iter().zip(student).enumerate() {
-        if tv.dims() != s.dims() {
-            return Err(LossError::Shape {
-                tensor: "student",
-                expected: format!("{:?} (teacher tensor {i})", tv.dims()),
-                got: s.dims().to_vec(),
-            });
-        }
-        let s = s.detach().to_dtype(tv.dtype())?;
-        let new = ((tv.as_tensor() * (1.0 - tau))? + (s * tau)?)?;
-        tv.set(&new)?;
-    }
-    Ok(())
-}
-
-/// Pure form of [`ema_update`]: returns the new teacher tensors.
-pub fn ema_tensors(teacher: &[Tensor], student: &[Tensor], tau: f64) -> Result<Vec<Tensor>> {
     if teacher.len() != student.len() {
         return Err(LossError::Input {
             field: "student",
@@ -439,6 +465,16 @@ pub fn ema_tensors(teacher: &[Tensor], student: &[Tensor], tau: f64) -> Result<V
     teacher
         .iter()
         .zip(student)
-        .map(|(t, s)| Ok(((t.detach() * (1.0 - tau))? + (s.detach().to_dtype(t.dtype())? * tau)?)?))
+        .enumerate()
+        .map(|(i, (t, s))| {
+            if t.dims() != s.dims() {
+                return Err(LossError::Shape {
+                    tensor: "student",
+                    expected: format!("{:?} (teacher tensor {i})", t.dims()),
+                    got: s.dims().to_vec(),
+                });
+            }
+            Ok(((t.detach() * (1.0 - tau))? + (s.detach().to_dtype(t.dtype())? * tau)?)?)
+        })
         .collect()
 }

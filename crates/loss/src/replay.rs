@@ -93,7 +93,10 @@ pub fn sequence_logprobs(per_token_logprobs: &Tensor, loss_mask: &Tensor) -> Res
     Ok((per_token_logprobs * loss_mask.to_dtype(per_token_logprobs.dtype())?.detach())?.sum(1)?)
 }
 
-/// The DPO loss, mean over pairs: `(scalar, metrics)`. Reference sums are detached.
+/// The DPO loss, mean over pairs: `(scalar, metrics)` (TRL `DPOTrainer`), with
+/// h_c = log π(c) − log π_ref(c), h_r likewise, Δ = h_c − h_r:
+/// `sigmoid` −log σ(βΔ); `hinge` max(0, 1 − βΔ); `ipo` (h_c/|c| − h_r/|r| − 1/(2β))².
+/// Reference sums are detached.
 pub fn dpo_loss(inputs: &DpoInputs, cfg: &DpoConfig) -> Result<(Tensor, DpoMetrics)> {
     let p = inputs
         .policy_chosen_logps
@@ -204,9 +207,11 @@ pub struct TeacherKlMetrics {
     pub per_teacher_kl: BTreeMap<String, f64>,
 }
 
-/// Token-level forward KL from the teachers' recorded top-K distributions (see module docs).
-/// `support` is `topk_tail` or `topk_renormalized`; `teacher_weights` maps names to weights
-/// (absent names weigh 1).
+/// Token-level forward KL from the teachers' recorded top-K distributions:
+/// `L = Σ_i w_i Σ_t m_it Σ_k p_T,itk (log p_T,itk − log p_S,itk) / Σ_it m_it`, over the
+/// teacher's top-K plus the tail bucket log(1 − Σ_K p) (`topk_tail`) or the renormalised
+/// top-K (`topk_renormalized`); `teacher_weights` maps names to w_i (absent names weigh 1).
+/// Teacher log-probs are detached.
 pub fn teacher_kl_loss(
     inputs: &TeacherKlInputs,
     support: HintSupport,

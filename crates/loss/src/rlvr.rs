@@ -95,7 +95,8 @@ pub enum KlEstimator {
     /// ½ (log π − log π_ref)².
     #[serde(alias = "mse")]
     K2,
-    /// e^{log π_ref − log π} − (log π_ref − log π) − 1 (TRL's only estimator).
+    /// e^{log π_ref − log π} − (log π_ref − log π) − 1 (TRL's only estimator). Unclamped, as
+    /// TRL; verl's `low_var_kl` also clamps the value to [−10, 10] (same below that).
     #[default]
     #[serde(alias = "low_var_kl")]
     K3,
@@ -324,8 +325,11 @@ pub struct RlvrMetrics {
     pub vespo_phi_mean: Option<f64>,
 }
 
-/// Aggregate a per-token loss `[B, T]` with a verl `loss_agg_mode` and the step's normaliser.
-/// `mask` is the 0/1 loss mask `[B, T]`.
+/// Aggregate a per-token loss ℓ `[B, T]` with a verl `loss_agg_mode` (verl `agg_loss`) and the
+/// step's normaliser; `mask` m is the 0/1 loss mask `[B, T]`:
+/// `token-mean` Σ mℓ / N_tok(global); `seq-mean-token-sum` Σ_i Σ_t mℓ / N_seq(global);
+/// `seq-mean-token-mean` Σ_i (Σ_t mℓ / (Σ_t m + 1e-8)) / N_seq(global);
+/// `seq-mean-token-sum-norm` Σ mℓ / `loss_scale_factor` (default T).
 pub fn agg_loss(
     per_token: &Tensor,
     mask: &Tensor,
@@ -397,8 +401,10 @@ fn masked_mean(x: &[Vec<f64>], m: &[Vec<f64>]) -> f64 {
     s / c.max(1.0)
 }
 
-/// The RLVR loss of one micro-batch: `(scalar loss, metrics)`. See the module docs for every
-/// formula. `scale` spans the whole optimizer step (see [`LossScale`]); for a step of one
+/// The RLVR loss of one micro-batch: `(scalar loss, metrics)`,
+/// `L = agg(w_IS · keep_H · ℓ(r, A) + β·KL) − entropy_coef · agg_H(H)`, with the per-token
+/// surrogate ℓ and the aggregation of `cfg.loss_type` (table in the module docs), w_IS the
+/// sampler/trainer correction and keep_H the top-entropy mask. `scale` spans the whole optimizer step (see [`LossScale`]); for a step of one
 /// micro-batch use [`LossScale::local`].
 ///
 /// Gradient flows only through `trainer_logprobs` (and `entropies` for the entropy bonus);
