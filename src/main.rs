@@ -205,6 +205,16 @@ enum BenchCommand {
         /// Decode only (skip the training forward+backward).
         #[arg(long)]
         skip_train: bool,
+        /// Dtype of the training step and of decoding: f32, bf16 or f16 (default: bf16 on
+        /// CUDA, f32 on CPU).
+        #[arg(long)]
+        dtype: Option<String>,
+        /// Sequence length of the training step.
+        #[arg(long)]
+        train_seq_len: Option<usize>,
+        /// Print the numbers as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
     },
     /// RLVR alone vs + hint vs + hint + replay on the embedded default: samples to target accuracy.
     Channels {
@@ -360,6 +370,9 @@ fn run(cli: Cli) -> Result<()> {
             device,
             batch,
             skip_train,
+            dtype,
+            train_seq_len,
+            json,
         }) => {
             let device = composer_model::device_from_str(&device)?;
             let mut cfg = match shape.as_str() {
@@ -372,8 +385,20 @@ fn run(cli: Cli) -> Result<()> {
                 cfg.batch_sizes = b;
             }
             cfg.skip_train |= skip_train;
+            if let Some(d) = dtype {
+                let d = parse_dtype(&d).context("--dtype")?;
+                cfg.train_dtype = d;
+                cfg.decode_dtype = d;
+            }
+            if let Some(t) = train_seq_len {
+                cfg.train_seq_len = t;
+            }
             let report = composer_model::bench::run(&cfg)?;
-            println!("{}", report.table());
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!("{}", report.table());
+            }
             Ok(())
         }
         Command::Bench(BenchCommand::Channels {
@@ -391,5 +416,15 @@ fn run(cli: Cli) -> Result<()> {
             println!("{table}");
             Ok(())
         }
+    }
+}
+
+/// `f32`, `bf16` or `f16` as a candle dtype.
+fn parse_dtype(name: &str) -> Result<candle_core::DType> {
+    match name {
+        "f32" => Ok(candle_core::DType::F32),
+        "bf16" => Ok(candle_core::DType::BF16),
+        "f16" => Ok(candle_core::DType::F16),
+        other => anyhow::bail!("dtype {other:?} is not one of: f32, bf16, f16"),
     }
 }

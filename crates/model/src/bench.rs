@@ -7,7 +7,8 @@ use crate::logprobs::token_logprobs;
 use crate::rollout::{generate, GenerationRequest, SamplingParams};
 use crate::transformer::Transformer;
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::VarMap;
 use serde::Serialize;
 use std::time::Instant;
 
@@ -18,8 +19,11 @@ pub struct BenchConfig {
     pub model: ModelConfig,
     /// Device.
     pub device: Device,
-    /// Dtype of the decode model (training always uses f32 master weights).
+    /// Dtype of the decode model.
     pub decode_dtype: DType,
+    /// Dtype of the weights the training forward+backward runs in (bf16 on GPUs, as a
+    /// mixed-precision step computes in bf16 from f32 master weights; f32 on CPU).
+    pub train_dtype: DType,
     /// Batch sizes to time.
     pub batch_sizes: Vec<usize>,
     /// Sequence length of the training step.
@@ -46,6 +50,7 @@ impl BenchConfig {
             model: ModelConfig::qwen2_5_0_5b(),
             device,
             decode_dtype,
+            train_dtype: decode_dtype,
             batch_sizes: vec![1, 16, 64],
             train_seq_len: 512,
             prompt_len: 128,
@@ -69,6 +74,7 @@ impl BenchConfig {
             model,
             device: Device::Cpu,
             decode_dtype: DType::F32,
+            train_dtype: DType::F32,
             batch_sizes: vec![1, 16, 64],
             train_seq_len: 128,
             prompt_len: 32,
@@ -97,6 +103,12 @@ pub struct BenchReport {
     pub num_parameters: usize,
     /// Device, in words.
     pub device: String,
+    /// Dtype of the training step.
+    #[serde(serialize_with = "dtype_name")]
+    pub train_dtype: DType,
+    /// Dtype of decoding.
+    #[serde(serialize_with = "dtype_name")]
+    pub decode_dtype: DType,
     /// Rows by batch size.
     pub rows: Vec<BenchRow>,
 }
@@ -105,9 +117,11 @@ impl BenchReport {
     /// A plain-text table.
     pub fn table(&self) -> String {
         let mut s = format!(
-            "composer-model bench: {:.1}M params on {}\n{:>6} {:>16} {:>16}\n",
+            "composer-model bench: {:.1}M params on {} (train {:?}, decode {:?})\n{:>6} {:>16} {:>16}\n",
             self.num_parameters as f64 / 1e6,
             self.device,
+            self.train_dtype,
+            self.decode_dtype,
             "batch",
             "train tok/s",
             "decode tok/s"
@@ -133,8 +147,24 @@ fn sync(device: &Device) -> Result<()> {
 
 /// Runs the benchmark and returns the numbers (also see [`BenchReport::table`]).
 pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
-    let (train_model, _vars) = Transformer::random_init(&cfg.model, 0, &cfg.device)?;
-    let decode_model = train_model.to_dtype(cfg.decode_dtype)?;
+    let (master_model, master_vars) = Transformer::random_init(&cfg.model, 0, &cfg.device)?;
+    let decode_model = master_model.to_dtype(cfg.decode_dtype)?;
+    // The training step differentiates with respect to variables in `train_dtype`.
+    let train_vars = VarMap::new();
+    for (name, var) in master_vars
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("VarMap lock poisoned"))?
+        .iter()
+    {
+        let v = Var::from_tensor(&var.as_tensor().to_dtype(cfg.train_dtype)?)?;
+        train_vars
+            .data()
+            .lock()
+            .map_err(|_| anyhow::anyhow!("VarMap lock poisoned"))?
+            .insert(name.clone(), v);
+    }
+    let train_model = Transformer::from_varmap(&cfg.model, &train_vars, &cfg.device)?;
     let vocab = cfg.model.vocab_size as u32;
     let mut rows = Vec::new();
     for &b in &cfg.batch_sizes {
@@ -149,7 +179,10 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
                 let logits = train_model
                     .forward_train(&input, None)?
                     .narrow(1, 0, t - 1)?;
-                let loss = token_logprobs(&logits, &targets)?.mean_all()?.neg()?;
+                let loss = token_logprobs(&logits, &targets)?
+                    .to_dtype(DType::F32)?
+                    .mean_all()?
+                    .neg()?;
                 let _grads = loss.backward()?;
                 Ok(())
             };
@@ -198,8 +231,14 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         });
     }
     Ok(BenchReport {
-        num_parameters: train_model.num_parameters(),
+        num_parameters: master_model.num_parameters(),
         device: format!("{:?}", cfg.device),
+        train_dtype: cfg.train_dtype,
+        decode_dtype: cfg.decode_dtype,
         rows,
     })
+}
+
+fn dtype_name<S: serde::Serializer>(d: &DType, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(d.as_str())
 }

@@ -183,6 +183,12 @@ impl ModelConfig {
     /// Reads `dir/config.json` and, when present, `dir/generation_config.json` (its
     /// `eos_token_id` is added to the stop ids).
     pub fn from_dir(dir: &Path) -> Result<Self> {
+        if !dir.is_dir() {
+            bail!(
+                "model directory {} does not exist or is not a directory",
+                dir.display()
+            );
+        }
         let path = dir.join("config.json");
         let mut cfg = Self::from_file(&path)?;
         let gen_path = dir.join("generation_config.json");

@@ -26,13 +26,22 @@ pub struct Policy {
     pub sampling: SamplingParams,
 }
 
-/// Checks the tokenizer cannot emit ids the model has no embedding for.
+/// Checks the tokenizer cannot emit ids the model has no embedding for. A tokenizer
+/// smaller than `vocab_size` is normal (Qwen pads the embedding to a multiple of 128).
 fn check_vocab(tokenizer: &Tokenizer, cfg: &ModelConfig, dir: &Path) -> Result<()> {
-    if tokenizer.vocab_size() > cfg.vocab_size {
+    let Some(max_id) = tokenizer.max_token_id() else {
         bail!(
-            "{}: tokenizer has {} tokens but config.json `vocab_size` is {}",
+            "{}: the tokenizer has no tokens",
+            dir.join("tokenizer.json").display()
+        );
+    };
+    if max_id as usize >= cfg.vocab_size {
+        bail!(
+            "tokenizer/vocab size mismatch: {} has {} tokens (ids up to {max_id}) but {} `vocab_size` is {}; \
+             ids >= vocab_size have no embedding row",
             dir.join("tokenizer.json").display(),
             tokenizer.vocab_size(),
+            dir.join("config.json").display(),
             cfg.vocab_size
         );
     }
@@ -46,7 +55,7 @@ impl Policy {
         tokenizer: Tokenizer,
         chat_template: Option<ChatTemplate>,
     ) -> Result<Self> {
-        check_vocab(&tokenizer, &model.cfg, Path::new("<in-memory>"))?;
+        check_vocab(&tokenizer, &model.cfg, Path::new("<in-memory model>"))?;
         let mut stops = model.cfg.eos_token_ids.clone();
         if let Some(e) = tokenizer.eos_token_id() {
             if !stops.contains(&e) {
@@ -64,23 +73,29 @@ impl Policy {
         })
     }
 
-    /// Loads a Hugging Face model directory for inference.
+    /// Loads a Hugging Face model directory for inference. The config and tokenizer are
+    /// checked against each other before the (possibly large) weights are read.
     pub fn load(dir: &Path, device: &Device, dtype: DType) -> Result<Self> {
+        let (tokenizer, chat_template) = Self::load_text_side(dir)?;
         let model = Transformer::load(dir, device, dtype)?;
-        Self::with_model(dir, model)
+        Self::new(model, tokenizer, chat_template)
     }
 
     /// Loads a model directory with trainable f32 variables (returns their `VarMap`).
     pub fn load_trainable(dir: &Path, device: &Device) -> Result<(Self, VarMap)> {
+        let (tokenizer, chat_template) = Self::load_text_side(dir)?;
         let (model, varmap) = Transformer::load_trainable(dir, device, DType::F32)?;
-        Ok((Self::with_model(dir, model)?, varmap))
+        Ok((Self::new(model, tokenizer, chat_template)?, varmap))
     }
 
-    fn with_model(dir: &Path, model: Transformer) -> Result<Self> {
+    /// Tokenizer and chat template of `dir`, after checking the tokenizer against
+    /// `config.json`'s `vocab_size`.
+    fn load_text_side(dir: &Path) -> Result<(Tokenizer, Option<ChatTemplate>)> {
+        let cfg = ModelConfig::from_dir(dir)?;
         let tokenizer = Tokenizer::from_dir(dir)?;
-        check_vocab(&tokenizer, &model.cfg, dir)?;
+        check_vocab(&tokenizer, &cfg, dir)?;
         let chat_template = ChatTemplate::from_dir(dir, Some(&tokenizer))?;
-        Self::new(model, tokenizer, chat_template)
+        Ok((tokenizer, chat_template))
     }
 
     /// Writes model, generation config, tokenizer and chat template into `dir`.
@@ -185,7 +200,8 @@ pub fn generate_cli(opts: &GenerateOptions) -> Result<Value> {
     for s in out.into_iter().flatten() {
         samples.push(json!({
             "completion_ids": s.completion_ids,
-            "completion_text": policy.tokenizer.decode(&s.completion_ids)?,
+            // As transformers' decode(ids, skip_special_tokens=True): no `<|im_end|>` etc.
+            "completion_text": policy.tokenizer.decode_skip_special(&s.completion_ids)?,
             "logprobs": s.sampler_logprobs,
             "finish_reason": match s.finish_reason { FinishReason::Stop => "stop", FinishReason::Length => "length" },
         }));

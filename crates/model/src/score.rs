@@ -3,7 +3,7 @@
 use crate::logprobs;
 use crate::transformer::Transformer;
 use anyhow::{bail, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 /// Upper bound on the f32 logits one scoring batch materialises (rows × len × vocab).
 const MAX_LOGITS_PER_BATCH: usize = 64 << 20;
@@ -73,7 +73,9 @@ pub fn score_with_temperature(
         } else {
             logits
         };
-        let lp = logprobs::token_logprobs(&logits, &targets)?.to_vec2::<f32>()?;
+        let lp = logprobs::token_logprobs(&logits, &targets)?
+            .to_dtype(DType::F32)?
+            .to_vec2::<f32>()?;
         for (row, &i) in batch.iter().enumerate() {
             out[i] = lp[row][..seqs[i].len() - 1].to_vec();
         }

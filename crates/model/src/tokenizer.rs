@@ -69,9 +69,24 @@ impl Tokenizer {
             .map_err(|e| anyhow!("decoding token ids: {e}"))
     }
 
+    /// Display text of `ids` without special tokens, as transformers'
+    /// `decode(ids, skip_special_tokens=True)` (the CLI's `completion_text`).
+    pub fn decode_skip_special(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| anyhow!("decoding token ids: {e}"))
+    }
+
     /// Number of ids the tokenizer can produce (added tokens included).
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    /// Largest id the tokenizer can produce (added tokens included), or None when empty.
+    /// Ids need not be contiguous, so this, not [`Tokenizer::vocab_size`], bounds the
+    /// embedding rows a tokenizer needs.
+    pub fn max_token_id(&self) -> Option<u32> {
+        self.inner.get_vocab(true).into_values().max()
     }
 
     /// Id of a token string, if it is in the vocabulary.
@@ -328,4 +343,28 @@ fn pycompat_method(
         ErrorKind::UnknownMethod,
         format!("no method {method}"),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture_tokenizer() -> Tokenizer {
+        let shared = match std::env::var("COMPOSER_SHARED") {
+            Ok(p) if !p.is_empty() => std::path::PathBuf::from(p),
+            _ => std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared")),
+        };
+        Tokenizer::from_dir(&shared.join("fixtures/hf-tiny/qwen2-tiny")).expect("fixture")
+    }
+
+    #[test]
+    fn decode_skip_special_drops_special_tokens_only() {
+        let tok = fixture_tokenizer();
+        // 1 = `<|im_start|>`, 2 = `<|im_end|>` (special added tokens of the fixture).
+        let mut ids = vec![1];
+        ids.extend(tok.encode("def add").unwrap());
+        ids.push(2);
+        assert_eq!(tok.decode(&ids).unwrap(), "<|im_start|>def add<|im_end|>");
+        assert_eq!(tok.decode_skip_special(&ids).unwrap(), "def add");
+    }
 }

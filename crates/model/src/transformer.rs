@@ -794,13 +794,19 @@ impl Transformer {
         self.logits(&h)
     }
 
-    /// LM head on final hidden states `[.., hidden]` → f32 logits `[.., vocab]`.
+    /// LM head on final hidden states `[.., hidden]` → f32 logits `[.., vocab]` (f64 for an
+    /// f64 model, so finite-difference gradient checks keep their precision).
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let lin = Linear {
             weight: self.lm_head.clone(),
             bias: None,
         };
-        Ok(lin.forward(hidden)?.to_dtype(DType::F32)?)
+        let out_dtype = if self.dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        Ok(lin.forward(hidden)?.to_dtype(out_dtype)?)
     }
 
     /// Final hidden states `[B, T, hidden]` (after `model.norm`). `left_pad` is used when no
@@ -812,7 +818,9 @@ impl Transformer {
         mut cache: Option<&mut KvCache>,
         differentiable: bool,
     ) -> Result<Tensor> {
-        let path = if differentiable {
+        // candle-nn's fused kernels have no f64 CPU implementation; f64 models (gradient
+        // checks) use the differentiable compositions on every path.
+        let path = if differentiable || self.dtype == DType::F64 {
             OpPath::Differentiable
         } else {
             OpPath::Fused

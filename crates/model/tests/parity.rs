@@ -1,9 +1,12 @@
 //! Parity with transformers 5.23: each fixture's reference.json holds logits, next-token
 //! log-probs and greedy continuations computed by transformers (eager attention, float32,
 //! CPU) and a chat prompt rendered by `apply_chat_template`.
+//!
+//! Runs on `$COMPOSER_TEST_DEVICE` (default `cpu`; `cuda` with a `--features cuda` build),
+//! always in f32 with the same tolerances.
 
 mod common;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use common::*;
 use composer_model::*;
 
@@ -18,7 +21,8 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 fn check_fixture(name: &str, train_path: bool) {
     let dir = fixture(name);
     let reference = reference(name);
-    let policy = Policy::load(&dir, &Device::Cpu, DType::F32).expect("load");
+    let device = test_device();
+    let policy = Policy::load(&dir, &device, DType::F32).expect("load");
     let model = &policy.model;
     for (ci, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
         let ids = as_u32s(&case["input_ids"]);
@@ -30,7 +34,7 @@ fn check_fixture(name: &str, train_path: bool) {
             ids,
             "{name} case {ci}: tokenizer ids"
         );
-        let input = Tensor::new(ids.as_slice(), &Device::Cpu)
+        let input = Tensor::new(ids.as_slice(), &device)
             .unwrap()
             .unsqueeze(0)
             .unwrap();
@@ -107,9 +111,10 @@ fn parity_training_path() {
 #[test]
 fn parity_batched_left_padded() {
     // The three cases of a fixture in one left-padded batch give each case's logits.
+    let device = test_device();
     for name in FIXTURES {
         let reference = reference(name);
-        let model = Transformer::load(&fixture(name), &Device::Cpu, DType::F32).unwrap();
+        let model = Transformer::load(&fixture(name), &device, DType::F32).unwrap();
         let cases = reference["cases"].as_array().unwrap();
         let seqs: Vec<Vec<u32>> = cases.iter().map(|c| as_u32s(&c["input_ids"])).collect();
         let t = seqs.iter().map(Vec::len).max().unwrap();
@@ -120,7 +125,7 @@ fn parity_batched_left_padded() {
             ids.extend(std::iter::repeat_n(0u32, t - s.len()));
             ids.extend_from_slice(s);
         }
-        let input = Tensor::from_vec(ids, (seqs.len(), t), &Device::Cpu).unwrap();
+        let input = Tensor::from_vec(ids, (seqs.len(), t), &device).unwrap();
         for train in [false, true] {
             let logits = if train {
                 model.forward_train(&input, Some(&pads)).unwrap()

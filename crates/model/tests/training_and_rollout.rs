@@ -62,9 +62,11 @@ fn every_trainable_tensor_gets_a_nonzero_gradient() {
     }
 }
 
+/// The token-faithfulness test; runs on `$COMPOSER_TEST_DEVICE` (default `cpu`).
 #[test]
 fn scoring_reproduces_the_sampler_logprobs() {
-    let model = Transformer::load(&fixture("qwen2-tiny"), &Device::Cpu, DType::F32).unwrap();
+    let device = common::test_device();
+    let model = Transformer::load(&fixture("qwen2-tiny"), &device, DType::F32).unwrap();
     for temperature in [1.0, 0.7] {
         let req = GenerationRequest {
             prompt_ids: PROMPT.to_vec(),
@@ -165,7 +167,11 @@ fn save_and_load_round_trip_gives_identical_logits() {
 fn load_error(dir: &Path) -> String {
     match Transformer::load(dir, &Device::Cpu, DType::F32) {
         Ok(_) => panic!("loading {} should fail", dir.display()),
-        Err(e) => format!("{e:#}"),
+        Err(e) => {
+            let msg = format!("{e:#}");
+            eprintln!("error (as expected): {msg}");
+            msg
+        }
     }
 }
 
@@ -283,4 +289,226 @@ fn bf16_checkpoints_load_and_stay_close_to_f32() {
         .fold(0.0f32, f32::max);
     // bf16 keeps 8 mantissa bits: weights round by ≤ 2^-9 relative, logits by a few 1e-2 here.
     assert!(worst < 0.1, "bf16 round trip moved a logit by {worst}");
+}
+
+fn policy_load_error(dir: &Path) -> String {
+    match composer_model::Policy::load(dir, &Device::Cpu, DType::F32) {
+        Ok(_) => panic!("loading {} should fail", dir.display()),
+        Err(e) => {
+            let msg = format!("{e:#}");
+            eprintln!("error (as expected): {msg}");
+            msg
+        }
+    }
+}
+
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("config.json");
+    let mut value: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut value);
+    std::fs::write(&path, value.to_string()).unwrap();
+}
+
+#[test]
+fn tokenizer_larger_than_the_vocabulary_is_an_error_naming_both_files() {
+    // tokenizer.json has 384 tokens; a config claiming 300 rows would let the tokenizer
+    // produce ids with no embedding row.
+    let dir = common::copy_fixture("qwen2-tiny");
+    edit_config(dir.path(), |v| v["vocab_size"] = serde_json::json!(300));
+    let err = policy_load_error(dir.path());
+    for needle in ["tokenizer.json", "config.json", "vocab_size", "384", "300"] {
+        assert!(err.contains(needle), "missing `{needle}` in: {err}");
+    }
+}
+
+#[test]
+fn tokenizer_smaller_than_the_vocabulary_is_allowed() {
+    // Qwen checkpoints pad the embedding beyond the tokenizer (151936 rows, 151665 tokens).
+    let mut cfg = composer_model::ModelConfig::tiny_qwen2(512);
+    cfg.num_hidden_layers = 1;
+    let (model, _) = Transformer::random_init(&cfg, 3, &Device::Cpu).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    model.save_pretrained(dir.path()).unwrap();
+    std::fs::copy(
+        fixture("qwen2-tiny").join("tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    let policy = composer_model::Policy::load(dir.path(), &Device::Cpu, DType::F32).unwrap();
+    assert_eq!(policy.tokenizer.vocab_size(), 384);
+    assert_eq!(policy.model.cfg.vocab_size, 512);
+}
+
+#[test]
+fn missing_tensor_is_an_error_naming_it() {
+    let model = Transformer::load(&fixture("llama-tiny"), &Device::Cpu, DType::F32).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    model.save_pretrained(dir.path()).unwrap();
+    let kept: Vec<(String, Tensor)> = model
+        .named_tensors()
+        .into_iter()
+        .filter(|(n, _)| n != "model.layers.1.mlp.up_proj.weight")
+        .collect();
+    composer_model::checkpoint::save_dir(dir.path(), &kept, 1).unwrap();
+    let err = load_error(dir.path());
+    assert!(
+        err.contains("model.layers.1.mlp.up_proj.weight") && err.contains("missing"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unreadable_missing_or_corrupt_files_are_errors_naming_the_file() {
+    // config.json that cannot be read (a directory: root can read any file, so permission
+    // bits would not make it unreadable in CI).
+    let dir = common::copy_fixture("qwen2-tiny");
+    std::fs::remove_file(dir.path().join("config.json")).unwrap();
+    std::fs::create_dir(dir.path().join("config.json")).unwrap();
+    let err = load_error(dir.path());
+    assert!(err.contains("config.json"), "{err}");
+
+    // No weights at all.
+    let dir = common::copy_fixture("qwen2-tiny");
+    std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
+    let err = load_error(dir.path());
+    assert!(
+        err.contains("model.safetensors") && err.contains(&dir.path().display().to_string()),
+        "{err}"
+    );
+
+    // Truncated safetensors.
+    let dir = common::copy_fixture("qwen2-tiny");
+    std::fs::write(dir.path().join("model.safetensors"), b"\x10\x00\x00").unwrap();
+    let err = load_error(dir.path());
+    assert!(err.contains("model.safetensors"), "{err}");
+
+    // A sharded index naming a shard that is not there.
+    let dir = common::copy_fixture("qwen2-tiny");
+    let model = Transformer::load(dir.path(), &Device::Cpu, DType::F32).unwrap();
+    model.save_pretrained_sharded(dir.path(), 2).unwrap();
+    std::fs::remove_file(dir.path().join("model-00002-of-00002.safetensors")).unwrap();
+    let err = load_error(dir.path());
+    assert!(err.contains("model-00002-of-00002.safetensors"), "{err}");
+
+    // Malformed generation_config.json.
+    let dir = common::copy_fixture("qwen2-tiny");
+    std::fs::write(
+        dir.path().join("generation_config.json"),
+        "{\"eos_token_id\": ",
+    )
+    .unwrap();
+    let err = load_error(dir.path());
+    assert!(err.contains("generation_config.json"), "{err}");
+
+    // Missing and malformed tokenizer.json (the policy needs it; the bare model does not).
+    let dir = common::copy_fixture("qwen2-tiny");
+    std::fs::remove_file(dir.path().join("tokenizer.json")).unwrap();
+    let err = policy_load_error(dir.path());
+    assert!(err.contains("tokenizer.json"), "{err}");
+    std::fs::write(dir.path().join("tokenizer.json"), "{\"model\": 3").unwrap();
+    let err = policy_load_error(dir.path());
+    assert!(err.contains("tokenizer.json"), "{err}");
+
+    // Malformed tokenizer_config.json.
+    let dir = common::copy_fixture("qwen2-tiny");
+    std::fs::write(dir.path().join("tokenizer_config.json"), "[1,").unwrap();
+    let err = policy_load_error(dir.path());
+    assert!(err.contains("tokenizer_config.json"), "{err}");
+}
+
+#[test]
+fn bad_config_values_name_the_key() {
+    let dir = common::copy_fixture("qwen3-tiny");
+    edit_config(dir.path(), |v| v["hidden_size"] = serde_json::json!("64"));
+    let err = load_error(dir.path());
+    assert!(
+        err.contains("hidden_size") && err.contains("config.json"),
+        "{err}"
+    );
+
+    // transformers 5.x layout: the scaling type sits in `rope_parameters`.
+    let dir = common::copy_fixture("qwen3-tiny");
+    edit_config(
+        dir.path(),
+        |v| {
+            v["rope_parameters"] =
+                serde_json::json!({"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0})
+        },
+    );
+    let err = load_error(dir.path());
+    assert!(
+        err.contains("rope_parameters.rope_type") && err.contains("llama3"),
+        "{err}"
+    );
+
+    let dir = common::copy_fixture("qwen3-tiny");
+    edit_config(dir.path(), |v| {
+        v.as_object_mut().unwrap().remove("rope_parameters");
+    });
+    let err = load_error(dir.path());
+    assert!(err.contains("rope_theta"), "{err}");
+
+    let dir = common::copy_fixture("qwen3-tiny");
+    edit_config(dir.path(), |v| {
+        v.as_object_mut().unwrap().remove("model_type");
+    });
+    let err = load_error(dir.path());
+    assert!(err.contains("model_type"), "{err}");
+}
+
+#[test]
+fn sequences_longer_than_the_positions_are_errors_everywhere() {
+    let model = Transformer::load(&fixture("qwen3-tiny"), &Device::Cpu, DType::F32).unwrap();
+    let err = composer_model::score(&model, &[vec![5; 257]]).unwrap_err();
+    assert!(
+        format!("{err:#}").contains("max_position_embeddings"),
+        "{err:#}"
+    );
+    let ids = Tensor::new(&[[5u32; 257]], &Device::Cpu).unwrap();
+    let err = model.forward_train(&ids, None).unwrap_err();
+    assert!(
+        format!("{err:#}").contains("max_position_embeddings"),
+        "{err:#}"
+    );
+    // A prompt that fits but leaves no room for max_new_tokens stops at the limit instead.
+    let req = GenerationRequest {
+        prompt_ids: vec![5; 250],
+        num_samples: 1,
+        seed: 0,
+    };
+    let out = generate(&model, &[req], &params(1.0, 20)).unwrap();
+    assert!(out[0][0].completion_ids.len() <= 6, "{:?}", out[0][0]);
+    assert!(
+        matches!(
+            out[0][0].finish_reason,
+            composer_model::FinishReason::Length
+        ),
+        "{:?}",
+        out[0][0]
+    );
+}
+
+#[test]
+fn f64_models_score_and_sample_like_f32() {
+    // f64 is for gradient checks; scoring and sampling must still work and agree.
+    let f32_model = Transformer::load(&fixture("llama-tiny"), &Device::Cpu, DType::F32).unwrap();
+    let f64_model = Transformer::load(&fixture("llama-tiny"), &Device::Cpu, DType::F64).unwrap();
+    let seq = vec![PROMPT.to_vec()];
+    let a = composer_model::score(&f32_model, &seq).unwrap();
+    let b = composer_model::score(&f64_model, &seq).unwrap();
+    for (x, y) in a[0].iter().zip(&b[0]) {
+        assert!((x - y).abs() <= 1e-4, "f32 {x} vs f64 {y}");
+    }
+    let req = GenerationRequest {
+        prompt_ids: PROMPT.to_vec(),
+        num_samples: 1,
+        seed: 0,
+    };
+    let greedy = |m: &Transformer| {
+        generate(m, std::slice::from_ref(&req), &params(0.0, 8)).unwrap()[0][0]
+            .completion_ids
+            .clone()
+    };
+    assert_eq!(greedy(&f32_model), greedy(&f64_model));
 }

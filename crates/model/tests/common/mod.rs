@@ -3,6 +3,29 @@
 
 use std::path::PathBuf;
 
+use candle_core::Device;
+
+/// The device the parity and token-faithfulness tests run on: `$COMPOSER_TEST_DEVICE`
+/// (`cpu`, `cuda`, `cuda:N`; default `cpu`). `cuda` needs a test build with
+/// `--features cuda`; otherwise the tests fail loudly rather than silently use the CPU.
+pub fn test_device() -> Device {
+    let spec = std::env::var("COMPOSER_TEST_DEVICE").unwrap_or_default();
+    let spec = if spec.trim().is_empty() {
+        "cpu"
+    } else {
+        spec.trim()
+    };
+    match composer_model::device_from_str(spec) {
+        Ok(d) => {
+            if !d.is_cpu() {
+                eprintln!("COMPOSER_TEST_DEVICE={spec}: running on {d:?}");
+            }
+            d
+        }
+        Err(e) => panic!("COMPOSER_TEST_DEVICE={spec}: {e:#}"),
+    }
+}
+
 /// The shared fixtures root: `$COMPOSER_SHARED`, else `<workspace>/../shared`.
 pub fn shared_dir() -> PathBuf {
     match std::env::var("COMPOSER_SHARED") {

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""PyTorch eager side of `composer-rl bench model`: the same measurements with transformers.
+
+Run by hand on a GPU machine (not by CI), next to the Rust benchmark, on the same card:
+
+    python3 tools/bench_torch.py --device cuda --dtype bf16 --batch 1,16,64 --json
+
+Model: transformers' Qwen2ForCausalLM with the Qwen2.5-0.5B shape, random weights
+(initializer_range 0.02), attn_implementation="sdpa", eager mode (no torch.compile).
+
+- Training: tokens/s of forward + mean next-token NLL + backward, sequence length 512,
+  parameters in `--dtype` (a bf16 step, like composer-rl's bench in bf16), 1 warm-up, median of
+  `--train-iters` timed steps.
+- Decoding: tokens/s excluding prefill = batch·(N−1) / (t(N tokens) − t(1 token)), sampling at
+  temperature 1 with a KV cache (model.generate, min_new_tokens = max_new_tokens so no sample
+  stops early), prompt length 128, N = 64 — the same definition as crates/model/src/bench.rs.
+Timings synchronise the device before reading the clock.
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+
+def qwen2_5_0_5b_config():
+    return Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        pad_token_id=151643,
+    )
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bf16", choices=["f32", "bf16", "f16"])
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--train-seq-len", type=int, default=512)
+    ap.add_argument("--train-iters", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
+    torch.manual_seed(0)
+    cfg = qwen2_5_0_5b_config()
+    cfg._attn_implementation = "sdpa"
+    model = Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype)
+    vocab = cfg.vocab_size
+    rows = []
+    for b in [int(x) for x in args.batch.split(",")]:
+        train_tps = None
+        if not args.skip_train:
+            t = args.train_seq_len
+            ids = (torch.arange(b * t, device=device) * 7919 + 13) % vocab
+            ids = ids.view(b, t)
+            model.train()
+
+            def step():
+                logits = model(input_ids=ids).logits[:, :-1]
+                lp = torch.log_softmax(logits.float(), dim=-1)
+                nll = -lp.gather(-1, ids[:, 1:].unsqueeze(-1)).mean()
+                nll.backward()
+                model.zero_grad(set_to_none=True)
+
+            step()
+            sync(device)
+            times = []
+            for _ in range(args.train_iters):
+                t0 = time.perf_counter()
+                step()
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            train_tps = b * t / statistics.median(times)
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+        model.eval()
+        prompts = torch.tensor(
+            [[(i * 31 + j * 17) % vocab for j in range(args.prompt_len)] for i in range(b)],
+            device=device,
+        )
+        mask = torch.ones_like(prompts)
+
+        def gen(n):
+            with torch.no_grad():
+                model.generate(
+                    input_ids=prompts,
+                    attention_mask=mask,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_p=1.0,
+                    top_k=0,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    pad_token_id=cfg.pad_token_id,
+                )
+
+        gen(2)
+        sync(device)
+        t0 = time.perf_counter()
+        gen(1)
+        sync(device)
+        t_one = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        gen(args.decode_tokens)
+        sync(device)
+        t_n = time.perf_counter() - t0
+        decode_tps = b * (args.decode_tokens - 1) / max(t_n - t_one, 1e-9)
+        rows.append({"batch": b, "train_tokens_per_s": train_tps, "decode_tokens_per_s": decode_tps})
+    report = {
+        "framework": f"torch {torch.__version__} eager, sdpa",
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "device": str(device),
+        "dtype": args.dtype,
+        "rows": rows,
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"torch bench: {report['num_parameters']/1e6:.1f}M params on {device} ({args.dtype})")
+        for r in rows:
+            tr = "-" if r["train_tokens_per_s"] is None else f"{r['train_tokens_per_s']:.0f}"
+            print(f"{r['batch']:>6} {tr:>16} {r['decode_tokens_per_s']:>16.0f}")
+
+
+if __name__ == "__main__":
+    main()
