@@ -1,156 +1,25 @@
-//! DiLoCo communication benchmark (issue 7 §6): bytes moved per trained sample and wall time to
-//! reach a matched held-out loss, for H ∈ {1, 10, 50} with and without streaming, through a
-//! local folder store. Three replicas run as tasks of one multi-threaded runtime on the toy MLP
-//! (composer_diloco::toy), each with its own shard of every step's union batch.
+//! DiLoCo communication benchmark (issue 7 §6); see [`composer_diloco::bench`].
 //!
 //! `cargo run --release -p composer-diloco --example diloco_bench -- [--target 0.03] [--max-steps 3000]`
-//!
-//! Prints a markdown table. "bytes/sample" counts every object byte uploaded and downloaded by
-//! all replicas (pseudo-gradients, closed.json, global weights) divided by the samples trained
-//! by all replicas until the global weights first reach the target loss.
-
-use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::Result;
-use composer_diloco::toy::{self, Dataset};
-use composer_diloco::{open_store, Compression, DilocoConfig, DilocoReplica};
+use composer_diloco::bench::{run_benchmark, BenchOptions};
 
-const REPLICAS: usize = 3;
-const BATCH: usize = 8;
-const LR: f64 = 0.05;
-
-struct Setup {
-    name: &'static str,
-    h: usize,
-    fragments: usize,
-    delay: usize,
-    outer_lr: f64,
-    momentum: f64,
-    compression: Compression,
-}
-
-struct Outcome {
-    reached: bool,
-    steps: usize,
-    rounds: u64,
-    bytes: u64,
-    wall_s: f64,
-    loss: f32,
-}
-
-async fn run(setup: &Setup, target: f32, max_steps: usize) -> Result<Outcome> {
-    let dir = tempfile::tempdir()?;
-    let url = format!("file://{}", dir.path().display());
-    let data = Arc::new(Dataset::new(11, 4096, 512)?);
-    let start = Instant::now();
-    let mut tasks = Vec::new();
-    for id in 0..REPLICAS {
-        let mut c = DilocoConfig::new(setup.h, REPLICAS);
-        c.num_fragments = setup.fragments;
-        c.fragment_sync_delay = setup.delay;
-        c.outer_lr = setup.outer_lr;
-        c.outer_momentum = setup.momentum;
-        c.nesterov = setup.momentum > 0.0;
-        c.compression = setup.compression;
-        c.poll_interval_s = 0.0005;
-        let url = url.clone();
-        let data = data.clone();
-        tasks.push(tokio::spawn(async move {
-            let params = toy::init_params(11)?;
-            let (store, prefix) = open_store(&url).await?;
-            let mut r = DilocoReplica::join(store, prefix, &id.to_string(), c, &params).await?;
-            let mut reached_at = None;
-            let mut loss = f32::NAN;
-            let mut step = 0;
-            while step < max_steps {
-                let (x, y) = data.batch(step, id, REPLICAS, BATCH)?;
-                toy::sgd_step(&params, &x, &y, LR)?;
-                step += 1;
-                if r.after_inner_step(&params).await?.is_some() && id == 0 {
-                    // After a full cycle of fragments the vars equal the global weights (α = 0).
-                    if r.round() % setup_fragments(&r) == 0 {
-                        loss = toy::eval_loss(&params, &data)?;
-                        if loss <= target && reached_at.is_none() {
-                            reached_at = Some((step, r.round(), start.elapsed().as_secs_f64()));
-                        }
-                    }
-                }
-                // Stop all replicas at the same step: replica 0 decides via max_steps only, so
-                // every replica runs the same number of steps (rounds must stay matched).
-            }
-            anyhow::Ok((reached_at, loss, r.bytes_up_total() + r.bytes_down_total()))
-        }));
-    }
-    let mut bytes = 0;
-    let mut first = None;
-    let mut loss = f32::NAN;
-    for (i, t) in tasks.into_iter().enumerate() {
-        let (reached, l, b) = t.await??;
-        bytes += b;
-        if i == 0 {
-            first = reached;
-            loss = l;
-        }
-    }
-    let total_wall = start.elapsed().as_secs_f64();
-    let (steps, rounds, wall_s) = first.unwrap_or((max_steps, 0, total_wall));
-    // Bytes until the target: scale the run's total by the fraction of steps taken.
-    let bytes_to_target = (bytes as f64 * steps as f64 / max_steps as f64) as u64;
-    Ok(Outcome {
-        reached: first.is_some(),
-        steps,
-        rounds,
-        bytes: bytes_to_target,
-        wall_s,
-        loss,
-    })
-}
-
-fn setup_fragments(r: &DilocoReplica) -> u64 {
-    r.config().num_fragments as u64
-}
-
-fn arg(name: &str, default: f64) -> f64 {
+fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
     args.iter()
         .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+        .and_then(|i| args.get(i + 1).cloned())
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 3)]
-async fn main() -> Result<()> {
-    let target = arg("--target", 0.03) as f32;
-    let max_steps = arg("--max-steps", 3000.0) as usize;
-    let setups = [
-        Setup { name: "sync every step (H=1, outer SGD lr 1, μ 0 ≡ data parallel)", h: 1, fragments: 1, delay: 0, outer_lr: 1.0, momentum: 0.0, compression: Compression::F32 },
-        Setup { name: "DiLoCo H=1", h: 1, fragments: 1, delay: 0, outer_lr: 0.7, momentum: 0.9, compression: Compression::F32 },
-        Setup { name: "DiLoCo H=10", h: 10, fragments: 1, delay: 0, outer_lr: 0.7, momentum: 0.9, compression: Compression::F32 },
-        Setup { name: "DiLoCo H=50", h: 50, fragments: 1, delay: 0, outer_lr: 0.7, momentum: 0.9, compression: Compression::F32 },
-        Setup { name: "streaming H=10, F=2, τ=1", h: 10, fragments: 2, delay: 1, outer_lr: 0.7, momentum: 0.9, compression: Compression::F32 },
-        Setup { name: "streaming H=50, F=2, τ=5", h: 50, fragments: 2, delay: 5, outer_lr: 0.7, momentum: 0.9, compression: Compression::F32 },
-        Setup { name: "DiLoCo H=50, int8 deltas", h: 50, fragments: 1, delay: 0, outer_lr: 0.7, momentum: 0.9, compression: Compression::Int8 },
-    ];
-    println!("3 replicas × batch {BATCH}, inner SGD lr {LR}, toy MLP (161 params), local folder store; target held-out MSE ≤ {target}, at most {max_steps} inner steps\n");
-    println!("| config | reached | inner steps | rounds | samples | bytes moved | bytes/sample | wall s | final MSE |");
-    println!("|---|---|---|---|---|---|---|---|---|");
-    for s in &setups {
-        let o = run(s, target, max_steps).await?;
-        let samples = o.steps * REPLICAS * BATCH;
-        println!(
-            "| {} | {} | {} | {} | {} | {} | {:.1} | {:.2} | {:.4} |",
-            s.name,
-            if o.reached { "yes" } else { "no" },
-            o.steps,
-            o.rounds,
-            samples,
-            o.bytes,
-            o.bytes as f64 / samples as f64,
-            o.wall_s,
-            o.loss
-        );
+fn main() -> Result<()> {
+    let mut opts = BenchOptions::default();
+    if let Some(v) = arg("--target") {
+        opts.target = v.parse()?;
     }
+    if let Some(v) = arg("--max-steps") {
+        opts.max_steps = v.parse()?;
+    }
+    print!("{}", run_benchmark(&opts)?);
     Ok(())
 }

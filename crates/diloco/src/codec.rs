@@ -143,7 +143,8 @@ pub fn encode(
 pub fn decode(bytes: &[u8]) -> Result<Decoded> {
     let (_, header) =
         SafeTensors::read_metadata(bytes).map_err(|e| anyhow!("not a safetensors object: {e}"))?;
-    let st = SafeTensors::deserialize(bytes).map_err(|e| anyhow!("not a safetensors object: {e}"))?;
+    let st =
+        SafeTensors::deserialize(bytes).map_err(|e| anyhow!("not a safetensors object: {e}"))?;
     let metadata: BTreeMap<String, String> = header
         .metadata()
         .clone()
@@ -151,7 +152,10 @@ pub fn decode(bytes: &[u8]) -> Result<Decoded> {
         .into_iter()
         .collect();
     if metadata.get("format").map(String::as_str) != Some(FORMAT) {
-        bail!("metadata.format is {:?}, expected {FORMAT:?}", metadata.get("format"));
+        bail!(
+            "metadata.format is {:?}, expected {FORMAT:?}",
+            metadata.get("format")
+        );
     }
     let expected = metadata
         .get("sha256")
@@ -173,9 +177,10 @@ pub fn decode(bytes: &[u8]) -> Result<Decoded> {
         .iter()
         .filter_map(|e| {
             e.name.strip_prefix(SCALE_PREFIX).map(|n| {
-                let s = e.bytes.get(..4).map_or(f32::NAN, |b| {
-                    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
-                });
+                let s = e
+                    .bytes
+                    .get(..4)
+                    .map_or(f32::NAN, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
                 (n.to_string(), s)
             })
         })
@@ -203,7 +208,12 @@ pub fn decode(bytes: &[u8]) -> Result<Decoded> {
             other => bail!("tensor {}: unsupported dtype {other:?}", e.name),
         };
         if data.len() != numel {
-            bail!("tensor {}: {} values for shape {:?}", e.name, data.len(), e.shape);
+            bail!(
+                "tensor {}: {} values for shape {:?}",
+                e.name,
+                data.len(),
+                e.shape
+            );
         }
         if let Some(bad) = data.iter().position(|v| !v.is_finite()) {
             bail!("tensor {}: non-finite value at index {bad}", e.name);

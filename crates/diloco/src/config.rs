@@ -83,6 +83,10 @@ pub struct DilocoConfig {
     /// How often a waiting replica polls the store.
     #[serde(default = "default_poll_interval_s")]
     pub poll_interval_s: f64,
+    /// Store URL (`file:///dir`, `s3://bucket/prefix`, …; see [`crate::open_store`]);
+    /// `--diloco-store` overrides it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store: Option<String>,
 }
 
 fn default_outer_lr() -> f64 {
@@ -128,6 +132,7 @@ impl DilocoConfig {
             store_retries: default_store_retries(),
             store_backoff_s: default_store_backoff_s(),
             poll_interval_s: default_poll_interval_s(),
+            store: None,
         }
     }
 
@@ -144,7 +149,7 @@ impl DilocoConfig {
         if self.num_fragments == 0 {
             bail!("diloco.num_fragments must be ≥ 1");
         }
-        if self.inner_steps % self.num_fragments != 0 {
+        if !self.inner_steps.is_multiple_of(self.num_fragments) {
             bail!(
                 "diloco.inner_steps ({}) must be a multiple of diloco.num_fragments ({})",
                 self.inner_steps,

@@ -9,13 +9,16 @@
 //! weights back into the trainer's vars. The key layout and consistency argument are in the
 //! crate README.
 
+pub mod bench;
 pub mod codec;
 pub mod config;
 pub mod outer;
 pub mod replica;
 pub mod store;
 pub mod toy;
+pub mod trainer;
 
 pub use config::{Compression, DilocoConfig};
-pub use replica::{ClosedRound, DilocoReplica, FragmentId, Member, Phase, RoundReport};
+pub use replica::{ClosedRound, DilocoReplica, FragmentId, Member, Phase, Rejected, RoundReport};
 pub use store::{open_store, Keys, RetryingStore};
+pub use trainer::{run_replica, split_recipe, ReplicaOptions, ReplicaOutcome};

@@ -10,13 +10,23 @@ pub fn pseudo_gradient(global: &[f32], local: &[f32]) -> Vec<f32> {
     global.iter().zip(local).map(|(g, l)| g - l).collect()
 }
 
+/// Δ = θ_global − θ_local in f64. The difference of two f32 values is exact in f64 unless
+/// their exponents are more than 29 apart, so θ_global − Δ gives back θ_local bit for bit.
+pub fn pseudo_gradient_f64(global: &[f32], local: &[f32]) -> Vec<f64> {
+    global
+        .iter()
+        .zip(local)
+        .map(|(g, l)| *g as f64 - *l as f64)
+        .collect()
+}
+
 /// Mean of the replicas' pseudo-gradients, accumulated in f64 in the order given (callers pass
 /// replicas sorted by id so every replica sums in the same order).
-pub fn average(deltas: &[&[f32]]) -> Vec<f32> {
+pub fn average(deltas: &[&[f64]]) -> Vec<f64> {
     let n = deltas.len().max(1) as f64;
     let len = deltas.first().map_or(0, |d| d.len());
     (0..len)
-        .map(|i| (deltas.iter().map(|d| d[i] as f64).sum::<f64>() / n) as f32)
+        .map(|i| deltas.iter().map(|d| d[i]).sum::<f64>() / n)
         .collect()
 }
 
@@ -30,26 +40,27 @@ pub fn average(deltas: &[&[f32]]) -> Vec<f32> {
 /// ```
 ///
 /// With μ = 0 the momentum buffer is left untouched (torch keeps no buffer then either).
+/// Computed in f64 and rounded once to f32 (weights and buffer are stored in f32): with lr = 1,
+/// μ = 0 and an exact f64 Δ, θ − Δ is exactly θ_local, so the step returns θ_local bit for bit.
 pub fn sgd_step(
     param: &mut [f32],
     momentum_buf: &mut [f32],
-    grad: &[f32],
+    grad: &[f64],
     lr: f64,
     momentum: f64,
     nesterov: bool,
 ) {
-    let lr = lr as f32;
-    let mu = momentum as f32;
     if momentum == 0.0 {
         for (p, g) in param.iter_mut().zip(grad) {
-            *p -= lr * g;
+            *p = (*p as f64 - lr * g) as f32;
         }
         return;
     }
     for ((p, b), g) in param.iter_mut().zip(momentum_buf.iter_mut()).zip(grad) {
-        *b = mu * *b + g;
-        let step = if nesterov { g + mu * *b } else { *b };
-        *p -= lr * step;
+        let buf = momentum * *b as f64 + g;
+        let step = if nesterov { g + momentum * buf } else { buf };
+        *b = buf as f32;
+        *p = (*p as f64 - lr * step) as f32;
     }
 }
 

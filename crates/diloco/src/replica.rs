@@ -17,6 +17,11 @@ use crate::config::{Compression, DilocoConfig};
 use crate::outer;
 use crate::store::{Keys, RetryingStore};
 
+/// `payload` metadata of a delta object holding θ_local (lossless f32 codec).
+const PAYLOAD_LOCAL: &str = "local-weights";
+/// `payload` metadata of a delta object holding Δ = θ_global − θ_local (bf16 / int8 codecs).
+const PAYLOAD_DELTA: &str = "pseudo-gradient";
+
 /// Index of a model fragment (0..num_fragments).
 pub type FragmentId = usize;
 
@@ -72,6 +77,20 @@ pub struct ClosedRound {
     pub reason: String,
     /// The pseudo-gradients every replica averages, sorted by replica id.
     pub members: Vec<Member>,
+    /// Objects under the round's delta folder that the closer rejected (corrupt, truncated,
+    /// foreign or misnamed), with the reason; never averaged. Every replica reports them.
+    #[serde(default)]
+    pub rejected: Vec<Rejected>,
+}
+
+/// A delta object rejected when a round closed.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Rejected {
+    /// Object key.
+    pub key: String,
+    /// Why it was rejected (decode or metadata error).
+    pub reason: String,
 }
 
 /// One averaged pseudo-gradient object, pinned by length and checksum.
@@ -88,11 +107,33 @@ pub struct Member {
     pub sha256: String,
 }
 
+/// A decoded delta object: θ_local (lossless f32 codec) or Δ itself (lossy codecs).
+struct DeltaPayload {
+    local_weights: bool,
+    tensors: Vec<FlatTensor>,
+}
+
+impl DeltaPayload {
+    fn from_decoded(d: Decoded) -> Result<Self> {
+        let local_weights = match d.metadata.get("payload").map(String::as_str) {
+            Some(PAYLOAD_LOCAL) => true,
+            Some(PAYLOAD_DELTA) => false,
+            other => {
+                bail!("metadata.payload {other:?}: expected {PAYLOAD_LOCAL:?} or {PAYLOAD_DELTA:?}")
+            }
+        };
+        Ok(Self {
+            local_weights,
+            tensors: d.tensors,
+        })
+    }
+}
+
 struct Pending {
     round: u64,
     fragment: FragmentId,
     /// Own decoded delta (what everyone else will read), with its sha and size, if published.
-    own: Option<(Vec<FlatTensor>, String, u64)>,
+    own: Option<(DeltaPayload, String, u64)>,
     upload: Option<JoinHandle<Result<bool>>>,
     bytes_up: u64,
     sync_s: f64,
@@ -324,7 +365,10 @@ impl DilocoReplica {
     /// Call after every inner optimizer step: counts the step and publishes / applies when the
     /// schedule says so. Returns the report when a round was applied (vars then hold the new
     /// weights).
-    pub async fn after_inner_step(&mut self, vars: &[(String, Var)]) -> Result<Option<RoundReport>> {
+    pub async fn after_inner_step(
+        &mut self,
+        vars: &[(String, Var)],
+    ) -> Result<Option<RoundReport>> {
         self.local_step += 1;
         match self.phase_after(self.local_step) {
             Phase::Train => Ok(None),
@@ -347,7 +391,11 @@ impl DilocoReplica {
         let start = Instant::now();
         let round = self.round;
         let fragment = self.fragment_of(round);
-        if self.store.exists(&self.keys.closed(round, fragment)).await? {
+        if self
+            .store
+            .exists(&self.keys.closed(round, fragment))
+            .await?
+        {
             let before = self.round;
             self.catch_up().await?;
             let caught_up = self.round != before;
@@ -375,17 +423,31 @@ impl DilocoReplica {
             });
             return Ok(());
         }
+        // Lossless f32: the object carries θ_local (same size as Δ in f32) and every reader
+        // forms Δ = θ_global − θ_local exactly in f64 from the bit-identical θ_global, so no
+        // f32 rounding of Δ enters the outer step. Lossy codecs carry Δ itself, whose small
+        // values quantise far better than weights.
+        let payload = match self.config.compression {
+            Compression::F32 => PAYLOAD_LOCAL,
+            _ => PAYLOAD_DELTA,
+        };
         let mut deltas = Vec::new();
         for name in &self.fragments[fragment] {
             let local = var_to_vec(find_var(vars, name)?)?;
+            let data = if payload == PAYLOAD_LOCAL {
+                local
+            } else {
+                outer::pseudo_gradient(&self.global[name], &local)
+            };
             deltas.push(FlatTensor {
                 name: name.clone(),
                 shape: self.shapes[name].clone(),
-                data: outer::pseudo_gradient(&self.global[name], &local),
+                data,
             });
         }
         let mut meta = BTreeMap::new();
         meta.insert("kind".into(), "delta".into());
+        meta.insert("payload".into(), payload.into());
         meta.insert("round".into(), round.to_string());
         meta.insert("fragment".into(), fragment.to_string());
         meta.insert("replica".into(), self.replica_id.clone());
@@ -400,7 +462,7 @@ impl DilocoReplica {
         self.pending = Some(Pending {
             round,
             fragment,
-            own: Some((decoded.tensors, sha, len)),
+            own: Some((DeltaPayload::from_decoded(decoded)?, sha, len)),
             upload: Some(upload),
             bytes_up: len,
             sync_s: start.elapsed().as_secs_f64(),
@@ -430,13 +492,18 @@ impl DilocoReplica {
             });
         }
         let (round, fragment) = (pending.round, pending.fragment);
-        let own_key = self.keys.delta(round, fragment, &self.replica_id).to_string();
+        let own_key = self
+            .keys
+            .delta(round, fragment, &self.replica_id)
+            .to_string();
         let mut own_created = false;
         if let Some(upload) = pending.upload.take() {
             own_created = upload
                 .await
                 .map_err(|e| anyhow!("diloco: upload task failed: {e}"))?
-                .with_context(|| format!("diloco replica {}: publishing {own_key}", self.replica_id))?;
+                .with_context(|| {
+                    format!("diloco replica {}: publishing {own_key}", self.replica_id)
+                })?;
             if !own_created {
                 tracing::warn!("diloco: {own_key} already existed (earlier run of this replica?); using the stored one");
                 pending.bytes_up = 0;
@@ -448,8 +515,8 @@ impl DilocoReplica {
 
         // Deltas seen so far: replica id -> (key, size, sha, tensors).
         let mut valid: BTreeMap<String, Member> = BTreeMap::new();
-        let mut tensors: HashMap<String, Vec<FlatTensor>> = HashMap::new();
-        let mut rejected: BTreeSet<String> = BTreeSet::new();
+        let mut tensors: HashMap<String, DeltaPayload> = HashMap::new();
+        let mut rejected: BTreeMap<String, String> = BTreeMap::new();
         if let (true, Some((t, sha, len))) = (own_created, pending.own.take()) {
             valid.insert(
                 self.replica_id.clone(),
@@ -471,10 +538,13 @@ impl DilocoReplica {
                 break serde_json::from_slice(&b)
                     .with_context(|| format!("diloco: parsing {closed_key}"))?;
             }
-            let listing = self.store.list(&self.keys.delta_dir(round, fragment)).await?;
+            let listing = self
+                .store
+                .list(&self.keys.delta_dir(round, fragment))
+                .await?;
             for obj in listing {
                 let key = obj.location.to_string();
-                if tensors.contains_key(&key) || rejected.contains(&key) {
+                if tensors.contains_key(&key) || rejected.contains_key(&key) {
                     continue;
                 }
                 let Some(b) = self.store.get(&obj.location).await? else {
@@ -484,8 +554,10 @@ impl DilocoReplica {
                 match self.check_delta(&b, round, fragment) {
                     Ok((replica, d)) => {
                         if key != self.keys.delta(round, fragment, &replica).to_string() {
-                            tracing::warn!("diloco: rejecting {key}: metadata.replica {replica:?} does not match the key");
-                            rejected.insert(key);
+                            let reason =
+                                format!("metadata.replica {replica:?} does not match the key");
+                            tracing::warn!("diloco: rejecting pseudo-gradient {key}: {reason}");
+                            rejected.insert(key, reason);
                             continue;
                         }
                         let sha = d.metadata["sha256"].clone();
@@ -498,11 +570,11 @@ impl DilocoReplica {
                                 sha256: sha,
                             },
                         );
-                        tensors.insert(key, d.tensors);
+                        tensors.insert(key, DeltaPayload::from_decoded(d)?);
                     }
                     Err(e) => {
                         tracing::warn!("diloco: rejecting corrupt pseudo-gradient {key}: {e:#}");
-                        rejected.insert(key);
+                        rejected.insert(key, format!("{e:#}"));
                     }
                 }
             }
@@ -521,6 +593,13 @@ impl DilocoReplica {
                     closed_by: self.replica_id.clone(),
                     reason: reason.into(),
                     members: valid.values().cloned().collect(),
+                    rejected: rejected
+                        .iter()
+                        .map(|(key, reason)| Rejected {
+                            key: key.clone(),
+                            reason: reason.clone(),
+                        })
+                        .collect(),
                 };
                 let body = Bytes::from(serde_json::to_vec_pretty(&c)?);
                 let len = body.len() as u64;
@@ -547,38 +626,57 @@ impl DilocoReplica {
         }
 
         // Gather exactly the listed set, verified against the pinned checksums.
-        let mut member_deltas: Vec<Vec<FlatTensor>> = Vec::new();
+        let mut member_deltas: Vec<DeltaPayload> = Vec::new();
         for m in &closed.members {
             let have = valid.get(&m.replica).map(|v| v.sha256 == m.sha256) == Some(true)
                 && tensors.contains_key(&m.key);
             if !have {
-                let key = Path::parse(&m.key).with_context(|| format!("diloco: member key {:?} in {closed_key}", m.key))?;
-                let b = self
-                    .store
-                    .get(&key)
-                    .await?
-                    .ok_or_else(|| anyhow!("diloco: {} listed in {closed_key} is missing", m.key))?;
+                let key = Path::parse(&m.key)
+                    .with_context(|| format!("diloco: member key {:?} in {closed_key}", m.key))?;
+                let b = self.store.get(&key).await?.ok_or_else(|| {
+                    anyhow!("diloco: {} listed in {closed_key} is missing", m.key)
+                })?;
                 bytes_down += b.len() as u64;
-                let (_, d) = self
-                    .check_delta(&b, round, fragment)
-                    .with_context(|| format!("diloco: pseudo-gradient {} listed in {closed_key}", m.key))?;
+                let (_, d) = self.check_delta(&b, round, fragment).with_context(|| {
+                    format!("diloco: pseudo-gradient {} listed in {closed_key}", m.key)
+                })?;
                 if d.metadata["sha256"] != m.sha256 || b.len() as u64 != m.bytes {
-                    bail!("diloco: {} does not match the checksum/length pinned in {closed_key}", m.key);
+                    bail!(
+                        "diloco: {} does not match the checksum/length pinned in {closed_key}",
+                        m.key
+                    );
                 }
-                tensors.insert(m.key.clone(), d.tensors);
+                tensors.insert(m.key.clone(), DeltaPayload::from_decoded(d)?);
             }
-            member_deltas.push(tensors.remove(&m.key).unwrap_or_default());
+            member_deltas.push(
+                tensors
+                    .remove(&m.key)
+                    .ok_or_else(|| anyhow!("diloco: {} listed twice in {closed_key}", m.key))?,
+            );
         }
+        // Δ in f64 per member and tensor (see `publish` for the two payloads).
+        let member_deltas: Vec<Vec<Vec<f64>>> = member_deltas
+            .iter()
+            .map(|d| {
+                d.tensors
+                    .iter()
+                    .map(|t| {
+                        if d.local_weights {
+                            outer::pseudo_gradient_f64(&self.global[&t.name], &t.data)
+                        } else {
+                            t.data.iter().map(|x| *x as f64).collect()
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
 
         // Outer step on the fragment.
         let names = self.fragments[fragment].clone();
         let mut new_global: Vec<FlatTensor> = Vec::new();
         let mut new_momentum: Vec<FlatTensor> = Vec::new();
         for (i, name) in names.iter().enumerate() {
-            let per_replica: Vec<&[f32]> = member_deltas
-                .iter()
-                .map(|d| d[i].data.as_slice())
-                .collect();
+            let per_replica: Vec<&[f64]> = member_deltas.iter().map(|d| d[i].as_slice()).collect();
             let avg = outer::average(&per_replica);
             let mut p = self.global[name].clone();
             let mut buf = self.momentum[name].clone();
@@ -645,7 +743,11 @@ impl DilocoReplica {
             replicas_in_quorum: members.len(),
             own_delta_used: members.contains(&self.replica_id) && own_created,
             members,
-            rejected_keys: rejected.into_iter().collect(),
+            rejected_keys: {
+                let mut keys: BTreeSet<String> = rejected.into_keys().collect();
+                keys.extend(closed.rejected.iter().map(|r| r.key.clone()));
+                keys.into_iter().collect()
+            },
             bytes_up,
             bytes_down,
             outer_sync_s: pending.sync_s + start.elapsed().as_secs_f64(),
@@ -680,7 +782,12 @@ impl DilocoReplica {
     }
 
     /// Decodes a delta and checks its metadata and tensors against this round's fragment.
-    fn check_delta(&self, bytes: &[u8], round: u64, fragment: FragmentId) -> Result<(String, Decoded)> {
+    fn check_delta(
+        &self,
+        bytes: &[u8],
+        round: u64,
+        fragment: FragmentId,
+    ) -> Result<(String, Decoded)> {
         let d = decode(bytes)?;
         let m = &d.metadata;
         if m.get("kind").map(String::as_str) != Some("delta")
@@ -693,33 +800,61 @@ impl DilocoReplica {
             .get("replica")
             .cloned()
             .ok_or_else(|| anyhow!("metadata.replica missing"))?;
+        match m.get("payload").map(String::as_str) {
+            Some(PAYLOAD_LOCAL) | Some(PAYLOAD_DELTA) => {}
+            other => bail!(
+                "metadata.payload {other:?} is neither {PAYLOAD_LOCAL:?} nor {PAYLOAD_DELTA:?}"
+            ),
+        }
         let expected = &self.fragments[fragment];
         if d.tensors.len() != expected.len()
-            || d.tensors.iter().zip(expected).any(|(t, n)| &t.name != n || t.shape != self.shapes[n])
+            || d.tensors
+                .iter()
+                .zip(expected)
+                .any(|(t, n)| &t.name != n || t.shape != self.shapes[n])
         {
-            bail!("tensor names/shapes do not match fragment {fragment} ({} tensors, expected {:?})", d.tensors.len(), expected);
+            bail!(
+                "tensor names/shapes do not match fragment {fragment} ({} tensors, expected {:?})",
+                d.tensors.len(),
+                expected
+            );
         }
         Ok((replica, d))
     }
 
     /// Checks a global/init object's parameter names and shapes (all params, or one fragment).
-    fn check_names(&self, tensors: &[FlatTensor], key: &Path, fragment: Option<FragmentId>) -> Result<()> {
+    fn check_names(
+        &self,
+        tensors: &[FlatTensor],
+        key: &Path,
+        fragment: Option<FragmentId>,
+    ) -> Result<()> {
         let expected: Vec<&String> = match fragment {
             Some(f) => self.fragments[f].iter().collect(),
             None => self.shapes.keys().collect(),
         };
-        let params: Vec<&FlatTensor> = tensors.iter().filter(|t| !t.name.starts_with("momentum/")).collect();
+        let params: Vec<&FlatTensor> = tensors
+            .iter()
+            .filter(|t| !t.name.starts_with("momentum/"))
+            .collect();
         for name in &expected {
-            let t = params
-                .iter()
-                .find(|t| &&t.name == name)
-                .ok_or_else(|| anyhow!("diloco: {key} lacks parameter {name:?} (different model?)"))?;
+            let t = params.iter().find(|t| &&t.name == name).ok_or_else(|| {
+                anyhow!("diloco: {key} lacks parameter {name:?} (different model?)")
+            })?;
             if t.shape != self.shapes[*name] {
-                bail!("diloco: {key}: parameter {name:?} has shape {:?}, this model {:?}", t.shape, self.shapes[*name]);
+                bail!(
+                    "diloco: {key}: parameter {name:?} has shape {:?}, this model {:?}",
+                    t.shape,
+                    self.shapes[*name]
+                );
             }
         }
         if params.len() != expected.len() {
-            bail!("diloco: {key} has {} parameters, this model {}", params.len(), expected.len());
+            bail!(
+                "diloco: {key} has {} parameters, this model {}",
+                params.len(),
+                expected.len()
+            );
         }
         Ok(())
     }
@@ -764,13 +899,21 @@ impl DilocoReplica {
     }
 
     /// Writes the current global weights into `vars` (all fragments, or one).
-    pub fn write_global_into(&self, vars: &[(String, Var)], fragment: Option<FragmentId>) -> Result<()> {
+    pub fn write_global_into(
+        &self,
+        vars: &[(String, Var)],
+        fragment: Option<FragmentId>,
+    ) -> Result<()> {
         let names: Vec<&String> = match fragment {
             Some(f) => self.fragments[f].iter().collect(),
             None => self.shapes.keys().collect(),
         };
         for name in names {
-            set_var(find_var(vars, name)?, self.global[name].clone(), &self.shapes[name])?;
+            set_var(
+                find_var(vars, name)?,
+                self.global[name].clone(),
+                &self.shapes[name],
+            )?;
         }
         Ok(())
     }
@@ -805,7 +948,11 @@ impl DilocoReplica {
     /// Restores the outer state saved by [`save_state`](Self::save_state), then adopts any newer
     /// rounds from the store (writing them into `vars`). Local weights in `vars` are otherwise
     /// left as the trainer's checkpoint has them.
-    pub async fn load_state(&mut self, path: &std::path::Path, vars: &[(String, Var)]) -> Result<()> {
+    pub async fn load_state(
+        &mut self,
+        path: &std::path::Path,
+        vars: &[(String, Var)],
+    ) -> Result<()> {
         let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
         let d = decode(&bytes).with_context(|| format!("diloco state {}", path.display()))?;
         let round: u64 = d
@@ -821,17 +968,31 @@ impl DilocoReplica {
             } else if let Some(n) = t.name.strip_prefix("momentum/") {
                 (&mut momentum, n.to_string())
             } else {
-                bail!("diloco state {}: unexpected tensor {:?}", path.display(), t.name);
+                bail!(
+                    "diloco state {}: unexpected tensor {:?}",
+                    path.display(),
+                    t.name
+                );
             };
             match self.shapes.get(&name) {
                 Some(s) if *s == t.shape => {
                     map.insert(name, t.data);
                 }
-                _ => bail!("diloco state {}: tensor {name:?} {:?} does not match this model", path.display(), t.shape),
+                _ => bail!(
+                    "diloco state {}: tensor {name:?} {:?} does not match this model",
+                    path.display(),
+                    t.shape
+                ),
             }
         }
         if global.len() != self.shapes.len() || momentum.len() != self.shapes.len() {
-            bail!("diloco state {}: {} global / {} momentum tensors for {} parameters", path.display(), global.len(), momentum.len(), self.shapes.len());
+            bail!(
+                "diloco state {}: {} global / {} momentum tensors for {} parameters",
+                path.display(),
+                global.len(),
+                momentum.len(),
+                self.shapes.len()
+            );
         }
         self.global = global;
         self.momentum = momentum;

@@ -33,8 +33,8 @@ pub async fn open_store(url: &str) -> Result<(Arc<dyn ObjectStore>, Path)> {
         }
         Err(e) => bail!("diloco store URL {url:?}: {e}"),
     };
-    let (scheme, path) = ObjectStoreScheme::parse(&parsed)
-        .map_err(|e| anyhow!("diloco store URL {url:?}: {e}"))?;
+    let (scheme, path) =
+        ObjectStoreScheme::parse(&parsed).map_err(|e| anyhow!("diloco store URL {url:?}: {e}"))?;
     let prefix = Path::parse(path).map_err(|e| anyhow!("diloco store URL {url:?}: {e}"))?;
     match scheme {
         ObjectStoreScheme::Local => {
@@ -254,7 +254,9 @@ impl RetryingStore {
     /// Names of the immediate sub-folders of `prefix`.
     pub async fn list_dirs(&self, prefix: &Path) -> Result<Vec<String>> {
         let r = self
-            .retry("list", prefix, || self.inner.list_with_delimiter(Some(prefix)))
+            .retry("list", prefix, || {
+                self.inner.list_with_delimiter(Some(prefix))
+            })
             .await;
         match r {
             Ok(l) => Ok(l

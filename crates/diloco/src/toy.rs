@@ -99,7 +99,13 @@ impl Dataset {
     /// The minibatch of `replica` (of `replicas`) at global inner step `step`: the step's union
     /// batch is `replicas × batch` consecutive samples (cycling), replica k takes slice k — so one
     /// process with batch `replicas × batch` sees exactly the same samples.
-    pub fn batch(&self, step: usize, replica: usize, replicas: usize, batch: usize) -> Result<(Tensor, Tensor)> {
+    pub fn batch(
+        &self,
+        step: usize,
+        replica: usize,
+        replicas: usize,
+        batch: usize,
+    ) -> Result<(Tensor, Tensor)> {
         let start = step * replicas * batch + replica * batch;
         let mut x = Vec::with_capacity(batch * IN);
         let mut y = Vec::with_capacity(batch);
@@ -120,9 +126,18 @@ pub fn init_params(seed: u64) -> Result<Vec<(String, Var)>> {
     let mut rng = Rng::new(seed.wrapping_mul(31).wrapping_add(7));
     let d = &Device::Cpu;
     Ok(vec![
-        ("l1.weight".into(), Var::from_vec(rng.normals(HIDDEN * IN, 0.35), (HIDDEN, IN), d)?),
-        ("l1.bias".into(), Var::from_vec(vec![0f32; HIDDEN], HIDDEN, d)?),
-        ("l2.weight".into(), Var::from_vec(rng.normals(HIDDEN, 0.25), (1, HIDDEN), d)?),
+        (
+            "l1.weight".into(),
+            Var::from_vec(rng.normals(HIDDEN * IN, 0.35), (HIDDEN, IN), d)?,
+        ),
+        (
+            "l1.bias".into(),
+            Var::from_vec(vec![0f32; HIDDEN], HIDDEN, d)?,
+        ),
+        (
+            "l2.weight".into(),
+            Var::from_vec(rng.normals(HIDDEN, 0.25), (1, HIDDEN), d)?,
+        ),
         ("l2.bias".into(), Var::from_vec(vec![0f32; 1], 1, d)?),
     ])
 }

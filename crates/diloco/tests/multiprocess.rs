@@ -12,8 +12,24 @@ const BIN: &str = env!("CARGO_BIN_EXE_diloco-replica");
 
 /// Common arguments: 3 replicas × 20 rounds × H = 5 inner SGD steps of batch 8.
 const RUN: &[&str] = &[
-    "--replicas", "3", "--rounds", "20", "--inner-steps", "5", "--batch", "8", "--lr", "0.05",
-    "--outer-lr", "0.7", "--outer-momentum", "0.9", "--poll-s", "0.01", "--seed", "11",
+    "--replicas",
+    "3",
+    "--rounds",
+    "20",
+    "--inner-steps",
+    "5",
+    "--batch",
+    "8",
+    "--lr",
+    "0.05",
+    "--outer-lr",
+    "0.7",
+    "--outer-momentum",
+    "0.9",
+    "--poll-s",
+    "0.01",
+    "--seed",
+    "11",
 ];
 
 fn s3_env(cmd: &mut Command, endpoint: &str) {
@@ -24,17 +40,22 @@ fn s3_env(cmd: &mut Command, endpoint: &str) {
         .env("AWS_SECRET_ACCESS_KEY", "test");
 }
 
+/// The S3 test server: `S3_ENDPOINT`, else `AWS_ENDPOINT`. Unset: fails under CI, else SKIPPED.
 fn s3_endpoint() -> Option<String> {
-    match std::env::var("S3_ENDPOINT") {
-        Ok(v) if !v.is_empty() => Some(v),
-        _ => {
-            if std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false") {
-                panic!("S3_ENDPOINT is not set but CI is: start ../shared/s3/start-server.sh");
-            }
-            eprintln!("SKIPPED: S3_ENDPOINT not set (start /work/shared/s3/start-server.sh)");
-            None
+    let endpoint = ["S3_ENDPOINT", "AWS_ENDPOINT"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()));
+    if endpoint.is_none() {
+        if std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false") {
+            panic!(
+                "S3_ENDPOINT / AWS_ENDPOINT not set but CI is: start ../shared/s3/start-server.sh"
+            );
         }
+        eprintln!(
+            "SKIPPED: S3_ENDPOINT / AWS_ENDPOINT not set (start /work/shared/s3/start-server.sh)"
+        );
     }
+    endpoint
 }
 
 /// A spawned replica whose stdout lines arrive on a channel.
@@ -64,7 +85,11 @@ fn spawn(store: &str, id: usize, extra: &[&str], s3: Option<&str>) -> Proc {
             }
         }
     });
-    Proc { child, lines, seen: vec![] }
+    Proc {
+        child,
+        lines,
+        seen: vec![],
+    }
 }
 
 impl Proc {
@@ -73,7 +98,10 @@ impl Proc {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let line = self.lines.recv_timeout(left).unwrap_or_else(|_| panic!("no {prefix:?} line; saw {:?}", self.seen));
+            let line = self
+                .lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("no {prefix:?} line; saw {:?}", self.seen));
             self.seen.push(line.clone());
             if line.starts_with(prefix) {
                 return line;
@@ -91,32 +119,61 @@ impl Proc {
             .filter_map(|l| l.strip_prefix("ROUND "))
             .map(|j| serde_json::from_str(j).unwrap())
             .collect();
-        (serde_json::from_str(&fin["FINAL ".len()..]).unwrap(), rounds)
+        (
+            serde_json::from_str(&fin["FINAL ".len()..]).unwrap(),
+            rounds,
+        )
     }
 }
 
-fn single_process_loss() -> f64 {
-    let out = Command::new(BIN).args(RUN).arg("--single").output().unwrap();
-    assert!(out.status.success());
+fn single_process_loss(data_offset: usize) -> f64 {
+    let out = Command::new(BIN)
+        .args(RUN)
+        .args(["--single", "--data-offset", &data_offset.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let s = String::from_utf8(out.stdout).unwrap();
     let line = s.lines().find_map(|l| l.strip_prefix("FINAL ")).unwrap();
-    serde_json::from_str::<Value>(line).unwrap()["eval_loss"].as_f64().unwrap()
+    serde_json::from_str::<Value>(line).unwrap()["eval_loss"]
+        .as_f64()
+        .unwrap()
 }
 
-/// Tolerance: DiLoCo (H = 5, Nesterov outer step) is not the same optimiser as one process doing
-/// large-batch SGD on the union batches, so losses agree only "within noise": we accept a final
-/// held-out MSE within ±35 % of the single process's (the label noise floor is 0.0025 and the
-/// single process ends near 0.05; run-to-run spread across seeds is of the same order).
+/// The reference is `diloco-replica --single`: the same DiLoCo run (same outer Nesterov SGD,
+/// H = 5, 20 rounds, 100 inner steps) as one replica whose every inner step trains on the union
+/// of the three replicas' minibatches — exactly the same 2400 samples in the same steps. (The
+/// first version compared against plain SGD without the outer optimizer, which is a different
+/// optimiser, hence 0.104 vs 0.168.)
+///
+/// "Within noise" is measured, not guessed: the noise is the spread of the single process's
+/// final loss when only the order of the training samples changes (`--data-offset`, same data
+/// set, init and schedule). Measured by hand for seed 11 over 12 offsets: mean 0.1036, σ 0.0065;
+/// 3-process vs single for seeds 11–18: 0.1041/0.0992, 0.1715/0.1684, 0.1117/0.1075,
+/// 0.1526/0.1530, 0.1629/0.1609, 0.0381/0.0380, 0.1307/0.1297, 0.0568/0.0568 (≤ 0.75 σ).
+/// The test re-measures σ over 8 offsets and accepts |multi − single| ≤ 3σ.
 fn assert_matches_single(finals: &[Value]) {
-    let single = single_process_loss();
+    let single = single_process_loss(0);
+    let noise: Vec<f64> = (0..8).map(|k| single_process_loss(1000 * k)).collect();
+    let mean = noise.iter().sum::<f64>() / noise.len() as f64;
+    let sigma =
+        (noise.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (noise.len() - 1) as f64).sqrt();
     let first = finals[0]["eval_loss"].as_f64().unwrap();
     for f in finals {
         // All replicas end on the same global weights (α = 0), bit for bit.
         assert_eq!(f["eval_loss"].as_f64().unwrap(), first, "{finals:?}");
         assert_eq!(f["round"], 20);
     }
-    println!("3-replica DiLoCo eval MSE {first:.5} vs single process {single:.5}");
-    assert!((first - single).abs() <= 0.35 * single, "diloco {first} vs single {single}");
+    println!("3-replica DiLoCo eval MSE {first:.5} vs single process {single:.5}; sample-order σ {sigma:.5}");
+    assert!(sigma > 0.0);
+    assert!(
+        (first - single).abs() <= 3.0 * sigma,
+        "diloco {first} vs single {single}, σ {sigma}"
+    );
 }
 
 fn run_three(store: &str, s3: Option<&str>) {
@@ -124,7 +181,10 @@ fn run_three(store: &str, s3: Option<&str>) {
     let results: Vec<(Value, Vec<Value>)> = procs.into_iter().map(Proc::finish).collect();
     for (_, rounds) in &results {
         assert_eq!(rounds.len(), 20);
-        assert!(rounds.iter().all(|r| r["replicas_in_quorum"] == 3), "{rounds:?}");
+        assert!(
+            rounds.iter().all(|r| r["replicas_in_quorum"] == 3),
+            "{rounds:?}"
+        );
     }
     let finals: Vec<Value> = results.into_iter().map(|r| r.0).collect();
     assert_matches_single(&finals);
@@ -141,8 +201,13 @@ fn three_replicas_through_a_local_folder_match_one_process() {
 
 #[test]
 fn three_replicas_through_s3_match_one_process() {
-    let Some(endpoint) = s3_endpoint() else { return };
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let Some(endpoint) = s3_endpoint() else {
+        return;
+    };
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
     let url = format!("s3://composer-rl/test-three-{}-{nanos}", std::process::id());
     run_three(&url, Some(&endpoint));
 }
@@ -154,7 +219,14 @@ fn three_replicas_through_s3_match_one_process() {
 fn killed_replica_is_left_out_then_rejoins() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("file://{}", dir.path().display());
-    let extra = ["--min-replicas", "2", "--quorum-timeout-s", "1", "--step-sleep-ms", "5"];
+    let extra = [
+        "--min-replicas",
+        "2",
+        "--quorum-timeout-s",
+        "1",
+        "--step-sleep-ms",
+        "5",
+    ];
     let p0 = spawn(&url, 0, &extra, None);
     let p1 = spawn(&url, 1, &extra, None);
     let mut p2 = spawn(&url, 2, &extra, None);
@@ -169,12 +241,25 @@ fn killed_replica_is_left_out_then_rejoins() {
     let (f2, r2) = p2.finish();
     let (f0, r0) = p0.finish();
     let (f1, _) = p1.finish();
-    assert!(r0.iter().any(|r| r["replicas_in_quorum"] == 2), "a round closed without the dead replica");
-    assert!(r2.iter().any(|r| r["own_delta_used"] == true), "the rejoined replica contributed again");
-    assert!(r0.last().unwrap()["replicas_in_quorum"] == 3, "{:?}", r0.last());
+    assert!(
+        r0.iter().any(|r| r["replicas_in_quorum"] == 2),
+        "a round closed without the dead replica"
+    );
+    assert!(
+        r2.iter().any(|r| r["own_delta_used"] == true),
+        "the rejoined replica contributed again"
+    );
+    assert!(
+        r0.last().unwrap()["replicas_in_quorum"] == 3,
+        "{:?}",
+        r0.last()
+    );
     for f in [&f0, &f1, &f2] {
         assert_eq!(f["round"], 20);
-        assert_eq!(f["eval_loss"], f0["eval_loss"], "all end on the same global weights");
+        assert_eq!(
+            f["eval_loss"], f0["eval_loss"],
+            "all end on the same global weights"
+        );
     }
 }
 
@@ -182,13 +267,24 @@ fn killed_replica_is_left_out_then_rejoins() {
 #[test]
 fn unreachable_s3_store_fails_after_bounded_retries() {
     let mut cmd = Command::new(BIN);
-    cmd.args(RUN)
-        .args(["--store", "s3://composer-rl/dead", "--replica-id", "0", "--retries", "2", "--backoff-s", "0.05"]);
+    cmd.args(RUN).args([
+        "--store",
+        "s3://composer-rl/dead",
+        "--replica-id",
+        "0",
+        "--retries",
+        "2",
+        "--backoff-s",
+        "0.05",
+    ]);
     s3_env(&mut cmd, "http://127.0.0.1:9");
     let start = Instant::now();
     let out = cmd.output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(err.contains("init.safetensors") && err.contains("failed after 3 attempts"), "{err}");
+    assert!(
+        err.contains("init.safetensors") && err.contains("failed after 3 attempts"),
+        "{err}"
+    );
     assert!(start.elapsed() < Duration::from_secs(30));
 }

@@ -34,9 +34,10 @@ async fn memory() -> (Arc<dyn ObjectStore>, Path) {
     open_store("memory://").await.unwrap()
 }
 
-/// Issue 7 §1: one replica, outer lr 1, momentum 0 → θ_global − 1·(θ_global − θ_local) = θ_local.
-/// Bit-exact here because training moves each weight by far less than a factor of 2, so both
-/// f32 subtractions are exact (Sterbenz); in general the error is ≤ 1 ulp.
+/// Issue 7 §1: one replica, outer lr 1, momentum 0 → θ_global − 1·(θ_global − θ_local) = θ_local,
+/// bit for bit. This run has weights that cross zero (e.g. θ_global 0.0448 → θ_local −0.00582),
+/// where an f32 Δ would round and break exactness; the f32 codec publishes θ_local and the
+/// outer step forms Δ and θ_global − Δ in f64, so the round trip is exact.
 #[tokio::test]
 async fn one_replica_lr1_no_momentum_reproduces_local_weights_exactly() {
     let (store, prefix) = memory().await;
@@ -46,7 +47,9 @@ async fn one_replica_lr1_no_momentum_reproduces_local_weights_exactly() {
     c.outer_lr = 1.0;
     c.outer_momentum = 0.0;
     c.nesterov = false;
-    let mut r = DilocoReplica::join(store, prefix, "0", c, &params).await.unwrap();
+    let mut r = DilocoReplica::join(store, prefix, "0", c, &params)
+        .await
+        .unwrap();
     for round in 0..3 {
         let mut report = None;
         let mut before = Vec::new();
@@ -59,7 +62,11 @@ async fn one_replica_lr1_no_momentum_reproduces_local_weights_exactly() {
         let report = report.expect("round applied at step H");
         assert_eq!(report.round, round as u64);
         assert_eq!(report.replicas_in_quorum, 1);
-        assert_eq!(all_vals(&params), before, "round {round}: outer step must give back θ_local");
+        assert_eq!(
+            all_vals(&params),
+            before,
+            "round {round}: outer step must give back θ_local"
+        );
     }
 }
 
@@ -73,9 +80,13 @@ fn nesterov_sgd_matches_hand_computed_torch_formula() {
     for (nesterov, expected) in [(true, [0.81f32, 0.824]), (false, [0.9, 0.86])] {
         let mut p = vec![1.0f32];
         let mut buf = vec![0.0f32];
-        for (g, want) in [0.2f32, -0.1].iter().zip(expected) {
+        for (g, want) in [0.2f64, -0.1].iter().zip(expected) {
             outer::sgd_step(&mut p, &mut buf, &[*g], 0.5, 0.9, nesterov);
-            assert!((p[0] - want).abs() < 1e-6, "nesterov={nesterov}: {} vs {want}", p[0]);
+            assert!(
+                (p[0] - want).abs() < 1e-6,
+                "nesterov={nesterov}: {} vs {want}",
+                p[0]
+            );
         }
     }
 }
@@ -90,7 +101,9 @@ async fn replica_outer_step_uses_global_minus_local_and_nesterov_momentum() {
     let mut c = config(1, 1);
     c.outer_lr = 0.5;
     c.outer_momentum = 0.9;
-    let mut r = DilocoReplica::join(store, prefix, "0", c, &vars).await.unwrap();
+    let mut r = DilocoReplica::join(store, prefix, "0", c, &vars)
+        .await
+        .unwrap();
     w.set(&w.as_tensor().affine(1.0, -0.2).unwrap()).unwrap(); // local 0.8
     r.after_inner_step(&vars).await.unwrap().unwrap();
     assert!((vals(&vars, "w")[0] - 0.81).abs() < 1e-6);
@@ -111,43 +124,79 @@ async fn three_replicas_average_and_garbage_delta_is_rejected() {
         .child("delta")
         .child("replica-9.safetensors");
     store
-        .put(&garbage, PutPayload::from_static(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage"))
+        .put(
+            &garbage,
+            PutPayload::from_static(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage"),
+        )
         .await
         .unwrap();
     let mut c = config(1, 3);
     c.outer_lr = 1.0;
     c.outer_momentum = 0.0;
     let shared: Vec<Vec<(String, Var)>> = (0..3)
-        .map(|_| vec![("w".to_string(), Var::from_vec(vec![1.0f32, -2.0], 2, &Device::Cpu).unwrap())])
+        .map(|_| {
+            vec![(
+                "w".to_string(),
+                Var::from_vec(vec![1.0f32, -2.0], 2, &Device::Cpu).unwrap(),
+            )]
+        })
         .collect();
     let mut replicas = Vec::new();
     for (i, vars) in shared.iter().enumerate() {
         replicas.push(
-            DilocoReplica::join(store.clone(), prefix.clone(), &i.to_string(), c.clone(), vars)
-                .await
-                .unwrap(),
+            DilocoReplica::join(
+                store.clone(),
+                prefix.clone(),
+                &i.to_string(),
+                c.clone(),
+                vars,
+            )
+            .await
+            .unwrap(),
         );
     }
     for (i, vars) in shared.iter().enumerate() {
-        vars[0].1.set(&vars[0].1.as_tensor().affine(1.0, i as f64).unwrap()).unwrap();
+        vars[0]
+            .1
+            .set(&vars[0].1.as_tensor().affine(1.0, i as f64).unwrap())
+            .unwrap();
     }
     let futs = replicas.iter_mut().zip(&shared).map(|(r, v)| r.apply(v));
     let reports = futures::future::join_all(futs).await;
     for (report, vars) in reports.into_iter().zip(&shared) {
         let report = report.unwrap();
         assert_eq!(report.members, vec!["0", "1", "2"]);
-        assert_eq!(report.rejected_keys, vec![garbage.to_string()], "garbage named and skipped");
+        assert_eq!(
+            report.rejected_keys,
+            vec![garbage.to_string()],
+            "garbage named and skipped"
+        );
         let w = vals(vars, "w");
-        assert!((w[0] - 2.0).abs() < 1e-6 && (w[1] + 1.0).abs() < 1e-6, "mean of locals: {w:?}");
+        assert!(
+            (w[0] - 2.0).abs() < 1e-6 && (w[1] + 1.0).abs() < 1e-6,
+            "mean of locals: {w:?}"
+        );
     }
 }
 
 fn random_tensors(seed: u64) -> Vec<FlatTensor> {
     let mut rng = Rng::new(seed);
     vec![
-        FlatTensor { name: "a".into(), shape: vec![64, 32], data: rng.normals(2048, 0.01) },
-        FlatTensor { name: "b".into(), shape: vec![7], data: rng.normals(7, 3.0) },
-        FlatTensor { name: "z".into(), shape: vec![3], data: vec![0.0; 3] },
+        FlatTensor {
+            name: "a".into(),
+            shape: vec![64, 32],
+            data: rng.normals(2048, 0.01),
+        },
+        FlatTensor {
+            name: "b".into(),
+            shape: vec![7],
+            data: rng.normals(7, 3.0),
+        },
+        FlatTensor {
+            name: "z".into(),
+            shape: vec![3],
+            data: vec![0.0; 3],
+        },
     ]
 }
 
@@ -163,9 +212,17 @@ fn compression_round_trip_error_bounds_and_bytes() {
         let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
         let data_bytes = bytes.len() - 8 - header;
         let expected = numel * comp.bytes_per_element()
-            + if comp == Compression::Int8 { 4 * ts.len() } else { 0 };
+            + if comp == Compression::Int8 {
+                4 * ts.len()
+            } else {
+                0
+            };
         assert_eq!(data_bytes, expected, "{comp:?}");
-        println!("{comp:?}: {} bytes for {numel} elements ({} header)", bytes.len(), header + 8);
+        println!(
+            "{comp:?}: {} bytes for {numel} elements ({} header)",
+            bytes.len(),
+            header + 8
+        );
         let back = decode(&bytes).unwrap();
         for (a, b) in ts.iter().zip(&back.tensors) {
             assert_eq!(a.name, b.name);
@@ -189,7 +246,10 @@ fn corrupt_and_truncated_objects_are_rejected() {
     let bytes = encode(&random_tensors(6), Compression::F32, Default::default()).unwrap();
     assert!(decode(b"garbage").is_err());
     let truncated = decode(&bytes[..bytes.len() - 5]).unwrap_err();
-    assert!(format!("{truncated:#}").contains("safetensors"), "{truncated:#}");
+    assert!(
+        format!("{truncated:#}").contains("safetensors"),
+        "{truncated:#}"
+    );
     let mut flipped = bytes.clone();
     let n = flipped.len();
     flipped[n - 3] ^= 0x55;
@@ -211,8 +271,16 @@ async fn streaming_fragments_stagger_and_alpha_mixes() {
     c.fragment_update_alpha = 0.5;
     c.outer_lr = 1.0;
     c.outer_momentum = 0.0;
-    let mut r = DilocoReplica::join(store, prefix, "0", c, &params).await.unwrap();
-    assert_eq!(r.fragments(), &[vec!["l1.bias".to_string(), "l1.weight".into()], vec!["l2.bias".into(), "l2.weight".into()]]);
+    let mut r = DilocoReplica::join(store, prefix, "0", c, &params)
+        .await
+        .unwrap();
+    assert_eq!(
+        r.fragments(),
+        &[
+            vec!["l1.bias".to_string(), "l1.weight".into()],
+            vec!["l2.bias".into(), "l2.weight".into()]
+        ]
+    );
     assert_eq!(r.phase_after(1), Phase::Publish(0));
     assert_eq!(r.phase_after(2), Phase::Apply(0));
     let mut step = 0;
@@ -236,11 +304,17 @@ async fn streaming_fragments_stagger_and_alpha_mixes() {
         for (i, n) in names.iter().enumerate() {
             for ((p, a), now) in at_publish[i].iter().zip(&at_apply[i]).zip(vals(&params, n)) {
                 let want = 0.5 * p + 0.5 * a;
-                assert!((now - want).abs() < 1e-6, "round {round} {n}: {now} vs {want}");
+                assert!(
+                    (now - want).abs() < 1e-6,
+                    "round {round} {n}: {now} vs {want}"
+                );
             }
         }
         let other_after: Vec<Vec<f32>> = other.iter().map(|n| vals(&params, n)).collect();
-        assert_eq!(other_before, other_after, "round {round}: other fragment untouched");
+        assert_eq!(
+            other_before, other_after,
+            "round {round}: other fragment untouched"
+        );
     }
 }
 
@@ -249,15 +323,22 @@ async fn streaming_fragments_stagger_and_alpha_mixes() {
 async fn outer_state_checkpoint_round_trips() {
     let (store, prefix) = memory().await;
     let params = toy::init_params(8).unwrap();
-    let mut r = DilocoReplica::join(store.clone(), prefix.clone(), "0", config(1, 1), &params).await.unwrap();
-    params[0].1.set(&params[0].1.as_tensor().affine(0.9, 0.0).unwrap()).unwrap();
+    let mut r = DilocoReplica::join(store.clone(), prefix.clone(), "0", config(1, 1), &params)
+        .await
+        .unwrap();
+    params[0]
+        .1
+        .set(&params[0].1.as_tensor().affine(0.9, 0.0).unwrap())
+        .unwrap();
     r.after_inner_step(&params).await.unwrap().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("diloco.safetensors");
     r.save_state(&path).unwrap();
     let (store2, prefix2) = memory().await; // fresh store: state comes from the file only
     let fresh = toy::init_params(8).unwrap();
-    let mut r2 = DilocoReplica::join(store2, prefix2, "0", config(1, 1), &fresh).await.unwrap();
+    let mut r2 = DilocoReplica::join(store2, prefix2, "0", config(1, 1), &fresh)
+        .await
+        .unwrap();
     r2.load_state(&path, &fresh).await.unwrap();
     assert_eq!(r2.round(), 1);
     assert_eq!(r2.momentum("l1.weight"), r.momentum("l1.weight"));
@@ -277,11 +358,16 @@ fn config_parses_from_toml_and_rejects_unknown_fields() {
     c.validate().unwrap();
     assert_eq!(c.compression, Compression::Int8);
     assert_eq!(c.outer_lr, 0.7);
-    let e = toml::from_str::<DilocoConfig>("inner_steps = 10\nnum_replicas = 3\nouter_lrr = 1").unwrap_err();
+    let e = toml::from_str::<DilocoConfig>("inner_steps = 10\nnum_replicas = 3\nouter_lrr = 1")
+        .unwrap_err();
     assert!(e.to_string().contains("outer_lrr"), "{e}");
     let mut bad = c.clone();
     bad.fragment_sync_delay = 5;
-    assert!(bad.validate().unwrap_err().to_string().contains("fragment_sync_delay"));
+    assert!(bad
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("fragment_sync_delay"));
 }
 
 #[tokio::test]
@@ -315,7 +401,13 @@ async fn folder_store_unavailable_for_a_while_is_retried() {
     // Permanently blocked: bounded retries, then an error naming the key.
     std::fs::write(dir.path().join("run2"), b"x").unwrap();
     c.store_retries = 2;
-    let e = DilocoReplica::join(store, Path::from("run2"), "0", c, &params).await.err().unwrap();
+    let e = DilocoReplica::join(store, Path::from("run2"), "0", c, &params)
+        .await
+        .err()
+        .unwrap();
     let msg = format!("{e:#}");
-    assert!(msg.contains("run2/init.safetensors") && msg.contains("after 3 attempts"), "{msg}");
+    assert!(
+        msg.contains("run2/init.safetensors") && msg.contains("after 3 attempts"),
+        "{msg}"
+    );
 }

@@ -9,6 +9,8 @@
 //!   [--quorum-timeout-s 60] [--retries 5] [--backoff-s 0.2] [--poll-s 0.02] [--step-sleep-ms 0]
 //!   [--seed 1]
 //! diloco-replica --single --replicas 3 --rounds 20 --inner-steps 5 ...   # one process, same samples
+//! diloco-replica --recipe RECIPE.toml --replica-id 0 [--store URL] [--run-dir D] [--steps N] [--resume]
+//!     # the composer-train trainer as one replica (composer_diloco::run_replica)
 //! ```
 
 use std::collections::HashMap;
@@ -34,7 +36,7 @@ impl Args {
                 .strip_prefix("--")
                 .ok_or_else(|| anyhow!("unexpected argument {a:?}"))?
                 .to_string();
-            if key == "single" || key == "no-nesterov" {
+            if key == "single" || key == "no-nesterov" || key == "resume" {
                 flags.push(key);
             } else {
                 let v = it.next().ok_or_else(|| anyhow!("--{key} needs a value"))?;
@@ -77,6 +79,34 @@ async fn main() -> ExitCode {
 
 async fn run() -> Result<()> {
     let args = Args::parse()?;
+    if let Some(recipe) = args.map.get("recipe") {
+        // The real trainer (composer-train) as one replica: what `composer-rl train RECIPE
+        // --diloco-replica-id I --diloco-store URL` runs.
+        let opts = composer_diloco::ReplicaOptions {
+            recipe_path: recipe.into(),
+            replica_id: args.get("replica-id", None)?,
+            store_url: args.map.get("store").cloned(),
+            run_dir_override: args.map.get("run-dir").map(Into::into),
+            max_steps_override: args.map.get("steps").map(|v| v.parse()).transpose()?,
+            resume: args.flag("resume"),
+            quiet: true,
+        };
+        let out = tokio::task::spawn_blocking(move || composer_diloco::run_replica(&opts))
+            .await
+            .map_err(|e| anyhow!("replica thread: {e}"))??;
+        println!(
+            "FINAL {}",
+            serde_json::json!({
+                "steps": out.steps_completed,
+                "round": out.rounds,
+                "final_accuracy": out.final_accuracy,
+                "bytes_up": out.bytes_up,
+                "bytes_down": out.bytes_down,
+                "run_dir": out.run_dir,
+            })
+        );
+        return Ok(());
+    }
     let replicas: usize = args.get("replicas", Some(1))?;
     let rounds: u64 = args.get("rounds", None)?;
     let inner_steps: usize = args.get("inner-steps", None)?;
@@ -84,31 +114,12 @@ async fn run() -> Result<()> {
     let lr: f64 = args.get("lr", Some(0.05))?;
     let seed: u64 = args.get("seed", Some(1))?;
     let step_sleep = Duration::from_millis(args.get("step-sleep-ms", Some(0))?);
+    // Shifts which training samples the run reads (same data set, init and schedule): the
+    // tests measure the sample-order noise of the final loss with it.
+    let data_offset: usize = args.get("data-offset", Some(0))?;
     let data = Dataset::new(seed, 4096, 512)?;
     let params = toy::init_params(seed)?;
 
-    if args.flag("single") {
-        let steps = rounds as usize * inner_steps;
-        for step in 0..steps {
-            let (x, y) = data.batch(step, 0, 1, replicas * batch)?;
-            toy::sgd_step(&params, &x, &y, lr)?;
-        }
-        let eval = toy::eval_loss(&params, &data)?;
-        println!(
-            "FINAL {}",
-            serde_json::json!({"eval_loss": eval, "steps": steps, "samples": steps * replicas * batch})
-        );
-        return Ok(());
-    }
-
-    let store_url: String = args.get("store", None)?;
-    let replica_id: String = args.get("replica-id", None)?;
-    let replica_index: usize = replica_id
-        .parse()
-        .context("--replica-id must be a number for the toy data split")?;
-    if replica_index >= replicas {
-        bail!("--replica-id {replica_index} must be < --replicas {replicas}");
-    }
     let mut config = DilocoConfig::new(inner_steps, replicas);
     config.min_replicas = args.get("min-replicas", Some(1))?;
     config.num_fragments = args.get("fragments", Some(1))?;
@@ -121,7 +132,10 @@ async fn run() -> Result<()> {
     config.store_retries = args.get("retries", Some(5))?;
     config.store_backoff_s = args.get("backoff-s", Some(0.2))?;
     config.poll_interval_s = args.get("poll-s", Some(0.02))?;
-    config.compression = match args.get::<String>("compression", Some("f32".into()))?.as_str() {
+    config.compression = match args
+        .get::<String>("compression", Some("f32".into()))?
+        .as_str()
+    {
         "f32" => Compression::F32,
         "bf16" => Compression::Bf16,
         "int8" => Compression::Int8,
@@ -129,13 +143,39 @@ async fn run() -> Result<()> {
     };
     let period = config.round_period();
 
+    // `--single`: the same DiLoCo run (same outer optimizer, H, rounds) as ONE replica whose
+    // every inner step trains on the union of the replicas' minibatches at that step, through
+    // an in-process store — the fair single-process reference: same samples, same number of
+    // inner steps, same optimizers; only the split of each step's batch across replicas differs.
+    let (store_url, replica_id, replica_index, replicas, batch) = if args.flag("single") {
+        config.num_replicas = 1;
+        config.min_replicas = 1;
+        (
+            "memory://".to_string(),
+            "0".to_string(),
+            0,
+            1,
+            replicas * batch,
+        )
+    } else {
+        let store_url: String = args.get("store", None)?;
+        let replica_id: String = args.get("replica-id", None)?;
+        let replica_index: usize = replica_id
+            .parse()
+            .context("--replica-id must be a number for the toy data split")?;
+        if replica_index >= replicas {
+            bail!("--replica-id {replica_index} must be < --replicas {replicas}");
+        }
+        (store_url, replica_id, replica_index, replicas, batch)
+    };
+
     let (store, prefix) = open_store(&store_url).await?;
     let mut replica = DilocoReplica::join(store, prefix, &replica_id, config, &params).await?;
     println!("JOINED round={}", replica.round());
     let mut samples = 0usize;
     while replica.round() < rounds {
         // The data step follows the run's round so a rejoining replica reads the run's samples.
-        let step = replica.round() as usize * period + replica.local_step();
+        let step = replica.round() as usize * period + replica.local_step() + data_offset;
         let (x, y) = data.batch(step, replica_index, replicas, batch)?;
         toy::sgd_step(&params, &x, &y, lr)?;
         samples += batch;
