@@ -67,6 +67,14 @@ struct TrainArgs {
     /// Override `[train] steps`.
     #[arg(long)]
     steps: Option<usize>,
+    /// Run as DiLoCo replica I (0-based) of the recipe's `[diloco]` section: train H inner
+    /// steps, then meet the other replicas through the object store for an outer step.
+    #[arg(long, value_name = "I")]
+    diloco_replica_id: Option<usize>,
+    /// Object store URL of the DiLoCo rendezvous (a folder path, file://, s3://BUCKET/PREFIX);
+    /// overrides `[diloco] store`.
+    #[arg(long, value_name = "URL", requires = "diloco_replica_id")]
+    diloco_store: Option<String>,
 }
 
 #[derive(Args)]
@@ -249,6 +257,37 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Train(a) if a.diloco_replica_id.is_some() => {
+            let replica_id = a.diloco_replica_id.unwrap_or_default();
+            let recipe_path = a.recipe.context(
+                "a DiLoCo replica needs a recipe file with a [diloco] section (RECIPE argument)",
+            )?;
+            // `--resume RUN_DIR` resumes this replica's own run directory.
+            let run_dir_override = a.resume.clone().or(a.run_dir);
+            let outcome = composer_diloco::run_replica(&composer_diloco::ReplicaOptions {
+                recipe_path,
+                replica_id,
+                store_url: a.diloco_store,
+                run_dir_override,
+                max_steps_override: a.steps,
+                resume: a.resume.is_some(),
+                quiet: a.quiet,
+            })?;
+            println!(
+                "replica {replica_id} run {}: {} steps, {} rounds, final greedy accuracy {}, \
+                 {:.1} MB up / {:.1} MB down, {:.1} s",
+                outcome.run_dir.display(),
+                outcome.steps_completed,
+                outcome.rounds,
+                outcome
+                    .final_accuracy
+                    .map_or("n/a".to_string(), |a| format!("{:.1}%", 100.0 * a)),
+                outcome.bytes_up as f64 / 1e6,
+                outcome.bytes_down as f64 / 1e6,
+                outcome.wall_s
+            );
+            Ok(())
+        }
         Command::Train(a) => {
             let outcome = composer_train::run_train(&composer_train::TrainOptions {
                 recipe_path: a.recipe,

@@ -7,13 +7,13 @@ cd "$(dirname "$0")/.."
 source .cuda-toolkit/env.sh
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/work/target-cuda}
 cargo build --release --features cuda
-rm -rf .device && mkdir -p .device/tests .device/shared/fixtures
-cp "$CARGO_TARGET_DIR/release/composer-rl" .device/
-cargo test --release -p composer-model --features cuda --no-run --message-format json 2>/dev/null \
-  | python3 -c 'import sys, json
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
-        print(m["executable"])' | while read -r exe; do cp "$exe" .device/tests/; done
+rm -rf .device /tmp/devpack && mkdir -p .device/shared/fixtures /tmp/devpack/tests
+# Stripped and xz-packed: the device tool carries at most 64 MiB, and the CUDA binaries embed
+# their PTX (~50-65 MB each stripped, ~23 MB for all three packed).
+strip -o /tmp/devpack/composer-rl "$CARGO_TARGET_DIR/release/composer-rl"
+cargo test --release -p composer-model --features cuda --no-run 2>&1 \
+  | grep -oE '\(/[^)]*/deps/(parity|training_and_rollout)-[0-9a-f]+\)' | tr -d '()' \
+  | while read -r exe; do strip -o "/tmp/devpack/tests/$(basename "$exe" | cut -d- -f1)" "$exe"; done
+tar -C /tmp/devpack -cf - . | xz -6 -T2 > .device/bins.tar.xz
 cp -r ../shared/fixtures/hf-tiny .device/shared/fixtures/
 du -sh .device

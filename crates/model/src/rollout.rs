@@ -16,7 +16,7 @@
 use crate::logprobs;
 use crate::transformer::{KvCache, Transformer};
 use anyhow::{bail, Result};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, D};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -182,29 +182,15 @@ pub fn generate(
     drop(prompt_cache);
     let mut finished: Vec<(usize, usize, Sample)> = Vec::new();
 
-    let greedy = params.temperature == 0.0;
     loop {
-        // Sampler distribution: log softmax(logits / T) (T = 1 for greedy).
-        let scaled = if greedy || params.temperature == 1.0 {
-            logits.clone()
-        } else {
-            (&logits / params.temperature)?
-        };
-        let logp = logprobs::log_softmax(&scaled)?
-            .to_dtype(DType::F32)?
-            .to_vec2::<f32>()?;
+        let (tokens, token_logprobs) = next_tokens(&logits, params, &mut active)?;
         let mut next_tokens = Vec::with_capacity(active.len());
         let mut keep = Vec::with_capacity(active.len());
         let mut still: Vec<Active> = Vec::with_capacity(active.len());
         for (row, mut a) in active.drain(..).enumerate() {
-            let lp = &logp[row];
-            let tok = if greedy {
-                argmax(lp)
-            } else {
-                sample_token(lp, params.top_k, params.top_p, &mut a.rng)
-            };
+            let tok = tokens[row];
             a.ids.push(tok);
-            a.logprobs.push(lp[tok as usize]);
+            a.logprobs.push(token_logprobs[row]);
             let stop = stop_ids.contains(&tok);
             let at_limit =
                 a.ids.len() >= params.max_new_tokens || a.prompt_len + a.ids.len() >= max_pos;
@@ -245,37 +231,106 @@ pub fn generate(
     Ok(results)
 }
 
-/// Index of the largest value (first one on ties, like `torch.argmax`).
-fn argmax(xs: &[f32]) -> u32 {
-    let mut best = 0usize;
-    for (i, &x) in xs.iter().enumerate() {
-        if x > xs[best] {
-            best = i;
-        }
-    }
-    best as u32
+/// Tokens per block of the two-stage inverse-CDF sampler.
+const SAMPLE_BLOCK: usize = 128;
+
+/// Draws the next token of every active row and returns `(tokens, sampler log-probs)`.
+///
+/// The log-softmax stays on the model's device. Greedy decoding takes the argmax there, and
+/// plain sampling (no top-k / top-p) uses [`inverse_cdf_blocked`], so per step only
+/// O(rows · V / SAMPLE_BLOCK) numbers reach the host instead of the full `[rows, V]`
+/// distribution. Top-k / top-p need a sort, done on the host over the candidate set.
+fn next_tokens(
+    logits: &Tensor,
+    params: &SamplingParams,
+    active: &mut [Active],
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    let greedy = params.temperature == 0.0;
+    // Sampler distribution: log softmax(logits / T) in f32 (T = 1 for greedy).
+    let logits = logits.to_dtype(DType::F32)?;
+    let scaled = if greedy || params.temperature == 1.0 {
+        logits
+    } else {
+        (&logits / params.temperature)?
+    };
+    let logp = logprobs::log_softmax(&scaled)?.contiguous()?;
+    let tokens: Vec<u32> = if greedy {
+        logp.argmax(D::Minus1)?.to_vec1::<u32>()?
+    } else if params.top_k == 0 && params.top_p >= 1.0 {
+        let uniforms: Vec<f64> = active.iter_mut().map(|a| a.rng.random::<f64>()).collect();
+        inverse_cdf_blocked(&logp, &uniforms)?
+    } else {
+        let rows = logp.to_vec2::<f32>()?;
+        rows.iter()
+            .zip(active.iter_mut())
+            .map(|(lp, a)| sample_token(lp, params.top_k, params.top_p, &mut a.rng))
+            .collect()
+    };
+    let ids = Tensor::from_vec(tokens.clone(), (tokens.len(), 1), logp.device())?;
+    let token_logprobs = logp.gather(&ids, 1)?.squeeze(1)?.to_vec1::<f32>()?;
+    Ok((tokens, token_logprobs))
 }
 
-/// Draws a token from `exp(logp)` restricted to the top-k / top-p set (renormalised).
-fn sample_token(logp: &[f32], top_k: usize, top_p: f64, rng: &mut ChaCha8Rng) -> u32 {
-    let u: f64 = rng.random::<f64>();
-    if top_k == 0 && top_p >= 1.0 {
-        // Inverse CDF over the full vocabulary.
-        let target = u; // probabilities sum to 1 up to rounding
-        let mut acc = 0f64;
-        let mut last_nonzero = 0usize;
-        for (i, &l) in logp.iter().enumerate() {
-            let p = (l as f64).exp();
-            if p > 0.0 {
-                last_nonzero = i;
+/// Inverse-CDF sampling of one token per row of `logp` (`[rows, V]` log-probs), row `i` at
+/// uniform `uniforms[i]`, in two stages: the probability mass of each block of
+/// [`SAMPLE_BLOCK`] tokens goes to the host, which picks the block where the cumulative mass
+/// crosses `u · total`; then only that block's probabilities are fetched to pick the token.
+fn inverse_cdf_blocked(logp: &Tensor, uniforms: &[f64]) -> Result<Vec<u32>> {
+    let (rows, vocab) = logp.dims2()?;
+    let num_blocks = vocab.div_ceil(SAMPLE_BLOCK);
+    let mut probs = logp.exp()?;
+    if num_blocks * SAMPLE_BLOCK != vocab {
+        probs = probs.pad_with_zeros(1, 0, num_blocks * SAMPLE_BLOCK - vocab)?;
+    }
+    let blocks = probs.reshape((rows, num_blocks, SAMPLE_BLOCK))?;
+    let block_mass = blocks.sum(2)?.to_vec2::<f32>()?;
+    let mut chosen_block = Vec::with_capacity(rows);
+    let mut remaining = Vec::with_capacity(rows);
+    for (masses, &u) in block_mass.iter().zip(uniforms) {
+        let total: f64 = masses.iter().map(|&m| m as f64).sum();
+        let mut target = u * total;
+        // Rounding can leave `target` past the last block: take the last one with mass.
+        let mut block = masses.iter().rposition(|&m| m > 0.0).unwrap_or(0);
+        for (j, &m) in masses.iter().enumerate() {
+            if target < m as f64 {
+                block = j;
+                break;
             }
-            acc += p;
-            if acc > target {
-                return i as u32;
+            target -= m as f64;
+        }
+        chosen_block.push(block);
+        remaining.push(target);
+    }
+    let flat_index: Vec<u32> = chosen_block
+        .iter()
+        .enumerate()
+        .map(|(i, &j)| (i * num_blocks + j) as u32)
+        .collect();
+    let index = Tensor::from_vec(flat_index, rows, logp.device())?;
+    let block_probs = blocks
+        .reshape((rows * num_blocks, SAMPLE_BLOCK))?
+        .index_select(&index, 0)?
+        .to_vec2::<f32>()?;
+    let mut tokens = Vec::with_capacity(rows);
+    for ((probs, &block), &target) in block_probs.iter().zip(&chosen_block).zip(&remaining) {
+        let mut acc = 0f64;
+        let mut pick = probs.iter().rposition(|&p| p > 0.0).unwrap_or(0);
+        for (k, &p) in probs.iter().enumerate() {
+            acc += p as f64;
+            if acc > target && p > 0.0 {
+                pick = k;
+                break;
             }
         }
-        return last_nonzero as u32;
+        tokens.push((block * SAMPLE_BLOCK + pick) as u32);
     }
+    Ok(tokens)
+}
+
+/// Draws a token from `exp(logp)` restricted to the top-k / top-p set (renormalised), on the
+/// host.
+fn sample_token(logp: &[f32], top_k: usize, top_p: f64, rng: &mut ChaCha8Rng) -> u32 {
+    let u: f64 = rng.random::<f64>();
     let v = logp.len();
     // Candidate set. For top-p alone, tokens with p < (1 - top_p) / V can never be in the
     // nucleus (all of them together weigh less than 1 - top_p), so only the rest is sorted.
