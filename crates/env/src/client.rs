@@ -504,6 +504,20 @@ impl RemoteEnv {
 
     /// Sends one message and waits for its reply within the call / episode timeout.
     async fn call(&mut self, msg: Value, during: &str) -> Result<Value, EnvError> {
+        self.call_text(msg.to_string(), during).await
+    }
+
+    /// Sends one raw text frame on this session (connecting first when needed) and returns
+    /// the reply frame. A low-level hook for protocol probes: the server's answers to frames
+    /// the typed calls never send (`INVALID_JSON`, `UNKNOWN_TYPE`) come back as errors.
+    pub async fn call_raw(&mut self, text: &str) -> Result<Value, EnvError> {
+        if !self.is_connected() {
+            self.connect().await?;
+        }
+        self.call_text(text.to_string(), "raw call").await
+    }
+
+    async fn call_text(&mut self, text: String, during: &str) -> Result<Value, EnvError> {
         let Some(conn) = self.conn.as_ref() else {
             return Err(EnvError::NoSession(format!(
                 "{during}: no open session; call reset"
@@ -521,7 +535,7 @@ impl RemoteEnv {
         if conn
             .tx
             .send(Request {
-                text: msg.to_string(),
+                text,
                 reply: Some(tx),
             })
             .await

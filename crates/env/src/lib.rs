@@ -7,7 +7,8 @@
 //! - [`OpenEnvClient`] / [`RemoteEnv`]: an OpenEnv server over WebSocket `/ws` + HTTP.
 //! - [`serve_env`]: serves any [`EnvFactory`] with the OpenEnv protocol.
 //! - [`EnvPool`]: bounded concurrent episodes over several servers/factories, with latency
-//!   percentiles (the τ_V wall) and failure counts by cause.
+//!   percentiles (the τ_V wall) and failure counts by cause; sessions are reused across
+//!   episodes.
 //! - [`run_episode`]: token-faithful multi-turn episodes driven by a [`TurnPolicy`].
 
 // `!(x > 0.0)` is used on purpose in validation: it also rejects NaN.

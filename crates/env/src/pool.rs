@@ -26,6 +26,10 @@ pub struct PoolConfig {
     pub failures_before_cooldown: u32,
     /// How long a failing server is skipped.
     pub cooldown: Duration,
+    /// Keep the env of a successful episode for the next one (OpenEnv: the same WebSocket
+    /// session, reset again) instead of closing it: saves a connection per episode. Idle
+    /// sessions keep their server slot (at most `max_concurrent` per server).
+    pub reuse_envs: bool,
 }
 
 impl Default for PoolConfig {
@@ -35,6 +39,7 @@ impl Default for PoolConfig {
             episode_timeout: Duration::from_secs(600),
             failures_before_cooldown: 3,
             cooldown: Duration::from_secs(10),
+            reuse_envs: true,
         }
     }
 }
@@ -142,6 +147,9 @@ pub struct ServerStats {
     pub episodes_failed: u64,
     /// Episodes running now.
     pub in_flight: usize,
+    /// Envs made by the factory (OpenEnv: sessions opened); below the episode count when
+    /// envs are reused.
+    pub envs_created: u64,
 }
 
 /// Statistics of the whole pool.
@@ -170,6 +178,7 @@ struct Recorder {
     episodes_failed: u64,
     consecutive_failed: u32,
     cooldown_until: Option<Instant>,
+    envs_created: u64,
 }
 
 struct Server {
@@ -178,6 +187,8 @@ struct Server {
     permits: Arc<Semaphore>,
     max_concurrent: usize,
     recorder: Arc<Mutex<Recorder>>,
+    /// Envs of finished episodes, ready for reuse.
+    idle: Arc<Mutex<Vec<Box<dyn Env>>>>,
 }
 
 /// Runs episodes concurrently over one or more env factories (built-in envs or OpenEnv
@@ -212,6 +223,7 @@ impl EnvPool {
             permits: Arc::new(Semaphore::new(max_concurrent)),
             max_concurrent,
             recorder: Arc::new(Mutex::new(Recorder::default())),
+            idle: Arc::new(Mutex::new(Vec::new())),
         });
     }
 
@@ -265,19 +277,32 @@ impl EnvPool {
             }
         };
         let server = &self.servers[index];
-        let env = (server.factory)()
-            .map_err(|e| e.context(format!("creating an env on server `{}`", server.name)))?;
+        let reused = server.idle.lock().ok().and_then(|mut idle| idle.pop());
+        let env = match reused {
+            Some(env) => env,
+            None => {
+                let env = (server.factory)().map_err(|e| {
+                    e.context(format!("creating an env on server `{}`", server.name))
+                })?;
+                if let Ok(mut r) = server.recorder.lock() {
+                    r.envs_created += 1;
+                }
+                env
+            }
+        };
         Ok(PooledEnv {
             env,
             server_index: index,
             server_name: server.name.clone(),
             recorder: server.recorder.clone(),
+            idle: server.idle.clone(),
             call_timeout: self.config.call_timeout,
             _permit: permit,
         })
     }
 
-    /// Runs one episode on a pooled env under the episode timeout, and counts it.
+    /// Runs one episode on a pooled env under the episode timeout, and counts it. After a
+    /// clean episode the env is kept for the next one (`reuse_envs`), else closed.
     /// Env failures come back inside the [`Episode`] (`end = EnvFailed`); only policy errors
     /// and pool misconfiguration are `Err`.
     pub async fn run_episode<P: TurnPolicy + ?Sized>(
@@ -306,7 +331,11 @@ impl EnvPool {
         };
         let failed = matches!(episode.end, EpisodeEnd::EnvFailed { .. });
         env.finish_episode(failed, &self.config);
-        let _ = tokio::time::timeout(Duration::from_secs(2), env.close()).await;
+        if self.config.reuse_envs && !failed {
+            env.recycle();
+        } else {
+            let _ = tokio::time::timeout(Duration::from_secs(2), env.close()).await;
+        }
         Ok(episode)
     }
 
@@ -330,6 +359,7 @@ impl EnvPool {
                 episodes_ok: r.episodes_ok,
                 episodes_failed: r.episodes_failed,
                 in_flight: s.max_concurrent - s.permits.available_permits(),
+                envs_created: r.envs_created,
             });
         }
         all.reset = LatencySummary::from_samples(&reset_all);
@@ -345,6 +375,7 @@ pub struct PooledEnv {
     server_index: usize,
     server_name: String,
     recorder: Arc<Mutex<Recorder>>,
+    idle: Arc<Mutex<Vec<Box<dyn Env>>>>,
     call_timeout: Duration,
     _permit: OwnedSemaphorePermit,
 }
@@ -353,6 +384,14 @@ impl PooledEnv {
     /// The server this env runs on (name, index in the pool).
     pub fn server(&self) -> (&str, usize) {
         (&self.server_name, self.server_index)
+    }
+
+    /// Gives the env back to its server's idle list (not closed) for the next episode, and
+    /// frees the slot. Use only after an episode that ended cleanly.
+    pub fn recycle(self) {
+        if let Ok(mut idle) = self.idle.lock() {
+            idle.push(self.env);
+        }
     }
 
     fn record_failure(&self, kind: FailureKind) {
