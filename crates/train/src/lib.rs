@@ -10,6 +10,7 @@
 pub mod bench;
 pub mod checkpoint;
 pub mod data;
+pub mod env_rollout;
 pub mod optim;
 pub mod policy;
 pub mod recipe;

@@ -1,5 +1,5 @@
 //! The training recipe: one TOML file with sections `[model]`, `[data]`, `[rollout]`, `[loss]`,
-//! `[optimizer]`, `[train]`, `[warmup]`, `[replay]`, `[output]`.
+//! `[optimizer]`, `[train]`, `[warmup]`, `[replay]`, `[output]`, `[env]`.
 //!
 //! Unknown keys are rejected (`deny_unknown_fields` everywhere); the error names the file, the
 //! key path (`[section] key`) and the closest valid key (Jaro-Winkler via `strsim`).
@@ -36,6 +36,9 @@ pub struct Recipe {
     pub replay: Option<ReplaySection>,
     /// Where the run writes.
     pub output: OutputSection,
+    /// Rollouts in an environment (built-in or a remote OpenEnv server) instead of the
+    /// data's prompts and verifiers (optional).
+    pub env: Option<EnvSection>,
 }
 
 #[derive(Deserialize)]
@@ -65,6 +68,92 @@ struct RawRecipe {
     /// Where the run writes.
     #[serde(default)]
     output: OutputSection,
+    /// Environment rollouts (optional).
+    #[serde(default)]
+    env: Option<EnvSection>,
+    /// `[diloco]`: parsed by composer-diloco (`train --diloco-replica-id`); ignored here.
+    #[serde(default)]
+    #[allow(dead_code)]
+    diloco: Option<toml::Table>,
+}
+
+/// `[env]`: roll out in an environment. Each step resets `prompts_per_step` episodes (one
+/// reset seed per group, shared by its `num_generations` samples), the policy plays up to
+/// `max_turns` turns, and the env's reward replaces the verifiers' score.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvSection {
+    /// `"builtin"` (an env of composer-env, in process) or `"openenv"` (a remote server).
+    pub kind: String,
+    /// Built-in env name: `"code"` (sandboxed Python tasks) or `"echo"`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// OpenEnv server URL (`http://HOST:PORT`); several servers comma-separated, each running
+    /// up to `max_concurrent` episodes.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Environment variable holding the server URL(s), read when `url` is unset.
+    #[serde(default)]
+    pub url_env: Option<String>,
+    /// Most model turns per episode.
+    #[serde(default = "one_usize")]
+    pub max_turns: usize,
+    /// Most tokens per episode (prompt, model turns and observations).
+    #[serde(default = "d_env_max_tokens")]
+    pub max_total_tokens: usize,
+    /// Most concurrent episodes per server.
+    #[serde(default = "d_env_concurrent")]
+    pub max_concurrent: usize,
+    /// Limit of one env call (reset/step), seconds.
+    #[serde(default = "d_env_call_timeout")]
+    pub call_timeout_s: f64,
+    /// Limit of one whole episode, seconds.
+    #[serde(default = "d_env_episode_timeout")]
+    pub episode_timeout_s: f64,
+    /// Limit of one connection attempt to an OpenEnv server, seconds.
+    #[serde(default = "d_env_connect_timeout")]
+    pub connect_timeout_s: f64,
+    /// Retries of a failed episode (server error, restart...) before its sample is replaced
+    /// by a zero-advantage copy of a peer.
+    #[serde(default = "d_env_retries")]
+    pub episode_retries: usize,
+    /// `"final"`: the last step's reward; `"sum"`: the sum over the episode's steps.
+    #[serde(default = "d_env_reward")]
+    pub reward: String,
+    /// Rewards at or above this count as passed (hint channel, pass rates).
+    #[serde(default = "one")]
+    pub pass_reward: f64,
+    /// Template of the first observation (the prompt); `{observation}` is replaced.
+    #[serde(default = "d_env_template")]
+    pub prompt_template: String,
+    /// Template of later observations, appended after each model turn (masked out of the loss).
+    #[serde(default = "d_env_template")]
+    pub observation_template: String,
+}
+
+fn d_env_max_tokens() -> usize {
+    1024
+}
+fn d_env_concurrent() -> usize {
+    4
+}
+fn d_env_call_timeout() -> f64 {
+    60.0
+}
+fn d_env_episode_timeout() -> f64 {
+    300.0
+}
+fn d_env_connect_timeout() -> f64 {
+    10.0
+}
+fn d_env_retries() -> usize {
+    1
+}
+fn d_env_reward() -> String {
+    "final".into()
+}
+fn d_env_template() -> String {
+    "{observation}".into()
 }
 
 /// `[model]`: an HF checkpoint directory, or the built-in tiny model.
@@ -548,6 +637,7 @@ pub fn parse_recipe(text: &str, origin: &Path) -> Result<Recipe> {
         warmup: raw.warmup,
         replay: raw.replay,
         output: raw.output,
+        env: raw.env,
     };
     validate(&recipe).with_context(|| format!("recipe {}", origin.display()))?;
     Ok(recipe)
@@ -772,6 +862,9 @@ fn validate(r: &Recipe) -> Result<()> {
     {
         bail!("key `[train] num_iterations`, `mini_batches`, `gradient_accumulation_steps` must be >= 1");
     }
+    if let Some(env) = &r.env {
+        validate_env(env, r)?;
+    }
     if let Some(rp) = &r.replay {
         if !rp.teacher_weights.is_empty() && rp.teacher_weights.len() != rp.traces.len() {
             bail!(
@@ -780,6 +873,70 @@ fn validate(r: &Recipe) -> Result<()> {
                 rp.traces.len()
             );
         }
+    }
+    Ok(())
+}
+
+fn validate_env(e: &EnvSection, r: &Recipe) -> Result<()> {
+    match e.kind.as_str() {
+        "builtin" => match e.name.as_deref() {
+            Some("code" | "echo") => {}
+            Some(other) => {
+                bail!("key `[env] name`: unknown built-in env {other:?} (known: code, echo)")
+            }
+            None => bail!("key `[env] name`: kind = \"builtin\" needs `name` (code or echo)"),
+        },
+        "openenv" => {
+            if e.url.is_none() && e.url_env.is_none() {
+                bail!("key `[env] url`: kind = \"openenv\" needs `url` (http://HOST:PORT) or `url_env`");
+            }
+        }
+        other => bail!("key `[env] kind`: unknown value {other:?} (known: builtin, openenv)"),
+    }
+    if e.max_turns < 1 {
+        bail!("key `[env] max_turns`: must be >= 1");
+    }
+    // The trainer's samples carry one contiguous completion; observation tokens between model
+    // turns would be trained on until the batch carries a per-token loss mask.
+    if e.max_turns > 1 {
+        bail!("key `[env] max_turns`: training supports 1 turn per episode for now (multi-turn episodes are recorded token-faithfully by composer-env, but the trainer's samples have no per-token loss mask for the observation tokens yet)");
+    }
+    if e.max_concurrent < 1 {
+        bail!("key `[env] max_concurrent`: must be >= 1");
+    }
+    if e.max_total_tokens <= r.rollout.max_completion_length {
+        bail!(
+            "key `[env] max_total_tokens`: {} leaves no room for a prompt before `[rollout] max_completion_length` = {}",
+            e.max_total_tokens,
+            r.rollout.max_completion_length
+        );
+    }
+    for (key, v) in [
+        ("call_timeout_s", e.call_timeout_s),
+        ("episode_timeout_s", e.episode_timeout_s),
+        ("connect_timeout_s", e.connect_timeout_s),
+    ] {
+        if !(v > 0.0) || !v.is_finite() {
+            bail!("key `[env] {key}`: must be a positive number of seconds, got {v}");
+        }
+    }
+    if !["final", "sum"].contains(&e.reward.as_str()) {
+        bail!(
+            "key `[env] reward`: unknown value {:?} (known: final, sum)",
+            e.reward
+        );
+    }
+    for (key, t) in [
+        ("prompt_template", &e.prompt_template),
+        ("observation_template", &e.observation_template),
+    ] {
+        if !t.contains("{observation}") {
+            bail!("key `[env] {key}`: must contain {{observation}}");
+        }
+    }
+    // The hint channel builds teacher prompts from `[data]` prompts; env prompts differ.
+    if r.loss.hint_weight > 0.0 {
+        bail!("key `[loss] hint_weight`: the hint channel is not wired to `[env]` rollouts yet; set it to 0");
     }
     Ok(())
 }

@@ -117,6 +117,8 @@ pub struct Session {
     pub traces_by_prompt: HashMap<Vec<u32>, Vec<usize>>,
     /// Resumable counters.
     pub state: TrainerState,
+    /// `[env]` rollouts (an env pool), when the recipe has an `[env]` section.
+    pub env_rollout: Option<crate::env_rollout::EnvRollout>,
 }
 
 /// One step's rollouts.
@@ -358,7 +360,9 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
         }
     }
     let reward = RewardFn::from_specs(&recipe.data.verifiers)?;
+    let env_rollout = crate::env_rollout::EnvRollout::from_recipe(&recipe)?;
     Ok(Session {
+        env_rollout,
         recipe,
         recipe_text,
         run_dir,
@@ -664,6 +668,9 @@ pub fn save(s: &Session) -> Result<PathBuf> {
 
 /// Sample the step's prompts and `num_generations` completions for each.
 pub fn rollout_batch(s: &Session, step: usize) -> Result<RolloutBatch> {
+    if let Some(env) = &s.env_rollout {
+        return env.rollout_batch(s, step);
+    }
     let seed = s.recipe.train.seed;
     let n_prompts = s.recipe.train.prompts_per_step;
     let prompts: Vec<usize> = (0..n_prompts)
@@ -704,6 +711,9 @@ pub fn rollout_batch(s: &Session, step: usize) -> Result<RolloutBatch> {
 
 /// Score every completion with the verifiers.
 pub fn reward_batch(s: &Session, batch: &RolloutBatch) -> Rewards {
+    if let Some(env) = &s.env_rollout {
+        return env.reward_batch(s, batch);
+    }
     let g = s.recipe.rollout.num_generations;
     let max = s.reward.max_reward();
     let mut out = Rewards {
