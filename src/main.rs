@@ -224,6 +224,24 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Sync vs async layouts on the embedded default with a deliberately slow verifier: wall
+    /// time to the target accuracy.
+    Async {
+        /// Seconds added to every sample's verification.
+        #[arg(long, default_value_t = 0.004)]
+        reward_latency_s: f64,
+        /// Staleness bounds of the async arms, comma separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,2")]
+        max_staleness: Vec<u64>,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long, default_value_t = 0.9)]
+        target: f64,
+        #[arg(long, default_value_t = 150)]
+        max_steps: usize,
+        #[arg(long, default_value = "runs/bench-async")]
+        out_dir: PathBuf,
+    },
     /// RLVR alone vs + hint vs + hint + replay on the embedded default: samples to target accuracy.
     Channels {
         /// Seeds, comma separated.
@@ -438,6 +456,25 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 println!("{}", report.table());
             }
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Async {
+            reward_latency_s,
+            max_staleness,
+            seed,
+            target,
+            max_steps,
+            out_dir,
+        }) => {
+            let table = composer_train::bench_async(&composer_train::AsyncBenchOptions {
+                seed,
+                reward_latency_s,
+                max_staleness,
+                target,
+                max_steps,
+                out_dir,
+            })?;
+            println!("{table}");
             Ok(())
         }
         Command::Bench(BenchCommand::Channels {

@@ -89,6 +89,33 @@ pub fn bench_channels(opts: &BenchOptions) -> Result<(Vec<BenchRow>, String)> {
 }
 
 fn arm_recipe(alpha: f64, beta: f64, seed: u64, opts: &BenchOptions) -> String {
+    recipe_with(&[
+        ("[loss]", "hint_weight", format!("hint_weight = {alpha:?}")),
+        (
+            "[loss]",
+            "replay_weight",
+            format!("replay_weight = {beta:?}"),
+        ),
+        ("[train]", "seed", format!("seed = {seed}")),
+        (
+            "[train]",
+            "steps",
+            format!(
+                "steps = {}\nstop_at_accuracy = {:?}",
+                opts.max_steps, opts.target
+            ),
+        ),
+        ("[train]", "eval_every", "eval_every = 5".to_string()),
+        (
+            "[train]",
+            "checkpoint_every",
+            "checkpoint_every = 0".to_string(),
+        ),
+    ])
+}
+
+/// The embedded default recipe with the lines `(section, key)` replaced by the given text.
+fn recipe_with(overrides: &[(&str, &str, String)]) -> String {
     let mut out = String::new();
     let mut section = String::new();
     for line in EMBEDDED_DEFAULT_RECIPE.lines() {
@@ -97,22 +124,121 @@ fn arm_recipe(alpha: f64, beta: f64, seed: u64, opts: &BenchOptions) -> String {
             section = t.to_string();
         }
         let key = t.split('=').next().unwrap_or("").trim();
-        let replaced = match (section.as_str(), key) {
-            ("[loss]", "hint_weight") => format!("hint_weight = {alpha:?}"),
-            ("[loss]", "replay_weight") => format!("replay_weight = {beta:?}"),
-            ("[train]", "seed") => format!("seed = {seed}"),
-            ("[train]", "steps") => format!(
-                "steps = {}\nstop_at_accuracy = {:?}",
-                opts.max_steps, opts.target
-            ),
-            ("[train]", "eval_every") => "eval_every = 5".to_string(),
-            ("[train]", "checkpoint_every") => "checkpoint_every = 0".to_string(),
-            _ => line.to_string(),
-        };
+        let replaced = overrides
+            .iter()
+            .find(|(sec, k, _)| *sec == section && *k == key)
+            .map(|(_, _, text)| text.clone())
+            .unwrap_or_else(|| line.to_string());
         out.push_str(&replaced);
         out.push('\n');
     }
     out
+}
+
+/// `composer-rl bench async` knobs.
+#[derive(Debug, Clone)]
+pub struct AsyncBenchOptions {
+    /// Seed of every run.
+    pub seed: u64,
+    /// Seconds added to every sample's verification: the deliberately slow environment.
+    pub reward_latency_s: f64,
+    /// Staleness bounds of the async arms.
+    pub max_staleness: Vec<u64>,
+    /// Target greedy accuracy.
+    pub target: f64,
+    /// Step budget per run.
+    pub max_steps: usize,
+    /// Where runs are written.
+    pub out_dir: PathBuf,
+}
+
+/// Sync vs async (each staleness bound) on the embedded default with a slow verifier: wall
+/// time and samples to the target accuracy. Returns the markdown table.
+pub fn bench_async(opts: &AsyncBenchOptions) -> Result<String> {
+    let mut arms: Vec<(String, String)> = vec![("sync".into(), "mode = \"sync\"".into())];
+    for k in &opts.max_staleness {
+        arms.push((
+            format!("async, max_staleness {k}"),
+            format!("mode = \"async\"\nmax_staleness = {k}"),
+        ));
+    }
+    let mut s = format!(
+        "added verifier latency {:.1} ms per sample, seed {}\n\n| layout | steps to {:.0}% | samples | seconds to {:.0}% | mean step s | mean staleness | dropped | final acc |\n|---|---|---|---|---|---|---|---|\n",
+        opts.reward_latency_s * 1e3,
+        opts.seed,
+        opts.target * 100.0,
+        opts.target * 100.0
+    );
+    std::fs::create_dir_all(&opts.out_dir)?;
+    for (i, (name, mode_lines)) in arms.iter().enumerate() {
+        let text = recipe_with(&[
+            (
+                "[train]",
+                "seed",
+                format!(
+                    "seed = {}\n{mode_lines}\nreward_latency_s = {:?}",
+                    opts.seed, opts.reward_latency_s
+                ),
+            ),
+            (
+                "[train]",
+                "steps",
+                format!(
+                    "steps = {}\nstop_at_accuracy = {:?}",
+                    opts.max_steps, opts.target
+                ),
+            ),
+            ("[train]", "eval_every", "eval_every = 5".to_string()),
+            (
+                "[train]",
+                "checkpoint_every",
+                "checkpoint_every = 0".to_string(),
+            ),
+        ]);
+        let recipe_path = opts.out_dir.join(format!("arm{i}.toml"));
+        std::fs::write(&recipe_path, text)?;
+        let run_dir = opts.out_dir.join(format!("arm{i}"));
+        let out = run_train(&TrainOptions {
+            recipe_path: Some(recipe_path),
+            resume: None,
+            quiet: true,
+            run_dir_override: Some(run_dir.clone()),
+            max_steps_override: None,
+        })?;
+        let lines = composer_telemetry::read_metrics(&run_dir.join("metrics.jsonl"))?;
+        let train: Vec<_> = lines
+            .iter()
+            .filter(|l| l.get("kind").and_then(|k| k.as_str()) == Some("train"))
+            .collect();
+        let mean_of = |key: &str| {
+            let v: Vec<f64> = train
+                .iter()
+                .filter_map(|l| l.get(key).and_then(|x| x.as_f64()))
+                .collect();
+            v.iter().sum::<f64>() / v.len().max(1) as f64
+        };
+        let dropped: f64 = train
+            .iter()
+            .filter_map(|l| l.get("staleness/dropped").and_then(|x| x.as_f64()))
+            .sum();
+        let (steps, samples, secs) = match out.reached_target {
+            Some((a, b, c)) => (a.to_string(), b.to_string(), format!("{c:.1}")),
+            None => (
+                format!("> {}", opts.max_steps),
+                "-".into(),
+                "not reached".into(),
+            ),
+        };
+        s.push_str(&format!(
+            "| {name} | {steps} | {samples} | {secs} | {:.2} | {:.2} | {dropped:.0} | {} |\n",
+            mean_of("time/step_s"),
+            mean_of("staleness/mean"),
+            out.final_accuracy
+                .map(|a| format!("{:.1}%", a * 100.0))
+                .unwrap_or_else(|| "-".into())
+        ));
+    }
+    Ok(s)
 }
 
 fn table(rows: &[BenchRow], opts: &BenchOptions) -> String {

@@ -7,6 +7,7 @@
 // `!(x > 0.0)` is used on purpose in validation: it also rejects NaN.
 #![allow(clippy::neg_cmp_op_on_partial_ord)]
 
+pub mod async_mode;
 pub mod bench;
 pub mod checkpoint;
 pub mod data;
@@ -21,7 +22,7 @@ pub mod tokenizer;
 pub mod trainer;
 pub mod verifiers;
 
-pub use bench::{bench_channels, BenchOptions};
+pub use bench::{bench_async, bench_channels, AsyncBenchOptions, BenchOptions};
 pub use recipe::{
     embedded_default_recipe, load_recipe, parse_recipe, Recipe, EMBEDDED_DEFAULT_RECIPE,
     EXAMPLE_RECIPE,

@@ -430,6 +430,33 @@ pub struct TrainSection {
     /// Stop early once eval accuracy reaches this (0 = never).
     #[serde(default)]
     pub stop_at_accuracy: f64,
+    /// Actor layout: `sync` (generate, score, train, publish one after the other) or `async`
+    /// (generator and rewarder threads feed the trainer through bounded queues).
+    #[serde(default)]
+    pub mode: TrainMode,
+    /// Async mode: largest accepted lag (trainer version − the rollout's policy version);
+    /// staler rollouts are dropped and counted, never trained on.
+    #[serde(default = "one_u64")]
+    pub max_staleness: u64,
+    /// Extra seconds added to every sample's verification (simulates a slow environment for
+    /// the async benchmark; 0 in real runs).
+    #[serde(default)]
+    pub reward_latency_s: f64,
+}
+
+/// `[train] mode`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TrainMode {
+    /// One after the other, in one thread (deterministic).
+    #[default]
+    Sync,
+    /// Generator, rewarder and trainer actors with bounded staleness.
+    Async,
+}
+
+fn one_u64() -> u64 {
+    1
 }
 
 impl Default for TrainSection {
@@ -855,6 +882,12 @@ fn validate(r: &Recipe) -> Result<()> {
     }
     if r.rollout.temperature < 0.0 {
         bail!("key `[rollout] temperature`: must be >= 0");
+    }
+    if r.train.mode == TrainMode::Async && r.env.is_some() {
+        bail!("key `[train] mode = \"async\"` does not support `[env]` rollouts yet; use `mode = \"sync\"`");
+    }
+    if !(r.train.reward_latency_s >= 0.0) {
+        bail!("key `[train] reward_latency_s` must be >= 0");
     }
     if r.train.num_iterations < 1
         || r.train.mini_batches < 1

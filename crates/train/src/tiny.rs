@@ -178,6 +178,47 @@ impl TinyModel {
         })
     }
 
+    /// An independent copy of the weights (one copy of every tensor, nothing else): what the
+    /// trainer publishes to the generator in async mode, since its own weights keep changing
+    /// in place under the optimizer.
+    pub fn snapshot(&self) -> Result<TinyModel> {
+        let varmap = VarMap::new();
+        {
+            let src = self
+                .varmap
+                .data()
+                .lock()
+                .map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
+            let mut dst = varmap
+                .data()
+                .lock()
+                .map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
+            for (name, var) in src.iter() {
+                // `detach` shares the storage; `Var::from_tensor` of a non-variable copies it.
+                dst.insert(name.clone(), Var::from_tensor(&var.as_tensor().detach())?);
+            }
+        }
+        let hf = match &self.hf {
+            Some(h) => Some(HfBackbone {
+                transformer: composer_model::Transformer::from_varmap(
+                    &h.config,
+                    &varmap,
+                    &self.device,
+                )?,
+                config: h.config.clone(),
+                source_dir: h.source_dir.clone(),
+            }),
+            None => None,
+        };
+        Ok(TinyModel {
+            cfg: self.cfg.clone(),
+            vocab_size: self.vocab_size,
+            varmap,
+            device: self.device.clone(),
+            hf,
+        })
+    }
+
     /// The HF backbone, when this policy was loaded from a checkpoint.
     pub fn hf(&self) -> Option<&HfBackbone> {
         self.hf.as_ref()

@@ -23,15 +23,32 @@ use crate::checkpoint::{self, CheckpointData, TrainerState};
 use crate::data::{self, PromptRow, SftRow};
 use crate::optim::{self, AdamW, AdamWParams};
 use crate::policy::{self, mix_seed, scalar, Sample, SamplingParams};
-use crate::recipe::{self, Recipe};
+use crate::recipe::{self, Recipe, TrainMode};
 use crate::replay::{self, TeacherTrace};
 use crate::task;
 use crate::tiny::TinyModel;
 use crate::tokenizer as chartok;
 use crate::verifiers::RewardFn;
+use composer_actors::record::StepWalls;
 
 /// Test hook: comma-separated RL steps whose loss is replaced by NaN.
 pub const NAN_HOOK_ENV: &str = "COMPOSER_TRAIN_INJECT_NAN_STEPS";
+
+/// Test hook: comma-separated RL steps at whose end the process raises a real SIGINT
+/// (exercises the Ctrl-C path: checkpoint, clean shutdown of every actor).
+pub const SIGINT_HOOK_ENV: &str = "COMPOSER_TRAIN_SIGINT_AT_STEPS";
+
+/// Test hook (async mode): the rewarder fails on this scored batch (1-based), to exercise
+/// shutdown on an actor's error.
+pub const REWARD_ERROR_HOOK_ENV: &str = "COMPOSER_TRAIN_INJECT_REWARD_ERROR_AT_BATCH";
+
+fn hook_steps(var: &str) -> Vec<usize> {
+    std::env::var(var)
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|x| x.trim().parse().ok())
+        .collect()
+}
 
 /// How `composer-rl train` was invoked.
 #[derive(Debug, Clone, Default)]
@@ -72,7 +89,7 @@ pub struct RunOutcome {
     pub interrupted: bool,
 }
 
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+pub(crate) static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_sigint(_: libc::c_int) {
     INTERRUPTED.store(true, Ordering::SeqCst);
@@ -401,6 +418,8 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
     let started = Instant::now();
     let mut s = open_session(opts)?;
     install_sigint_handler();
+    // A Ctrl-C of an earlier run in this process (library use, tests) must not stop this one.
+    INTERRUPTED.store(false, Ordering::SeqCst);
     std::fs::write(s.run_dir.join("recipe.toml"), &s.recipe_text)
         .with_context(|| format!("writing {}", s.run_dir.join("recipe.toml").display()))?;
     let metrics_path = s.run_dir.join("metrics.jsonl");
@@ -417,11 +436,8 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
     } else {
         0.9
     };
-    let nan_steps: Vec<usize> = std::env::var(NAN_HOOK_ENV)
-        .unwrap_or_default()
-        .split(',')
-        .filter_map(|x| x.trim().parse().ok())
-        .collect();
+    let nan_steps = hook_steps(NAN_HOOK_ENV);
+    let sigint_steps = hook_steps(SIGINT_HOOK_ENV);
 
     // Supervised warm-up (fresh runs only).
     if s.state.step == 0 && opts.resume.is_none() {
@@ -438,165 +454,29 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
         }
     }
 
-    let mut final_accuracy = None;
-    let mut reached_target = None;
-    let mut interrupted = false;
-    while s.state.step < total_steps {
-        let step = s.state.step + 1;
-        let t_step = Instant::now();
-
-        let t0 = Instant::now();
-        let batch = rollout_batch(&s, step)?;
-        let rollout_s = t0.elapsed().as_secs_f64();
-
-        let t0 = Instant::now();
-        let rewards = reward_batch(&s, &batch);
-        let reward_s = t0.elapsed().as_secs_f64();
-
-        let lengths: Vec<usize> = batch
-            .samples
-            .iter()
-            .map(|x| x.completion_ids.len())
-            .collect();
-        let g = s.recipe.rollout.num_generations;
-        let advantages = compute_advantages(
-            &s.recipe.loss.advantage,
-            &rewards.per_func_weighted(&s.reward),
-            &lengths,
-            g,
-        )
-        .context("computing advantages")?;
-
-        let t0 = Instant::now();
-        let stats = train_on_batch(
-            &mut s,
-            step,
-            &batch,
-            &rewards,
-            &advantages,
-            nan_steps.contains(&step),
-        )?;
-        let train_s = t0.elapsed().as_secs_f64();
-
-        let t0 = Instant::now();
-        publish_weights(&mut s, &stats);
-        let sync_s = t0.elapsed().as_secs_f64();
-
-        s.state.step = step;
-        s.state.samples_generated += batch.samples.len() as u64;
-        let gen_tokens: usize = lengths.iter().sum();
-        s.state.trained_tokens += if stats.non_finite {
-            0
-        } else {
-            gen_tokens as u64
-        };
-        if stats.non_finite {
-            s.state.skipped_steps += 1;
-            s.state.consecutive_skipped += 1;
-        } else {
-            s.state.consecutive_skipped = 0;
-        }
-
-        let n = rewards.total.len() as f64;
-        let mean = rewards.total.iter().sum::<f64>() / n;
-        let std = (rewards
-            .total
-            .iter()
-            .map(|r| (r - mean).powi(2))
-            .sum::<f64>()
-            / n)
-            .sqrt();
-        let step_s = t_step.elapsed().as_secs_f64();
-        let mut line = json!({
-            "step": step,
-            "kind": "train",
-            "policy_version": s.state.policy_version,
-            "reward/mean": mean,
-            "reward/std": std,
-            "completions/mean_length": gen_tokens as f64 / n,
-            "completions/clipped_ratio": batch.samples.iter().filter(|x| x.truncated).count() as f64 / n,
-            "completions/lengths": lengths,
-            "loss/rlvr": stats.loss_rlvr,
-            "loss/hint": stats.loss_hint,
-            "loss/replay": stats.loss_replay,
-            "loss/replay_dpo": stats.loss_dpo,
-            "loss/replay_kl": stats.loss_teacher_kl,
-            "kl": stats.kl,
-            "entropy": stats.entropy,
-            "clip_ratio/low": stats.clip_low,
-            "clip_ratio/high": stats.clip_high,
-            "grad_norm": stats.grad_norm,
-            "lr": stats.lr,
-            "hint/samples": stats.hinted,
-            "replay/dpo_pairs": stats.dpo_pairs,
-            "time/rollout_s": rollout_s,
-            "time/reward_s": reward_s,
-            "time/train_s": train_s,
-            "time/sync_s": sync_s,
-            "time/step_s": step_s,
-            "tokens_per_s": gen_tokens as f64 / rollout_s.max(1e-9),
-            "trained_tokens": s.state.trained_tokens,
-            "samples": s.state.samples_generated,
-            "skipped_steps": s.state.skipped_steps,
-            "env/latency_s": rewards.latency_s,
-        });
-        if stats.non_finite {
-            line["skipped"] = json!(true);
-        }
-        metrics.write(&line)?;
-
-        let every = s.recipe.train.eval_every;
-        let mut eval_acc = None;
-        if (every > 0 && step % every == 0) || step == total_steps {
-            let acc = evaluate(&s)?;
-            eval_acc = Some(acc);
-            final_accuracy = Some(acc);
-            metrics.write(&json!({"step": step, "kind": "eval", "policy_version": s.state.policy_version, "eval/accuracy": acc, "samples": s.state.samples_generated}))?;
-            if acc >= target && reached_target.is_none() {
-                reached_target = Some((
-                    step,
-                    s.state.samples_generated,
-                    started.elapsed().as_secs_f64(),
-                ));
-            }
-        }
-        progress.update(&StepSnapshot {
-            step: step as u64,
-            reward_mean: mean,
-            eval_accuracy: eval_acc,
-            tokens_per_s: gen_tokens as f64 / rollout_s.max(1e-9),
-            extra: stats.non_finite.then(|| "skipped: non-finite".to_string()),
-        });
-
-        let ck = s.recipe.train.checkpoint_every;
-        interrupted = INTERRUPTED.load(Ordering::SeqCst);
-        let stop_early =
-            s.recipe.train.stop_at_accuracy > 0.0 && eval_acc.is_some_and(|a| a >= target);
-        if s.state.consecutive_skipped >= s.recipe.train.max_nonfinite_steps.max(1) {
-            let last_good = checkpoint::find_checkpoint(&s.run_dir)
-                .map(|p| p.display().to_string())
-                .unwrap_or_else(|_| "none yet (no checkpoint was written)".into());
-            bail!(
-                "stopping at step {step}: {} consecutive steps had a non-finite loss or gradient \
-                 (limit `[train] max_nonfinite_steps` = {}); the last good checkpoint is {last_good}",
-                s.state.consecutive_skipped,
-                s.recipe.train.max_nonfinite_steps
-            );
-        }
-        if (ck > 0 && step % ck == 0) || step == total_steps || interrupted || stop_early {
-            save(&s)?;
-        }
-        if interrupted {
-            progress.println(format!(
-                "interrupted: checkpoint written at step {step}; continue with --resume {}",
-                s.run_dir.display()
-            ));
-            break;
-        }
-        if stop_early {
-            break;
-        }
+    let mut run = RunLog {
+        metrics,
+        progress,
+        started,
+        target,
+        total_steps,
+        nan_steps,
+        sigint_steps,
+        final_accuracy: None,
+        reached_target: None,
+        interrupted: false,
+    };
+    match s.recipe.train.mode {
+        TrainMode::Sync => run_sync(&mut s, &mut run)?,
+        TrainMode::Async => crate::async_mode::run_async(&mut s, &mut run)?,
     }
+    let RunLog {
+        progress,
+        final_accuracy,
+        reached_target,
+        interrupted,
+        ..
+    } = run;
     let summary = format!(
         "{} steps, warm-up accuracy {}, final accuracy {}, {} samples, {} skipped, {:.1}s",
         s.state.step,
@@ -621,6 +501,239 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
         wall_s: started.elapsed().as_secs_f64(),
         interrupted,
     })
+}
+
+/// What the step loop carries between steps, whichever layout runs it.
+pub(crate) struct RunLog {
+    pub(crate) metrics: MetricsWriter,
+    pub(crate) progress: TrainProgress,
+    pub(crate) started: Instant,
+    /// Eval accuracy that counts as reaching the target.
+    pub(crate) target: f64,
+    pub(crate) total_steps: usize,
+    /// Steps whose loss the NaN test hook replaces.
+    pub(crate) nan_steps: Vec<usize>,
+    /// Steps at whose end the SIGINT test hook raises SIGINT.
+    pub(crate) sigint_steps: Vec<usize>,
+    pub(crate) final_accuracy: Option<f64>,
+    /// (step, samples, seconds) when eval first reached `target`.
+    pub(crate) reached_target: Option<(usize, u64, f64)>,
+    /// Stopped by Ctrl-C (a checkpoint was written).
+    pub(crate) interrupted: bool,
+}
+
+/// The sync layout: generate, score, train, publish — one after the other, on this thread.
+fn run_sync(s: &mut Session, run: &mut RunLog) -> Result<()> {
+    while s.state.step < run.total_steps {
+        let step = s.state.step + 1;
+        let t_step = Instant::now();
+
+        let t0 = Instant::now();
+        let batch = rollout_batch(s, step)?;
+        let rollout_s = t0.elapsed().as_secs_f64();
+
+        let t0 = Instant::now();
+        let rewards = reward_batch(s, &batch);
+        let reward_s = t0.elapsed().as_secs_f64();
+
+        let advantages = step_advantages(s, &batch, &rewards)?;
+
+        let t0 = Instant::now();
+        let inject_nan = run.nan_steps.contains(&step);
+        let stats = train_on_batch(s, step, &batch, &rewards, &advantages, inject_nan)?;
+        let train_s = t0.elapsed().as_secs_f64();
+
+        let t0 = Instant::now();
+        publish_weights(s, &stats);
+        let sync_s = t0.elapsed().as_secs_f64();
+
+        let walls = StepWalls {
+            rollout_s,
+            reward_s,
+            train_s,
+            sync_s,
+            step_s: t_step.elapsed().as_secs_f64(),
+        };
+        // Sync rollouts are always on-policy: staleness 0, logged for the same checks.
+        let mut extra = serde_json::Map::new();
+        extra.insert("staleness/mean".into(), json!(0.0));
+        extra.insert("staleness/max".into(), json!(0));
+        extra.insert("staleness/dropped".into(), json!(0));
+        if end_step(s, run, step, &batch, &rewards, &stats, &walls, extra)? {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Advantages of the step's samples from their (weighted) rewards.
+pub(crate) fn step_advantages(
+    s: &Session,
+    batch: &RolloutBatch,
+    rewards: &Rewards,
+) -> Result<Vec<f64>> {
+    let lengths: Vec<usize> = batch
+        .samples
+        .iter()
+        .map(|x| x.completion_ids.len())
+        .collect();
+    compute_advantages(
+        &s.recipe.loss.advantage,
+        &rewards.per_func_weighted(&s.reward),
+        &lengths,
+        s.recipe.rollout.num_generations,
+    )
+    .context("computing advantages")
+}
+
+/// After a step was trained and published: counters, the metrics line (`extra` adds the
+/// layout's own keys, e.g. staleness), eval, progress, the non-finite guard, checkpoint and
+/// Ctrl-C. Returns whether the run should stop now.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn end_step(
+    s: &mut Session,
+    run: &mut RunLog,
+    step: usize,
+    batch: &RolloutBatch,
+    rewards: &Rewards,
+    stats: &TrainStats,
+    walls: &StepWalls,
+    extra: serde_json::Map<String, serde_json::Value>,
+) -> Result<bool> {
+    let lengths: Vec<usize> = batch
+        .samples
+        .iter()
+        .map(|x| x.completion_ids.len())
+        .collect();
+    let (rollout_s, reward_s, train_s, sync_s, step_s) = (
+        walls.rollout_s,
+        walls.reward_s,
+        walls.train_s,
+        walls.sync_s,
+        walls.step_s,
+    );
+    let total_steps = run.total_steps;
+    let target = run.target;
+    s.state.step = step;
+    s.state.samples_generated += batch.samples.len() as u64;
+    let gen_tokens: usize = lengths.iter().sum();
+    s.state.trained_tokens += if stats.non_finite {
+        0
+    } else {
+        gen_tokens as u64
+    };
+    if stats.non_finite {
+        s.state.skipped_steps += 1;
+        s.state.consecutive_skipped += 1;
+    } else {
+        s.state.consecutive_skipped = 0;
+    }
+
+    let n = rewards.total.len() as f64;
+    let mean = rewards.total.iter().sum::<f64>() / n;
+    let std = (rewards
+        .total
+        .iter()
+        .map(|r| (r - mean).powi(2))
+        .sum::<f64>()
+        / n)
+        .sqrt();
+    let mut line = json!({
+        "step": step,
+        "kind": "train",
+        "policy_version": s.state.policy_version,
+        "reward/mean": mean,
+        "reward/std": std,
+        "completions/mean_length": gen_tokens as f64 / n,
+        "completions/clipped_ratio": batch.samples.iter().filter(|x| x.truncated).count() as f64 / n,
+        "completions/lengths": lengths,
+        "loss/rlvr": stats.loss_rlvr,
+        "loss/hint": stats.loss_hint,
+        "loss/replay": stats.loss_replay,
+        "loss/replay_dpo": stats.loss_dpo,
+        "loss/replay_kl": stats.loss_teacher_kl,
+        "kl": stats.kl,
+        "entropy": stats.entropy,
+        "clip_ratio/low": stats.clip_low,
+        "clip_ratio/high": stats.clip_high,
+        "grad_norm": stats.grad_norm,
+        "lr": stats.lr,
+        "hint/samples": stats.hinted,
+        "replay/dpo_pairs": stats.dpo_pairs,
+        "time/rollout_s": rollout_s,
+        "time/reward_s": reward_s,
+        "time/train_s": train_s,
+        "time/sync_s": sync_s,
+        "time/step_s": step_s,
+        "tokens_per_s": gen_tokens as f64 / rollout_s.max(1e-9),
+        "trained_tokens": s.state.trained_tokens,
+        "samples": s.state.samples_generated,
+        "skipped_steps": s.state.skipped_steps,
+        "env/latency_s": rewards.latency_s,
+    });
+    if stats.non_finite {
+        line["skipped"] = json!(true);
+    }
+    if let Some(obj) = line.as_object_mut() {
+        obj.extend(extra);
+    }
+    run.metrics.write(&line)?;
+
+    let every = s.recipe.train.eval_every;
+    let mut eval_acc = None;
+    if (every > 0 && step.is_multiple_of(every)) || step == total_steps {
+        let acc = evaluate(s)?;
+        eval_acc = Some(acc);
+        run.final_accuracy = Some(acc);
+        run.metrics.write(&json!({"step": step, "kind": "eval", "policy_version": s.state.policy_version, "eval/accuracy": acc, "samples": s.state.samples_generated}))?;
+        if acc >= target && run.reached_target.is_none() {
+            run.reached_target = Some((
+                step,
+                s.state.samples_generated,
+                run.started.elapsed().as_secs_f64(),
+            ));
+        }
+    }
+    run.progress.update(&StepSnapshot {
+        step: step as u64,
+        reward_mean: mean,
+        eval_accuracy: eval_acc,
+        tokens_per_s: gen_tokens as f64 / rollout_s.max(1e-9),
+        extra: stats.non_finite.then(|| "skipped: non-finite".to_string()),
+    });
+
+    let ck = s.recipe.train.checkpoint_every;
+    if run.sigint_steps.contains(&step) {
+        // SAFETY: raising a signal whose handler (installed by run_train) only stores an atomic.
+        unsafe {
+            libc::raise(libc::SIGINT);
+        }
+    }
+    let interrupted = INTERRUPTED.load(Ordering::SeqCst);
+    run.interrupted = interrupted;
+    let stop_early = s.recipe.train.stop_at_accuracy > 0.0 && eval_acc.is_some_and(|a| a >= target);
+    if s.state.consecutive_skipped >= s.recipe.train.max_nonfinite_steps.max(1) {
+        let last_good = checkpoint::find_checkpoint(&s.run_dir)
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|_| "none yet (no checkpoint was written)".into());
+        bail!(
+            "stopping at step {step}: {} consecutive steps had a non-finite loss or gradient \
+         (limit `[train] max_nonfinite_steps` = {}); the last good checkpoint is {last_good}",
+            s.state.consecutive_skipped,
+            s.recipe.train.max_nonfinite_steps
+        );
+    }
+    if (ck > 0 && step.is_multiple_of(ck)) || step == total_steps || interrupted || stop_early {
+        save(s)?;
+    }
+    if interrupted {
+        run.progress.println(format!(
+            "interrupted: checkpoint written at step {step}; continue with --resume {}",
+            s.run_dir.display()
+        ));
+        return Ok(true);
+    }
+    Ok(stop_early)
 }
 
 fn fmt_pct(x: Option<f64>) -> String {
@@ -671,18 +784,41 @@ pub fn rollout_batch(s: &Session, step: usize) -> Result<RolloutBatch> {
     if let Some(env) = &s.env_rollout {
         return env.rollout_batch(s, step);
     }
-    let seed = s.recipe.train.seed;
-    let n_prompts = s.recipe.train.prompts_per_step;
+    sample_rollouts(
+        &s.model,
+        s.state.policy_version,
+        &s.recipe,
+        &s.train_rows,
+        &s.tok,
+        s.eos,
+        step,
+    )
+}
+
+/// The step's prompts (drawn from `(seed, step)`) and their completions sampled by `model`,
+/// which holds weights version `policy_version`. Shared by the sync loop and the async
+/// generator, which samples with a published snapshot.
+pub fn sample_rollouts(
+    model: &TinyModel,
+    policy_version: u64,
+    recipe: &Recipe,
+    train_rows: &[PromptRow],
+    tok: &Tokenizer,
+    eos: u32,
+    step: usize,
+) -> Result<RolloutBatch> {
+    let seed = recipe.train.seed;
+    let n_prompts = recipe.train.prompts_per_step;
     let prompts: Vec<usize> = (0..n_prompts)
         .map(|i| {
-            (mix_seed(seed, step as u64, 1_000_000 + i as u64) % s.train_rows.len() as u64) as usize
+            (mix_seed(seed, step as u64, 1_000_000 + i as u64) % train_rows.len() as u64) as usize
         })
         .collect();
     let prompt_ids: Vec<Vec<u32>> = prompts
         .iter()
-        .map(|&i| chartok::encode(&s.tok, &s.train_rows[i].prompt))
+        .map(|&i| chartok::encode(tok, &train_rows[i].prompt))
         .collect::<Result<_>>()?;
-    let r = &s.recipe.rollout;
+    let r = &recipe.rollout;
     let params = SamplingParams {
         temperature: r.temperature,
         top_p: r.top_p,
@@ -690,17 +826,17 @@ pub fn rollout_batch(s: &Session, step: usize) -> Result<RolloutBatch> {
         max_new_tokens: r.max_completion_length,
     };
     let samples = policy::generate(
-        &s.model,
+        model,
         &prompt_ids,
         r.num_generations,
         &params,
-        s.eos,
-        s.state.policy_version,
+        eos,
+        policy_version,
         |i| mix_seed(seed, step as u64, i as u64),
     )?;
     let texts = samples
         .iter()
-        .map(|x| chartok::decode(&s.tok, &x.completion_ids))
+        .map(|x| chartok::decode(tok, &x.completion_ids))
         .collect();
     Ok(RolloutBatch {
         prompts,
@@ -714,8 +850,25 @@ pub fn reward_batch(s: &Session, batch: &RolloutBatch) -> Rewards {
     if let Some(env) = &s.env_rollout {
         return env.reward_batch(s, batch);
     }
-    let g = s.recipe.rollout.num_generations;
-    let max = s.reward.max_reward();
+    score_rollouts(
+        &s.reward,
+        &s.train_rows,
+        s.recipe.rollout.num_generations,
+        s.recipe.train.reward_latency_s,
+        batch,
+    )
+}
+
+/// Scores `batch` against its prompts' answers; `added_latency_s` is slept per sample (the
+/// async benchmark's slow environment). Shared by the sync loop and the async rewarder.
+pub fn score_rollouts(
+    reward: &RewardFn,
+    train_rows: &[PromptRow],
+    num_generations: usize,
+    added_latency_s: f64,
+    batch: &RolloutBatch,
+) -> Rewards {
+    let max = reward.max_reward();
     let mut out = Rewards {
         total: vec![],
         per_func: vec![],
@@ -724,8 +877,11 @@ pub fn reward_batch(s: &Session, batch: &RolloutBatch) -> Rewards {
     };
     for (i, text) in batch.texts.iter().enumerate() {
         let t0 = Instant::now();
-        let answer = &s.train_rows[batch.prompts[i / g]].answer;
-        let (total, comps) = s.reward.score(text, answer);
+        if added_latency_s > 0.0 {
+            std::thread::sleep(std::time::Duration::from_secs_f64(added_latency_s));
+        }
+        let answer = &train_rows[batch.prompts[i / num_generations]].answer;
+        let (total, comps) = reward.score(text, answer);
         out.latency_s.push(t0.elapsed().as_secs_f64());
         out.passed.push(total >= max - 1e-9);
         out.total.push(total);
@@ -737,7 +893,7 @@ pub fn reward_batch(s: &Session, batch: &RolloutBatch) -> Rewards {
 impl Rewards {
     /// Per-verifier rewards already multiplied by their weights (the advantage code then sums
     /// them with unit weights unless `[loss] reward_weights` says otherwise).
-    fn per_func_weighted(&self, f: &RewardFn) -> Vec<Vec<f64>> {
+    pub fn per_func_weighted(&self, f: &RewardFn) -> Vec<Vec<f64>> {
         self.per_func
             .iter()
             .map(|r| r.iter().zip(&f.parts).map(|(x, (_, w))| x * w).collect())

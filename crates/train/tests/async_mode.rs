@@ -1,0 +1,175 @@
+//! The async layout (`[train] mode = "async"`) end to end on a very small model, checked from
+//! RUN_DIR/metrics.jsonl: the staleness bound, ordering, and that `max_staleness = 0` gives
+//! exactly the sync run.
+
+use std::path::{Path, PathBuf};
+
+use composer_telemetry::read_metrics;
+use composer_train::{run_train, TrainOptions};
+use serde_json::Value;
+
+/// Same shape as tests/run.rs's SMALL recipe; `[train]` comes from the caller.
+const MODEL_AND_DATA: &str = r#"
+[model.builtin_tiny]
+hidden_size = 16
+layers = 1
+heads = 2
+kv_heads = 1
+intermediate_size = 32
+
+[data]
+task = "arithmetic"
+eval_size = 10
+
+[data.arithmetic]
+digits = 1
+
+[rollout]
+num_generations = 4
+max_completion_length = 3
+
+[loss]
+hint_weight = 1.0
+replay_weight = 1.0
+
+[loss.hint.template]
+reprompt = "{solution}{prompt}"
+solution = "[{successful_previous_attempt}]"
+feedback = ""
+
+[warmup]
+steps = 10
+batch_size = 16
+hint_fraction = 0.3
+
+[replay]
+traces = ["builtin:scripted"]
+"#;
+
+fn recipe(dir: &Path, mode: &str, max_staleness: u64, steps: usize) -> PathBuf {
+    let text = format!(
+        "{MODEL_AND_DATA}\n[train]\nsteps = {steps}\nprompts_per_step = 4\nseed = 7\n\
+         eval_every = 3\ncheckpoint_every = 3\nnum_iterations = 2\nmini_batches = 2\n\
+         mode = \"{mode}\"\nmax_staleness = {max_staleness}\n"
+    );
+    let p = dir.join(format!("recipe-{mode}-{max_staleness}.toml"));
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn run(recipe: &Path, run_dir: &Path) -> composer_train::trainer::RunOutcome {
+    run_train(&TrainOptions {
+        recipe_path: Some(recipe.to_path_buf()),
+        quiet: true,
+        run_dir_override: Some(run_dir.to_path_buf()),
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+fn train_lines(run_dir: &Path) -> Vec<Value> {
+    read_metrics(&run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .filter(|l| l["kind"] == "train")
+        .collect()
+}
+
+fn u(v: &Value, key: &str) -> u64 {
+    v[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{key} missing or not an integer in {v}"))
+}
+
+#[test]
+fn async_respects_the_staleness_bound_and_orders_steps() {
+    let tmp = tempfile::tempdir().unwrap();
+    for k in [1u64, 2] {
+        let dir = tmp.path().join(format!("async-{k}"));
+        let out = run(&recipe(tmp.path(), "async", k, 6), &dir);
+        assert_eq!(out.steps_completed, 6);
+        assert!(dir.join("checkpoint/model.safetensors").is_file());
+        assert!(dir.join("report.html").is_file());
+        let lines = train_lines(&dir);
+        assert_eq!(lines.len(), 6, "one train line per step");
+        let mut last_version = 0;
+        for (i, l) in lines.iter().enumerate() {
+            // Ordering: steps 1..=n in order, the trainer's policy version never goes back.
+            assert_eq!(u(l, "step"), i as u64 + 1);
+            let version = u(l, "policy_version");
+            assert!(version >= last_version, "policy_version went back: {l}");
+            last_version = version;
+            // The bound: no consumed rollout lagged the trainer by more than k ...
+            assert!(u(l, "staleness/max") <= k, "step {}: {l}", i + 1);
+            assert_eq!(u(l, "staleness/bound"), k);
+            let lags = l["staleness/values"].as_array().expect("staleness/values");
+            assert!(!lags.is_empty(), "every step consumed something");
+            // ... and none came from a version newer than the trainer's (lags are u64 >= 0,
+            // and the rollout version = trainer version - lag must not exceed the step).
+            for lag in lags {
+                let lag = lag.as_u64().expect("lag is a non-negative integer");
+                assert!(lag <= k);
+                assert!(lag <= i as u64, "step {}: lag {lag} before any update", i + 1);
+            }
+            assert!(l["staleness/mean"].as_f64().unwrap() <= k as f64);
+            assert!(l.get("staleness/dropped").and_then(Value::as_u64).is_some());
+            for key in [
+                "time/idle_generator_s",
+                "time/idle_rewarder_s",
+                "time/idle_trainer_s",
+                "time/rollout_s",
+                "time/reward_s",
+                "time/train_s",
+                "time/sync_s",
+            ] {
+                assert!(l[key].as_f64().is_some_and(|x| x >= 0.0), "{key} in {l}");
+            }
+        }
+    }
+}
+
+/// Metric values that do not depend on timing or on the layout's own bookkeeping.
+fn comparable(l: &Value) -> Vec<(String, Value)> {
+    l.as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| {
+            !k.starts_with("time/")
+                && !k.starts_with("staleness/")
+                && !k.starts_with("actors/")
+                && *k != "tokens_per_s"
+                && *k != "env/latency_s"
+        })
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+#[test]
+fn async_with_max_staleness_zero_is_the_sync_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sync_dir = tmp.path().join("sync");
+    let async_dir = tmp.path().join("async0");
+    run(&recipe(tmp.path(), "sync", 0, 4), &sync_dir);
+    run(&recipe(tmp.path(), "async", 0, 4), &async_dir);
+    let a = read_metrics(&sync_dir.join("metrics.jsonl")).unwrap();
+    let b = read_metrics(&async_dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(a.len(), b.len(), "number of metric lines");
+    for (la, lb) in a.iter().zip(&b) {
+        let (ca, cb) = (comparable(la), comparable(lb));
+        assert_eq!(
+            ca.iter().map(|x| &x.0).collect::<Vec<_>>(),
+            cb.iter().map(|x| &x.0).collect::<Vec<_>>()
+        );
+        for ((k, va), (_, vb)) in ca.iter().zip(&cb) {
+            match (va.as_f64(), vb.as_f64()) {
+                (Some(x), Some(y)) => {
+                    assert!((x - y).abs() <= 1e-6 * x.abs().max(1.0), "{k}: {x} vs {y}")
+                }
+                _ => assert_eq!(va, vb, "{k}"),
+            }
+        }
+        if lb["kind"] == "train" {
+            assert_eq!(u(lb, "staleness/max"), 0, "k = 0: on-policy only");
+        }
+    }
+}
