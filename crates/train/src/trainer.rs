@@ -559,6 +559,17 @@ fn run_sync(s: &mut Session, run: &mut RunLog) -> Result<()> {
         extra.insert("staleness/mean".into(), json!(0.0));
         extra.insert("staleness/max".into(), json!(0));
         extra.insert("staleness/dropped".into(), json!(0));
+        if let Some(env) = &s.env_rollout {
+            // τ_V of environment rollouts: cumulative call latency and failures by cause.
+            let stats = env.stats();
+            extra.insert("env/step_p50_s".into(), json!(stats.step.p50_s));
+            extra.insert("env/step_p95_s".into(), json!(stats.step.p95_s));
+            extra.insert("env/reset_p50_s".into(), json!(stats.reset.p50_s));
+            extra.insert("env/reset_p95_s".into(), json!(stats.reset.p95_s));
+            extra.insert("env/episodes_ok".into(), json!(stats.episodes_ok));
+            extra.insert("env/episodes_failed".into(), json!(stats.episodes_failed));
+            extra.insert("env/failures".into(), json!(stats.failures));
+        }
         if end_step(s, run, step, &batch, &rewards, &stats, &walls, extra)? {
             break;
         }

@@ -57,7 +57,7 @@ fn recipe(dir: &Path, mode: &str, max_staleness: u64, steps: usize) -> PathBuf {
     p
 }
 
-fn run(recipe: &Path, run_dir: &Path) -> composer_train::trainer::RunOutcome {
+fn run(recipe: &Path, run_dir: &Path) -> composer_train::RunOutcome {
     run_train(&TrainOptions {
         recipe_path: Some(recipe.to_path_buf()),
         quiet: true,
@@ -109,14 +109,18 @@ fn async_respects_the_staleness_bound_and_orders_steps() {
             for lag in lags {
                 let lag = lag.as_u64().expect("lag is a non-negative integer");
                 assert!(lag <= k);
-                assert!(lag <= i as u64, "step {}: lag {lag} before any update", i + 1);
+                assert!(
+                    lag <= i as u64,
+                    "step {}: lag {lag} before any update",
+                    i + 1
+                );
             }
             assert!(l["staleness/mean"].as_f64().unwrap() <= k as f64);
             assert!(l.get("staleness/dropped").and_then(Value::as_u64).is_some());
             for key in [
-                "time/idle_generator_s",
-                "time/idle_rewarder_s",
-                "time/idle_trainer_s",
+                "idle/generator_s",
+                "idle/rewarder_s",
+                "idle/trainer_s",
                 "time/rollout_s",
                 "time/reward_s",
                 "time/train_s",
@@ -137,6 +141,7 @@ fn comparable(l: &Value) -> Vec<(String, Value)> {
             !k.starts_with("time/")
                 && !k.starts_with("staleness/")
                 && !k.starts_with("actors/")
+                && !k.starts_with("idle/")
                 && *k != "tokens_per_s"
                 && *k != "env/latency_s"
         })

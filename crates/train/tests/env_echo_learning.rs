@@ -102,6 +102,14 @@ fn tiny_model_learns_the_real_echo_env() {
         last > first + 0.1,
         "mean reward did not rise: first two steps {first:.3}, last two {last:.3} ({rewards:.3?})"
     );
+    // The env wall (τ_V) is in the metrics: call latency percentiles and episode counts.
+    let lines = read_metrics(&run_dir.join("metrics.jsonl")).unwrap();
+    let last_train = lines.iter().rev().find(|l| l["kind"] == "train").unwrap();
+    let p50 = last_train["env/step_p50_s"].as_f64().unwrap();
+    let p95 = last_train["env/step_p95_s"].as_f64().unwrap();
+    assert!(p50 > 0.0 && p50 <= p95, "{last_train}");
+    assert!(last_train["env/episodes_ok"].as_u64().unwrap() > 0);
+    assert_eq!(last_train["env/episodes_failed"], 0);
 }
 
 #[test]
