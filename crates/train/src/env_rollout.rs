@@ -514,6 +514,7 @@ impl EnvRollout {
                 sampler_logprobs: ep.sampler_logprobs[p..].to_vec(),
                 truncated: last.is_some_and(|t| t.finish_reason == FinishReason::Length),
                 policy_version: s.state.policy_version,
+                loss_mask: Some(ep.loss_mask[p..].to_vec()),
             });
             texts.push(
                 ep.turns

@@ -39,6 +39,9 @@ pub struct Sample {
     pub truncated: bool,
     /// Weights version that produced it.
     pub policy_version: u64,
+    /// Per completion token, 1 = trained on, 0 = not (environment observation tokens between
+    /// model turns of a multi-turn episode). `None`: every completion token is trained on.
+    pub loss_mask: Option<Vec<u8>>,
 }
 
 /// A seed that depends only on (seed, step, index): SplitMix64 over the three.
@@ -85,6 +88,7 @@ pub fn generate(
             sampler_logprobs: vec![],
             truncated: false,
             policy_version,
+            loss_mask: None,
         })
         .collect();
     let mut rngs: Vec<ChaCha8Rng> = (0..rows)

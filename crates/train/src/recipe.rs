@@ -929,11 +929,6 @@ fn validate_env(e: &EnvSection, r: &Recipe) -> Result<()> {
     if e.max_turns < 1 {
         bail!("key `[env] max_turns`: must be >= 1");
     }
-    // The trainer's samples carry one contiguous completion; observation tokens between model
-    // turns would be trained on until the batch carries a per-token loss mask.
-    if e.max_turns > 1 {
-        bail!("key `[env] max_turns`: training supports 1 turn per episode for now (multi-turn episodes are recorded token-faithfully by composer-env, but the trainer's samples have no per-token loss mask for the observation tokens yet)");
-    }
     if e.max_concurrent < 1 {
         bail!("key `[env] max_concurrent`: must be >= 1");
     }
@@ -966,10 +961,6 @@ fn validate_env(e: &EnvSection, r: &Recipe) -> Result<()> {
         if !t.contains("{observation}") {
             bail!("key `[env] {key}`: must contain {{observation}}");
         }
-    }
-    // The hint channel builds teacher prompts from `[data]` prompts; env prompts differ.
-    if r.loss.hint_weight > 0.0 {
-        bail!("key `[loss] hint_weight`: the hint channel is not wired to `[env]` rollouts yet; set it to 0");
     }
     Ok(())
 }

@@ -1055,16 +1055,27 @@ pub fn train_on_batch(
     let mut hint_ids: Vec<Option<Vec<u32>>> = vec![None; batch.samples.len()];
     if s.recipe.loss.hint_weight > 0.0 {
         for gi in 0..n_groups {
-            let prompt_text = &s.train_rows[batch.prompts[gi]].prompt;
-            let group: Vec<RolloutForHint> = (gi * g..(gi + 1) * g)
-                .map(|i| RolloutForHint {
-                    prompt_text: prompt_text.clone(),
-                    completion_text: batch.texts[i].clone(),
-                    reward: rewards.total[i],
-                    passed: rewards.passed[i],
-                    feedback: None,
-                })
-                .collect();
+            // Env rollouts: the prompt the student saw and the env's feedback (e.g. the
+            // failing test); otherwise the `[data]` prompt row, without feedback.
+            let env_group = s
+                .env_rollout
+                .as_ref()
+                .and_then(|e| e.hint_group(batch, rewards, gi, g));
+            let group: Vec<RolloutForHint> = match env_group {
+                Some(group) => group,
+                None => {
+                    let prompt_text = &s.train_rows[batch.prompts[gi]].prompt;
+                    (gi * g..(gi + 1) * g)
+                        .map(|i| RolloutForHint {
+                            prompt_text: prompt_text.clone(),
+                            completion_text: batch.texts[i].clone(),
+                            reward: rewards.total[i],
+                            passed: rewards.passed[i],
+                            feedback: None,
+                        })
+                        .collect()
+                }
+            };
             for (k, hp) in build_hint_prompts(&group, &s.recipe.loss.hint.template)
                 .into_iter()
                 .enumerate()
@@ -1248,8 +1259,23 @@ fn micro_loss(
         .iter()
         .map(|x| (x.prompt_ids.as_slice(), x.completion_ids.as_slice()))
         .collect();
-    let tb = policy::token_batch(&pairs, s.eos, &dev)?;
+    let mut tb = policy::token_batch(&pairs, s.eos, &dev)?;
     let (b, l) = tb.input.dims2()?;
+    if samples.iter().any(|x| x.loss_mask.is_some()) {
+        // Multi-turn episodes: environment observation tokens are input, not trained on.
+        let mut keep = vec![1f32; b * l];
+        for (r, smp) in samples.iter().enumerate() {
+            if let Some(mask) = &smp.loss_mask {
+                for (k, &pos) in tb.completion_positions[r].iter().enumerate() {
+                    if mask.get(k) == Some(&0) {
+                        keep[pos] = 0.0;
+                    }
+                }
+            }
+        }
+        let keep = Tensor::from_vec(keep, (b, l), &dev)?.to_dtype(tb.mask.dtype())?;
+        tb.mask = (&tb.mask * keep)?;
+    }
     let (lp, ls) = policy::token_logprobs(&s.model, &tb, temp)?;
 
     // Teacher traces of this micro-batch's prompts: chosen = passing trace, rejected = failing

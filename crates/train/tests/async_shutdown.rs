@@ -92,8 +92,7 @@ fn ctrl_c_and_actor_errors_shut_down_cleanly() {
         let last = read_metrics(&dir.join("metrics.jsonl"))
             .unwrap()
             .into_iter()
-            .filter(|l| l["kind"] == "train")
-            .last()
+            .rfind(|l| l["kind"] == "train")
             .unwrap();
         assert_eq!(last["step"], 3, "{mode}: nothing trained after Ctrl-C");
         // Resume continues from the checkpoint to the end.

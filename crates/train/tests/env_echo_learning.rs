@@ -365,3 +365,42 @@ fn failed_episodes_are_counted_and_replaced() {
         "{err}"
     );
 }
+
+/// Multi-turn episodes train: the built-in echo env for 2 turns per episode, the hint channel
+/// on (teacher prompts from the env's prompt and feedback). Observation tokens sit inside the
+/// completion, masked out of the loss by each sample's `loss_mask`.
+#[test]
+fn multi_turn_episodes_train_with_observations_masked() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = dir.path().join("recipe.toml");
+    let text = RECIPE
+        .replace("steps = 10", "steps = 3")
+        .replace(
+            "scale_rewards = \"group\"",
+            "scale_rewards = \"group\"\nhint_weight = 1.0",
+        )
+        .replace(
+            "kind = \"openenv\"\nurl_env = \"OPENENV_URL\"\nmax_turns = 1",
+            "kind = \"builtin\"\nname = \"echo\"\nmax_turns = 2",
+        );
+    std::fs::write(&recipe, text).unwrap();
+    let run_dir = dir.path().join("run");
+    let outcome = run_train(&TrainOptions {
+        recipe_path: Some(recipe),
+        resume: None,
+        quiet: true,
+        run_dir_override: Some(run_dir.clone()),
+        max_steps_override: None,
+    })
+    .unwrap();
+    assert_eq!(outcome.steps_completed, 3);
+    let lines = read_metrics(&run_dir.join("metrics.jsonl")).unwrap();
+    let train: Vec<_> = lines.iter().filter(|l| l["kind"] == "train").collect();
+    assert_eq!(train.len(), 3);
+    for l in &train {
+        assert!(l["loss/rlvr"].as_f64().unwrap().is_finite(), "{l}");
+        assert!(l["loss/hint"].as_f64().unwrap().is_finite(), "{l}");
+        // Two model turns of up to 12 tokens plus the observation in between.
+        assert!(l["completions/mean_length"].as_f64().unwrap() > 12.0, "{l}");
+    }
+}
