@@ -218,11 +218,12 @@ impl Default for ArithmeticConfig {
     }
 }
 
-/// One reward: `kind` = `"exact"`, `"numeric"` or `"regex"` (with `pattern`), and its weight.
+/// One reward: `kind` = `"exact"`, `"numeric"`, `"regex"` (with `pattern`) or `"code"` (the
+/// row's `answer` holds `{"entry_point", "tests"}` JSON; tests run in the sandbox), and its weight.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VerifierSpec {
-    /// `exact` | `numeric` | `regex`.
+    /// `exact` | `numeric` | `regex` | `code`.
     pub kind: String,
     /// Weight in the summed reward.
     #[serde(default = "one")]
@@ -842,7 +843,7 @@ fn validate(r: &Recipe) -> Result<()> {
     }
     for (i, v) in r.data.verifiers.iter().enumerate() {
         match v.kind.as_str() {
-            "exact" | "numeric" => {}
+            "exact" | "numeric" | "code" => {}
             "regex" => {
                 let p = v.pattern.as_deref().with_context(|| {
                     format!("key `[[data.verifiers]]` #{i}: kind = \"regex\" needs `pattern`")
@@ -850,7 +851,7 @@ fn validate(r: &Recipe) -> Result<()> {
                 regex::Regex::new(&p.replace("{answer}", "0"))
                     .with_context(|| format!("key `[[data.verifiers]]` #{i} pattern"))?;
             }
-            k => bail!("key `[[data.verifiers]]` #{i} kind: unknown verifier {k:?} (known: exact, numeric, regex)"),
+            k => bail!("key `[[data.verifiers]]` #{i} kind: unknown verifier {k:?} (known: exact, numeric, regex, code)"),
         }
     }
     let one_of = |key: &str, v: &str, allowed: &[&str]| -> Result<()> {

@@ -1,5 +1,5 @@
-//! Built-in verifiers: exact match, numeric match (`\boxed{}` or the last number), regex; several
-//! combine as a weighted sum.
+//! Built-in verifiers: exact match, numeric match (`\boxed{}` or the last number), regex, and
+//! code with unit tests run in the sandbox; several combine as a weighted sum.
 
 use anyhow::Result;
 use regex::Regex;
@@ -16,6 +16,36 @@ pub enum Verifier {
     Numeric,
     /// 1 when the regex (with `{answer}` replaced by the escaped answer) matches.
     Regex(String),
+    /// The fraction of unit tests the completion's Python code passes, run in
+    /// composer-sandbox (time, memory, process, file-size limits; no network). The row's
+    /// `answer` is a JSON object `{"entry_point": "f", "tests": ["assert f(1) == 2", ...]}`
+    /// (see [`CodeAnswer`]); a malformed one scores 0.
+    Code,
+}
+
+/// The reference answer of a `code` verifier row.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CodeAnswer {
+    /// Name of the function the completion must define.
+    pub entry_point: String,
+    /// Test statements (typically `assert`s), each run separately.
+    pub tests: Vec<String>,
+}
+
+impl CodeAnswer {
+    /// Parses a row's `answer`; the error names what is wrong.
+    pub fn parse(answer: &str) -> Result<Self> {
+        let a: CodeAnswer = serde_json::from_str(answer).map_err(|e| {
+            anyhow::anyhow!(
+                "a `code` verifier's answer must be JSON {{\"entry_point\": ..., \"tests\": [...]}}: {e}"
+            )
+        })?;
+        if a.tests.is_empty() {
+            anyhow::bail!("a `code` verifier's answer has no tests");
+        }
+        Ok(a)
+    }
 }
 
 impl Verifier {
@@ -30,6 +60,7 @@ impl Verifier {
             Verifier::Regex(p) => Regex::new(&p.replace("{answer}", &regex::escape(answer.trim())))
                 .map(|r| r.is_match(completion))
                 .unwrap_or(false),
+            Verifier::Code => return score_code(completion, answer),
         };
         if ok {
             1.0
@@ -70,6 +101,7 @@ impl RewardFn {
                 "exact" => Verifier::Exact,
                 "numeric" => Verifier::Numeric,
                 "regex" => Verifier::Regex(s.pattern.clone().unwrap_or_default()),
+                "code" => Verifier::Code,
                 k => anyhow::bail!("unknown verifier kind {k:?}"),
             };
             parts.push((v, s.weight));
@@ -92,4 +124,25 @@ impl RewardFn {
     pub fn max_reward(&self) -> f64 {
         self.parts.iter().map(|(_, w)| w.max(0.0)).sum()
     }
+}
+
+/// Fraction of the answer's tests that the completion's code passes in the sandbox.
+fn score_code(completion: &str, answer: &str) -> f64 {
+    let Ok(a) = CodeAnswer::parse(answer) else {
+        return 0.0;
+    };
+    let task = composer_sandbox::CodeTask {
+        id: "dataset".into(),
+        prompt: String::new(),
+        entry_point: a.entry_point,
+        tests: a.tests,
+    };
+    let code = composer_sandbox::extract_code(completion);
+    composer_sandbox::grade(
+        &code,
+        &task,
+        &composer_sandbox::SandboxLimits::default(),
+        composer_sandbox::RewardMode::FractionPassed,
+    )
+    .reward
 }
