@@ -1112,7 +1112,7 @@ pub fn train_on_batch(
         for micro in mb {
             if tr.num_iterations > 1 {
                 let (_, old, trace_ref) = micro_loss(
-                    s, step, micro, batch, rewards, advantages, &hint_ids, None, true,
+                    s, step, micro, batch, rewards, advantages, &hint_ids, None, true, None,
                 )?;
                 v.push(Frozen {
                     old_logprobs: old,
@@ -1136,6 +1136,7 @@ pub fn train_on_batch(
         for (mb_i, mb) in mini.iter().enumerate() {
             let mut grads: HashMap<String, Tensor> = HashMap::new();
             let mut finite = true;
+            let scale = optimizer_step_scale(s, batch, mb);
             for (mi, micro) in mb.iter().enumerate() {
                 let fz = &frozen[mb_i][mi];
                 let (out, _, _) = micro_loss(
@@ -1148,6 +1149,7 @@ pub fn train_on_batch(
                     &hint_ids,
                     Some(fz),
                     false,
+                    Some(&scale),
                 )?;
                 let Some(out) = out else { continue };
                 let loss = if inject_nan {
@@ -1155,7 +1157,6 @@ pub fn train_on_batch(
                 } else {
                     out.loss.clone()
                 };
-                let loss = (loss / mb.len() as f64)?;
                 let value = scalar(&loss)?;
                 stats.loss_rlvr += out.rlvr;
                 stats.loss_hint += out.hint;
@@ -1237,6 +1238,36 @@ struct MicroOut {
     dpo_pairs: usize,
 }
 
+/// The RLVR normaliser of one optimizer step made of the micro-batches `micro` (lists of
+/// sample indices): active completion tokens and sequences over all of them, counted as
+/// `LossScale::from_micro_batches` counts them (truncated samples excluded when
+/// `mask_truncated_completions`, observation tokens excluded by `loss_mask`). With it the
+/// summed micro-batch losses equal the loss of the step's whole batch (DAPO, CISPO, DPPO...).
+fn optimizer_step_scale(s: &Session, batch: &RolloutBatch, micro: &[Vec<usize>]) -> LossScale {
+    let mask_truncated = s.recipe.loss.rlvr.mask_truncated_completions;
+    let (mut tokens, mut sequences) = (0.0, 0.0);
+    for &i in micro.iter().flatten() {
+        let smp = &batch.samples[i];
+        let active = if mask_truncated && smp.truncated {
+            0
+        } else {
+            match &smp.loss_mask {
+                Some(mask) => mask.iter().filter(|&&m| m != 0).count(),
+                None => smp.completion_ids.len(),
+            }
+        };
+        tokens += active as f64;
+        if active > 0 {
+            sequences += 1.0;
+        }
+    }
+    LossScale {
+        global_active_tokens: tokens,
+        global_sequences: sequences,
+        num_micro_batches: micro.len().max(1) as f64,
+    }
+}
+
 /// Builds the micro-batch's loss. With `freeze_only`, returns the detached old log-probs and
 /// trace reference log-probs instead (the μ > 1 pre-pass).
 #[allow(clippy::too_many_arguments)]
@@ -1250,6 +1281,7 @@ fn micro_loss(
     hint_ids: &[Option<Vec<u32>>],
     frozen: Option<&Frozen>,
     freeze_only: bool,
+    rlvr_scale: Option<&LossScale>,
 ) -> Result<(Option<MicroOut>, Option<Tensor>, Option<Tensor>)> {
     let dev = s.model.device().clone();
     let temp = s.recipe.rollout.temperature;
@@ -1336,7 +1368,19 @@ fn micro_loss(
     inputs.entropies = Some(entropies.clone());
     let mut cfg = s.recipe.loss.rlvr.clone();
     cfg.max_completion_length = s.recipe.rollout.max_completion_length;
-    let scale = LossScale::local(&inputs, cfg.mask_truncated_completions)?;
+    // The step's normaliser (global token count across gradient-accumulation micro-batches),
+    // or this micro-batch alone.
+    let scale = match rlvr_scale {
+        Some(sc) => *sc,
+        None => LossScale::local(&inputs, cfg.mask_truncated_completions)?,
+    };
+    debug_assert!(
+        scale.num_micro_batches != 1.0
+            || scale == LossScale::local(&inputs, cfg.mask_truncated_completions)?,
+        "optimizer_step_scale disagrees with LossScale::local"
+    );
+    // Hint and replay are per-micro-batch means: averaged over the step's micro-batches.
+    let per_micro = 1.0 / scale.num_micro_batches;
 
     // Hint: the same weights score the student's completion after the hinted prompt.
     let alpha = s.recipe.loss.hint_weight;
@@ -1390,7 +1434,7 @@ fn micro_loss(
         let (l_hint, m_hint) =
             hint_loss(&inputs, &s.recipe.loss.hint.config).context("hint loss")?;
         hint_value = m_hint.loss;
-        loss = (loss + (l_hint * alpha)?)?;
+        loss = (loss + (l_hint * (alpha * per_micro))?)?;
     }
 
     // Replay: DPO on (passing teacher trace, failing rollout) pairs + token KL on the traces.
@@ -1473,7 +1517,7 @@ fn micro_loss(
             l_replay = (l_replay + (l_dpo * rc.dpo_weight)?)?;
         }
         replay_value = scalar(&l_replay)?;
-        loss = (loss + (l_replay * s.recipe.loss.replay_weight)?)?;
+        loss = (loss + (l_replay * (s.recipe.loss.replay_weight * per_micro))?)?;
     }
     let ent = scalar(&policy::masked_mean(&entropies.detach(), &tb.mask)?)?;
     // k3 estimate of KL(sampler ‖ trainer) on the sampled tokens (the sampler/trainer mismatch).
@@ -1481,7 +1525,9 @@ fn micro_loss(
     Ok((
         Some(MicroOut {
             loss,
-            rlvr: m_rlvr.loss,
+            // This micro-batch's share times their number: the mean over micro-batches is
+            // the step's RLVR loss.
+            rlvr: m_rlvr.loss * scale.num_micro_batches,
             hint: hint_value,
             replay: replay_value,
             dpo: dpo_v,
