@@ -9,21 +9,12 @@ use composer_telemetry::read_metrics;
 use composer_train::{run_train, TrainOptions};
 use serde_json::Value;
 
-const RECIPE: &str = r#"
-[model.builtin_tiny]
-hidden_size = 16
-layers = 1
-heads = 2
-kv_heads = 1
-intermediate_size = 32
+mod common;
+use common::tiny_model_and_task;
 
-[data]
-task = "arithmetic"
-eval_size = 10
-
-[data.arithmetic]
-digits = 1
-
+const RECIPE: &str = concat!(
+    tiny_model_and_task!(),
+    r#"
 [rollout]
 num_generations = 4
 max_completion_length = 6
@@ -44,7 +35,8 @@ gradient_accumulation_steps = GA
 [warmup]
 steps = 2
 batch_size = 16
-"#;
+"#
+);
 
 fn train_lines(dir: &Path, loss: &str, ga: usize) -> Vec<Value> {
     let recipe = dir.join(format!("{loss}-{ga}.toml"));

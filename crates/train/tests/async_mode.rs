@@ -8,22 +8,13 @@ use composer_telemetry::read_metrics;
 use composer_train::{run_train, TrainOptions};
 use serde_json::Value;
 
+mod common;
+use common::tiny_model_and_task;
+
 /// Same shape as tests/run.rs's SMALL recipe; `[train]` comes from the caller.
-const MODEL_AND_DATA: &str = r#"
-[model.builtin_tiny]
-hidden_size = 16
-layers = 1
-heads = 2
-kv_heads = 1
-intermediate_size = 32
-
-[data]
-task = "arithmetic"
-eval_size = 10
-
-[data.arithmetic]
-digits = 1
-
+const MODEL_AND_DATA: &str = concat!(
+    tiny_model_and_task!(),
+    r#"
 [rollout]
 num_generations = 4
 max_completion_length = 3
@@ -44,7 +35,8 @@ hint_fraction = 0.3
 
 [replay]
 traces = ["builtin:scripted"]
-"#;
+"#
+);
 
 fn recipe(dir: &Path, mode: &str, max_staleness: u64, steps: usize) -> PathBuf {
     let text = format!(

@@ -12,21 +12,12 @@ use composer_telemetry::read_metrics;
 use composer_train::trainer::{REWARD_ERROR_HOOK_ENV, SIGINT_HOOK_ENV};
 use composer_train::{run_train, RunOutcome, TrainOptions};
 
-const RECIPE: &str = r#"
-[model.builtin_tiny]
-hidden_size = 16
-layers = 1
-heads = 2
-kv_heads = 1
-intermediate_size = 32
+mod common;
+use common::tiny_model_and_task;
 
-[data]
-task = "arithmetic"
-eval_size = 10
-
-[data.arithmetic]
-digits = 1
-
+const RECIPE: &str = concat!(
+    tiny_model_and_task!(),
+    r#"
 [rollout]
 num_generations = 4
 max_completion_length = 3
@@ -41,7 +32,8 @@ prompts_per_step = 4
 seed = 3
 eval_every = 4
 checkpoint_every = 2
-"#;
+"#
+);
 
 fn recipe(dir: &Path, mode: &str) -> PathBuf {
     let p = dir.join(format!("recipe-{mode}.toml"));

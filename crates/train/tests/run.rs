@@ -8,21 +8,12 @@ use composer_telemetry::read_metrics;
 use composer_train::{run_train, TrainOptions};
 use serde_json::Value;
 
-const SMALL: &str = r#"
-[model.builtin_tiny]
-hidden_size = 16
-layers = 1
-heads = 2
-kv_heads = 1
-intermediate_size = 32
+mod common;
+use common::tiny_model_and_task;
 
-[data]
-task = "arithmetic"
-eval_size = 10
-
-[data.arithmetic]
-digits = 1
-
+const SMALL: &str = concat!(
+    tiny_model_and_task!(),
+    r#"
 [rollout]
 num_generations = 4
 max_completion_length = 3
@@ -52,7 +43,8 @@ hint_fraction = 0.3
 
 [replay]
 traces = ["builtin:scripted"]
-"#;
+"#
+);
 
 fn write_recipe(dir: &Path, text: &str) -> PathBuf {
     let p = dir.join("recipe.toml");
