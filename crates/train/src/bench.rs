@@ -89,21 +89,30 @@ pub fn bench_channels(opts: &BenchOptions) -> Result<(Vec<BenchRow>, String)> {
 }
 
 fn arm_recipe(alpha: f64, beta: f64, seed: u64, opts: &BenchOptions) -> String {
-    recipe_with(&[
-        ("[loss]", "hint_weight", format!("hint_weight = {alpha:?}")),
-        (
-            "[loss]",
-            "replay_weight",
-            format!("replay_weight = {beta:?}"),
-        ),
-        ("[train]", "seed", format!("seed = {seed}")),
+    recipe_with(
+        &[
+            ("[loss]", "hint_weight", format!("hint_weight = {alpha:?}")),
+            (
+                "[loss]",
+                "replay_weight",
+                format!("replay_weight = {beta:?}"),
+            ),
+            ("[train]", "seed", format!("seed = {seed}")),
+        ]
+        .into_iter()
+        .chain(until_target(opts.max_steps, opts.target))
+        .collect::<Vec<_>>(),
+    )
+}
+
+/// Overrides shared by the benchmarks: stop at `target` accuracy (or `max_steps`), eval every
+/// 5 steps, no intermediate checkpoints.
+fn until_target(max_steps: usize, target: f64) -> [(&'static str, &'static str, String); 3] {
+    [
         (
             "[train]",
             "steps",
-            format!(
-                "steps = {}\nstop_at_accuracy = {:?}",
-                opts.max_steps, opts.target
-            ),
+            format!("steps = {max_steps}\nstop_at_accuracy = {target:?}"),
         ),
         ("[train]", "eval_every", "eval_every = 5".to_string()),
         (
@@ -111,7 +120,7 @@ fn arm_recipe(alpha: f64, beta: f64, seed: u64, opts: &BenchOptions) -> String {
             "checkpoint_every",
             "checkpoint_every = 0".to_string(),
         ),
-    ])
+    ]
 }
 
 /// The embedded default recipe with the lines `(section, key)` replaced by the given text.
@@ -171,30 +180,19 @@ pub fn bench_async(opts: &AsyncBenchOptions) -> Result<String> {
     );
     std::fs::create_dir_all(&opts.out_dir)?;
     for (i, (name, mode_lines)) in arms.iter().enumerate() {
-        let text = recipe_with(&[
-            (
+        let text = recipe_with(
+            &[(
                 "[train]",
                 "seed",
                 format!(
                     "seed = {}\n{mode_lines}\nreward_latency_s = {:?}",
                     opts.seed, opts.reward_latency_s
                 ),
-            ),
-            (
-                "[train]",
-                "steps",
-                format!(
-                    "steps = {}\nstop_at_accuracy = {:?}",
-                    opts.max_steps, opts.target
-                ),
-            ),
-            ("[train]", "eval_every", "eval_every = 5".to_string()),
-            (
-                "[train]",
-                "checkpoint_every",
-                "checkpoint_every = 0".to_string(),
-            ),
-        ]);
+            )]
+            .into_iter()
+            .chain(until_target(opts.max_steps, opts.target))
+            .collect::<Vec<_>>(),
+        );
         let recipe_path = opts.out_dir.join(format!("arm{i}.toml"));
         std::fs::write(&recipe_path, text)?;
         let run_dir = opts.out_dir.join(format!("arm{i}"));
