@@ -167,6 +167,14 @@ pub struct ModelSection {
     /// built for the data.
     #[serde(default)]
     pub builtin_tiny: Option<TinyConfig>,
+    /// Where the policy trains and samples: `cpu` (default), `cuda` or `cuda:N` (a build with
+    /// `--features cuda`).
+    #[serde(default = "d_device")]
+    pub device: String,
+}
+
+fn d_device() -> String {
+    "cpu".into()
 }
 
 /// `[data]`: a JSONL dataset or the built-in procedural task, plus the reward verifiers.

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Tensor, D};
 use composer_loss::hint::{build_hint_prompts, RolloutForHint};
 use composer_loss::{compute_advantages, hint_loss, rlvr_loss, HintInputs, LossInputs, LossScale};
 use composer_telemetry::{MetricsWriter, StepSnapshot, TrainProgress};
@@ -197,11 +197,12 @@ pub struct TrainStats {
 
 /// Load or build everything; on `resume`, restore weights, optimizer and counters.
 pub fn open_session(opts: &TrainOptions) -> Result<Session> {
-    let device = Device::Cpu;
-    let resume_ckpt = match &opts.resume {
+    // A resumed run's recipe is the one in its checkpoint; its optimizer state is read on
+    // the CPU and moved to the recipe's device below.
+    let mut resume_ckpt = match &opts.resume {
         Some(dir) => Some(checkpoint::load_checkpoint(
             &checkpoint::find_checkpoint(dir)?,
-            &device,
+            &candle_core::Device::Cpu,
         )?),
         None => None,
     };
@@ -220,6 +221,15 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
     let mut recipe = recipe::parse_recipe(&recipe_text, &origin)?;
     if let Some(s) = opts.max_steps_override {
         recipe.train.steps = s;
+    }
+    let device = composer_model::device_from_str(&recipe.model.device)
+        .with_context(|| format!("key `[model] device` = {:?}", recipe.model.device))?;
+    if let Some(c) = resume_ckpt.as_mut() {
+        if !device.is_cpu() {
+            for t in c.optimizer.values_mut() {
+                *t = t.to_device(&device)?;
+            }
+        }
     }
     let run_dir = match (&opts.resume, &opts.run_dir_override) {
         (Some(d), _) => d.clone(),

@@ -165,3 +165,27 @@ fn verifiers_score_as_documented() {
     assert_eq!(f.score("x 12", "12"), (1.0, vec![1.0, 0.0]));
     assert_eq!(f.max_reward(), 1.5);
 }
+
+#[test]
+fn an_unknown_device_is_an_error_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = dir.path().join("r.toml");
+    let text = composer_train::recipe::EMBEDDED_DEFAULT_RECIPE.replace(
+        "[model.builtin_tiny]",
+        "[model]\ndevice = \"tpu\"\n\n[model.builtin_tiny]",
+    );
+    std::fs::write(&recipe, text).unwrap();
+    let err = composer_train::run_train(&composer_train::TrainOptions {
+        recipe_path: Some(recipe),
+        quiet: true,
+        run_dir_override: Some(dir.path().join("run")),
+        ..Default::default()
+    })
+    .err()
+    .expect("a bad device must fail");
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("[model] device") && msg.contains("tpu"),
+        "{msg}"
+    );
+}
