@@ -175,14 +175,14 @@ fn an_unknown_device_is_an_error_naming_the_key() {
         "[model]\ndevice = \"tpu\"\n\n[model.builtin_tiny]",
     );
     std::fs::write(&recipe, text).unwrap();
-    let err = composer_train::run_train(&composer_train::TrainOptions {
+    let Err(err) = composer_train::run_train(&composer_train::TrainOptions {
         recipe_path: Some(recipe),
         quiet: true,
         run_dir_override: Some(dir.path().join("run")),
         ..Default::default()
-    })
-    .err()
-    .expect("a bad device must fail");
+    }) else {
+        panic!("a bad device must fail");
+    };
     let msg = format!("{err:#}");
     assert!(
         msg.contains("[model] device") && msg.contains("tpu"),
