@@ -8,6 +8,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+mod common;
+use common::{s3_endpoint, s3_env, s3_url};
+
 const BIN: &str = env!("CARGO_BIN_EXE_diloco-replica");
 
 /// Common arguments: 3 replicas × 20 rounds × H = 5 inner SGD steps of batch 8.
@@ -31,32 +34,6 @@ const RUN: &[&str] = &[
     "--seed",
     "11",
 ];
-
-fn s3_env(cmd: &mut Command, endpoint: &str) {
-    cmd.env("AWS_ENDPOINT", endpoint)
-        .env("AWS_ALLOW_HTTP", "true")
-        .env("AWS_REGION", "us-east-1")
-        .env("AWS_ACCESS_KEY_ID", "test")
-        .env("AWS_SECRET_ACCESS_KEY", "test");
-}
-
-/// The S3 test server: `S3_ENDPOINT`, else `AWS_ENDPOINT`. Unset: fails under CI, else SKIPPED.
-fn s3_endpoint() -> Option<String> {
-    let endpoint = ["S3_ENDPOINT", "AWS_ENDPOINT"]
-        .iter()
-        .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()));
-    if endpoint.is_none() {
-        if std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false") {
-            panic!(
-                "S3_ENDPOINT / AWS_ENDPOINT not set but CI is: start ../shared/s3/start-server.sh"
-            );
-        }
-        eprintln!(
-            "SKIPPED: S3_ENDPOINT / AWS_ENDPOINT not set (start /work/shared/s3/start-server.sh)"
-        );
-    }
-    endpoint
-}
 
 /// A spawned replica whose stdout lines arrive on a channel.
 struct Proc {
@@ -204,12 +181,7 @@ fn three_replicas_through_s3_match_one_process() {
     let Some(endpoint) = s3_endpoint() else {
         return;
     };
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let url = format!("s3://composer-rl/test-three-{}-{nanos}", std::process::id());
-    run_three(&url, Some(&endpoint));
+    run_three(&s3_url("test-three"), Some(&endpoint));
 }
 
 /// Kill replica 2 (SIGKILL) right after it publishes round 5: the others finish that round and

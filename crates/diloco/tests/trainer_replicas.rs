@@ -1,5 +1,5 @@
 //! The composer-train trainer as DiLoCo replicas (`run_replica`) in separate processes
-//! through a local folder store.
+//! through a local folder store and through the S3 test server.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -7,6 +7,9 @@ use std::process::{Command, Stdio};
 use composer_diloco::codec::decode;
 use composer_diloco::split_recipe;
 use serde_json::Value;
+
+mod common;
+use common::{s3_endpoint, s3_env, s3_url};
 
 const BIN: &str = env!("CARGO_BIN_EXE_diloco-replica");
 
@@ -59,24 +62,27 @@ outer_momentum = 0.9
 poll_interval_s = 0.01
 "#;
 
-/// Runs replicas 0 and 1 as processes; returns their FINAL json lines.
-fn run_both(recipe: &Path, store: &str, dir: &Path, extra: &[&str]) -> Vec<Value> {
+/// Runs replicas 0 and 1 as processes (against the S3 server at `s3` if given); returns their
+/// FINAL json lines.
+fn run_both(recipe: &Path, store: &str, dir: &Path, s3: Option<&str>) -> Vec<Value> {
     let children: Vec<_> = (0..2)
         .map(|i| {
-            Command::new(BIN)
-                .args([
-                    "--recipe",
-                    recipe.to_str().unwrap(),
-                    "--replica-id",
-                    &i.to_string(),
-                ])
-                .args(["--store", store])
-                .args(["--run-dir", dir.join(format!("run-{i}")).to_str().unwrap()])
-                .args(extra)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
+            let mut cmd = Command::new(BIN);
+            if let Some(endpoint) = s3 {
+                s3_env(&mut cmd, endpoint);
+            }
+            cmd.args([
+                "--recipe",
+                recipe.to_str().unwrap(),
+                "--replica-id",
+                &i.to_string(),
+            ])
+            .args(["--store", store])
+            .args(["--run-dir", dir.join(format!("run-{i}")).to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
         })
         .collect();
     let mut finals = Vec::new();
@@ -94,30 +100,22 @@ fn run_both(recipe: &Path, store: &str, dir: &Path, extra: &[&str]) -> Vec<Value
     finals
 }
 
-#[test]
-fn two_trainer_replicas_in_processes_sync_through_a_folder() {
-    let tmp = tempfile::tempdir().unwrap();
-    let recipe = tmp.path().join("recipe.toml");
-    std::fs::write(&recipe, RECIPE).unwrap();
-    let store = format!("file://{}", tmp.path().join("store").display());
-    let finals = run_both(&recipe, &store, tmp.path(), &[]);
+/// Checks what both replicas' run directories say: 4 train steps with non-zero gradients, 2
+/// rounds with both replicas in quorum, outer state saved, different data per replica, and the
+/// same final accuracy (both end on the round's global weights).
+fn assert_trained_together(finals: &[Value], dir: &Path) {
     let mut first_grad_norms = Vec::new();
     for (i, f) in finals.iter().enumerate() {
         assert_eq!(f["steps"], 4, "{f}");
         assert_eq!(f["round"], 2, "{f}");
-        let metrics =
-            std::fs::read_to_string(tmp.path().join(format!("run-{i}/metrics.jsonl"))).unwrap();
-        let rounds: Vec<Value> = metrics
+        let metrics = std::fs::read_to_string(dir.join(format!("run-{i}/metrics.jsonl"))).unwrap();
+        let lines: Vec<Value> = metrics
             .lines()
             .map(|l| serde_json::from_str::<Value>(l).unwrap())
-            .filter(|v| v["kind"] == "diloco")
             .collect();
+        let rounds: Vec<&Value> = lines.iter().filter(|v| v["kind"] == "diloco").collect();
         assert_eq!(rounds.len(), 2, "{metrics}");
-        let train: Vec<Value> = metrics
-            .lines()
-            .map(|l| serde_json::from_str::<Value>(l).unwrap())
-            .filter(|v| v["kind"] == "train")
-            .collect();
+        let train: Vec<&Value> = lines.iter().filter(|v| v["kind"] == "train").collect();
         assert_eq!(train.len(), 4);
         assert!(
             train.iter().all(|t| t["grad_norm"].as_f64().unwrap() > 0.0),
@@ -129,13 +127,23 @@ fn two_trainer_replicas_in_processes_sync_through_a_folder() {
             assert!(r["diloco/bytes"].as_u64().unwrap() > 0);
             assert!(r["time/outer_sync_s"].as_f64().unwrap() >= 0.0);
         }
-        assert!(tmp
-            .path()
+        assert!(dir
             .join(format!("run-{i}/diloco-state.safetensors"))
             .exists());
     }
     // Different prompts per replica (the data split), hence different gradients.
     assert_ne!(first_grad_norms[0], first_grad_norms[1]);
+    assert_eq!(finals[0]["final_accuracy"], finals[1]["final_accuracy"]);
+}
+
+#[test]
+fn two_trainer_replicas_in_processes_sync_through_a_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = tmp.path().join("recipe.toml");
+    std::fs::write(&recipe, RECIPE).unwrap();
+    let store = format!("file://{}", tmp.path().join("store").display());
+    let finals = run_both(&recipe, &store, tmp.path(), None);
+    assert_trained_together(&finals, tmp.path());
     // The outer steps moved the global weights.
     let read = |p: &str| decode(&std::fs::read(tmp.path().join("store").join(p)).unwrap()).unwrap();
     let (init, last) = (
@@ -147,12 +155,27 @@ fn two_trainer_replicas_in_processes_sync_through_a_folder() {
         t.data != u.data
     });
     assert!(moved, "global weights unchanged after two rounds");
-    // Both end on the round's global weights, so they evaluate identically.
-    assert_eq!(finals[0]["final_accuracy"], finals[1]["final_accuracy"]);
     assert!(tmp
         .path()
         .join("store/round-000001/frag-0/global.safetensors")
         .exists());
+}
+
+#[test]
+fn two_trainer_replicas_in_processes_sync_through_s3() {
+    let Some(endpoint) = s3_endpoint() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = tmp.path().join("recipe.toml");
+    std::fs::write(&recipe, RECIPE).unwrap();
+    let finals = run_both(
+        &recipe,
+        &s3_url("trainer-replicas"),
+        tmp.path(),
+        Some(&endpoint),
+    );
+    assert_trained_together(&finals, tmp.path());
 }
 
 #[test]
