@@ -5,12 +5,10 @@
 
 use std::path::Path;
 
-use composer_telemetry::read_metrics;
-use composer_train::{run_train, TrainOptions};
 use serde_json::Value;
 
 mod common;
-use common::tiny_model_and_task;
+use common::{tiny_model_and_task, train_metrics, train_quietly};
 
 const RECIPE: &str = concat!(
     tiny_model_and_task!(),
@@ -46,18 +44,8 @@ fn train_lines(dir: &Path, loss: &str, ga: usize) -> Vec<Value> {
     )
     .unwrap();
     let run_dir = dir.join(format!("{loss}-{ga}"));
-    run_train(&TrainOptions {
-        recipe_path: Some(recipe),
-        quiet: true,
-        run_dir_override: Some(run_dir.clone()),
-        ..Default::default()
-    })
-    .unwrap();
-    read_metrics(&run_dir.join("metrics.jsonl"))
-        .unwrap()
-        .into_iter()
-        .filter(|l| l["kind"] == "train")
-        .collect()
+    train_quietly(&recipe, &run_dir).unwrap();
+    train_metrics(&run_dir)
 }
 
 fn close(a: f64, b: f64) -> bool {

@@ -5,28 +5,16 @@
 use std::path::{Path, PathBuf};
 
 use composer_telemetry::read_metrics;
-use composer_train::{run_train, TrainOptions};
 use serde_json::Value;
 
 mod common;
-use common::tiny_model_and_task;
+use common::{all_channels_rollout, tiny_model_and_task, train_metrics, train_quietly};
 
 /// Same shape as tests/run.rs's SMALL recipe; `[train]` comes from the caller.
 const MODEL_AND_DATA: &str = concat!(
     tiny_model_and_task!(),
+    all_channels_rollout!(),
     r#"
-[rollout]
-num_generations = 4
-max_completion_length = 3
-
-[loss]
-hint_weight = 1.0
-replay_weight = 1.0
-
-[loss.hint.template]
-reprompt = "{solution}{prompt}"
-solution = "[{successful_previous_attempt}]"
-feedback = ""
 
 [warmup]
 steps = 10
@@ -50,21 +38,7 @@ fn recipe(dir: &Path, mode: &str, max_staleness: u64, steps: usize) -> PathBuf {
 }
 
 fn run(recipe: &Path, run_dir: &Path) -> composer_train::RunOutcome {
-    run_train(&TrainOptions {
-        recipe_path: Some(recipe.to_path_buf()),
-        quiet: true,
-        run_dir_override: Some(run_dir.to_path_buf()),
-        ..Default::default()
-    })
-    .unwrap()
-}
-
-fn train_lines(run_dir: &Path) -> Vec<Value> {
-    read_metrics(&run_dir.join("metrics.jsonl"))
-        .unwrap()
-        .into_iter()
-        .filter(|l| l["kind"] == "train")
-        .collect()
+    train_quietly(recipe, run_dir).unwrap()
 }
 
 fn u(v: &Value, key: &str) -> u64 {
@@ -82,7 +56,7 @@ fn async_respects_the_staleness_bound_and_orders_steps() {
         assert_eq!(out.steps_completed, 6);
         assert!(dir.join("checkpoint/model.safetensors").is_file());
         assert!(dir.join("report.html").is_file());
-        let lines = train_lines(&dir);
+        let lines = train_metrics(&dir);
         assert_eq!(lines.len(), 6, "one train line per step");
         let mut last_version = 0;
         for (i, l) in lines.iter().enumerate() {

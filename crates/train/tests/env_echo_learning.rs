@@ -7,7 +7,10 @@
 use std::path::Path;
 
 use composer_telemetry::read_metrics;
-use composer_train::{run_train, TrainOptions};
+use composer_train::TrainOptions;
+
+mod common;
+use common::train_quietly;
 
 const RECIPE: &str = r#"
 [model.builtin_tiny]
@@ -82,14 +85,7 @@ fn tiny_model_learns_the_real_echo_env() {
     let recipe = dir.path().join("recipe.toml");
     std::fs::write(&recipe, RECIPE).unwrap();
     let run_dir = dir.path().join("run");
-    let outcome = run_train(&TrainOptions {
-        recipe_path: Some(recipe),
-        resume: None,
-        quiet: true,
-        run_dir_override: Some(run_dir.clone()),
-        max_steps_override: None,
-    })
-    .unwrap();
+    let outcome = train_quietly(&recipe, &run_dir).unwrap();
     assert_eq!(outcome.steps_completed, 10);
     let rewards = mean_rewards(&run_dir);
     eprintln!("mean reward per step: {rewards:.3?}");
@@ -385,14 +381,7 @@ fn multi_turn_episodes_train_with_observations_masked() {
         );
     std::fs::write(&recipe, text).unwrap();
     let run_dir = dir.path().join("run");
-    let outcome = run_train(&TrainOptions {
-        recipe_path: Some(recipe),
-        resume: None,
-        quiet: true,
-        run_dir_override: Some(run_dir.clone()),
-        max_steps_override: None,
-    })
-    .unwrap();
+    let outcome = train_quietly(&recipe, &run_dir).unwrap();
     assert_eq!(outcome.steps_completed, 3);
     let lines = read_metrics(&run_dir.join("metrics.jsonl")).unwrap();
     let train: Vec<_> = lines.iter().filter(|l| l["kind"] == "train").collect();

@@ -9,23 +9,12 @@ use composer_train::{run_train, TrainOptions};
 use serde_json::Value;
 
 mod common;
-use common::tiny_model_and_task;
+use common::{all_channels_rollout, tiny_model_and_task};
 
 const SMALL: &str = concat!(
     tiny_model_and_task!(),
+    all_channels_rollout!(),
     r#"
-[rollout]
-num_generations = 4
-max_completion_length = 3
-
-[loss]
-hint_weight = 1.0
-replay_weight = 1.0
-
-[loss.hint.template]
-reprompt = "{solution}{prompt}"
-solution = "[{successful_previous_attempt}]"
-feedback = ""
 
 [train]
 steps = 6
