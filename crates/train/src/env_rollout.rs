@@ -259,6 +259,17 @@ impl Drop for EnvRollout {
 /// roll out ahead of scoring).
 const RECENT_BATCHES: usize = 4;
 
+/// The small runtime the env pool's episodes run on (two workers: episodes mostly wait on
+/// servers and subprocesses, not on the CPU).
+fn env_runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("composer-env")
+        .build()
+        .context("starting the tokio runtime of `[env]`")
+}
+
 impl EnvRollout {
     /// The engine of `recipe`'s `[env]` section, or None when the recipe has none.
     pub fn from_recipe(recipe: &Recipe) -> Result<Option<EnvRollout>> {
@@ -268,12 +279,7 @@ impl EnvRollout {
     /// Builds the pool: a built-in env factory, or a connection to an OpenEnv server (waits
     /// for its `/health` with retries and reads its `/schema`).
     pub fn new(section: &EnvSection) -> Result<EnvRollout> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .thread_name("composer-env")
-            .build()
-            .context("starting the tokio runtime of `[env]`")?;
+        let runtime = env_runtime()?;
         let servers = match section.kind.as_str() {
             "builtin" => {
                 let name = section.name.clone().unwrap_or_default();
@@ -326,12 +332,7 @@ impl EnvRollout {
         name: &str,
         factory: composer_env::EnvFactory,
     ) -> Result<EnvRollout> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .thread_name("composer-env")
-            .build()
-            .context("starting the tokio runtime of `[env]`")?;
+        let runtime = env_runtime()?;
         Ok(Self::assemble_engine(
             section,
             runtime,

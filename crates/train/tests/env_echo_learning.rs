@@ -10,23 +10,11 @@ use composer_telemetry::read_metrics;
 use composer_train::TrainOptions;
 
 mod common;
-use common::train_quietly;
+use common::{tiny_model_and_task, train_quietly};
 
-const RECIPE: &str = r#"
-[model.builtin_tiny]
-hidden_size = 16
-layers = 1
-heads = 2
-kv_heads = 1
-intermediate_size = 32
-
-[data]
-task = "arithmetic"
-eval_size = 4
-
-[data.arithmetic]
-digits = 1
-
+const RECIPE: &str = concat!(
+    tiny_model_and_task!(),
+    r#"
 [rollout]
 num_generations = 8
 max_completion_length = 12
@@ -52,7 +40,8 @@ max_turns = 1
 max_concurrent = 4
 call_timeout_s = 30.0
 episode_timeout_s = 60.0
-"#;
+"#
+);
 
 fn skip_or_fail() -> bool {
     if std::env::var("OPENENV_URL").is_ok_and(|u| !u.trim().is_empty()) {
