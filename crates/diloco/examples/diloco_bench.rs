@@ -1,6 +1,7 @@
 //! DiLoCo communication benchmark (issue 7 §6); see [`composer_diloco::bench`].
 //!
-//! `cargo run --release -p composer-diloco --example diloco_bench -- [--target 0.03] [--max-steps 3000]`
+//! `cargo run --release -p composer-diloco --example diloco_bench -- [--target 0.03] [--max-steps 3000]
+//! [--student-hidden 16]`
 
 use anyhow::Result;
 use composer_diloco::bench::{run_benchmark, BenchOptions};
@@ -19,6 +20,9 @@ fn main() -> Result<()> {
     }
     if let Some(v) = arg("--max-steps") {
         opts.max_steps = v.parse()?;
+    }
+    if let Some(v) = arg("--student-hidden") {
+        opts.student_hidden = v.parse()?;
     }
     print!("{}", run_benchmark(&opts)?);
     Ok(())

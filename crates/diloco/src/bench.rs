@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 
-use crate::toy::{self, Dataset};
+use crate::toy::{self, Dataset, IN};
 use crate::{open_store, Compression, DilocoConfig, DilocoReplica};
 
 /// Benchmark settings.
@@ -24,6 +24,9 @@ pub struct BenchOptions {
     pub target: f32,
     /// Inner steps per replica at most.
     pub max_steps: usize,
+    /// The student MLP's hidden width ([`toy::HIDDEN`] = 161 parameters; wider students make
+    /// the exchanged bytes those of the weights rather than of object headers).
+    pub student_hidden: usize,
 }
 
 impl Default for BenchOptions {
@@ -31,6 +34,7 @@ impl Default for BenchOptions {
         Self {
             target: 0.03,
             max_steps: 3000,
+            student_hidden: toy::HIDDEN,
         }
     }
 }
@@ -58,7 +62,7 @@ struct Outcome {
     loss: f32,
 }
 
-async fn run(setup: &Setup, target: f32, max_steps: usize) -> Result<Outcome> {
+async fn run(setup: &Setup, target: f32, max_steps: usize, hidden: usize) -> Result<Outcome> {
     let dir = std::env::temp_dir().join(format!(
         "composer-diloco-bench-{}-{}",
         std::process::id(),
@@ -82,7 +86,7 @@ async fn run(setup: &Setup, target: f32, max_steps: usize) -> Result<Outcome> {
         let url = url.clone();
         let data = data.clone();
         tasks.push(tokio::spawn(async move {
-            let params = toy::init_params(11)?;
+            let params = toy::init_student(11, hidden)?;
             let (store, prefix) = open_store(&url).await?;
             let mut r = DilocoReplica::join(store, prefix, &id.to_string(), c, &params).await?;
             let mut reached_at = None;
@@ -146,94 +150,70 @@ pub fn run_benchmark(opts: &BenchOptions) -> Result<String> {
     rt.block_on(run_all(opts))
 }
 
-fn setup(
-    name: &'static str,
-    h: usize,
-    fragments: usize,
-    delay: usize,
-    outer_lr: f64,
-    momentum: f64,
-    compression: Compression,
-) -> Setup {
-    Setup {
-        name,
-        h,
-        fragments,
-        delay,
-        outer_lr,
-        momentum,
-        compression,
+impl Setup {
+    /// DiLoCo with the outer optimizer of torchft's example (lr 0.7, Nesterov momentum 0.9),
+    /// one fragment, f32 deltas.
+    fn diloco(name: &'static str, h: usize) -> Setup {
+        Setup {
+            name,
+            h,
+            fragments: 1,
+            delay: 0,
+            outer_lr: 0.7,
+            momentum: 0.9,
+            compression: Compression::F32,
+        }
+    }
+
+    /// Syncing every step: H = 1 with outer lr 1 and no momentum is plain data parallelism.
+    fn every_step(name: &'static str) -> Setup {
+        Setup {
+            outer_lr: 1.0,
+            momentum: 0.0,
+            ..Setup::diloco(name, 1)
+        }
+    }
+
+    /// Streaming: `fragments` fragments synced with a delay of `delay` inner steps.
+    fn streaming(self, fragments: usize, delay: usize) -> Setup {
+        Setup {
+            fragments,
+            delay,
+            ..self
+        }
+    }
+
+    fn compressed(self, compression: Compression) -> Setup {
+        Setup {
+            compression,
+            ..self
+        }
     }
 }
 
 async fn run_all(opts: &BenchOptions) -> Result<String> {
     use std::fmt::Write;
-    let (target, max_steps) = (opts.target, opts.max_steps);
+    let (target, max_steps, hidden) = (opts.target, opts.max_steps, opts.student_hidden);
     let setups = [
-        setup(
-            "sync every step (H=1, outer lr 1, μ 0 ≡ data parallel)",
-            1,
-            1,
-            0,
-            1.0,
-            0.0,
-            Compression::F32,
-        ),
-        setup("DiLoCo H=1", 1, 1, 0, 0.7, 0.9, Compression::F32),
-        setup("DiLoCo H=10", 10, 1, 0, 0.7, 0.9, Compression::F32),
-        setup("DiLoCo H=50", 50, 1, 0, 0.7, 0.9, Compression::F32),
-        setup(
-            "DiLoCo H=50, bf16 deltas",
-            50,
-            1,
-            0,
-            0.7,
-            0.9,
-            Compression::Bf16,
-        ),
-        setup(
-            "DiLoCo H=50, int8 deltas",
-            50,
-            1,
-            0,
-            0.7,
-            0.9,
-            Compression::Int8,
-        ),
-        setup(
-            "streaming H=10, F=2, τ=1",
-            10,
-            2,
-            1,
-            0.7,
-            0.9,
-            Compression::F32,
-        ),
-        setup(
-            "streaming H=50, F=2, τ=5",
-            50,
-            2,
-            5,
-            0.7,
-            0.9,
-            Compression::F32,
-        ),
-        setup(
-            "streaming H=50, F=2, τ=5, bf16",
-            50,
-            2,
-            5,
-            0.7,
-            0.9,
-            Compression::Bf16,
-        ),
+        Setup::every_step("sync every step (H=1, outer lr 1, μ 0 ≡ data parallel)"),
+        Setup::diloco("DiLoCo H=1", 1),
+        Setup::diloco("DiLoCo H=10", 10),
+        Setup::diloco("DiLoCo H=50", 50),
+        Setup::diloco("DiLoCo H=50, bf16 deltas", 50).compressed(Compression::Bf16),
+        Setup::diloco("DiLoCo H=50, int8 deltas", 50).compressed(Compression::Int8),
+        Setup::diloco("streaming H=10, F=2, τ=1", 10).streaming(2, 1),
+        Setup::diloco("streaming H=50, F=2, τ=5", 50).streaming(2, 5),
+        Setup::diloco("streaming H=50, F=2, τ=5, bf16", 50)
+            .streaming(2, 5)
+            .compressed(Compression::Bf16),
     ];
     let mut out = String::new();
-    writeln!(out, "3 replicas × batch {BATCH}, inner SGD lr {LR}, toy MLP (161 params), local folder store; target held-out MSE ≤ {target}, at most {max_steps} inner steps\n")?;
+    let params = IN * hidden + 2 * hidden + 1;
+    writeln!(out, "3 replicas × batch {BATCH}, inner SGD lr {LR}, toy MLP 8 → {hidden} → 1 ({params} params), local folder store; target held-out MSE ≤ {target}, at most {max_steps} inner steps\n")?;
     writeln!(out, "| config | reached | inner steps | rounds | samples | bytes moved | bytes/sample | wall s | final MSE |")?;
     writeln!(out, "|---|---|---|---|---|---|---|---|---|")?;
     for s in &setups {
-        let o = run(s, target, max_steps).await?;
+        let o = run(s, target, max_steps, hidden).await?;
         let samples = o.steps * REPLICAS * BATCH;
         writeln!(
             out,

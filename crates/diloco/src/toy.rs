@@ -1,5 +1,5 @@
 //! A tiny regression task for the replica test binary, the tests and the benchmark: a
-//! 2-layer tanh MLP (8 → 16 → 1) fitting a fixed random teacher MLP on synthetic inputs, trained
+//! 2-layer tanh MLP (8 → 16 → 1, or wider for the benchmark) fitting a fixed random teacher MLP on synthetic inputs, trained
 //! with plain SGD. Deterministic from a seed so separate processes agree on data and init.
 
 use anyhow::Result;
@@ -121,36 +121,49 @@ impl Dataset {
     }
 }
 
-/// Student parameters `l1.weight`, `l1.bias`, `l2.weight`, `l2.bias` (seeded init).
+/// Student parameters `l1.weight`, `l1.bias`, `l2.weight`, `l2.bias` (seeded init), of the
+/// teacher's width [`HIDDEN`].
 pub fn init_params(seed: u64) -> Result<Vec<(String, Var)>> {
+    init_student(seed, HIDDEN)
+}
+
+/// A student `hidden` units wide (the benchmark widens it so that the exchanged bytes are those
+/// of a model, not of object headers); at [`HIDDEN`] it is [`init_params`]. Wider students are
+/// in the NTK parametrisation (see [`loss`]), so one learning rate suits every width.
+pub fn init_student(seed: u64, hidden: usize) -> Result<Vec<(String, Var)>> {
     let mut rng = Rng::new(seed.wrapping_mul(31).wrapping_add(7));
     let d = &Device::Cpu;
     Ok(vec![
         (
             "l1.weight".into(),
-            Var::from_vec(rng.normals(HIDDEN * IN, 0.35), (HIDDEN, IN), d)?,
+            Var::from_vec(rng.normals(hidden * IN, 0.35), (hidden, IN), d)?,
         ),
         (
             "l1.bias".into(),
-            Var::from_vec(vec![0f32; HIDDEN], HIDDEN, d)?,
+            Var::from_vec(vec![0f32; hidden], hidden, d)?,
         ),
         (
             "l2.weight".into(),
-            Var::from_vec(rng.normals(HIDDEN, 0.25), (1, HIDDEN), d)?,
+            Var::from_vec(rng.normals(hidden, 0.25), (1, hidden), d)?,
         ),
         ("l2.bias".into(), Var::from_vec(vec![0f32; 1], 1, d)?),
     ])
 }
 
-/// Mean squared error of the student on (x, y).
+/// Mean squared error of the student on (x, y). The output layer is multiplied by
+/// √(HIDDEN / hidden) (NTK parametrisation: the output's scale and the effect of an SGD step on
+/// it do not grow with the width; the factor is exactly 1 at the default width).
 pub fn loss(params: &[(String, Var)], x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let hidden = params[1].1.dims()[0];
     let h = x
         .matmul(&params[0].1.as_tensor().t()?)?
         .broadcast_add(params[1].1.as_tensor())?
         .tanh()?;
-    let out = h
-        .matmul(&params[2].1.as_tensor().t()?)?
-        .broadcast_add(params[3].1.as_tensor())?;
+    let mut out = h.matmul(&params[2].1.as_tensor().t()?)?;
+    if hidden != HIDDEN {
+        out = (out * (HIDDEN as f64 / hidden as f64).sqrt())?;
+    }
+    let out = out.broadcast_add(params[3].1.as_tensor())?;
     Ok((out - y)?.sqr()?.mean_all()?)
 }
 
