@@ -253,6 +253,15 @@ enum BenchCommand {
         max_steps: usize,
         #[arg(long, default_value = "runs/bench-channels")]
         out_dir: PathBuf,
+        /// Arms to run, comma separated: rlvr, hint (RLVR + hint), hint+replay.
+        #[arg(long, value_delimiter = ',', default_value = "rlvr,hint,hint+replay")]
+        arms: Vec<String>,
+        /// Hint channel weight α in the arms with the hint channel.
+        #[arg(long, default_value_t = 1.0)]
+        hint_weight: f64,
+        /// Replay channel weight β in the hint+replay arm.
+        #[arg(long, default_value_t = 0.5)]
+        replay_weight: f64,
     },
 }
 
@@ -482,12 +491,18 @@ fn run(cli: Cli) -> Result<()> {
             target,
             max_steps,
             out_dir,
+            arms,
+            hint_weight,
+            replay_weight,
         }) => {
             let (_, table) = composer_train::bench_channels(&composer_train::BenchOptions {
                 seeds,
                 target,
                 max_steps,
                 out_dir,
+                arms,
+                hint_weight,
+                replay_weight,
             })?;
             println!("{table}");
             Ok(())

@@ -1,6 +1,7 @@
 //! `composer-rl bench channels`: RLVR alone vs RLVR + hint vs RLVR + hint + replay on the
 //! embedded default task, same seeds; samples (completions generated) needed to reach the
-//! target greedy accuracy.
+//! target greedy accuracy. The arms and the channel weights are options, so the same program
+//! sweeps α or β.
 
 use std::path::PathBuf;
 
@@ -20,6 +21,12 @@ pub struct BenchOptions {
     pub max_steps: usize,
     /// Where runs are written (one sub-directory per arm and seed).
     pub out_dir: PathBuf,
+    /// Which arms run: `rlvr`, `hint` (RLVR + hint), `hint+replay` (all three channels).
+    pub arms: Vec<String>,
+    /// The hint channel's weight α in the arms that have it.
+    pub hint_weight: f64,
+    /// The replay channel's weight β in the arm that has it.
+    pub replay_weight: f64,
 }
 
 impl Default for BenchOptions {
@@ -29,6 +36,9 @@ impl Default for BenchOptions {
             target: 0.9,
             max_steps: 150,
             out_dir: PathBuf::from("runs/bench-channels"),
+            arms: ["rlvr", "hint", "hint+replay"].map(String::from).to_vec(),
+            hint_weight: 1.0,
+            replay_weight: 0.5,
         }
     }
 }
@@ -38,6 +48,10 @@ impl Default for BenchOptions {
 pub struct BenchRow {
     /// Arm name.
     pub arm: String,
+    /// Hint weight α of the arm.
+    pub hint_weight: f64,
+    /// Replay weight β of the arm.
+    pub replay_weight: f64,
     /// Seed.
     pub seed: u64,
     /// Accuracy after warm-up.
@@ -48,25 +62,32 @@ pub struct BenchRow {
     pub final_accuracy: Option<f64>,
 }
 
-/// Run the three arms and return the markdown table (also printed by the CLI).
+/// Runs the selected arms on every seed and returns the rows and their markdown table (also
+/// printed by the CLI).
 pub fn bench_channels(opts: &BenchOptions) -> Result<(Vec<BenchRow>, String)> {
-    let arms = [
-        ("RLVR", 0.0, 0.0),
-        ("RLVR + hint", 1.0, 0.0),
-        ("RLVR + hint + replay", 1.0, 0.5),
-    ];
+    let (a, b) = (opts.hint_weight, opts.replay_weight);
+    let arms = opts
+        .arms
+        .iter()
+        .map(|arm| match arm.as_str() {
+            "rlvr" => Ok(("RLVR", 0.0, 0.0)),
+            "hint" => Ok(("RLVR + hint", a, 0.0)),
+            "hint+replay" => Ok(("RLVR + hint + replay", a, b)),
+            other => anyhow::bail!(
+                "bench channels: unknown arm {other:?} (known: rlvr, hint, hint+replay)"
+            ),
+        })
+        .collect::<Result<Vec<_>>>()?;
     let mut rows = Vec::new();
     for (name, alpha, beta) in arms {
         for &seed in &opts.seeds {
             let text = arm_recipe(alpha, beta, seed, opts);
-            let dir = opts.out_dir.join(format!(
-                "{}-seed{seed}",
+            let stem = format!(
+                "{}-a{alpha}-b{beta}-seed{seed}",
                 name.replace(" + ", "-").to_lowercase()
-            ));
-            let recipe_path = opts.out_dir.join(format!(
-                "{}-seed{seed}.toml",
-                name.replace(" + ", "-").to_lowercase()
-            ));
+            );
+            let dir = opts.out_dir.join(&stem);
+            let recipe_path = opts.out_dir.join(format!("{stem}.toml"));
             std::fs::create_dir_all(&opts.out_dir)?;
             std::fs::write(&recipe_path, text)?;
             let out = run_train(&TrainOptions {
@@ -78,6 +99,8 @@ pub fn bench_channels(opts: &BenchOptions) -> Result<(Vec<BenchRow>, String)> {
             })?;
             rows.push(BenchRow {
                 arm: name.into(),
+                hint_weight: alpha,
+                replay_weight: beta,
                 seed,
                 warmup_accuracy: out.warmup_accuracy,
                 reached: out.reached_target,
@@ -241,7 +264,7 @@ pub fn bench_async(opts: &AsyncBenchOptions) -> Result<String> {
 
 fn table(rows: &[BenchRow], opts: &BenchOptions) -> String {
     let mut s = format!(
-        "| arm | seed | warm-up acc | steps to {:.0}% | samples to {:.0}% | seconds | final acc |\n|---|---|---|---|---|---|---|\n",
+        "| arm | α | β | seed | warm-up acc | steps to {:.0}% | samples to {:.0}% | seconds | final acc |\n|---|---|---|---|---|---|---|---|---|\n",
         opts.target * 100.0,
         opts.target * 100.0
     );
@@ -259,8 +282,10 @@ fn table(rows: &[BenchRow], opts: &BenchOptions) -> String {
             ),
         };
         s.push_str(&format!(
-            "| {} | {} | {} | {st} | {sm} | {sec} | {} |\n",
+            "| {} | {} | {} | {} | {} | {st} | {sm} | {sec} | {} |\n",
             r.arm,
+            r.hint_weight,
+            r.replay_weight,
             r.seed,
             pct(r.warmup_accuracy),
             pct(r.final_accuracy)
