@@ -511,15 +511,18 @@ def verl_to_composer(name, mode, kw, kl_type, kl_coef):
         "epsilon": kw["clip_ratio"],
         "epsilon_high": kw["clip_ratio_high"],
         "sampler_importance_sampling_correction": False,
-        "framework": "verl",
     }
     c["loss_type"] = {"vanilla": "grpo", "gspo": "grpo"}.get(name, name)
+    if name in ("vanilla", "sapo", "cispo"):
+        c["log_ratio_clamp"] = 20.0
     if name == "vanilla":
         c.update(dual_clip=True, clip_ratio_c=kw["clip_ratio_c"])
+    if name == "cispo":
+        c["cispo_clip_mode"] = "two_sided"
     if name == "gspo":
-        c["importance_sampling_level"] = "sequence"
+        c.update(importance_sampling_level="sequence", sequence_log_ratio_max=10.0, sequence_ratio_gradient="token")
     if name == "sapo":
-        c.update(sapo_temperature_pos=kw["tau_pos"], sapo_temperature_neg=kw["tau_neg"])
+        c.update(sapo_temperature_pos=kw["tau_pos"], sapo_temperature_neg=kw["tau_neg"], policy_loss_agg_mode="seq-mean-token-mean")
     if name == "clip_cov":
         c.update(clip_cov_ratio=kw["clip_cov_ratio"], clip_cov_lb=kw["clip_cov_lb"], clip_cov_ub=kw["clip_cov_ub"])
     if name == "kl_cov":
@@ -527,6 +530,8 @@ def verl_to_composer(name, mode, kw, kl_type, kl_coef):
     if kl_type is not None:
         c["beta"] = kl_coef
         c["kl_estimator"] = kl_type
+        if kl_type in ("low_var_kl", "k3", "k3+"):
+            c["kl_clamp"] = 10.0
     return c
 
 

@@ -57,6 +57,17 @@ pub enum MultiRewardAggregation {
     NormalizeThenSum,
 }
 
+/// What a group of a single completion gets from the group-relative estimator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SingletonGroup {
+    /// Mean = its reward, std 0: advantage 0 (TRL). Default.
+    #[default]
+    ZeroAdvantage,
+    /// Mean 0, std 1: advantage r / (1 + ε) (verl `compute_grpo_outcome_advantage`).
+    MeanZeroStdOne,
+}
+
 /// Advantage configuration (TRL key names where TRL has them).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -73,6 +84,10 @@ pub struct AdvantageConfig {
     /// the caller: apply [`filter_zero_variance_groups`] to the rewards before building the
     /// batch ([`compute_advantages`] itself keeps every completion).
     pub dynamic_sampling: bool,
+    /// ε of (r − mean) / (std + ε). TRL 1e-4 (default); verl 1e-6.
+    pub std_epsilon: f64,
+    /// Groups of one completion. TRL `zero_advantage` (default); verl `mean_zero_std_one`.
+    pub singleton_group: SingletonGroup,
 }
 
 impl Default for AdvantageConfig {
@@ -83,6 +98,19 @@ impl Default for AdvantageConfig {
             reward_weights: None,
             multi_objective_aggregation: MultiRewardAggregation::SumThenNormalize,
             dynamic_sampling: false,
+            std_epsilon: 1e-4,
+            singleton_group: SingletonGroup::ZeroAdvantage,
+        }
+    }
+}
+
+impl AdvantageConfig {
+    /// verl's values: std ε = 1e-6, a singleton group has mean 0 and std 1.
+    pub fn verl() -> Self {
+        Self {
+            std_epsilon: 1e-6,
+            singleton_group: SingletonGroup::MeanZeroStdOne,
+            ..Self::default()
         }
     }
 }
@@ -123,19 +151,39 @@ fn std_unbiased(xs: &[f64]) -> f64 {
 
 /// TRL's group-relative advantages: (r − group mean) / (std + 1e-4) with `scale`.
 pub fn group_advantages(rewards: &[f64], group_size: usize, scale: StdScaling) -> Result<Vec<f64>> {
+    group_advantages_with(
+        rewards,
+        group_size,
+        scale,
+        1e-4,
+        SingletonGroup::ZeroAdvantage,
+    )
+}
+
+/// Group-relative advantages (r − mean_g) / (std + `eps`) with the framework's treatment of
+/// single-completion groups (see [`SingletonGroup`]).
+pub fn group_advantages_with(
+    rewards: &[f64],
+    group_size: usize,
+    scale: StdScaling,
+    eps: f64,
+    singleton: SingletonGroup,
+) -> Result<Vec<f64>> {
     check_groups(rewards.len(), group_size)?;
     check_finite("rewards", rewards)?;
     let batch_std = std_unbiased(rewards);
     let mut out = Vec::with_capacity(rewards.len());
     for g in rewards.chunks(group_size) {
-        let m = mean(g);
+        let verl_single = g.len() == 1 && singleton == SingletonGroup::MeanZeroStdOne;
+        let m = if verl_single { 0.0 } else { mean(g) };
         let s = match scale {
+            StdScaling::Group if verl_single => Some(1.0),
             StdScaling::Group => Some(std_unbiased(g)),
             StdScaling::Batch => Some(batch_std),
             StdScaling::None => None,
         };
         out.extend(g.iter().map(|r| match s {
-            Some(s) => (r - m) / (s + 1e-4),
+            Some(s) => (r - m) / (s + eps),
             None => r - m,
         }));
     }
@@ -250,6 +298,61 @@ pub fn opo_advantages(rewards: &[f64], lengths: &[usize], group_size: usize) -> 
     Ok(out)
 }
 
+/// verl's `grpo_passk` (Pass@k, arXiv 2503.19595): in each group only the best completion gets
+/// a non-zero advantage, r_max − r_second, divided by (std_g + `eps`) when `norm_by_std`
+/// (unbiased std). Groups need at least two completions; ties go to the first maximum.
+pub fn grpo_passk_advantages(
+    rewards: &[f64],
+    group_size: usize,
+    norm_by_std: bool,
+    eps: f64,
+) -> Result<Vec<f64>> {
+    check_groups(rewards.len(), group_size)?;
+    check_finite("rewards", rewards)?;
+    if group_size < 2 {
+        return Err(LossError::Input {
+            field: "group_size",
+            message: "Pass@k needs at least 2 completions per group".into(),
+        });
+    }
+    let mut out = vec![0.0; rewards.len()];
+    for (gi, g) in rewards.chunks(group_size).enumerate() {
+        let imax = (0..g.len()).fold(0, |b, k| if g[k] > g[b] { k } else { b });
+        let second = (0..g.len())
+            .filter(|&k| k != imax)
+            .map(|k| g[k])
+            .fold(f64::NEG_INFINITY, f64::max);
+        let mut a = g[imax] - second;
+        if norm_by_std {
+            a /= std_unbiased(g) + eps;
+        }
+        out[gi * group_size + imax] = a;
+    }
+    Ok(out)
+}
+
+/// verl's ReMax: A_i = r_i − b_i, b_i the reward of the greedy completion of the same prompt
+/// (`reward_baselines`, computed by the caller).
+pub fn remax_advantages(rewards: &[f64], reward_baselines: &[f64]) -> Result<Vec<f64>> {
+    check_finite("rewards", rewards)?;
+    check_finite("reward_baselines", reward_baselines)?;
+    if rewards.len() != reward_baselines.len() {
+        return Err(LossError::Input {
+            field: "reward_baselines",
+            message: format!(
+                "{} baselines for {} rewards",
+                reward_baselines.len(),
+                rewards.len()
+            ),
+        });
+    }
+    Ok(rewards
+        .iter()
+        .zip(reward_baselines)
+        .map(|(r, b)| r - b)
+        .collect())
+}
+
 /// Result of the DAPO dynamic-sampling filter.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DynamicSamplingResult {
@@ -332,9 +435,13 @@ pub fn compute_advantages(
                 .map(|r| r.iter().zip(&weights).map(|(x, w)| x * w).sum())
                 .collect();
             match cfg.estimator {
-                AdvantageEstimator::Grpo => {
-                    group_advantages(&summed, group_size, cfg.scale_rewards)
-                }
+                AdvantageEstimator::Grpo => group_advantages_with(
+                    &summed,
+                    group_size,
+                    cfg.scale_rewards,
+                    cfg.std_epsilon,
+                    cfg.singleton_group,
+                ),
                 AdvantageEstimator::Rloo => rloo_advantages(&summed, group_size),
                 AdvantageEstimator::ReinforcePlusPlus => {
                     reinforce_plus_plus_advantages(&summed, lengths)

@@ -2,7 +2,7 @@
 //! normaliser ([`LossScale`]).
 use crate::hint::HintInputs;
 use crate::replay::ReplayInputs;
-use crate::util::{check_float, check_shape, host2};
+use crate::util::{check_float, check_shape, host1, host2};
 use crate::{LossError, Result};
 use candle_core::Tensor;
 
@@ -23,7 +23,8 @@ pub struct LossInputs {
     pub sampler_logprobs: Option<Tensor>,
     /// `[B, T]` reference-model log-probs; only needed when the KL coefficient `beta != 0`.
     pub ref_logprobs: Option<Tensor>,
-    /// `[B]` per-completion advantages.
+    /// `[B]` per-completion advantages, or `[B, T]` per-token advantages (accepted by every loss
+    /// type; TRL/verl/PRIME-RL broadcast `[B]` to `[B, T]` the same way).
     pub advantages: Tensor,
     /// `[B, T]` 0/1 floats: which completion tokens are trained on (0 for padding, tool
     /// output, ...).
@@ -70,7 +71,9 @@ impl LossInputs {
     pub fn validate(&self) -> Result<(usize, usize)> {
         let (b, t) = self.dims()?;
         check_float(&self.trainer_logprobs, "trainer_logprobs")?;
-        check_shape(&self.advantages, "advantages", &[b])?;
+        if self.advantages.dims() != [b, t] {
+            check_shape(&self.advantages, "advantages", &[b])?;
+        }
         check_shape(&self.loss_mask, "loss_mask", &[b, t])?;
         for (name, x) in [
             ("old_logprobs", &self.old_logprobs),
@@ -91,6 +94,18 @@ impl LossInputs {
             }
         }
         Ok((b, t))
+    }
+
+    /// The advantages as host rows `[B][T]` (a `[B]` tensor is repeated over each row).
+    pub fn advantage_rows(&self) -> Result<Vec<Vec<f64>>> {
+        let (_, t) = self.dims()?;
+        if self.advantages.rank() == 2 {
+            return host2(&self.advantages);
+        }
+        Ok(host1(&self.advantages)?
+            .into_iter()
+            .map(|a| vec![a; t])
+            .collect())
     }
 
     /// The effective loss mask as host rows: `loss_mask`, with truncated completions zeroed

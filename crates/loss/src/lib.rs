@@ -13,7 +13,7 @@
 //! * [`composer`] — the weighted sum with per-channel switches and metrics.
 //!
 //! Conventions: per-token tensors are `[B, T]` (f32 or f64), right-padded; `loss_mask` holds 0/1
-//! floats; advantages are `[B]`. Every loss is a pure function returning `(scalar, metrics)`;
+//! floats; advantages are `[B]` or per token `[B, T]`. Every loss is a pure function returning `(scalar, metrics)`;
 //! inputs that must not receive gradients (old/sampler/reference/teacher log-probs) are detached
 //! inside the functions, so callers need not remember to.
 
@@ -31,9 +31,10 @@ pub mod traces;
 mod util;
 
 pub use advantages::{
-    compute_advantages, filter_zero_variance_groups, group_advantages, opo_advantages,
-    reinforce_plus_plus_advantages, reinforce_plus_plus_baseline_advantages, rloo_advantages,
-    AdvantageConfig, AdvantageEstimator, DynamicSamplingResult, MultiRewardAggregation, StdScaling,
+    compute_advantages, filter_zero_variance_groups, group_advantages, group_advantages_with,
+    grpo_passk_advantages, opo_advantages, reinforce_plus_plus_advantages,
+    reinforce_plus_plus_baseline_advantages, remax_advantages, rloo_advantages, AdvantageConfig,
+    AdvantageEstimator, DynamicSamplingResult, MultiRewardAggregation, SingletonGroup, StdScaling,
 };
 pub use composer::{composer_loss, ComposerConfig, ComposerMetrics};
 pub use hint::{
@@ -46,8 +47,8 @@ pub use replay::{
     DpoMetrics, ReplayConfig, ReplayInputs, ReplayMetrics, TeacherKlInputs, TeacherKlMetrics,
 };
 pub use rlvr::{
-    agg_loss, rlvr_loss, ImportanceSamplingLevel, KlEstimator, LossAggMode, LossType, RlvrConfig,
-    RlvrMetrics, SamplerIsMode,
+    agg_loss, rlvr_loss, CispoClipMode, EntropyNormalization, ImportanceSamplingLevel, KlEstimator,
+    LossAggMode, LossType, RlvrConfig, RlvrMetrics, SamplerIsMode, SequenceRatioGradient,
 };
 pub use traces::{collate_topk, TopkBatch, Trace, TraceStore, TraceWriter};
 
