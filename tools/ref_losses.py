@@ -620,8 +620,8 @@ def main():
         cases.append(rlvr_case(name, PRIME, inp, rcfg, sc, lambda x, xs, inp=inp, pcfg=pcfg, sc=sc:
                                prime_dppo(inp, pcfg, sc, x)))
 
-    with open(os.path.join(OUT, "rlvr.json"), "w") as f:
-        json.dump({"generator": "tools/ref_losses.py", "cases": cases}, f, indent=1)
+    # rlvr.json is retired: the RLVR losses are checked against the upstream code itself
+    # (tools/ref_upstream.py -> tests/fixtures/upstream/); `cases` above is no longer written.
 
     # ------------------------------------------------------------------ hint (SDPO)
     hint_cases = []

@@ -136,6 +136,9 @@ fn dapo_four_micro_batches_equal_one_batch() {
         epsilon_high: Some(0.28),
         beta: 0.04,
         entropy_coef: 0.01,
+        // TRL 1.16 (the default) takes the entropy bonus as a per-micro-batch mean ÷ G, which is
+        // not accumulation-invariant; the pre-1.16 normaliser (global tokens) is.
+        entropy_normalization: EntropyNormalization::PolicyNormalizer,
         mask_truncated_completions: true,
         sampler_importance_sampling_mode: SamplerIsMode::TokenTruncate,
         sampler_importance_sampling_clip_min: Some(0.5),
