@@ -97,9 +97,9 @@ pub(super) fn sampler_is_weights(
     })
 }
 
-/// TRL's `get_gamma_weights` per token (φ detached): log w_i = clamp(Σ_t m·clamp(log r, ±20)
-/// + Σ_t clamp(log w_IS), log 1e-8, 20), φ = exp(λ + k·log w − λ·w) with (k, λ) by the sign
-/// of the token's advantage.
+/// TRL's `get_gamma_weights` per token (φ detached):
+/// log w_i = clamp(Σ_t m·clamp(log r, ±20) plus Σ_t clamp(log w_IS), log 1e-8, 20),
+/// φ = exp(λ + k·log w − λ·w) with (k, λ) by the sign of the token's advantage.
 pub(super) fn vespo_phi(
     cfg: &RlvrConfig,
     lp_h: &[Vec<f64>],
@@ -278,9 +278,7 @@ pub(super) fn off_policy_mask(
 /// `g·r + c` coefficients of max(−A·r, −A·clip(r)) (the PPO surrogate's chosen branch).
 fn ppo_branch(r: f64, a: f64, lo: f64, hi: f64) -> (f64, f64) {
     let v2 = r.clamp(lo, hi);
-    if -a * r >= -a * v2 {
-        (1.0, 0.0)
-    } else if r >= lo && r <= hi {
+    if -a * r >= -a * v2 || (r >= lo && r <= hi) {
         (1.0, 0.0)
     } else {
         (0.0, v2)
