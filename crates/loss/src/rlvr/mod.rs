@@ -18,6 +18,12 @@
 //! | `sapo` | −σ(τ(r−1))·(4/τ)·A, τ = τ+ if A>0 else τ− | as `grpo` |
 //! | `vespo` | −sg(φ(w_i))·A·log π, φ(w)=e^λ w^k e^{−λw}, w_i = Π_t r·(IS) | Σ mℓ / global active tokens |
 //! | `dppo` | −keep·τ_A·A·exp(log π − log μ) + τ_KL·(log π − log μ)² | Σ mℓ / global active tokens |
+//! | `gpg`, `clip_cov`, `kl_cov` | verl's (see [`LossType`]) | Σ mℓ / global active tokens |
+//! | `geo_mean` | verl's GMPO (see [`LossType`]) | mean over the B rows |
+//!
+//! Advantages may be `[B]` or per token `[B, T]`. Options where TRL, verl and PRIME-RL differ
+//! (entropy normalisation, KL and log-ratio clamps, GSPO gradient path, CISPO clipping, policy
+//! aggregation) are fields of [`RlvrConfig`] with TRL's value as the default.
 //!
 //! `delta` (INTELLECT-2) caps the unclipped term: r → min(r, δ) before the min. verl's
 //! dual clip (`dual_clip`, `clip_ratio_c` = 3) bounds the loss of negative-advantage tokens by
