@@ -402,6 +402,14 @@ impl SandboxDirs {
         })
     }
 
+    /// The sandbox's directory (host path).
+    fn base_path(&self) -> PathBuf {
+        self.work
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default()
+    }
+
     /// The working copy (host path).
     pub(crate) fn work(&self) -> &Path {
         &self.work
@@ -613,6 +621,8 @@ pub(crate) struct Running {
     cgroup: Option<Cgroup>,
     mode: Mode,
     uid: Option<u32>,
+    /// The sandbox's directory on the host (spared by the fallback clean-up).
+    keep: PathBuf,
 }
 
 /// Starts `argv` in the sandbox `dirs` (working directory = the working copy). `channel`
@@ -717,6 +727,7 @@ pub(crate) fn spawn(
         cgroup,
         mode,
         uid: dirs.uid,
+        keep: dirs.base_path(),
     })
 }
 
@@ -781,7 +792,7 @@ impl Running {
         let wall_s = elapsed(start);
         if let (false, Some(uid)) = (self.mode.namespaces, self.uid) {
             reap_uid(uid);
-            remove_files_of_uid(uid);
+            remove_files_of_uid(uid, &self.keep);
         }
         let oom = self.cgroup.as_ref().is_some_and(|c| c.oom_killed());
         drop(self.cgroup.take());
@@ -961,7 +972,7 @@ fn reap_uid(uid: u32) {
 
 /// Fallback without a private /tmp (root only): removes what the run's uid left in the
 /// world-writable directories.
-fn remove_files_of_uid(uid: u32) {
+fn remove_files_of_uid(uid: u32, keep: &Path) {
     use std::os::unix::fs::MetadataExt;
     for dir in ["/tmp", "/var/tmp", "/dev/shm"] {
         let Ok(entries) = std::fs::read_dir(dir) else {
@@ -969,6 +980,10 @@ fn remove_files_of_uid(uid: u32) {
         };
         for entry in entries.flatten() {
             let path = entry.path();
+            if path == keep {
+                // The sandbox's own directory (its working copy persists between runs).
+                continue;
+            }
             match std::fs::symlink_metadata(&path) {
                 Ok(meta) if meta.uid() == uid && meta.is_dir() => {
                     let _ = std::fs::remove_dir_all(&path);

@@ -148,15 +148,27 @@ def f(x):
 fn attack_reading_the_tests_finds_nothing_and_scores_zero() {
     let secret = marker("read");
     let task = secret_task(&secret);
-    // The tests also lie on the host, world-readable, where a careless grader might put them.
+    let caps = sandbox_capabilities();
+    // The tests also lie on the host, world-readable, where a careless grader might put them
+    // (only where a private root hides host files; the README documents the fallback).
     // (Host paths named without the secret, so that the solution's source holds no copy.)
     let place = marker("place").replace("secret", "leak");
     let host_dir = std::env::temp_dir().join(format!("{place}-dir"));
     std::fs::create_dir_all(&host_dir).unwrap();
     let spec = serde_json::json!({"tests": task.tests}).to_string();
-    let _in_dir = HostFile::new(host_dir.join("tests.json"), &spec);
     let host_file = std::env::temp_dir().join(format!("{place}.json"));
-    let _in_tmp = HostFile::new(host_file.clone(), &spec);
+    let _planted = caps.private_root.then(|| {
+        (
+            HostFile::new(host_dir.join("tests.json"), &spec),
+            HostFile::new(host_file.clone(), &spec),
+        )
+    });
+    if !caps.private_root {
+        eprintln!(
+            "NOTE: no private root here: host files not planted ({:?})",
+            caps.notes
+        );
+    }
     // The marker is split in the source, so that solution.py itself does not contain it.
     let (head, tail) = secret.split_at(10);
     let code = format!(
@@ -169,6 +181,7 @@ fn attack_reading_the_tests_finds_nothing_and_scores_zero() {
     // Control: the same search, run unsandboxed on the host, finds the tests and answers
     // every call, so the attack is a real one.
     let control = format!("WALK = False\n{code}\nprint([f(i) for i in range(4)])\n");
+    let _control_file = HostFile::new(host_file.clone(), &spec);
     if let Ok(out) = std::process::Command::new("python3")
         .args(["-I", "-S", "-c", &control])
         .current_dir(&host_dir)
@@ -194,6 +207,7 @@ fn attack_reading_hidden_tests_next_to_a_working_copy_fails() {
     sb.write_file("pkg/mod.py", b"x = 1\n").unwrap();
     let host = task_dir.path().display().to_string();
     let (head, tail) = secret.split_at(10);
+    let caps = sandbox_capabilities();
     let r = sb.run_shell(
         &format!(
             "cat ../hidden_tests/* ../../hidden_tests/* ../*/hidden_tests/* \
@@ -206,10 +220,17 @@ fn attack_reading_hidden_tests_next_to_a_working_copy_fails() {
         Duration::from_secs(20),
     );
     assert!(r.stdout.contains("done"), "{r:#?}");
-    assert!(
-        !r.stdout.contains(&secret) && !r.stdout.contains("test_x"),
-        "hidden tests leaked: {r:#?}"
-    );
+    if caps.private_root {
+        assert!(
+            !r.stdout.contains(&secret) && !r.stdout.contains("test_x"),
+            "hidden tests leaked: {r:#?}"
+        );
+    } else {
+        eprintln!(
+            "SKIPPED: no private root here, host files are readable ({:?})",
+            caps.notes
+        );
+    }
     // The symlinks the sandbox made do not fool the trusted side either.
     assert!(sb.read_file("rootlink/etc/hostname").is_err());
     assert!(sb.read_file("tasklink/hidden_tests/test_x.py").is_err());
@@ -514,10 +535,16 @@ print("TMP", os.listdir("/tmp"), "ROOT", sorted(os.listdir("/")))
     );
     let r = run_python(&code, &limits());
     assert_eq!(r.outcome, Outcome::Completed, "{r:#?}");
-    assert!(!r.stdout.contains("READ"), "{r:#?}");
-    assert!(!r.stdout.contains(&secret) || r.stdout.matches(&secret).count() == 6);
     let caps = sandbox_capabilities();
-    if caps.private_root {
+    if !caps.private_root {
+        eprintln!(
+            "SKIPPED: no private root here, host files are readable ({:?})",
+            caps.notes
+        );
+        return;
+    }
+    assert!(!r.stdout.contains("READ"), "{r:#?}");
+    {
         assert!(r.stdout.contains("TMP []"), "{r:#?}");
         assert!(
             !r.stdout.contains("'home'") && !r.stdout.contains("'root'"),
@@ -565,14 +592,19 @@ except OSError as e:
     );
     let r = run_python(&code, &limits());
     let _ = std::fs::remove_file(&path);
+    if !caps.private_root || !caps.network_namespace {
+        eprintln!(
+            "SKIPPED: no private root / network namespace here, host sockets are reachable ({:?})",
+            caps.notes
+        );
+        return;
+    }
     assert!(!r.stdout.contains("connected"), "{r:#?}");
     assert!(listener.accept().is_err(), "the sandbox reached the socket");
-    if caps.network_namespace {
-        assert!(
-            abstract_listener.accept().is_err(),
-            "the sandbox reached the abstract socket"
-        );
-    }
+    assert!(
+        abstract_listener.accept().is_err(),
+        "the sandbox reached the abstract socket"
+    );
     // Graded: the same attempt inside a solution scores 0.
     let task = secret_task(&secret);
     assert_zero(&format!("{code}\ndef f(x):\n    return None\n"), &task);
