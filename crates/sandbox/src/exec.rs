@@ -109,6 +109,8 @@ pub struct Capabilities {
     pub nproc_enforced: bool,
     /// The cgroup that caps memory and processes of a whole run, when there is one.
     pub cgroup: Option<String>,
+    /// A seccomp filter denies namespace, mount, ptrace, bpf, keyring, io_uring... calls.
+    pub seccomp: bool,
     /// The interpreter used, or None when no usable python3 was found.
     pub python: Option<String>,
     /// Why something is unavailable (probe errors), empty when everything works.
@@ -173,6 +175,7 @@ struct ChildPlan {
     steps: Vec<Step>,
     channel_fd: RawFd,
     cgroup_fds: Vec<RawFd>,
+    seccomp: Vec<libc::sock_filter>,
     wall_ms: u64,
     cpu_s: u64,
     address_space: u64,
@@ -259,6 +262,11 @@ except OSError as e:
     net = 0 if e.errno in (101, 99) else 1
 print("net=%d" % net)
 print("private=%d" % (os.getcwd() == "/workspace" and not os.path.exists("/etc/passwd")))
+try:
+    seccomp = any(l.split() == ["Seccomp:", "2"] for l in open("/proc/self/status"))
+except OSError:
+    seccomp = False
+print("seccomp=%d" % seccomp)
 "#;
 
 static PROBE: OnceLock<(Capabilities, Mode)> = OnceLock::new();
@@ -286,6 +294,7 @@ fn probe() -> (Capabilities, Mode) {
         private_proc: false,
         nproc_enforced: true,
         cgroup: None,
+        seccomp: false,
         python: python_path().map(|p| p.display().to_string()),
         notes: Vec::new(),
     };
@@ -345,6 +354,7 @@ fn probe() -> (Capabilities, Mode) {
         caps.read_only_root = flag("ro");
         caps.private_proc = flag("proc");
         caps.network_namespace = !flag("net");
+        caps.seccomp = flag("seccomp");
     } else {
         caps.notes.push(format!(
             "namespaces unavailable ({:?}: {}); falling back to rlimits{}",
@@ -679,6 +689,11 @@ pub(crate) fn spawn(
         steps,
         channel_fd: chan_write.as_ref().map_or(-1, |w| w.as_raw_fd()),
         cgroup_fds: cgroup.as_ref().map(|c| c.procs_fds()).unwrap_or_default(),
+        seccomp: if std::env::var_os("COMPOSER_SANDBOX_NO_SECCOMP").is_some() {
+            Vec::new()
+        } else {
+            crate::seccomp::filter()
+        },
         wall_ms: wall.as_millis().min(u64::MAX as u128) as u64,
         cpu_s: cpu_s.max(1),
         address_space: limits.address_space_bytes,
@@ -1340,6 +1355,8 @@ unsafe fn child_setup(plan: &ChildPlan) -> std::io::Result<()> {
     set_limit(libc::RLIMIT_FSIZE, plan.fsize, plan.fsize)?;
     set_limit(libc::RLIMIT_NOFILE, MAX_OPEN_FILES, MAX_OPEN_FILES)?;
     set_limit(libc::RLIMIT_NPROC, plan.nproc, plan.nproc)?;
+    // Last: the system-call filter (best effort; reported by the capability probe).
+    crate::seccomp::install(&plan.seccomp);
     Ok(())
 }
 

@@ -16,6 +16,7 @@
 mod cgroup;
 mod exec;
 mod sandbox;
+mod seccomp;
 mod tasks;
 
 use std::path::Path;

@@ -804,3 +804,51 @@ print("done", flush=True)
     let held = r.stdout.matches("child holds").count();
     assert!(held == 0, "a child got 300 MB under a 256 MiB cap: {r:#?}");
 }
+
+#[test]
+fn escape_kernel_surface_is_filtered() {
+    let caps = sandbox_capabilities();
+    let code = r#"
+import ctypes, os, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+def attempt(name, fn):
+    r = fn()
+    print(name, "ok" if r == 0 else "blocked %d" % ctypes.get_errno(), flush=True)
+attempt("unshare_user", lambda: libc.unshare(0x10000000))
+attempt("unshare_net", lambda: libc.unshare(0x40000000))
+attempt("ptrace", lambda: libc.ptrace(0, 0, 0, 0))
+attempt("bpf", lambda: libc.syscall(321, 0, 0, 0))
+attempt("userfaultfd", lambda: -1 if libc.syscall(323, 0) < 0 else 0)
+attempt("mount", lambda: libc.mount(b"none", b"/tmp", b"tmpfs", 0, None))
+# Ordinary process creation still works (fork, posix_spawn/clone3 fallback, exec).
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+print("fork", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print("spawn", subprocess.run(["/bin/echo", "hi"], capture_output=True).stdout.decode().strip())
+"#;
+    let r = run_python(code, &limits());
+    assert_eq!(r.outcome, Outcome::Completed, "{r:#?}");
+    assert!(r.stdout.contains("fork 7"), "{r:#?}");
+    assert!(r.stdout.contains("spawn hi"), "{r:#?}");
+    if !caps.seccomp {
+        eprintln!("SKIPPED: no seccomp filter here ({:?})", caps.notes);
+        return;
+    }
+    for name in [
+        "unshare_user",
+        "unshare_net",
+        "ptrace",
+        "bpf",
+        "userfaultfd",
+        "mount",
+    ] {
+        assert!(
+            r.stdout.contains(&format!("{name} blocked 1\n")),
+            "{name}: {r:#?}"
+        );
+    }
+    // Graded: the same attempts inside a solution score 0 and break nothing.
+    let task = secret_task(&marker("kernel"));
+    assert_zero(&format!("{code}\ndef f(x):\n    return None\n"), &task);
+}
