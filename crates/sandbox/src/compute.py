@@ -112,7 +112,12 @@ def main():
                 after = None
             reply = {"id": rid, "ok": True, "value": value, "args": after}
         except BaseException as exc:
-            reply = {"id": rid, "ok": False, "type": exc_type(exc), "error": describe(exc)}
+            try:
+                exc_args = [enc(a) for a in exc.args][:8]
+            except BaseException:
+                exc_args = None
+            reply = {"id": rid, "ok": False, "type": exc_type(exc), "error": describe(exc),
+                     "args": exc_args}
         send(reply)
 
 

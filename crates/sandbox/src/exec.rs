@@ -44,15 +44,18 @@ const ROOT_OPTS: &std::ffi::CStr = c"size=1m,mode=0755";
 /// Open-file limit inside the sandbox.
 const MAX_OPEN_FILES: u64 = 256;
 /// Cap on one line of the result channel, and on the whole channel.
-const MAX_LINE_BYTES: usize = 32 << 20;
+const MAX_LINE_BYTES: usize = 16 << 20;
 const MAX_CHANNEL_BYTES: usize = 256 << 20;
+/// Lines buffered between the channel's reader thread and its consumer (back-pressure: a
+/// process spamming its channel blocks instead of filling the parent's memory).
+const CHANNEL_QUEUE: usize = 16;
 /// Extra time after the wall-clock limit before the parent kills the process group itself
 /// (the supervisor normally kills the command exactly at the deadline).
 const PARENT_GRACE: Duration = Duration::from_secs(2);
 /// The descriptor number the result channel gets inside the sandbox.
 pub(crate) const CHANNEL_FD: RawFd = 3;
 /// Where the working copy appears inside the private root.
-pub const SANDBOX_WORKDIR: &str = "/workspace";
+pub(crate) const SANDBOX_WORKDIR: &str = "/workspace";
 
 /// System directories bound read-only into the private root (when they exist; symlinks such
 /// as a merged-/usr `/bin -> usr/bin` are recreated as symlinks).
@@ -434,10 +437,19 @@ impl SandboxDirs {
         }
         use std::io::Write;
         use std::os::unix::fs::OpenOptionsExt;
+        // Replace rather than write through: an existing entry may be a hard link the sandbox
+        // made to a host file (only possible without a mount namespace).
+        match std::fs::symlink_metadata(&path) {
+            Ok(m) if m.is_dir() => anyhow::bail!("writing {rel}: is a directory"),
+            Ok(_) => {
+                std::fs::remove_file(&path).map_err(|e| anyhow::anyhow!("writing {rel}: {e}"))?
+            }
+            Err(_) => {}
+        }
         let mut f = std::fs::OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
+            .mode(0o644)
             .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .map_err(|e| anyhow::anyhow!("writing {rel}: {e}"))?;
@@ -452,23 +464,7 @@ impl SandboxDirs {
 
     /// Reads a regular file of the working copy (no symlinks followed).
     pub(crate) fn read_file(&self, rel: &str) -> anyhow::Result<Vec<u8>> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let path = safe_join(&self.work, rel, false)?;
-        let mut f = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(&path)
-            .map_err(|e| anyhow::anyhow!("reading {rel}: {e}"))?;
-        let meta = f
-            .metadata()
-            .map_err(|e| anyhow::anyhow!("reading {rel}: {e}"))?;
-        if !meta.is_file() {
-            anyhow::bail!("reading {rel}: not a regular file");
-        }
-        let mut out = Vec::new();
-        f.read_to_end(&mut out)
-            .map_err(|e| anyhow::anyhow!("reading {rel}: {e}"))?;
-        Ok(out)
+        read_regular(&self.work, rel)
     }
 
     fn mkdirs(&self, dir: &Path) -> anyhow::Result<()> {
@@ -498,6 +494,31 @@ impl Drop for SandboxDirs {
             remove_dir_robust(base);
         }
     }
+}
+
+/// Reads the regular file `rel` under `root`: no symlinks followed, no hard-linked files (which
+/// could be host files linked in where there is no mount namespace), no devices or FIFOs.
+pub(crate) fn read_regular(root: &Path, rel: &str) -> anyhow::Result<Vec<u8>> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let path = safe_join(root, rel, false)?;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(&path)
+        .map_err(|e| anyhow::anyhow!("reading {rel}: {e}"))?;
+    let meta = f
+        .metadata()
+        .map_err(|e| anyhow::anyhow!("reading {rel}: {e}"))?;
+    if !meta.is_file() {
+        anyhow::bail!("reading {rel}: not a regular file");
+    }
+    if meta.nlink() > 1 {
+        anyhow::bail!("reading {rel}: refusing a file with several hard links");
+    }
+    let mut out = Vec::new();
+    f.read_to_end(&mut out)
+        .map_err(|e| anyhow::anyhow!("reading {rel}: {e}"))?;
+    Ok(out)
 }
 
 /// `root/rel` for a plain relative path: no absolute paths, no `..`, and no existing symlink
@@ -540,6 +561,8 @@ fn chown_tree(dir: &Path, uid: u32) {
             let p = e.path();
             match std::fs::symlink_metadata(&p) {
                 Ok(m) if m.is_dir() => chown_tree(&p, uid),
+                // Never chown a hard link: it may be a host file (no mount namespace).
+                Ok(m) if std::os::unix::fs::MetadataExt::nlink(&m) > 1 => {}
                 Ok(_) => {
                     let _ = std::os::unix::fs::lchown(&p, Some(uid), Some(uid));
                 }
@@ -635,6 +658,18 @@ pub(crate) struct Running {
     keep: PathBuf,
 }
 
+/// Why untrusted code must not run at all in `mode`, if so: the same uid as the parent and no
+/// pid namespace (the code could signal or ptrace-read this process and leave processes
+/// behind), unless explicitly accepted with `COMPOSER_SANDBOX_ALLOW_WEAK=1`.
+pub(crate) fn refusal(mode: Mode) -> Option<String> {
+    (!mode.namespaces && !mode.root && std::env::var_os("COMPOSER_SANDBOX_ALLOW_WEAK").is_none())
+        .then(|| {
+            "refusing to run untrusted code: not root and no user namespaces, so the code \
+             could signal this process (set COMPOSER_SANDBOX_ALLOW_WEAK=1 to accept)"
+                .to_string()
+        })
+}
+
 /// Starts `argv` in the sandbox `dirs` (working directory = the working copy). `channel`
 /// gives the command a result channel on fd 3, read line by line through
 /// [`Running::channel`].
@@ -648,14 +683,8 @@ pub(crate) fn spawn(
     mode: Mode,
 ) -> Result<Running, String> {
     let start = Instant::now();
-    if !mode.namespaces && !mode.root && std::env::var_os("COMPOSER_SANDBOX_ALLOW_WEAK").is_none() {
-        // Same uid as the parent and no pid namespace: the code could signal or ptrace-read
-        // this process and leave processes behind. Refuse unless explicitly accepted.
-        return Err(
-            "refusing to run untrusted code: not root and no user namespaces, so the \
-                    code could signal this process (set COMPOSER_SANDBOX_ALLOW_WEAK=1 to accept)"
-                .to_string(),
-        );
+    if let Some(reason) = refusal(mode) {
+        return Err(reason);
     }
     let Some(program) = argv.first() else {
         return Err("empty command".to_string());
@@ -879,7 +908,7 @@ impl Drop for Running {
 /// Reads lines of a stream on its own thread (each line cut at [`MAX_LINE_BYTES`], reading
 /// stops after [`MAX_CHANNEL_BYTES`]).
 fn spawn_line_reader<R: Read + Send + 'static>(r: R) -> mpsc::Receiver<Vec<u8>> {
-    let (tx, rx) = mpsc::channel();
+    let (tx, rx) = mpsc::sync_channel(CHANNEL_QUEUE);
     std::thread::spawn(move || {
         let mut reader = std::io::BufReader::new(r);
         let mut total = 0usize;

@@ -111,9 +111,16 @@ def proxy(*args, **kwargs):
     message = message if type(message) is str else "the call failed"
     name = reply.get("type")
     cls = getattr(builtins, name, None) if type(name) is str else None
-    if isinstance(cls, type) and issubclass(cls, Exception):
+    # Exceptions with control-flow meaning are not re-raised: a StopIteration would end
+    # `all(map(f, xs))` early (vacuously true), an AttributeError would make `hasattr` False.
+    if (isinstance(cls, type) and issubclass(cls, Exception)
+            and not issubclass(cls, (StopIteration, StopAsyncIteration, AttributeError))):
+        exc_args = reply.get("args")
         try:
-            exc = cls(message)
+            if type(exc_args) is list:
+                exc = cls(*[dec(a) for a in exc_args])
+            else:
+                exc = cls(message)
         except Exception:
             exc = None
         if exc is not None:

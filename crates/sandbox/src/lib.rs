@@ -25,7 +25,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-pub use exec::{sandbox_capabilities, Capabilities, SANDBOX_WORKDIR};
+pub use exec::{sandbox_capabilities, Capabilities};
 pub use sandbox::Sandbox;
 
 use exec::RawRun;

@@ -32,8 +32,8 @@ impl Sandbox {
     /// Creates a sandbox with an empty working copy. Fails (with the reason) when this machine
     /// cannot sandbox untrusted code at all (see [`crate::sandbox_capabilities`]).
     pub fn new(limits: SandboxLimits) -> Result<Sandbox> {
-        if exec::python_path().is_none() && std::env::var_os("COMPOSER_SANDBOX_PYTHON").is_some() {
-            bail!("COMPOSER_SANDBOX_PYTHON names no interpreter");
+        if let Some(reason) = exec::refusal(exec::mode()) {
+            bail!("{reason}");
         }
         let dirs = SandboxDirs::new(exec::mode())?;
         Ok(Sandbox { dirs, limits })
@@ -63,16 +63,13 @@ impl Sandbox {
     }
 
     /// Copies the named regular files (plain relative paths) from `src_root` into the same
-    /// paths of the working copy. Symlinks and anything that is not a regular file are refused:
+    /// paths of the working copy. Symlinks, hard-linked files and anything that is not a regular
+    /// file are refused:
     /// use this to build a grading copy from an untrusted working copy.
     pub fn copy_files_from(&self, src_root: &Path, rel_paths: &[&str]) -> Result<()> {
         for rel in rel_paths {
-            let src = exec::safe_join(src_root, rel, false)?;
-            let meta = std::fs::symlink_metadata(&src).with_context(|| format!("copying {rel}"))?;
-            if !meta.is_file() {
-                bail!("copying {rel}: not a regular file");
-            }
-            let bytes = std::fs::read(&src).with_context(|| format!("copying {rel}"))?;
+            let bytes =
+                exec::read_regular(src_root, rel).with_context(|| format!("copying {rel}"))?;
             self.write_file(rel, &bytes)?;
         }
         Ok(())

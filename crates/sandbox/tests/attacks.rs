@@ -398,6 +398,20 @@ fn attack_values_that_equal_everything_score_zero() {
         assert_zero(code, &task);
         assert_zero(code, &list_task);
     }
+    // Exceptions with control-flow meaning: StopIteration would end `all(map(f, xs))` early.
+    let flow_task = CodeTask {
+        id: "attack/flow".into(),
+        prompt: "Write f(x).".into(),
+        entry_point: "f".into(),
+        tests: vec![
+            "assert all(map(f, [1, 2, 3]))".into(),
+            "assert not hasattr(f(1), 'real')".into(),
+            "assert any(True for _ in map(f, [1])) or True and f(0) == 5".into(),
+            "assert sum(1 for _ in map(f, [1, 2])) == 0 and f(2) == 5".into(),
+        ],
+    };
+    assert_zero("def f(x):\n    raise StopIteration\n", &flow_task);
+    assert_zero("def f(x):\n    raise AttributeError('real')\n", &flow_task);
     // Genuine values still compare as values.
     let honest = "def f(x):\n    return {1: [1, 2, 3], 2: [5], 3: (1,), 4: {'a': 1}}[x]\n";
     let r = grade(honest, &list_task, &limits(), RewardMode::AllOrNothing);
@@ -481,8 +495,9 @@ fn grading_copy_takes_only_the_named_source_files() {
     ] {
         work.write_file(name, b"import os\n").unwrap();
     }
+    work.write_file("pkg/other.py", b"y = 2\n").unwrap();
     let r = work.run_shell(
-        "ln -s /etc/hostname pkg/link.py; echo ok",
+        "ln -s /etc/hostname pkg/link.py; ln pkg/other.py pkg/hard.py; echo ok",
         Duration::from_secs(10),
     );
     assert_eq!(r.stdout.trim(), "ok", "{r:#?}");
@@ -495,6 +510,14 @@ fn grading_copy_takes_only_the_named_source_files() {
         .is_err());
     assert!(grading
         .copy_files_from(work.host_workdir(), &["../../etc/hostname"])
+        .is_err());
+    // A hard-linked file is refused too (it could be a host file where there is no mount
+    // namespace), and so is a directory.
+    assert!(grading
+        .copy_files_from(work.host_workdir(), &["pkg/hard.py"])
+        .is_err());
+    assert!(grading
+        .copy_files_from(work.host_workdir(), &["pkg"])
         .is_err());
     let r = grading.run_shell("find . | sort", Duration::from_secs(10));
     assert_eq!(r.stdout, ".\n./pkg\n./pkg/mod.py\n", "{r:#?}");
