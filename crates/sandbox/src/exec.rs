@@ -314,13 +314,7 @@ fn probe() -> (Capabilities, Mode) {
         mode.namespaces = false;
         return (caps, mode);
     }
-    if std::env::var_os("COMPOSER_SANDBOX_NO_NAMESPACES").is_some() {
-        // For testing the fallback on a kernel that has namespaces.
-        caps.notes
-            .push("namespaces disabled by COMPOSER_SANDBOX_NO_NAMESPACES".to_string());
-        mode.namespaces = false;
-        return (caps, mode);
-    }
+    let forced_fallback = std::env::var_os("COMPOSER_SANDBOX_NO_NAMESPACES").is_some();
     let limits = SandboxLimits::default();
     let run_probe = |mode: Mode| -> RawRun {
         let dirs = match SandboxDirs::new(mode) {
@@ -346,7 +340,15 @@ fn probe() -> (Capabilities, Mode) {
             Err(e) => RawRun::sandbox_error(e, 0.0),
         }
     };
-    let run = run_probe(mode);
+    let run = if forced_fallback {
+        // For testing the fallback on a kernel that has namespaces.
+        RawRun::sandbox_error(
+            "namespaces disabled by COMPOSER_SANDBOX_NO_NAMESPACES".to_string(),
+            0.0,
+        )
+    } else {
+        run_probe(mode)
+    };
     let text = String::from_utf8_lossy(&run.stdout).to_string();
     let flag = |key: &str| text.lines().any(|l| l == format!("{key}=1"));
     if run.outcome == Outcome::Completed && run.exit_code == Some(0) {
@@ -367,6 +369,8 @@ fn probe() -> (Capabilities, Mode) {
         ));
         mode.namespaces = false;
         let basic = run_probe(mode);
+        let basic_text = String::from_utf8_lossy(&basic.stdout);
+        caps.seccomp = basic_text.lines().any(|l| l == "seccomp=1");
         if basic.exit_code != Some(0) {
             caps.notes.push(format!(
                 "the rlimit-only sandbox fails too ({:?}: {})",
