@@ -75,6 +75,45 @@ impl Sandbox {
         Ok(())
     }
 
+    /// Copies the whole tree under `src_root` (e.g. a task's trusted `repo/`) into the working
+    /// copy under `dest` (a plain relative directory, `""` for the root): directories and
+    /// regular files; a symlink or special file is an error. Returns the number of files
+    /// copied. For grading, copy the trusted tree first, then overlay the graded files with
+    /// [`Sandbox::copy_files_from`].
+    pub fn copy_tree_from(&self, src_root: &Path, dest: &str) -> Result<usize> {
+        fn walk(sb: &Sandbox, root: &Path, rel: &Path, dest: &Path, n: &mut usize) -> Result<()> {
+            let dir = root.join(rel);
+            let mut entries: Vec<_> = std::fs::read_dir(&dir)
+                .with_context(|| format!("reading {}", dir.display()))?
+                .collect::<std::io::Result<_>>()
+                .with_context(|| format!("reading {}", dir.display()))?;
+            entries.sort_by_key(|e| e.file_name());
+            for e in entries {
+                let child = rel.join(e.file_name());
+                let meta = std::fs::symlink_metadata(e.path())
+                    .with_context(|| format!("reading {}", e.path().display()))?;
+                let target = dest.join(&child);
+                let Some(child_str) = target.to_str() else {
+                    bail!("{}: not a UTF-8 path", target.display());
+                };
+                if meta.is_dir() {
+                    walk(sb, root, &child, dest, n)?;
+                } else if meta.is_file() {
+                    let bytes = std::fs::read(e.path())
+                        .with_context(|| format!("reading {}", e.path().display()))?;
+                    sb.write_file(child_str, &bytes)?;
+                    *n += 1;
+                } else {
+                    bail!("{child_str}: not a regular file or directory");
+                }
+            }
+            Ok(())
+        }
+        let mut n = 0;
+        walk(self, src_root, Path::new(""), Path::new(dest), &mut n)?;
+        Ok(n)
+    }
+
     /// Runs `argv` (`argv[0]` an absolute path or a name looked up on
     /// `/usr/local/bin:/usr/bin:/bin` inside the sandbox) in the working copy, feeding
     /// `stdin`, with a wall-clock `timeout` (the other limits are the sandbox's). Every process of the run is killed when it returns. Never panics: sandbox

@@ -501,10 +501,24 @@ fn grading_copy_takes_only_the_named_source_files() {
         Duration::from_secs(10),
     );
     assert_eq!(r.stdout.trim(), "ok", "{r:#?}");
+    // The grading copy: the task's trusted tree, then only the graded source file.
+    let trusted = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(trusted.path().join("pkg")).unwrap();
+    std::fs::write(trusted.path().join("pkg/__init__.py"), "").unwrap();
+    std::fs::write(
+        trusted.path().join("pkg/mod.py"),
+        "raise NotImplementedError\n",
+    )
+    .unwrap();
     let grading = Sandbox::new(limits()).unwrap();
+    assert_eq!(grading.copy_tree_from(trusted.path(), "").unwrap(), 2);
     grading
         .copy_files_from(work.host_workdir(), &["pkg/mod.py"])
         .unwrap();
+    assert_eq!(
+        grading.read_file("pkg/mod.py").unwrap(),
+        b"def f(x):\n    return x\n"
+    );
     assert!(grading
         .copy_files_from(work.host_workdir(), &["pkg/link.py"])
         .is_err());
@@ -520,7 +534,10 @@ fn grading_copy_takes_only_the_named_source_files() {
         .copy_files_from(work.host_workdir(), &["pkg"])
         .is_err());
     let r = grading.run_shell("find . | sort", Duration::from_secs(10));
-    assert_eq!(r.stdout, ".\n./pkg\n./pkg/mod.py\n", "{r:#?}");
+    assert_eq!(
+        r.stdout, ".\n./pkg\n./pkg/__init__.py\n./pkg/mod.py\n",
+        "{r:#?}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -826,6 +843,7 @@ print("done", flush=True)
     }
     let held = r.stdout.matches("child holds").count();
     assert!(held == 0, "a child got 300 MB under a 256 MiB cap: {r:#?}");
+    assert_eq!(r.outcome, Outcome::MemoryLimit, "{r:#?}");
 }
 
 #[test]
