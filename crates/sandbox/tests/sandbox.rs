@@ -72,8 +72,9 @@ fn builtin_task_set_is_large_and_well_formed() {
     }
 }
 
-/// Every reference solution passes all its tests, and a stub that returns None fails at least
-/// one: every task is solvable and its tests are meaningful.
+/// Every reference solution passes all its tests (reward 1.0), a stub that returns None fails
+/// at least one, and a solution that raises scores 0: every task is solvable and its tests are
+/// meaningful.
 #[test]
 fn every_builtin_task_is_solvable_and_its_tests_discriminate() {
     let tasks = builtin_tasks();
@@ -89,9 +90,18 @@ fn every_builtin_task_is_solvable_and_its_tests_discriminate() {
             task.entry_point
         );
         let bad = grade(&stub, task, &limits(), RewardMode::FractionPassed);
-        (task.id.clone(), good, bad)
+        let unimplemented = format!(
+            "def {}(*args, **kwargs):\n    raise NotImplementedError\n",
+            task.entry_point
+        );
+        let wrong = grade(&unimplemented, task, &limits(), RewardMode::FractionPassed);
+        (task.id.clone(), good, bad, wrong)
     });
-    for (id, good, bad) in reports {
+    for (id, good, bad, wrong) in reports {
+        assert!(
+            wrong.passed == 0 && wrong.reward == 0.0,
+            "{id}: an unimplemented solution scores: {wrong:#?}"
+        );
         assert!(
             good.all_passed && good.reward == 1.0 && good.outcome == Outcome::Completed,
             "{id}: reference solution failed: {good:#?}"
