@@ -1382,6 +1382,20 @@ unsafe fn child_setup(plan: &ChildPlan) -> std::io::Result<()> {
             return Err(os_err());
         }
     }
+    // No other inherited descriptor survives the exec: mark them all close-on-exec (not
+    // closed now: std reports exec errors through one of them). Best effort: needs
+    // close_range with CLOSE_RANGE_CLOEXEC, Linux >= 5.11.
+    let first_closed = if plan.channel_fd >= 0 {
+        CHANNEL_FD + 1
+    } else {
+        3
+    };
+    libc::syscall(
+        libc::SYS_close_range,
+        first_closed as libc::c_uint,
+        libc::c_uint::MAX,
+        4 as libc::c_uint, // CLOSE_RANGE_CLOEXEC
+    );
     // soft == hard: SIGKILL at the limit (SIGXCPU would be ignored by a pid-namespace init).
     set_limit(libc::RLIMIT_CPU, plan.cpu_s, plan.cpu_s)?;
     set_limit(libc::RLIMIT_AS, plan.address_space, plan.address_space)?;

@@ -893,3 +893,19 @@ print("spawn", subprocess.run(["/bin/echo", "hi"], capture_output=True).stdout.d
     let task = secret_task(&marker("kernel"));
     assert_zero(&format!("{code}\ndef f(x):\n    return None\n"), &task);
 }
+
+#[test]
+fn sandbox_runs_report_missing_commands_and_keep_only_stdio() {
+    let sb = Sandbox::new(limits()).unwrap();
+    let r = sb.run(&["/no/such/program"], b"", Duration::from_secs(5));
+    assert!(
+        matches!(r.outcome, Outcome::SandboxError(ref e) if e.contains("/no/such/program")),
+        "{r:#?}"
+    );
+    // Only stdin, stdout and stderr are open in a plain run.
+    let r = sb.run_shell("ls /proc/self/fd", Duration::from_secs(5));
+    assert_eq!(r.exit_code, Some(0), "{r:#?}");
+    let fds: Vec<&str> = r.stdout.split_whitespace().collect();
+    // `ls` itself holds one more descriptor: the directory it lists.
+    assert!(fds.len() <= 4, "inherited descriptors: {fds:?}");
+}
