@@ -1,18 +1,22 @@
-//! composer-sandbox: runs untrusted, model-written Python against unit tests and turns the
-//! result into a reward, plus a built-in set of function-writing tasks.
+//! composer-sandbox: runs untrusted, model-written code in a sandbox and grades
+//! function-writing tasks in a way the code cannot game, plus a built-in set of such tasks.
 //!
-//! Each run is `python3 -I -S -B` in a private temporary working directory (removed
-//! afterwards), with an empty environment, CPU/address-space/process/file-size rlimits, a
-//! wall-clock deadline that kills everything the run started, and — where the kernel allows —
-//! user, mount, pid and network namespaces (no network, private /tmp, read-only file system,
-//! no view of other processes). When running as root every run also switches to its own
-//! unprivileged uid. See the crate README for what is enforced where, and
-//! [`sandbox_capabilities`] for what this machine allows.
+//! Grading ([`grade`]) splits the work between two sandboxed processes: the candidate's
+//! process only *computes* (loads the solution, calls the entry point on inputs it is sent,
+//! returns plain values of exact built-in types), and a separate trusted judge process runs the
+//! tests with the entry point replaced by a proxy that forwards each call through this process.
+//! The tests and expected values never enter the candidate's process or file system, and the
+//! verdicts come only from the judge. [`Sandbox`] is the reusable sandbox underneath (private
+//! read-only root, working copy, no network, pid namespace, cgroup memory/process caps). See
+//! the crate README for what is enforced where, and [`sandbox_capabilities`] for this machine.
 
 // `!(x > 0.0)` is used on purpose in validation: it also rejects NaN.
 #![allow(clippy::neg_cmp_op_on_partial_ord)]
 
+mod cgroup;
 mod exec;
+mod sandbox;
+mod seccomp;
 mod tasks;
 
 use std::path::Path;
@@ -22,6 +26,10 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 pub use exec::{sandbox_capabilities, Capabilities};
+pub use sandbox::Sandbox;
+
+use exec::RawRun;
+use std::time::Instant;
 pub use tasks::{builtin_reference_solutions, builtin_tasks};
 
 /// Whether the sandboxed code may use the network.
@@ -44,8 +52,13 @@ pub struct SandboxLimits {
     pub cpu_time_s: u64,
     /// Address-space limit per process in bytes (RLIMIT_AS; Python raises MemoryError).
     pub address_space_bytes: u64,
-    /// Maximum number of processes of the run (RLIMIT_NPROC under a uid of its own).
+    /// Maximum number of processes of the run (cgroup `pids.max` for the whole tree where
+    /// available, and RLIMIT_NPROC under a uid of its own).
     pub max_processes: u64,
+    /// Memory cap for the whole process tree of a run in bytes (cgroup memory limit, where
+    /// available: see [`Capabilities::cgroup`]; the OOM killer ends the run).
+    #[serde(default = "default_memory_bytes")]
+    pub memory_bytes: u64,
     /// Maximum size of any file written (RLIMIT_FSIZE; writes beyond fail with EFBIG).
     pub max_file_bytes: u64,
     /// Captured stdout and stderr are each cut to this many bytes.
@@ -54,12 +67,17 @@ pub struct SandboxLimits {
     pub network: NetworkPolicy,
 }
 
+fn default_memory_bytes() -> u64 {
+    1 << 30
+}
+
 impl Default for SandboxLimits {
     fn default() -> Self {
         SandboxLimits {
             wall_time: Duration::from_secs(10),
             cpu_time_s: 5,
             address_space_bytes: 1 << 30,
+            memory_bytes: default_memory_bytes(),
             max_processes: 32,
             max_file_bytes: 16 << 20,
             max_output_bytes: 8 << 10,
@@ -149,9 +167,30 @@ pub struct GradeReport {
     pub wall_s: f64,
 }
 
-/// Runs `code` as a Python script in the sandbox (stdin empty).
+/// Runs `code` as a Python script in a fresh sandbox (stdin empty).
 pub fn run_python(code: &str, limits: &SandboxLimits) -> ExecResult {
-    let run = exec::run_raw(&[("main.py", code.as_bytes())], "main.py", b"", limits);
+    let Some(python) = exec::python_path() else {
+        return exec_result(RawRun::sandbox_error(
+            "no python3 interpreter found".into(),
+            0.0,
+        ));
+    };
+    let sandbox = match Sandbox::new(limits.clone()) {
+        Ok(s) => s,
+        Err(e) => return exec_result(RawRun::sandbox_error(format!("{e:#}"), 0.0)),
+    };
+    if let Err(e) = sandbox.write_file("main.py", code.as_bytes()) {
+        return exec_result(RawRun::sandbox_error(format!("{e:#}"), 0.0));
+    }
+    let python = python.display().to_string();
+    sandbox.run(
+        &[&python, "-I", "-S", "-B", "main.py"],
+        b"",
+        limits.wall_time,
+    )
+}
+
+pub(crate) fn exec_result(run: RawRun) -> ExecResult {
     ExecResult {
         stdout: String::from_utf8_lossy(&run.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&run.stderr).into_owned(),
@@ -162,93 +201,233 @@ pub fn run_python(code: &str, limits: &SandboxLimits) -> ExecResult {
     }
 }
 
-/// One line of the runner's result channel.
+/// The candidate-side harness (untrusted once the candidate is loaded: it only computes).
+const COMPUTE_PY: &str = include_str!("compute.py");
+/// The trusted judge: runs the tests against a proxy of the entry point.
+const JUDGE_PY: &str = include_str!("judge.py");
+/// Extra wall-clock time of the judge over the candidate's limit (it outlives the candidate
+/// so that it can record the failures after a timeout).
+const JUDGE_EXTRA: Duration = Duration::from_secs(5);
+
+/// The load report of the candidate's process (its first result-channel line). Untrusted: a
+/// forged "loaded" only makes the later calls fail.
 #[derive(Deserialize)]
-struct RunnerLine {
-    kind: String,
-    #[serde(default)]
-    index: Option<usize>,
-    #[serde(default)]
-    ok: bool,
+struct LoadLine {
+    load: bool,
     #[serde(default)]
     error: String,
 }
 
-/// A fresh random nonce (128 bits from the OS, hex).
-fn nonce() -> String {
-    let mut bytes = [0u8; 16];
-    let from_os = std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes));
-    if from_os.is_err() {
-        // Fallback: std's randomly keyed SipHash over time and a counter.
-        use std::hash::{BuildHasher, Hasher};
-        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        for chunk in bytes.chunks_mut(8) {
-            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            h.write_u64(COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-            h.write_u128(
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_nanos())
-                    .unwrap_or(0),
-            );
-            chunk.copy_from_slice(&h.finish().to_le_bytes());
+/// A verdict line of the judge (trusted).
+#[derive(Deserialize)]
+struct JudgeLine {
+    #[serde(default)]
+    verdict: Option<usize>,
+    #[serde(default)]
+    ok: bool,
+    #[serde(default)]
+    error: String,
+    #[serde(default)]
+    done: bool,
+}
+
+/// Receives the next line before `deadline`; None at EOF or the deadline.
+fn recv_line(rx: &std::sync::mpsc::Receiver<Vec<u8>>, deadline: Instant) -> Option<Vec<u8>> {
+    let wait = deadline.saturating_duration_since(Instant::now());
+    rx.recv_timeout(wait).ok()
+}
+
+fn write_line(to: &mut Option<std::process::ChildStdin>, line: &[u8]) -> bool {
+    use std::io::Write;
+    let Some(w) = to.as_mut() else {
+        return false;
+    };
+    let ok = w.write_all(line).is_ok()
+        && (line.ends_with(b"\n") || w.write_all(b"\n").is_ok())
+        && w.flush().is_ok();
+    if !ok {
+        *to = None;
+    }
+    ok
+}
+
+/// Load status, per-test verdicts, and the candidate's run.
+struct Grading {
+    load: Option<(bool, String)>,
+    verdicts: Vec<Option<(bool, String)>>,
+    candidate: RawRun,
+    judge_error: Option<String>,
+}
+
+/// Runs the candidate (computing only) and the judge (running the tests) in two sandboxes and
+/// relays the judge's calls to the candidate. The tests reach only the judge.
+fn run_grading(code: &str, task: &CodeTask, limits: &SandboxLimits) -> Grading {
+    let total = task.tests.len();
+    let mut g = Grading {
+        load: None,
+        verdicts: vec![None; total],
+        candidate: RawRun::sandbox_error(String::new(), 0.0),
+        judge_error: None,
+    };
+    let fail = |mut g: Grading, reason: String| {
+        g.candidate = RawRun::sandbox_error(reason, 0.0);
+        g
+    };
+    let Some(python) = exec::python_path() else {
+        return fail(g, "no python3 interpreter found".into());
+    };
+    let python = python.display().to_string();
+    let mode = exec::mode();
+
+    // The candidate's sandbox: the harness and the solution, nothing else.
+    let cand_dirs = match exec::SandboxDirs::new(mode) {
+        Ok(d) => d,
+        Err(e) => return fail(g, format!("{e:#}")),
+    };
+    for (name, text) in [("compute.py", COMPUTE_PY), ("solution.py", code)] {
+        if let Err(e) = cand_dirs.write_file(name, text.as_bytes()) {
+            return fail(g, format!("{e:#}"));
         }
     }
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    let argv = [
+        python.as_str(),
+        "-I",
+        "-S",
+        "-B",
+        "compute.py",
+        task.entry_point.as_str(),
+    ];
+    let mut cand = match exec::spawn(
+        &cand_dirs,
+        &argv,
+        limits,
+        limits.wall_time,
+        limits.cpu_time_s,
+        true,
+        mode,
+    ) {
+        Ok(r) => r,
+        Err(e) => return fail(g, e),
+    };
+    let Some(cand_lines) = cand.channel.take() else {
+        return fail(g, "no result channel".into());
+    };
+    let cand_deadline = cand.deadline();
+    if let Some(line) = recv_line(&cand_lines, cand_deadline) {
+        g.load = Some(match serde_json::from_slice::<LoadLine>(&line) {
+            Ok(l) => (l.load, l.error),
+            Err(_) => (false, "the solution's process broke the protocol".into()),
+        });
+    }
+
+    if matches!(g.load, Some((true, _))) {
+        // The judge's sandbox: only the judge; the tests arrive on its stdin.
+        let judge_limits = SandboxLimits {
+            wall_time: limits.wall_time + JUDGE_EXTRA,
+            memory_bytes: limits.memory_bytes.max(512 << 20),
+            address_space_bytes: limits.address_space_bytes.max(1 << 30),
+            network: NetworkPolicy::Isolated,
+            ..limits.clone()
+        };
+        let judge = exec::SandboxDirs::new(mode).and_then(|d| {
+            d.write_file("judge.py", JUDGE_PY.as_bytes())?;
+            Ok(d)
+        });
+        let spawned = judge.map_err(|e| format!("{e:#}")).and_then(|d| {
+            let argv = [python.as_str(), "-I", "-S", "-B", "judge.py"];
+            let r = exec::spawn(
+                &d,
+                &argv,
+                &judge_limits,
+                judge_limits.wall_time,
+                judge_limits.cpu_time_s + JUDGE_EXTRA.as_secs(),
+                true,
+                mode,
+            )?;
+            Ok((d, r))
+        });
+        match spawned {
+            Err(e) => g.judge_error = Some(e),
+            Ok((_judge_dirs, mut judge)) => {
+                let spec = serde_json::json!({
+                    "entry_point": task.entry_point,
+                    "tests": task.tests,
+                });
+                write_line(&mut judge.stdin, spec.to_string().as_bytes());
+                let judge_deadline = judge.deadline();
+                if let Some(judge_lines) = judge.channel.take() {
+                    while let Some(line) = recv_line(&judge_lines, judge_deadline) {
+                        if let Some(rest) = line.strip_prefix(b"{\"call\": ") {
+                            // Forward the call verbatim; answer with the candidate's next line.
+                            let id: String = rest
+                                .iter()
+                                .take_while(|b| b.is_ascii_digit())
+                                .map(|&b| b as char)
+                                .collect();
+                            let reply = if write_line(&mut cand.stdin, &line) {
+                                recv_line(&cand_lines, cand_deadline)
+                            } else {
+                                None
+                            };
+                            let reply = reply.unwrap_or_else(|| {
+                                format!(
+                                    "{{\"id\": {}, \"ok\": false, \"type\": \"\", \"error\": \
+                                     \"the solution's process ended (crashed, was killed, or \
+                                     timed out)\"}}\n",
+                                    if id.is_empty() { "null" } else { &id }
+                                )
+                                .into_bytes()
+                            });
+                            write_line(&mut judge.stdin, &reply);
+                            continue;
+                        }
+                        let Ok(v) = serde_json::from_slice::<JudgeLine>(&line) else {
+                            continue;
+                        };
+                        if v.done {
+                            break;
+                        }
+                        if let Some(i) = v.verdict.filter(|&i| i < total) {
+                            if g.verdicts[i].is_none() {
+                                g.verdicts[i] = Some((v.ok, v.error));
+                            }
+                        }
+                    }
+                }
+                let judged = judge.finish();
+                if let Outcome::SandboxError(e) = judged.outcome {
+                    g.judge_error = Some(e);
+                } else if g.verdicts.iter().any(Option::is_none)
+                    && !matches!(judged.outcome, Outcome::Completed)
+                {
+                    g.judge_error =
+                        Some(format!("the test judge ended early: {:?}", judged.outcome));
+                }
+            }
+        }
+    }
+    drop(cand.stdin.take());
+    g.candidate = cand.finish();
+    drop(cand_dirs);
+    g
 }
 
-/// Cuts `text` to at most `max` bytes on a char boundary, marking the cut.
-fn truncate_text(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_string();
-    }
-    let marker = "\n...[truncated]";
-    let mut end = max.saturating_sub(marker.len());
-    while end > 0 && !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}{marker}", &text[..end])
-}
-
-/// Grades `code` against `task`'s tests in the sandbox. Blocking; never panics: a sandbox
-/// failure gives reward 0 with the reason in `outcome` and `feedback`.
+/// Grades `code` against `task`'s tests. Blocking; never panics: a sandbox failure gives
+/// reward 0 with the reason in `outcome` and `feedback`.
+///
+/// The candidate runs in a sandbox holding only the solution and a harness that calls the entry
+/// point on the inputs it is sent and returns the results (exact built-in types only). The
+/// tests run in a second sandbox, a trusted judge that never loads the candidate's code: each
+/// call of the entry point in a test is forwarded through this process to the candidate, and
+/// the decoded plain value comes back. So the tests and expected values never reach the
+/// candidate, and whatever the candidate writes is at most a claim about a return value. Tests
+/// may use the entry point, builtins and literals (not other names of the solution).
 pub fn grade(code: &str, task: &CodeTask, limits: &SandboxLimits, mode: RewardMode) -> GradeReport {
     let total = task.tests.len();
-    let spec = serde_json::json!({ "entry_point": task.entry_point, "tests": task.tests });
-    let spec = spec.to_string();
-    let nonce = nonce();
-    let stdin = format!("{nonce}\n");
-    let run = exec::run_raw(
-        &[
-            ("runner.py", include_str!("runner.py").as_bytes()),
-            ("solution.py", code.as_bytes()),
-            ("tests.json", spec.as_bytes()),
-        ],
-        "runner.py",
-        stdin.as_bytes(),
-        limits,
-    );
-
-    // Parse the result channel: only lines carrying this run's nonce count, first per test.
-    let mut load: Option<(bool, String)> = None;
-    let mut results: Vec<Option<(bool, String)>> = vec![None; total];
-    let prefix = format!("{nonce} ");
-    for line in String::from_utf8_lossy(&run.result_channel).lines() {
-        let Some(json) = line.strip_prefix(&prefix) else {
-            continue;
-        };
-        let Ok(parsed) = serde_json::from_str::<RunnerLine>(json) else {
-            continue;
-        };
-        match (parsed.kind.as_str(), parsed.index) {
-            ("load", _) if load.is_none() => load = Some((parsed.ok, parsed.error)),
-            ("test", Some(i)) if i < total && results[i].is_none() => {
-                results[i] = Some((parsed.ok, parsed.error))
-            }
-            _ => {}
-        }
-    }
+    let g = run_grading(code, task, limits);
+    let results = g.verdicts;
+    let load = g.load;
+    let run = g.candidate;
     let passed = results
         .iter()
         .filter(|r| matches!(r, Some((true, _))))
@@ -261,6 +440,9 @@ pub fn grade(code: &str, task: &CodeTask, limits: &SandboxLimits, mode: RewardMo
     };
 
     let mut outcome = run.outcome.clone();
+    if let (Some(e), Outcome::Completed) = (&g.judge_error, &outcome) {
+        outcome = Outcome::SandboxError(e.clone());
+    }
     let memory_error = |e: &str| e.starts_with("MemoryError");
     if outcome == Outcome::Completed
         && (load.as_ref().is_some_and(|(_, e)| memory_error(e))
@@ -324,6 +506,19 @@ pub fn grade(code: &str, task: &CodeTask, limits: &SandboxLimits, mode: RewardMo
         outcome,
         wall_s: run.wall_s,
     }
+}
+
+/// Cuts `text` to at most `max` bytes on a char boundary, marking the cut.
+fn truncate_text(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let marker = "\n...[truncated]";
+    let mut end = max.saturating_sub(marker.len());
+    while end > 0 && !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{marker}", &text[..end])
 }
 
 /// The code in a model's answer: the first ```python (or ```py / ```python3) fenced block,

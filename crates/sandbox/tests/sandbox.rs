@@ -1,4 +1,5 @@
-//! Real-subprocess tests of the sandbox: built-in tasks, grading, and the escape suite.
+//! Real-subprocess tests of the sandbox: built-in tasks, grading, limits, task files. The
+//! attack suite is tests/attacks.rs.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -47,50 +48,6 @@ fn par_map<T: Sync, R: Send>(items: &[T], threads: usize, f: impl Fn(&T) -> R + 
     out.into_iter().map(|r| r.unwrap()).collect()
 }
 
-/// Processes (host view) whose command line contains `marker`.
-fn processes_with_marker(marker: &str) -> Vec<String> {
-    let mut found = Vec::new();
-    if let Ok(entries) = std::fs::read_dir("/proc") {
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().to_string();
-            if !name.chars().all(|c| c.is_ascii_digit()) {
-                continue;
-            }
-            if let Ok(cmd) = std::fs::read(e.path().join("cmdline")) {
-                if String::from_utf8_lossy(&cmd).contains(marker) {
-                    found.push(name);
-                }
-            }
-        }
-    }
-    found
-}
-
-fn unique_marker(tag: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("composer-escape-{tag}-{}-{nanos}", std::process::id())
-}
-
-/// The path the sandbox printed as its working directory (a line `CWD=<path>`).
-fn printed_cwd(stdout: &str) -> PathBuf {
-    let line = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("CWD="))
-        .unwrap_or_else(|| panic!("no CWD line in {stdout:?}"));
-    PathBuf::from(line)
-}
-
-fn assert_removed(dir: &Path) {
-    assert!(
-        dir.starts_with(std::env::temp_dir()) && !dir.exists(),
-        "working directory {} not removed",
-        dir.display()
-    );
-}
-
 // ---------------------------------------------------------------------------------------------
 // Tasks and grading
 // ---------------------------------------------------------------------------------------------
@@ -115,8 +72,9 @@ fn builtin_task_set_is_large_and_well_formed() {
     }
 }
 
-/// Every reference solution passes all its tests, and a stub that returns None fails at least
-/// one: every task is solvable and its tests are meaningful.
+/// Every reference solution passes all its tests (reward 1.0), a stub that returns None fails
+/// at least one, and a solution that raises scores 0: every task is solvable and its tests are
+/// meaningful.
 #[test]
 fn every_builtin_task_is_solvable_and_its_tests_discriminate() {
     let tasks = builtin_tasks();
@@ -132,9 +90,18 @@ fn every_builtin_task_is_solvable_and_its_tests_discriminate() {
             task.entry_point
         );
         let bad = grade(&stub, task, &limits(), RewardMode::FractionPassed);
-        (task.id.clone(), good, bad)
+        let unimplemented = format!(
+            "def {}(*args, **kwargs):\n    raise NotImplementedError\n",
+            task.entry_point
+        );
+        let wrong = grade(&unimplemented, task, &limits(), RewardMode::FractionPassed);
+        (task.id.clone(), good, bad, wrong)
     });
-    for (id, good, bad) in reports {
+    for (id, good, bad, wrong) in reports {
+        assert!(
+            wrong.passed == 0 && wrong.reward == 0.0,
+            "{id}: an unimplemented solution scores: {wrong:#?}"
+        );
         assert!(
             good.all_passed && good.reward == 1.0 && good.outcome == Outcome::Completed,
             "{id}: reference solution failed: {good:#?}"
@@ -307,76 +274,8 @@ fn output_is_captured_and_truncated() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Escape suite: every attempt contained, this process unharmed, the working directory removed.
+// Resource limits and the parent's safety (the attack classes are in tests/attacks.rs).
 // ---------------------------------------------------------------------------------------------
-
-#[test]
-fn escape_fork_bomb_is_contained_and_leaves_nothing_behind() {
-    let marker = unique_marker("fork");
-    // Children detach (setsid) and exec a long sleeper carrying the marker in argv.
-    let code = format!(
-        r#"
-import os, sys
-print("CWD=" + os.getcwd(), flush=True)
-n = 0
-while True:
-    try:
-        pid = os.fork()
-    except OSError:
-        break
-    if pid == 0:
-        try:
-            os.setsid()
-        except OSError:
-            pass
-        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(600)", "{marker}"])
-    n += 1
-print("forked", n, flush=True)
-"#
-    );
-    let lim = tight();
-    let r = run_python(&code, &lim);
-    let forked: u64 = r
-        .stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("forked "))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no fork count: {r:#?}"));
-    assert!(
-        forked < lim.max_processes,
-        "forked {forked} processes, limit {}",
-        lim.max_processes
-    );
-    std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(
-        processes_with_marker(&marker),
-        Vec::<String>::new(),
-        "sleepers survived the run"
-    );
-    assert_removed(&printed_cwd(&r.stdout));
-
-    // The classic bomb: every process forks forever. Contained by the process limit and the
-    // deadline; this process is unharmed.
-    let short = SandboxLimits {
-        wall_time: Duration::from_secs(2),
-        cpu_time_s: 1,
-        ..lim
-    };
-    let r = run_python(
-        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
-        &short,
-    );
-    assert!(
-        matches!(
-            r.outcome,
-            Outcome::TimedOut | Outcome::CpuLimit | Outcome::Killed { .. }
-        ),
-        "{r:#?}"
-    );
-    // The machine can still start processes.
-    let ok = run_python("print('alive')", &limits());
-    assert_eq!(ok.stdout, "alive\n", "{ok:#?}");
-}
 
 #[test]
 fn escape_infinite_loops_hit_cpu_and_wall_limits() {
@@ -432,123 +331,11 @@ fn escape_ten_gigabyte_allocation_fails_cleanly() {
 }
 
 #[test]
-fn escape_writing_outside_the_working_directory_is_contained() {
-    let marker = unique_marker("write");
-    let host_tmp = std::env::temp_dir().join(&marker);
-    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".to_string());
-    let targets = [
-        host_tmp.display().to_string(),
-        format!("/var/tmp/{marker}"),
-        format!("/dev/shm/{marker}"),
-        format!("{home}/{marker}"),
-        format!("/etc/{marker}"),
-        format!("{}/{marker}", env!("CARGO_MANIFEST_DIR")),
-        format!("../{marker}"),
-    ];
-    let code = format!(
-        r#"
-import os
-print("CWD=" + os.getcwd())
-with open("inside.txt", "w") as f:
-    f.write("ok")
-print("inside", open("inside.txt").read())
-for path in {targets:?}:
-    try:
-        with open(path, "w") as f:
-            f.write("escaped")
-        print("wrote", path)
-    except OSError as e:
-        print("blocked", path, e.errno)
-# A file bigger than the file-size limit is cut off.
-try:
-    with open("big.bin", "wb") as f:
-        f.write(b"0" * (64 * 1024 * 1024))
-    print("big ok")
-except OSError as e:
-    print("big blocked", e.errno)
-"#
-    );
-    let r = run_python(&code, &tight());
-    assert_eq!(r.outcome, Outcome::Completed, "{r:#?}");
-    assert!(r.stdout.contains("inside ok"), "{r:#?}");
-    assert!(
-        r.stdout.contains("big blocked 27"),
-        "EFBIG expected: {r:#?}"
-    );
-    let caps = sandbox_capabilities();
-    for path in &targets {
-        let host_path = if path.starts_with("../") {
-            std::env::temp_dir().join(&marker)
-        } else {
-            PathBuf::from(path)
-        };
-        assert!(
-            !host_path.exists(),
-            "{} was written on the host: {}",
-            host_path.display(),
-            r.stdout
-        );
-    }
-    if caps.read_only_root {
-        for path in &targets[3..6] {
-            assert!(
-                r.stdout.contains(&format!("blocked {path}")),
-                "{path}: {r:#?}"
-            );
-        }
-    }
-    assert_removed(&printed_cwd(&r.stdout));
-}
-
-#[test]
-fn escape_network_connection_to_localhost_is_blocked() {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.set_nonblocking(true).unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let code = format!(
-        r#"
-import socket
-try:
-    s = socket.create_connection(("127.0.0.1", {port}), timeout=1)
-    s.sendall(b"escaped")
-    print("connected")
-except OSError as e:
-    print("blocked", e.errno)
-"#
-    );
-    let r = run_python(&code, &tight());
-    let caps = sandbox_capabilities();
-    if !caps.network_namespace {
-        // Not a missing service but a kernel without network namespaces: the README documents
-        // that the network is then not isolated.
-        eprintln!(
-            "SKIPPED: no network namespace on this kernel ({:?})",
-            caps.notes
-        );
-        return;
-    }
-    assert!(r.stdout.starts_with("blocked"), "{r:#?}");
-    assert!(
-        listener.accept().is_err(),
-        "the sandbox reached the listener"
-    );
-
-    // NetworkPolicy::Allowed really allows it (so the test above is meaningful).
-    let open = SandboxLimits {
-        network: NetworkPolicy::Allowed,
-        ..tight()
-    };
-    let r = run_python(&code, &open);
-    assert_eq!(r.stdout.trim(), "connected", "{r:#?}");
-}
-
-#[test]
 fn escape_killing_the_parent_and_everyone_else_fails() {
     let me = std::process::id();
     let code = format!(
         r#"
 import os, signal
-print("CWD=" + os.getcwd(), flush=True)
 for target in (os.getppid(), {me}, 1):
     try:
         os.kill(target, signal.SIGKILL)
@@ -575,7 +362,6 @@ print("still here", flush=True)
         "{r:#?}"
     );
     assert!(!r.stdout.contains(&format!("signalled {me}")), "{r:#?}");
-    assert_removed(&printed_cwd(&r.stdout));
     // The sandbox still works afterwards.
     assert_eq!(run_python("print(1)", &limits()).stdout, "1\n");
 }
