@@ -2,6 +2,7 @@
 //! work lives in the crates (`composer-train`, `composer-model`, `composer-env`,
 //! `composer-telemetry`), so this file stays a table of contents.
 
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -88,6 +89,7 @@ struct GenerateArgs {
     /// Render the prompt as one user message through the model's chat template.
     #[arg(long)]
     chat: bool,
+    /// Most tokens per sample (0 = none; at most 32768).
     #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
     /// 0 = greedy.
@@ -100,6 +102,7 @@ struct GenerateArgs {
     top_k: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Samples of the prompt (1..=1024).
     #[arg(long, default_value_t = 1)]
     num_samples: usize,
     /// Print `{"samples":[...]}` as JSON.
@@ -272,6 +275,8 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "warn,composer=info".into()),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal: a log file or a pipe gets plain text.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
@@ -335,6 +340,9 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Generate(a) => {
+            // Refuse an absurd request before the model loads, not after minutes of decoding
+            // or an out-of-memory kill.
+            check_generate_budget(a.num_samples, a.max_new_tokens)?;
             let json = a.json;
             let out = composer_model::generate_cli(&composer_model::GenerateOptions {
                 model_dir: a.model,
@@ -508,6 +516,36 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// Most `--max-new-tokens` of `generate`: longer than any supported model's context.
+const MAX_NEW_TOKENS_LIMIT: usize = 32_768;
+/// Most `--num-samples` of `generate` (all are decoded as one batch).
+const NUM_SAMPLES_LIMIT: usize = 1024;
+/// Most tokens of one `generate` call (samples × new tokens): the KV cache of the whole batch
+/// is held at once, so beyond this a run spends minutes or exhausts memory.
+const GENERATE_TOKEN_BUDGET: usize = 1 << 20;
+
+/// Refuses `generate` flags outside a sane budget, naming the flag.
+fn check_generate_budget(num_samples: usize, max_new_tokens: usize) -> Result<()> {
+    if num_samples == 0 || num_samples > NUM_SAMPLES_LIMIT {
+        anyhow::bail!(
+            "--num-samples {num_samples} is out of range; allowed: 1..={NUM_SAMPLES_LIMIT}"
+        );
+    }
+    if max_new_tokens > MAX_NEW_TOKENS_LIMIT {
+        anyhow::bail!(
+            "--max-new-tokens {max_new_tokens} is out of range; allowed: 0..={MAX_NEW_TOKENS_LIMIT}"
+        );
+    }
+    let total = num_samples.saturating_mul(max_new_tokens);
+    if total > GENERATE_TOKEN_BUDGET {
+        anyhow::bail!(
+            "--num-samples {num_samples} × --max-new-tokens {max_new_tokens} = {total} tokens is \
+             over the budget of {GENERATE_TOKEN_BUDGET} tokens per call; lower either flag"
+        );
+    }
+    Ok(())
 }
 
 /// `f32`, `bf16` or `f16` as a candle dtype.

@@ -74,10 +74,17 @@ pub struct DilocoConfig {
     /// Pseudo-gradient encoding.
     #[serde(default)]
     pub compression: Compression,
-    /// Attempts after the first one for each store operation that fails transiently.
-    #[serde(default = "default_store_retries")]
-    pub store_retries: usize,
-    /// First back-off between attempts (doubles each time).
+    /// Seconds a store operation that fails transiently (store unreachable, 5xx, timeout)
+    /// keeps being retried before the replica gives up. Long enough to ride out a store
+    /// restart or a short network outage: when it runs out every replica exits.
+    #[serde(default = "default_store_retry_budget_s")]
+    pub store_retry_budget_s: f64,
+    /// Optional cap on the attempts after the first one, on top of the time budget
+    /// (unset: only `store_retry_budget_s` bounds the retries).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store_retries: Option<usize>,
+    /// First back-off between attempts (doubles each time, at most
+    /// [`MAX_STORE_BACKOFF_S`]).
     #[serde(default = "default_store_backoff_s")]
     pub store_backoff_s: f64,
     /// How often a waiting replica polls the store.
@@ -104,9 +111,13 @@ fn default_one() -> usize {
 fn default_quorum_timeout_s() -> f64 {
     60.0
 }
-fn default_store_retries() -> usize {
-    5
+fn default_store_retry_budget_s() -> f64 {
+    90.0
 }
+
+/// Longest wait between two attempts of a store operation: the back-off doubles up to this,
+/// so a store that comes back is noticed within this many seconds.
+pub const MAX_STORE_BACKOFF_S: f64 = 10.0;
 fn default_store_backoff_s() -> f64 {
     0.2
 }
@@ -129,7 +140,8 @@ impl DilocoConfig {
             fragment_sync_delay: 0,
             fragment_update_alpha: 0.0,
             compression: Compression::F32,
-            store_retries: default_store_retries(),
+            store_retry_budget_s: default_store_retry_budget_s(),
+            store_retries: None,
             store_backoff_s: default_store_backoff_s(),
             poll_interval_s: default_poll_interval_s(),
             store: None,
@@ -180,6 +192,7 @@ impl DilocoConfig {
         }
         for (name, v) in [
             ("quorum_timeout_s", self.quorum_timeout_s),
+            ("store_retry_budget_s", self.store_retry_budget_s),
             ("store_backoff_s", self.store_backoff_s),
             ("poll_interval_s", self.poll_interval_s),
         ] {
@@ -188,6 +201,11 @@ impl DilocoConfig {
             }
         }
         Ok(())
+    }
+
+    /// `store_retry_budget_s` as a Duration.
+    pub fn store_retry_budget(&self) -> Duration {
+        Duration::from_secs_f64(self.store_retry_budget_s)
     }
 
     /// `quorum_timeout_s` as a Duration.

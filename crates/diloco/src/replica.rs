@@ -259,6 +259,7 @@ impl DilocoReplica {
         let fragments = split_fragments(&shapes, config.num_fragments)?;
         let store = RetryingStore::new(
             store,
+            config.store_retry_budget(),
             config.store_retries,
             Duration::from_secs_f64(config.store_backoff_s),
         );

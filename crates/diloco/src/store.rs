@@ -128,12 +128,14 @@ impl Keys {
 
 /// A store plus the replica's retry policy. Every call is retried on transient errors
 /// (anything but not-found / already-exists / precondition / unsupported) with exponential
-/// back-off, then fails naming the operation and key.
+/// back-off (capped at [`crate::config::MAX_STORE_BACKOFF_S`]) for up to a time budget, one
+/// log line per retry, then fails naming the operation, the key and the budget.
 #[derive(Clone)]
 pub struct RetryingStore {
     /// The underlying store.
     pub inner: Arc<dyn ObjectStore>,
-    retries: usize,
+    budget: Duration,
+    max_retries: Option<usize>,
     backoff: Duration,
 }
 
@@ -153,11 +155,18 @@ fn is_final(e: &object_store::Error) -> bool {
 }
 
 impl RetryingStore {
-    /// Wraps `inner` with `retries` extra attempts starting at `backoff` (doubling).
-    pub fn new(inner: Arc<dyn ObjectStore>, retries: usize, backoff: Duration) -> Self {
+    /// Wraps `inner`: transient failures are retried for up to `budget`, waiting `backoff`
+    /// first and doubling; `max_retries` optionally caps the extra attempts too.
+    pub fn new(
+        inner: Arc<dyn ObjectStore>,
+        budget: Duration,
+        max_retries: Option<usize>,
+        backoff: Duration,
+    ) -> Self {
         Self {
             inner,
-            retries,
+            budget,
+            max_retries,
             backoff,
         }
     }
@@ -168,32 +177,41 @@ impl RetryingStore {
         Fut: std::future::Future<Output = Result<T, object_store::Error>>,
     {
         let start = Instant::now();
+        let max_backoff = Duration::from_secs_f64(crate::config::MAX_STORE_BACKOFF_S);
         let mut delay = self.backoff;
         let mut attempt = 0;
         loop {
             match f().await {
                 Ok(v) => return Ok(v),
                 Err(e) if is_final(&e) => return Err(e),
-                Err(e) if attempt >= self.retries => {
-                    return Err(object_store::Error::Generic {
-                        store: "diloco",
-                        source: format!(
-                            "store {op} {key} failed after {} attempts over {:.1} s: {e}",
-                            attempt + 1,
-                            start.elapsed().as_secs_f64()
-                        )
-                        .into(),
-                    })
-                }
                 Err(e) => {
+                    let elapsed = start.elapsed();
+                    let left = self.budget.saturating_sub(elapsed);
+                    if left.is_zero() || self.max_retries.is_some_and(|m| attempt >= m) {
+                        return Err(object_store::Error::Generic {
+                            store: "diloco",
+                            source: format!(
+                                "store {op} {key} failed after {} attempts over {:.1} s \
+                                 ([diloco] store_retry_budget_s = {}): {e}",
+                                attempt + 1,
+                                elapsed.as_secs_f64(),
+                                self.budget.as_secs_f64()
+                            )
+                            .into(),
+                        });
+                    }
+                    // The last wait ends at the budget, so the final attempt still happens.
+                    let wait = delay.min(left);
                     tracing::warn!(
-                        "store {op} {key} failed (attempt {}/{}), retrying in {:.2} s: {e}",
+                        "store {op} {key} failed (attempt {}), retrying in {:.2} s \
+                         ({:.1} s of store_retry_budget_s {} left): {e}",
                         attempt + 1,
-                        self.retries + 1,
-                        delay.as_secs_f64()
+                        wait.as_secs_f64(),
+                        left.as_secs_f64(),
+                        self.budget.as_secs_f64()
                     );
-                    tokio::time::sleep(delay).await;
-                    delay *= 2;
+                    tokio::time::sleep(wait).await;
+                    delay = (delay * 2).min(max_backoff);
                     attempt += 1;
                 }
             }

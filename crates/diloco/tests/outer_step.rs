@@ -25,7 +25,7 @@ fn config(h: usize, replicas: usize) -> DilocoConfig {
     let mut c = DilocoConfig::new(h, replicas);
     c.quorum_timeout_s = 5.0;
     c.poll_interval_s = 0.005;
-    c.store_retries = 1;
+    c.store_retries = Some(1);
     c.store_backoff_s = 0.01;
     c
 }
@@ -370,6 +370,21 @@ fn config_parses_from_toml_and_rejects_unknown_fields() {
         .contains("fragment_sync_delay"));
 }
 
+/// Issue 19: the store retry budget is a `[diloco]` key (default 90 s), validated by name.
+#[test]
+fn store_retry_budget_is_a_diloco_key() {
+    let c: DilocoConfig = toml::from_str("inner_steps = 2\nnum_replicas = 1").unwrap();
+    assert_eq!(c.store_retry_budget_s, 90.0);
+    assert_eq!(c.store_retries, None);
+    let c: DilocoConfig =
+        toml::from_str("inner_steps = 2\nnum_replicas = 1\nstore_retry_budget_s = 5").unwrap();
+    assert_eq!(c.store_retry_budget(), std::time::Duration::from_secs(5));
+    let mut bad = c.clone();
+    bad.store_retry_budget_s = -1.0;
+    let e = bad.validate().unwrap_err().to_string();
+    assert!(e.contains("store_retry_budget_s"), "{e}");
+}
+
 #[tokio::test]
 async fn unsupported_store_urls_name_the_missing_feature() {
     let e = open_store("gs://bucket/run").await.err().unwrap();
@@ -392,7 +407,7 @@ async fn folder_store_unavailable_for_a_while_is_retried() {
         std::fs::remove_file(b2).unwrap();
     });
     let mut c = config(1, 1);
-    c.store_retries = 6;
+    c.store_retries = Some(6);
     c.store_backoff_s = 0.05; // 0.05 + 0.1 + 0.2 + 0.4 … covers 300 ms
     let params = toy::init_params(1).unwrap();
     let r = DilocoReplica::join(store.clone(), Path::from("run"), "0", c.clone(), &params).await;
@@ -400,7 +415,7 @@ async fn folder_store_unavailable_for_a_while_is_retried() {
     assert!(r.is_ok(), "{:#}", r.err().unwrap());
     // Permanently blocked: bounded retries, then an error naming the key.
     std::fs::write(dir.path().join("run2"), b"x").unwrap();
-    c.store_retries = 2;
+    c.store_retries = Some(2);
     let e = DilocoReplica::join(store, Path::from("run2"), "0", c, &params)
         .await
         .err()

@@ -66,6 +66,12 @@ impl OpenEnvClientConfig {
         let capped = base.min(self.max_backoff.as_secs_f64());
         Duration::from_secs_f64(capped * rand::random_range(0.75..1.25))
     }
+
+    /// The longest [`OpenEnvClientConfig::backoff`] of retry `attempt` can be (+25% jitter).
+    pub fn backoff_max(&self, attempt: u32) -> Duration {
+        let base = self.initial_backoff.as_secs_f64() * 2f64.powi(attempt.min(30) as i32);
+        Duration::from_secs_f64(base.min(self.max_backoff.as_secs_f64()) * 1.25)
+    }
 }
 
 struct ClientInner {
@@ -110,8 +116,25 @@ fn server_urls(url: &str) -> Result<(String, String), EnvError> {
     Ok((format!("{http}://{rest}"), format!("{ws}://{rest}/ws")))
 }
 
+/// Whether `e` (or an error it wraps) is an I/O "connection refused": nothing listens at the
+/// address. Such a failure is immediate, so it must not be reported as a timeout.
+fn is_refused(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::ConnectionRefused {
+                return true;
+            }
+        }
+        cur = err.source();
+    }
+    false
+}
+
 fn http_error(url: &str, e: reqwest::Error, timeout: Duration) -> EnvError {
-    if e.is_timeout() {
+    if is_refused(&e) {
+        EnvError::Refused(format!("GET {url}: {e}"))
+    } else if e.is_timeout() {
         EnvError::Timeout {
             seconds: timeout.as_secs_f64(),
             during: format!("GET {url}"),
@@ -173,6 +196,13 @@ impl OpenEnvClient {
         &self.inner.schema
     }
 
+    /// When the server's `/schema` shows an MCP tool interface (an action schema of
+    /// openenv-core's `CallToolAction` / `ListToolsAction`: a `type` discriminator of
+    /// `call_tool` / `list_tools`), a description of it; `None` for a plain action schema.
+    pub fn mcp_tool_interface(&self) -> Option<String> {
+        mcp_tool_interface(self.action_schema()?)
+    }
+
     /// The action JSON Schema from `/schema`.
     pub fn action_schema(&self) -> Option<&Value> {
         self.inner.schema.get("action").filter(|v| v.is_object())
@@ -220,9 +250,9 @@ impl OpenEnvClient {
         loop {
             match self.health().await {
                 Ok(()) => return Ok(()),
-                Err(e @ (EnvError::Connection(_) | EnvError::Timeout { .. }))
-                    if attempt < self.inner.config.connect_retries =>
-                {
+                Err(
+                    e @ (EnvError::Connection(_) | EnvError::Refused(_) | EnvError::Timeout { .. }),
+                ) if attempt < self.inner.config.connect_retries => {
                     tracing::debug!("OpenEnv {} not healthy yet: {e}", self.inner.base_url);
                     tokio::time::sleep(self.inner.config.backoff(attempt)).await;
                     attempt += 1;
@@ -256,6 +286,38 @@ impl OpenEnvClient {
         let client = self.clone();
         Arc::new(move || Ok(Box::new(client.session()) as Box<dyn Env>))
     }
+}
+
+/// MCP tool actions as openenv-core names them (`mcp_types.py`): class title and the value of
+/// their `type` discriminator.
+const MCP_ACTIONS: [(&str, &str); 2] = [
+    ("CallToolAction", "call_tool"),
+    ("ListToolsAction", "list_tools"),
+];
+
+/// Whether an action schema (or one of its `anyOf`/`oneOf` branches) is an MCP tool action;
+/// returns what gave it away.
+fn mcp_tool_interface(action: &Value) -> Option<String> {
+    let branches: Vec<&Value> = ["anyOf", "oneOf"]
+        .iter()
+        .filter_map(|k| action.get(*k).and_then(Value::as_array))
+        .flatten()
+        .chain(std::iter::once(action))
+        .collect();
+    for b in branches {
+        let title = b.get("title").and_then(Value::as_str).unwrap_or("");
+        let discriminator = b.pointer("/properties/type").and_then(|t| {
+            t.get("const")
+                .or_else(|| t.get("default"))
+                .and_then(Value::as_str)
+        });
+        for (name, ty) in MCP_ACTIONS {
+            if title == name || discriminator == Some(ty) {
+                return Some(format!("action schema `{name}` (type = \"{ty}\")"));
+            }
+        }
+    }
+    None
 }
 
 /// One request to the socket task; `reply: None` means no reply is expected.
@@ -441,8 +503,10 @@ impl RemoteEnv {
     }
 
     /// Opens the WebSocket, retrying connection errors with back-off (polling `/health`
-    /// between attempts, so a restarting server is waited for).
-    async fn connect(&mut self) -> Result<(), EnvError> {
+    /// between attempts, so a restarting server is waited for). No retry starts past
+    /// `deadline`: the caller's own timeout would otherwise fire first and report a
+    /// refused connection as a timeout.
+    async fn connect(&mut self, deadline: Option<Instant>) -> Result<(), EnvError> {
         self.drop_conn();
         let cfg = &self.client.inner.config;
         let ws_cfg = WebSocketConfig::default()
@@ -454,12 +518,20 @@ impl RemoteEnv {
             if attempt > 0 {
                 tokio::time::sleep(cfg.backoff(attempt - 1)).await;
             }
-            let result: Result<(), EnvError> = if attempt > 0 && self.client.health().await.is_err()
-            {
-                Err(EnvError::Connection(format!(
-                    "{} is not healthy",
-                    self.client.base_url()
-                )))
+            let health = if attempt > 0 {
+                self.client.health().await
+            } else {
+                Ok(())
+            };
+            let result: Result<(), EnvError> = if let Err(e) = health {
+                Err(match e {
+                    // Keep the cause: a refused connection says the server is down.
+                    EnvError::Refused(m) => EnvError::Refused(m),
+                    other => EnvError::Connection(format!(
+                        "{} is not healthy: {other}",
+                        self.client.base_url()
+                    )),
+                })
             } else {
                 match tokio::time::timeout(
                     cfg.connect_timeout,
@@ -485,6 +557,9 @@ impl RemoteEnv {
                             resp.status()
                         )));
                     }
+                    Ok(Err(e)) if is_refused(&e) => {
+                        Err(EnvError::Refused(format!("connecting to {url}: {e}")))
+                    }
                     Ok(Err(e)) => Err(EnvError::Connection(format!("connecting to {url}: {e}"))),
                     Err(_) => Err(EnvError::Timeout {
                         seconds: cfg.connect_timeout.as_secs_f64(),
@@ -493,7 +568,8 @@ impl RemoteEnv {
                 }
             };
             if let Err(e) = result {
-                if attempt >= cfg.connect_retries {
+                let next_wake = Instant::now() + cfg.backoff_max(attempt);
+                if attempt >= cfg.connect_retries || deadline.is_some_and(|d| next_wake >= d) {
                     return Err(e);
                 }
                 tracing::debug!("OpenEnv connect attempt {attempt} failed: {e}");
@@ -512,7 +588,7 @@ impl RemoteEnv {
     /// the typed calls never send (`INVALID_JSON`, `UNKNOWN_TYPE`) come back as errors.
     pub async fn call_raw(&mut self, text: &str) -> Result<Value, EnvError> {
         if !self.is_connected() {
-            self.connect().await?;
+            self.connect(None).await?;
         }
         self.call_text(text.to_string(), "raw call").await
     }
@@ -586,6 +662,21 @@ impl RemoteEnv {
 #[async_trait]
 impl Env for RemoteEnv {
     async fn reset(&mut self, opts: ResetOptions) -> Result<StepResult, EnvError> {
+        // An MCP-tools-only server takes `call_tool` / `list_tools` actions, never the plain
+        // actions our episodes send: refuse it before opening a session rather than fail
+        // every step with a validation error.
+        if let Some(what) = self.client.mcp_tool_interface() {
+            return Err(EnvError::Protocol(format!(
+                "OpenEnv server {} speaks only MCP tools ({what} on /schema); MCP tool servers \
+                 are not supported by `[env] kind = \"openenv\"`, which sends plain actions",
+                self.client.base_url()
+            )));
+        }
+        // Connection retries stop short of the call timeout (a pool wraps reset in the same
+        // limit), so a server that is down is reported as refused, not as a timeout.
+        let call_timeout = self.client.inner.config.call_timeout;
+        let margin = (call_timeout / 10).min(Duration::from_secs(1));
+        let connect_deadline = Instant::now() + call_timeout.saturating_sub(margin);
         self.episode_deadline = self
             .client
             .inner
@@ -600,7 +691,7 @@ impl Env for RemoteEnv {
         let mut may_reconnect = self.conn.is_some();
         loop {
             if !self.is_connected() {
-                self.connect().await?;
+                self.connect(Some(connect_deadline)).await?;
             }
             match self.call(msg.clone(), "reset").await {
                 Ok(reply) => {
@@ -609,7 +700,11 @@ impl Env for RemoteEnv {
                 Err(EnvError::Capacity(m))
                     if capacity_attempt < self.client.inner.config.capacity_retries =>
                 {
-                    tracing::debug!("OpenEnv capacity refusal (attempt {capacity_attempt}): {m}");
+                    tracing::info!(
+                        "OpenEnv {} refused a session at capacity (retry {}): {m}",
+                        self.client.base_url(),
+                        capacity_attempt + 1
+                    );
                     self.drop_conn();
                     tokio::time::sleep(self.client.inner.config.backoff(capacity_attempt)).await;
                     capacity_attempt += 1;

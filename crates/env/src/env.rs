@@ -151,8 +151,11 @@ pub fn render_observation(observation: &Map<String, Value>) -> String {
 pub enum FailureKind {
     /// A call or an episode ran past its timeout.
     Timeout,
-    /// Connection refused/reset/closed (server down or restarting).
+    /// Connection reset/closed, or another transport failure (server restarting).
     Connection,
+    /// Nothing listens at the server's address (connection refused): the server is down,
+    /// not slow, so this is never counted as a timeout.
+    Refused,
     /// The server refused the session (`CAPACITY_REACHED`), retries exhausted.
     Capacity,
     /// The server or env failed (`EXECUTION_ERROR`, `FACTORY_ERROR`, `SESSION_ERROR`, 5xx).
@@ -177,6 +180,9 @@ pub enum EnvError {
     /// Could not connect, or the connection broke.
     #[error("connection error: {0}")]
     Connection(String),
+    /// The server's address refused the connection: nothing listens there (server down).
+    #[error("connection refused: {0}")]
+    Refused(String),
     /// The server is at capacity (`CAPACITY_REACHED`).
     #[error("server at capacity: {0}")]
     Capacity(String),
@@ -210,6 +216,7 @@ impl EnvError {
         match self {
             EnvError::Timeout { .. } => FailureKind::Timeout,
             EnvError::Connection(_) | EnvError::NoSession(_) => FailureKind::Connection,
+            EnvError::Refused(_) => FailureKind::Refused,
             EnvError::Capacity(_) => FailureKind::Capacity,
             EnvError::Server { code, .. } => match code.as_str() {
                 "INVALID_JSON" | "UNKNOWN_TYPE" => FailureKind::Protocol,

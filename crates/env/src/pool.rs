@@ -30,6 +30,11 @@ pub struct PoolConfig {
     /// session, reset again) instead of closing it: saves a connection per episode. Idle
     /// sessions keep their server slot (at most `max_concurrent` per server).
     pub reuse_envs: bool,
+    /// How long a server may fail every connection (refused, reset, closed) without one
+    /// success before the pool gives it up for good; when every server is given up,
+    /// [`EnvPool::acquire`] fails with an error naming the servers and their last errors,
+    /// instead of retrying for minutes.
+    pub server_down_budget: Duration,
 }
 
 impl Default for PoolConfig {
@@ -40,17 +45,21 @@ impl Default for PoolConfig {
             failures_before_cooldown: 3,
             cooldown: Duration::from_secs(10),
             reuse_envs: true,
+            server_down_budget: Duration::from_secs(60),
         }
     }
 }
 
-/// Failure counts by cause (see [`FailureKind`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// Failure counts by cause (see [`FailureKind`]), and the text of the latest failure.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FailureCounts {
     /// Calls or episodes past their timeout.
     pub timeout: u64,
-    /// Connection refused/closed (server down or restarting).
+    /// Connection reset/closed (server restarting).
     pub connection: u64,
+    /// Connection refused: nothing listening (server down).
+    #[serde(default)]
+    pub refused: u64,
     /// Capacity refusals left after retries.
     pub capacity: u64,
     /// Server/env errors.
@@ -59,6 +68,10 @@ pub struct FailureCounts {
     pub invalid_action: u64,
     /// Protocol violations.
     pub protocol: u64,
+    /// The latest failure as `server: error text` (what the server said), so the cause
+    /// reaches the metrics and the log rather than only a count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
 }
 
 impl FailureCounts {
@@ -67,6 +80,7 @@ impl FailureCounts {
         match kind {
             FailureKind::Timeout => self.timeout += 1,
             FailureKind::Connection => self.connection += 1,
+            FailureKind::Refused => self.refused += 1,
             FailureKind::Capacity => self.capacity += 1,
             FailureKind::Server => self.server += 1,
             FailureKind::InvalidAction => self.invalid_action += 1,
@@ -78,6 +92,7 @@ impl FailureCounts {
     pub fn total(&self) -> u64 {
         self.timeout
             + self.connection
+            + self.refused
             + self.capacity
             + self.server
             + self.invalid_action
@@ -87,6 +102,7 @@ impl FailureCounts {
     fn merge(&mut self, o: &FailureCounts) {
         self.timeout += o.timeout;
         self.connection += o.connection;
+        self.refused += o.refused;
         self.capacity += o.capacity;
         self.server += o.server;
         self.invalid_action += o.invalid_action;
@@ -150,6 +166,13 @@ pub struct ServerStats {
     /// Envs made by the factory (OpenEnv: sessions opened); below the episode count when
     /// envs are reused.
     pub envs_created: u64,
+    /// Episodes this server may run at once now: the configured `max_concurrent`, lowered
+    /// by one per capacity refusal (the server holds fewer sessions than configured).
+    #[serde(default)]
+    pub max_concurrent: usize,
+    /// Given up for good: every connection failed for longer than the down budget.
+    #[serde(default)]
+    pub gone: bool,
 }
 
 /// Statistics of the whole pool.
@@ -179,13 +202,73 @@ struct Recorder {
     consecutive_failed: u32,
     cooldown_until: Option<Instant>,
     envs_created: u64,
+    /// First connection failure with no success since (None: the server answers).
+    down_since: Option<Instant>,
+    /// Latest connection failure.
+    down_last: Option<Instant>,
+    /// When the last failure was logged, and how many were not logged since (one line per
+    /// distinct error, else at most one every [`LOG_EVERY`]: a dead server must not flood
+    /// the log).
+    logged_at: Option<Instant>,
+    suppressed: u64,
+    /// When `failures.last_error` was recorded.
+    error_at: Option<Instant>,
+}
+
+/// Least interval between two log lines of the same repeated failure of one server.
+const LOG_EVERY: Duration = Duration::from_secs(10);
+
+impl Recorder {
+    /// Counts a failure, keeps its text, logs it (rate-limited), and tracks how long the
+    /// server has refused every connection.
+    fn failure(&mut self, server: &str, e: &EnvError) {
+        let kind = e.kind();
+        self.failures.add(kind);
+        let text = format!("{server}: {e}");
+        let now = Instant::now();
+        let new_text = self.failures.last_error.as_deref() != Some(text.as_str());
+        if new_text || self.logged_at.is_none_or(|t| now - t >= LOG_EVERY) {
+            let again = if self.suppressed > 0 {
+                format!(" ({} more failures since the last line)", self.suppressed)
+            } else {
+                String::new()
+            };
+            tracing::warn!("env server {server}: {kind:?} failure: {e}{again}");
+            self.logged_at = Some(now);
+            self.suppressed = 0;
+        } else {
+            self.suppressed += 1;
+        }
+        self.failures.last_error = Some(text);
+        self.error_at = Some(now);
+        if matches!(kind, FailureKind::Refused | FailureKind::Connection) {
+            self.down_since.get_or_insert(now);
+            self.down_last = Some(now);
+        }
+    }
+
+    /// A call succeeded: the server is up.
+    fn success(&mut self) {
+        self.down_since = None;
+        self.down_last = None;
+    }
+
+    /// Whether every connection has failed for at least `budget` (observed failures at both
+    /// ends of the window, none succeeding in between).
+    fn gone(&self, budget: Duration) -> bool {
+        match (self.down_since, self.down_last) {
+            (Some(first), Some(last)) => last - first >= budget,
+            _ => false,
+        }
+    }
 }
 
 struct Server {
     name: String,
     factory: EnvFactory,
     permits: Arc<Semaphore>,
-    max_concurrent: usize,
+    /// The current concurrency limit (lowered on capacity refusals, never below 1).
+    limit: Arc<AtomicUsize>,
     recorder: Arc<Mutex<Recorder>>,
     /// Envs of finished episodes, ready for reuse.
     idle: Arc<Mutex<Vec<Box<dyn Env>>>>,
@@ -221,7 +304,7 @@ impl EnvPool {
             name: name.into(),
             factory,
             permits: Arc::new(Semaphore::new(max_concurrent)),
-            max_concurrent,
+            limit: Arc::new(AtomicUsize::new(max_concurrent)),
             recorder: Arc::new(Mutex::new(Recorder::default())),
             idle: Arc::new(Mutex::new(Vec::new())),
         });
@@ -242,6 +325,32 @@ impl EnvPool {
     pub async fn acquire(&self) -> anyhow::Result<PooledEnv> {
         anyhow::ensure!(!self.servers.is_empty(), "EnvPool has no server");
         let now = Instant::now();
+        let budget = self.config.server_down_budget;
+        let gone = |s: &Server| s.recorder.lock().ok().is_some_and(|r| r.gone(budget));
+        let alive: Vec<usize> = (0..self.servers.len())
+            .filter(|&i| !gone(&self.servers[i]))
+            .collect();
+        if alive.is_empty() {
+            let why: Vec<String> = self
+                .servers
+                .iter()
+                .map(|s| {
+                    let last = s
+                        .recorder
+                        .lock()
+                        .ok()
+                        .and_then(|r| r.failures.last_error.clone())
+                        .unwrap_or_default();
+                    format!("`{}` (last error: {last})", s.name)
+                })
+                .collect();
+            anyhow::bail!(
+                "every env server is down: each failed every connection for more than {:.0} s \
+                 (the pool's server_down_budget); giving up: {}",
+                budget.as_secs_f64(),
+                why.join("; ")
+            );
+        }
         let cooling = |s: &Server| {
             s.recorder
                 .lock()
@@ -249,11 +358,13 @@ impl EnvPool {
                 .and_then(|r| r.cooldown_until)
                 .is_some_and(|t| t > now)
         };
-        let mut eligible: Vec<usize> = (0..self.servers.len())
+        let mut eligible: Vec<usize> = alive
+            .iter()
+            .copied()
             .filter(|&i| !cooling(&self.servers[i]))
             .collect();
         if eligible.is_empty() {
-            eligible = (0..self.servers.len()).collect();
+            eligible = alive;
         }
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         let n = eligible.len();
@@ -297,7 +408,8 @@ impl EnvPool {
             recorder: server.recorder.clone(),
             idle: server.idle.clone(),
             call_timeout: self.config.call_timeout,
-            _permit: permit,
+            limit: server.limit.clone(),
+            permit: Some(permit),
         })
     }
 
@@ -311,10 +423,62 @@ impl EnvPool {
         reset: ResetOptions,
         cfg: &EpisodeConfig,
     ) -> anyhow::Result<Episode> {
-        let mut env = self.acquire().await?;
+        loop {
+            let mut env = self.acquire().await?;
+            let episode = self.play(&mut env, policy, reset.clone(), cfg).await?;
+            // A capacity refusal at reset means the server holds fewer sessions than our
+            // limit: lower the limit for that server and play the episode again once a slot
+            // is really free, rather than fail it (a failed episode is replaced by a copy of
+            // a peer) or keep knocking at a full server.
+            let refused_at_capacity = matches!(
+                &episode.end,
+                EpisodeEnd::EnvFailed {
+                    kind: FailureKind::Capacity,
+                    ..
+                }
+            ) && episode.turns.is_empty();
+            if refused_at_capacity && env.lower_limit() {
+                let _ = tokio::time::timeout(Duration::from_secs(2), env.close()).await;
+                self.trim_idle(env.server_index).await;
+                continue;
+            }
+            let failed = matches!(episode.end, EpisodeEnd::EnvFailed { .. });
+            env.finish_episode(failed, &self.config);
+            if self.config.reuse_envs && !failed {
+                env.recycle();
+            } else {
+                let _ = tokio::time::timeout(Duration::from_secs(2), env.close()).await;
+            }
+            return Ok(episode);
+        }
+    }
+
+    /// Closes idle envs of server `index` beyond its (lowered) limit: each holds a session
+    /// on the server.
+    async fn trim_idle(&self, index: usize) {
+        let server = &self.servers[index];
+        let limit = server.limit.load(Ordering::SeqCst);
+        let extra: Vec<Box<dyn Env>> = match server.idle.lock() {
+            Ok(mut idle) if idle.len() > limit => idle.split_off(limit),
+            _ => Vec::new(),
+        };
+        for mut env in extra {
+            let _ = tokio::time::timeout(Duration::from_secs(2), env.close()).await;
+        }
+    }
+
+    /// Plays one episode on `env` under the episode timeout; env failures come back inside
+    /// the episode.
+    async fn play<P: TurnPolicy + ?Sized>(
+        &self,
+        env: &mut PooledEnv,
+        policy: &mut P,
+        reset: ResetOptions,
+        cfg: &EpisodeConfig,
+    ) -> anyhow::Result<Episode> {
         let timeout = self.config.episode_timeout;
-        let result = tokio::time::timeout(timeout, run_episode(policy, &mut env, reset, cfg)).await;
-        let episode = match result {
+        let result = tokio::time::timeout(timeout, run_episode(policy, env, reset, cfg)).await;
+        Ok(match result {
             Ok(Ok(ep)) => ep,
             Ok(Err(e)) => {
                 let _ = tokio::time::timeout(Duration::from_secs(2), env.close()).await;
@@ -325,18 +489,10 @@ impl EnvPool {
                     seconds: timeout.as_secs_f64(),
                     during: "episode".into(),
                 };
-                env.record_failure(err.kind());
+                env.record_failure(&err);
                 Episode::failed(&err)
             }
-        };
-        let failed = matches!(episode.end, EpisodeEnd::EnvFailed { .. });
-        env.finish_episode(failed, &self.config);
-        if self.config.reuse_envs && !failed {
-            env.recycle();
-        } else {
-            let _ = tokio::time::timeout(Duration::from_secs(2), env.close()).await;
-        }
-        Ok(episode)
+        })
     }
 
     /// Current statistics (latency summaries recomputed from all samples).
@@ -344,22 +500,35 @@ impl EnvPool {
         let mut all = PoolStats::default();
         let mut reset_all = Vec::new();
         let mut step_all = Vec::new();
+        // The pool's `last_error` is the most recent of the servers' (by when it was seen).
+        let mut latest: Option<Instant> = None;
         for s in &self.servers {
             let Ok(r) = s.recorder.lock() else { continue };
             reset_all.extend_from_slice(&r.reset_s);
             step_all.extend_from_slice(&r.step_s);
             all.failures.merge(&r.failures);
+            if let Some(at) = r.error_at {
+                if latest.is_none_or(|t| at >= t) {
+                    latest = Some(at);
+                    all.failures.last_error = r.failures.last_error.clone();
+                }
+            }
             all.episodes_ok += r.episodes_ok;
             all.episodes_failed += r.episodes_failed;
             all.servers.push(ServerStats {
                 name: s.name.clone(),
                 reset: LatencySummary::from_samples(&r.reset_s),
                 step: LatencySummary::from_samples(&r.step_s),
-                failures: r.failures,
+                failures: r.failures.clone(),
                 episodes_ok: r.episodes_ok,
                 episodes_failed: r.episodes_failed,
-                in_flight: s.max_concurrent - s.permits.available_permits(),
+                in_flight: s
+                    .limit
+                    .load(Ordering::SeqCst)
+                    .saturating_sub(s.permits.available_permits()),
                 envs_created: r.envs_created,
+                max_concurrent: s.limit.load(Ordering::SeqCst),
+                gone: r.gone(self.config.server_down_budget),
             });
         }
         all.reset = LatencySummary::from_samples(&reset_all);
@@ -377,7 +546,9 @@ pub struct PooledEnv {
     recorder: Arc<Mutex<Recorder>>,
     idle: Arc<Mutex<Vec<Box<dyn Env>>>>,
     call_timeout: Duration,
-    _permit: OwnedSemaphorePermit,
+    limit: Arc<AtomicUsize>,
+    /// The server slot; `None` once given up for good by [`PooledEnv::lower_limit`].
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 impl PooledEnv {
@@ -394,9 +565,34 @@ impl PooledEnv {
         }
     }
 
-    fn record_failure(&self, kind: FailureKind) {
+    fn record_failure(&self, e: &EnvError) {
         if let Ok(mut r) = self.recorder.lock() {
-            r.failures.add(kind);
+            r.failure(&self.server_name, e);
+        }
+    }
+
+    /// Lowers the server's concurrency limit by one (never below 1) by retiring this env's
+    /// slot for good; false when the limit is already 1.
+    fn lower_limit(&mut self) -> bool {
+        let lowered = self
+            .limit
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |l| {
+                (l > 1).then(|| l - 1)
+            });
+        match lowered {
+            Ok(was) => {
+                if let Some(p) = self.permit.take() {
+                    p.forget();
+                }
+                tracing::warn!(
+                    "env server {}: refused a session at capacity; lowering its concurrency \
+                     from {was} to {} (the server holds fewer sessions than max_concurrent)",
+                    self.server_name,
+                    was - 1
+                );
+                true
+            }
+            Err(_) => false,
         }
     }
 
@@ -420,9 +616,15 @@ impl PooledEnv {
     fn record(&self, result: &Result<StepResult, EnvError>, elapsed: f64, is_step: bool) {
         if let Ok(mut r) = self.recorder.lock() {
             match result {
-                Ok(_) if is_step => r.step_s.push(elapsed),
-                Ok(_) => r.reset_s.push(elapsed),
-                Err(e) => r.failures.add(e.kind()),
+                Ok(_) if is_step => {
+                    r.step_s.push(elapsed);
+                    r.success();
+                }
+                Ok(_) => {
+                    r.reset_s.push(elapsed);
+                    r.success();
+                }
+                Err(e) => r.failure(&self.server_name, e),
             }
         }
     }

@@ -254,10 +254,10 @@ async fn timeouts_and_backoff_without_a_server() {
         Err(e) => panic!("expected a timeout, got {e}"),
         Ok(_) => panic!("connected to a black hole"),
     }
-    // Nothing listening: connection refused, after the retries.
+    // Nothing listening: connection refused (its own cause, not a timeout), after the retries.
     let port = free_port();
     match OpenEnvClient::connect(&format!("http://127.0.0.1:{port}"), cfg.clone()).await {
-        Err(EnvError::Connection(m)) => assert!(m.contains("/health"), "{m}"),
+        Err(EnvError::Refused(m)) => assert!(m.contains("/health"), "{m}"),
         other => panic!("expected a connection error, got {:?}", other.err()),
     }
     // Exponential back-off with ±25% jitter, capped.

@@ -128,6 +128,19 @@ pub fn generate(
         .iter()
         .map(|r| Vec::with_capacity(r.num_samples))
         .collect();
+    // A zero token budget asks for nothing: every sample is empty and ends at its length limit
+    // (the decode loop below always samples at least one token before checking the limit).
+    if params.max_new_tokens == 0 {
+        for (r, out) in requests.iter().zip(results.iter_mut()) {
+            out.extend((0..r.num_samples).map(|_| Sample {
+                prompt_len: r.prompt_ids.len(),
+                completion_ids: Vec::new(),
+                sampler_logprobs: Vec::new(),
+                finish_reason: FinishReason::Length,
+            }));
+        }
+        return Ok(results);
+    }
     let live: Vec<usize> = (0..requests.len())
         .filter(|&i| requests[i].num_samples > 0)
         .collect();

@@ -26,6 +26,8 @@ fn main() -> Result<()> {
         .into();
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut w = MetricsWriter::create(&dir.join("metrics.jsonl"))?;
+    // `trained_tokens` is a running total, as the trainer writes it.
+    let mut trained_tokens = 0u64;
     for step in 1..=120u64 {
         let s = step as f64;
         let lengths: Vec<u64> = (0..16)
@@ -33,6 +35,7 @@ fn main() -> Result<()> {
             .collect();
         let mean_len = lengths.iter().sum::<u64>() as f64 / lengths.len() as f64;
         let rollout = 4.0 + mean_len / 400.0 + 0.5 * noise(step, 99);
+        trained_tokens += (16.0 * (mean_len + 200.0)) as u64;
         w.write(&json!({
             "kind": "train", "step": step, "policy_version": step,
             "reward/mean": 0.15 + 0.6 * (1.0 - (-s / 40.0).exp()) + 0.04 * noise(step, 1),
@@ -51,7 +54,7 @@ fn main() -> Result<()> {
             "time/train_s": 2.5, "time/sync_s": 0.4,
             "time/step_s": rollout + 1.2 + 2.5 + 0.4,
             "tokens_per_s": 16.0 * mean_len / rollout,
-            "trained_tokens": (16.0 * (mean_len + 200.0)) as u64,
+            "trained_tokens": trained_tokens,
             "env/latency_s": [0.3 + 0.2 * noise(step, 6), 0.5, 1.9],
             "staleness/values": [0, 1, 1, step % 3],
             "staleness/max": step % 3, "staleness/mean": 0.8, "staleness/dropped": u64::from(step % 17 == 0),

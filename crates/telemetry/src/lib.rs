@@ -24,4 +24,4 @@ pub use plan::{
 };
 pub use progress::{StepSnapshot, TrainProgress};
 pub use report::{report_cli, write_report};
-pub use summary::{percentile, RunSummary, WallStat};
+pub use summary::{percentile, trained_tokens_total, RunSummary, WallStat};

@@ -66,7 +66,9 @@ pub mod keys {
     pub const TOKENS_PER_S: &str = "tokens_per_s";
     /// Optional array of per-call environment latencies (seconds).
     pub const ENV_LATENCY: &str = "env/latency_s";
-    /// Tokens the trainer trained on in THIS step (not cumulative).
+    /// Tokens the trainer has trained on so far in the run: a running total (cumulative
+    /// counter, restored from the checkpoint on resume), NOT a per-step count. Readers must
+    /// take its increments, never sum it over steps (see `summary::trained_tokens_total`).
     pub const TRAINED_TOKENS: &str = "trained_tokens";
     /// Mean policy-version lag of the consumed trajectories (async mode).
     pub const STALENESS_MEAN: &str = "staleness/mean";
@@ -123,23 +125,27 @@ impl MetricsWriter {
 
     /// Opens `path` for a run resumed from the checkpoint of step `last_step`: records with
     /// `step > last_step` (written after that checkpoint, and about to be re-done) are dropped,
-    /// all others (including records without a `step`) are kept in order. The file is rewritten
-    /// atomically (temp file in the same directory + fsync + rename), so a crash during the
-    /// rewrite leaves either the old or the new file. A final line cut short by a crash
-    /// (no trailing newline, not valid JSON) is dropped with a warning; any other bad line is an
-    /// error naming the file and line. A missing file is created.
+    /// all others (including records without a `step`) are kept in order, each as its original
+    /// bytes: the kept lines are copied, never re-serialised, because a parse + re-format round
+    /// trip can change a float's last digit (one ULP) and a resumed run must not rewrite
+    /// history. The file is rewritten atomically (temp file in the same directory + fsync +
+    /// rename), so a crash during the rewrite leaves either the old or the new file. A final
+    /// line cut short by a crash (no trailing newline, not valid JSON) is dropped with a
+    /// warning; any other bad line is an error naming the file and line. A missing file is
+    /// created.
     pub fn open_resume(path: &Path, last_step: u64) -> Result<Self> {
         if !path.exists() {
             return Self::create(path);
         }
-        let records = read_metrics(path)?;
-        let kept: Vec<&Value> = records
-            .iter()
-            .filter(|r| match r.get(keys::STEP).and_then(Value::as_f64) {
-                Some(step) => step <= last_step as f64,
-                None => true,
-            })
-            .collect();
+        let kept = read_raw_lines(path)?
+            .into_iter()
+            .filter(
+                |(_, record)| match record.get(keys::STEP).and_then(Value::as_f64) {
+                    Some(step) => step <= last_step as f64,
+                    None => true,
+                },
+            )
+            .map(|(raw, _)| raw);
         let file_name = path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -149,10 +155,9 @@ impl MetricsWriter {
             let file = File::create(&tmp)
                 .with_context(|| format!("creating temporary file {}", tmp.display()))?;
             let mut out = BufWriter::new(file);
-            for record in kept {
-                serde_json::to_writer(&mut out, record)
-                    .with_context(|| format!("writing {}", tmp.display()))?;
-                out.write_all(b"\n")
+            for raw in kept {
+                out.write_all(raw.as_bytes())
+                    .and_then(|_| out.write_all(b"\n"))
                     .with_context(|| format!("writing {}", tmp.display()))?;
             }
             let file = out
@@ -221,6 +226,12 @@ fn type_name(v: &Value) -> &'static str {
 /// naming the file and the 1-based line number, except a final line without a trailing newline
 /// that does not parse (a write cut short by a crash), which is dropped with a warning.
 pub fn read_metrics(path: &Path) -> Result<Vec<Value>> {
+    Ok(read_raw_lines(path)?.into_iter().map(|(_, v)| v).collect())
+}
+
+/// Every record of a metrics file with its line exactly as stored (without the line end), under
+/// the rules of [`read_metrics`]. Resume copies the raw text so kept lines stay byte-identical.
+fn read_raw_lines(path: &Path) -> Result<Vec<(String, Value)>> {
     let file =
         File::open(path).with_context(|| format!("opening metrics file {}", path.display()))?;
     let mut reader = BufReader::new(file);
@@ -242,7 +253,11 @@ pub fn read_metrics(path: &Path) -> Result<Vec<Value>> {
             continue;
         }
         match serde_json::from_str::<Value>(text) {
-            Ok(v) if v.is_object() => records.push(v),
+            Ok(v) if v.is_object() => {
+                let raw = line.strip_suffix('\n').unwrap_or(&line);
+                let raw = raw.strip_suffix('\r').unwrap_or(raw);
+                records.push((raw.to_string(), v));
+            }
             Ok(v) => bail!(
                 "{} line {}: expected a JSON object, got {}",
                 path.display(),

@@ -693,6 +693,7 @@ pub(crate) mod tests {
     use serde_json::json;
 
     /// A 20-step synthetic run with every key of the contract, plus evals every 5 steps.
+    /// `trained_tokens` is the trainer's running total: 4000 tokens per step.
     pub(crate) fn synthetic_run(dir: &Path) {
         let mut w = MetricsWriter::create(&dir.join("metrics.jsonl")).unwrap();
         for step in 1..=20u64 {
@@ -707,7 +708,7 @@ pub(crate) mod tests {
                 "kl": 0.001 * s, "entropy": 1.5 - 0.02 * s,
                 "time/rollout_s": 6.0, "time/reward_s": 1.5, "time/train_s": 2.0,
                 "time/sync_s": 0.5, "time/step_s": 10.0, "tokens_per_s": 1500.0,
-                "trained_tokens": 4000, "env/latency_s": [0.2, 0.4],
+                "trained_tokens": 4000 * step, "env/latency_s": [0.2, 0.4],
                 "staleness/values": [0, 1, (step % 3)], "staleness/max": step % 3,
                 "idle/trainer_s": 0.5,
             }))

@@ -59,7 +59,8 @@ pub struct RunSummary {
     pub binding_wall: Option<String>,
     /// The binding wall's mean / mean step time.
     pub binding_share: Option<f64>,
-    /// Sum of `trained_tokens` (per-step counts).
+    /// Tokens trained over the steps in the file: the growth of the cumulative
+    /// `trained_tokens` counter (see [`trained_tokens_total`]), not a sum of its values.
     pub trained_tokens: f64,
     /// Goodput: trained tokens / total step seconds.
     pub goodput_tokens_per_s: Option<f64>,
@@ -113,6 +114,22 @@ pub const WALLS: [(&str, &str); 4] = [
     ("train", keys::TIME_TRAIN),
     ("sync", keys::TIME_SYNC),
 ];
+
+/// Total tokens trained over `train` lines (in file order) from the cumulative
+/// `trained_tokens` counter: the sum of its increments from line to line, counting from 0
+/// before the first line. Summing the counter itself over steps inflates the total by about
+/// steps/2 (the bug this replaces). A drop in the counter means it restarted (a fresh run
+/// appended to the same file), so the new value counts whole rather than as a negative step.
+/// Lines without the key are skipped.
+pub fn trained_tokens_total(train: &[&Value]) -> f64 {
+    let mut total = 0.0;
+    let mut prev = 0.0;
+    for value in train.iter().filter_map(|r| num(r, keys::TRAINED_TOKENS)) {
+        total += if value >= prev { value - prev } else { value };
+        prev = value;
+    }
+    total
+}
 
 fn sum_opt(records: &[&Value], key: &str) -> Option<f64> {
     let vals: Vec<f64> = records.iter().filter_map(|r| num(r, key)).collect();
@@ -180,10 +197,7 @@ impl RunSummary {
             s.binding_share = Some(b.share);
         }
 
-        s.trained_tokens = train
-            .iter()
-            .filter_map(|r| num(r, keys::TRAINED_TOKENS))
-            .sum();
+        s.trained_tokens = trained_tokens_total(&train);
         if s.trained_tokens > 0.0 && s.total_step_s > 0.0 {
             s.goodput_tokens_per_s = Some(s.trained_tokens / s.total_step_s);
         }
@@ -478,7 +492,7 @@ mod tests {
                    "idle/trainer_s":3.0}),
             json!({"kind":"train","step":2,"reward/mean":0.3,
                    "time/rollout_s":4.0,"time/reward_s":1.0,"time/train_s":4.0,"time/sync_s":1.0,
-                   "time/step_s":10.0,"trained_tokens":3000,
+                   "time/step_s":10.0,"trained_tokens":4000,
                    "completions/lengths":[500],
                    "env/latency_s":[2.5,3.5],
                    "staleness/values":[2],"staleness/max":2,
@@ -502,7 +516,7 @@ mod tests {
         assert!((rollout.share - 5.0 / (20.0 / 3.0)).abs() < 1e-12);
         // train 2 + 4 = 6 < rollout 10 → rollout binds.
         assert_eq!(s.binding_wall.as_deref(), Some("rollout"));
-        // goodput = (1000 + 3000) / 20 s = 200 tok/s.
+        // trained_tokens is cumulative (1000 then 4000): 4000 tokens / 20 s = 200 tok/s.
         assert_eq!(s.goodput_tokens_per_s, Some(200.0));
         // lengths sorted [100,200,300,400,500,1000]: p50 rank 2.5 → 350;
         // p95 rank 4.75 → 500 + 0.75·500 = 875; tax 875/350 = 2.5.

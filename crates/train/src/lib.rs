@@ -20,6 +20,7 @@ pub mod task;
 pub mod tiny;
 pub mod tokenizer;
 pub mod trainer;
+pub mod validate;
 pub mod verifiers;
 
 pub use bench::{bench_async, bench_channels, AsyncBenchOptions, BenchOptions};

@@ -675,6 +675,8 @@ pub fn parse_recipe(text: &str, origin: &Path) -> Result<Recipe> {
         output: raw.output,
         env: raw.env,
     };
+    // Ranges first: their errors carry the file, key and allowed range themselves.
+    crate::validate::validate_ranges(&recipe, origin)?;
     validate(&recipe).with_context(|| format!("recipe {}", origin.display()))?;
     Ok(recipe)
 }

@@ -6,7 +6,7 @@
 //! diloco-replica --store URL --replica-id 0 --replicas 3 --rounds 20 --inner-steps 5 \
 //!   [--min-replicas 1] [--fragments 1] [--delay 0] [--alpha 0] [--compression f32|bf16|int8]
 //!   [--outer-lr 0.7] [--outer-momentum 0.9] [--no-nesterov] [--batch 8] [--lr 0.05]
-//!   [--quorum-timeout-s 60] [--retries 5] [--backoff-s 0.2] [--poll-s 0.02] [--step-sleep-ms 0]
+//!   [--quorum-timeout-s 60] [--retry-budget-s 90] [--retries N] [--backoff-s 0.2] [--poll-s 0.02] [--step-sleep-ms 0]
 //!   [--seed 1]
 //! diloco-replica --single --replicas 3 --rounds 20 --inner-steps 5 ...   # one process, same samples
 //! diloco-replica --recipe RECIPE.toml --replica-id 0 [--store URL] [--run-dir D] [--steps N] [--resume]
@@ -63,6 +63,8 @@ impl Args {
 async fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colour codes only on a terminal: logs captured to a file or pipe stay plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
@@ -129,7 +131,12 @@ async fn run() -> Result<()> {
     config.outer_momentum = args.get("outer-momentum", Some(0.9))?;
     config.nesterov = !args.flag("no-nesterov");
     config.quorum_timeout_s = args.get("quorum-timeout-s", Some(60.0))?;
-    config.store_retries = args.get("retries", Some(5))?;
+    config.store_retry_budget_s = args.get("retry-budget-s", Some(90.0))?;
+    // Without --retries only the time budget bounds the retries.
+    config.store_retries = match args.map.get("retries") {
+        Some(_) => Some(args.get("retries", None)?),
+        None => None,
+    };
     config.store_backoff_s = args.get("backoff-s", Some(0.2))?;
     config.poll_interval_s = args.get("poll-s", Some(0.02))?;
     config.compression = match args

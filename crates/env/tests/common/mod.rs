@@ -120,6 +120,8 @@ pub struct PyServer {
     max_sessions: usize,
     extra_args: Vec<String>,
     log: PathBuf,
+    /// `(directory, module)` of a custom app served instead of the echo env.
+    app: Option<(PathBuf, String)>,
 }
 
 impl PyServer {
@@ -143,6 +145,29 @@ impl PyServer {
             max_sessions,
             extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
             log: log_dir.join(format!("openenv-{port}.log")),
+            app: None,
+        };
+        s.start();
+        s
+    }
+
+    /// Starts a server running the ASGI app `module:app` from `app_dir` with the venv's
+    /// openenv-core (e.g. an MCP tool env), instead of the echo env.
+    pub fn spawn_app(
+        venv: &Path,
+        port: u16,
+        log_dir: &Path,
+        app_dir: &Path,
+        module: &str,
+    ) -> PyServer {
+        let mut s = PyServer {
+            child: None,
+            venv: venv.to_path_buf(),
+            port,
+            max_sessions: 1,
+            extra_args: Vec::new(),
+            log: log_dir.join(format!("openenv-{port}.log")),
+            app: Some((app_dir.to_path_buf(), module.to_string())),
         };
         s.start();
         s
@@ -151,10 +176,16 @@ impl PyServer {
     /// (Re)starts the process.
     pub fn start(&mut self) {
         assert!(self.child.is_none(), "server already running");
-        let env_dir = self.venv.join("envs/echo_env");
+        let (env_dir, module) = match &self.app {
+            Some((dir, module)) => (dir.clone(), module.clone()),
+            None => (
+                self.venv.join("envs/echo_env"),
+                "openenv_test_app".to_string(),
+            ),
+        };
         assert!(
-            env_dir.join("openenv_test_app.py").is_file(),
-            "{} has no openenv_test_app.py: run start-server.sh once with this venv",
+            env_dir.join(format!("{module}.py")).is_file(),
+            "{} has no {module}.py: run start-server.sh once with this venv",
             env_dir.display()
         );
         let log = std::fs::OpenOptions::new()
@@ -163,7 +194,7 @@ impl PyServer {
             .open(&self.log)
             .expect("opening the server log");
         let child = Command::new(self.venv.join("bin/python"))
-            .args(["-m", "uvicorn", "openenv_test_app:app", "--app-dir"])
+            .args(["-m", "uvicorn", &format!("{module}:app"), "--app-dir"])
             .arg(&env_dir)
             .args(["--host", "127.0.0.1", "--port", &self.port.to_string()])
             .args(["--timeout-graceful-shutdown", "2"])

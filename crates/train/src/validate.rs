@@ -1,0 +1,120 @@
+//! Range checks of a parsed recipe, run by [`crate::recipe::parse_recipe`] before anything is
+//! built: a bad value must stop the run at parse time, not after the model has loaded (or, worse,
+//! train silently on NaNs or a zero advantage). Each error names the file, the key and the
+//! allowed range, so it can be fixed without reading the code.
+
+use std::path::Path;
+
+use anyhow::{bail, Result};
+use composer_loss::advantages::AdvantageEstimator;
+
+use crate::recipe::Recipe;
+
+/// Checks every numeric range and cross-key rule of `r` that the serde types cannot express;
+/// `origin` is the recipe file named in the error.
+pub fn validate_ranges(r: &Recipe, origin: &Path) -> Result<()> {
+    let file = origin.display();
+    // One error shape for every key: file, key, offending value, allowed range.
+    let out_of_range = |key: &str, value: String, allowed: &str| -> Result<()> {
+        bail!("recipe {file}: key `{key}` = {value} is out of range; allowed: {allowed}")
+    };
+
+    let o = &r.optimizer;
+    if !(o.lr >= 0.0) || !o.lr.is_finite() {
+        out_of_range("[optimizer] lr", o.lr.to_string(), "a finite number >= 0")?;
+    }
+    if !(o.weight_decay >= 0.0) || !o.weight_decay.is_finite() {
+        out_of_range(
+            "[optimizer] weight_decay",
+            o.weight_decay.to_string(),
+            "a finite number >= 0",
+        )?;
+    }
+    for (i, beta) in o.betas.iter().enumerate() {
+        // β = 1 never forgets (the bias correction divides by 1 − β^t = 0); β < 0 oscillates.
+        if !(0.0..1.0).contains(beta) {
+            out_of_range(
+                "[optimizer] betas",
+                format!("{:?} (beta{} = {beta})", o.betas, i + 1),
+                "each beta in [0, 1)",
+            )?;
+        }
+    }
+    if let Some(w) = &r.warmup {
+        if !(w.lr >= 0.0) || !w.lr.is_finite() {
+            out_of_range("[warmup] lr", w.lr.to_string(), "a finite number >= 0")?;
+        }
+    }
+
+    let ro = &r.rollout;
+    if ro.max_completion_length == 0 {
+        out_of_range(
+            "[rollout] max_completion_length",
+            "0".into(),
+            "an integer >= 1 (tokens per completion)",
+        )?;
+    }
+    if !(ro.top_p > 0.0 && ro.top_p <= 1.0) {
+        out_of_range(
+            "[rollout] top_p",
+            ro.top_p.to_string(),
+            "(0, 1] (1 = nucleus sampling off)",
+        )?;
+    }
+    if !(ro.temperature >= 0.0) || !ro.temperature.is_finite() {
+        out_of_range(
+            "[rollout] temperature",
+            ro.temperature.to_string(),
+            "a finite number >= 0",
+        )?;
+    }
+    // A group of one has no peers: its group-relative advantage is always 0 (rloo divides by
+    // G − 1 = 0), so the RL channel would never learn.
+    let group_relative = matches!(
+        r.loss.advantage.estimator,
+        AdvantageEstimator::Grpo
+            | AdvantageEstimator::Rloo
+            | AdvantageEstimator::ReinforcePlusPlusBaseline
+            | AdvantageEstimator::Opo
+    );
+    if ro.num_generations == 1 && group_relative {
+        bail!(
+            "recipe {file}: key `[rollout] num_generations` = 1 is out of range for the \
+             group-normalised advantage `[loss] estimator = {:?}`; allowed: num_generations >= 2 \
+             (or `estimator = \"reinforce_plus_plus\"`, which normalises over the batch)",
+            estimator_name(r.loss.advantage.estimator)
+        );
+    }
+
+    let d = &r.data;
+    // With `[env]` the env's reward replaces the verifiers, so an empty list is fine there.
+    if d.verifiers.is_empty() && r.env.is_none() {
+        out_of_range(
+            "[data] verifiers",
+            "[]".into(),
+            "at least one verifier (e.g. verifiers = [{ kind = \"numeric\" }]); without one every reward is 0",
+        )?;
+    }
+    if d.task.is_some() && d.dataset.is_some() {
+        bail!(
+            "recipe {file}: keys `[data] task` and `[data] dataset` are both set; allowed: exactly \
+             one of them (the built-in task or a JSONL dataset)"
+        );
+    }
+    if d.eval_size == 0 {
+        out_of_range(
+            "[data] eval_size",
+            "0".into(),
+            "an integer >= 1 (held-out eval rows)",
+        )?;
+    }
+    Ok(())
+}
+
+/// The recipe spelling of an estimator (serde's snake_case name).
+fn estimator_name(e: AdvantageEstimator) -> String {
+    serde_json::to_value(e)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_else(|| format!("{e:?}"))
+}

@@ -1,0 +1,168 @@
+//! Issue 19, "refuse bad recipes before any work": every out-of-range key is refused by
+//! `parse_recipe` (parse time, before a model exists), and the error names the file, the key and
+//! the allowed range.
+
+use std::path::Path;
+
+use composer_train::recipe::{parse_recipe, EMBEDDED_DEFAULT_RECIPE};
+
+/// The default recipe with `line` inserted right after the `[section]` header.
+fn with_key(section: &str, line: &str) -> String {
+    let header = format!("[{section}]");
+    let key = line.split('=').next().unwrap().trim();
+    let mut out = Vec::new();
+    let mut found = false;
+    let mut current = String::new();
+    for l in EMBEDDED_DEFAULT_RECIPE.lines() {
+        if l.trim().starts_with('[') {
+            current = l.trim().to_string();
+        }
+        // Drop the default's own value of the same key so the TOML stays valid.
+        let same_key = current == header && l.split('=').next().map(str::trim) == Some(key);
+        if !same_key {
+            out.push(l.to_string());
+        }
+        if l.trim() == header && !found {
+            found = true;
+            out.push(line.to_string());
+        }
+    }
+    assert!(found, "no [{section}] in the default recipe");
+    out.join("\n")
+}
+
+/// Parses `text` as `bad.toml` and returns the error (Display, not the `{:#}` chain: the first
+/// line a user sees must already say everything).
+fn refusal(text: &str) -> String {
+    match parse_recipe(text, Path::new("recipes/bad.toml")) {
+        Ok(_) => panic!("recipe accepted:\n{text}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// Asserts the refusal names the file, the key and every `allowed` fragment.
+fn assert_refused(section: &str, line: &str, key: &str, allowed: &[&str]) {
+    let err = refusal(&with_key(section, line));
+    assert!(err.contains("recipes/bad.toml"), "no file in: {err}");
+    assert!(err.contains(key), "no key {key} in: {err}");
+    for a in allowed {
+        assert!(err.contains(a), "no {a:?} in: {err}");
+    }
+}
+
+#[test]
+fn default_recipe_still_parses() {
+    parse_recipe(EMBEDDED_DEFAULT_RECIPE, Path::new("d.toml")).unwrap();
+}
+
+#[test]
+fn negative_learning_rate_is_refused() {
+    assert_refused("optimizer", "lr = -1e-4", "[optimizer] lr", &[">= 0"]);
+    assert_refused("warmup", "lr = -0.1", "[warmup] lr", &[">= 0"]);
+    assert_refused("optimizer", "lr = nan", "[optimizer] lr", &[">= 0"]);
+}
+
+#[test]
+fn negative_weight_decay_is_refused() {
+    assert_refused(
+        "optimizer",
+        "weight_decay = -0.01",
+        "[optimizer] weight_decay",
+        &[">= 0"],
+    );
+}
+
+#[test]
+fn adam_betas_outside_0_1_are_refused() {
+    for betas in ["[1.0, 0.999]", "[0.9, 1.5]", "[-0.1, 0.999]"] {
+        assert_refused(
+            "optimizer",
+            &format!("betas = {betas}"),
+            "[optimizer] betas",
+            &["[0, 1)"],
+        );
+    }
+    // 0 is allowed (no momentum).
+    parse_recipe(
+        &with_key("optimizer", "betas = [0.0, 0.5]"),
+        Path::new("ok.toml"),
+    )
+    .unwrap();
+}
+
+#[test]
+fn zero_max_completion_length_is_refused() {
+    assert_refused(
+        "rollout",
+        "max_completion_length = 0",
+        "[rollout] max_completion_length",
+        &[">= 1"],
+    );
+}
+
+#[test]
+fn top_p_outside_0_1_is_refused() {
+    for top_p in ["0.0", "1.5", "-0.5"] {
+        assert_refused(
+            "rollout",
+            &format!("top_p = {top_p}"),
+            "[rollout] top_p",
+            &["(0, 1]"],
+        );
+    }
+    parse_recipe(&with_key("rollout", "top_p = 1.0"), Path::new("ok.toml")).unwrap();
+}
+
+#[test]
+fn negative_temperature_is_refused() {
+    assert_refused(
+        "rollout",
+        "temperature = -0.5",
+        "[rollout] temperature",
+        &[">= 0"],
+    );
+}
+
+#[test]
+fn one_generation_with_group_advantage_is_refused() {
+    let err = refusal(&with_key("rollout", "num_generations = 1"));
+    assert!(err.contains("recipes/bad.toml"), "{err}");
+    assert!(err.contains("[rollout] num_generations"), "{err}");
+    assert!(err.contains("grpo") && err.contains(">= 2"), "{err}");
+    // Batch-normalised REINFORCE++ has no group: G = 1 is fine there.
+    let text = with_key("rollout", "num_generations = 1").replace(
+        "loss_type = \"dapo\"",
+        "loss_type = \"dapo\"\nestimator = \"reinforce_plus_plus\"",
+    );
+    parse_recipe(&text, Path::new("ok.toml")).unwrap();
+}
+
+#[test]
+fn empty_verifiers_are_refused() {
+    let text = EMBEDDED_DEFAULT_RECIPE.replace(
+        "verifiers = [{ kind = \"numeric\", weight = 1.0 }]",
+        "verifiers = []",
+    );
+    assert_ne!(text, EMBEDDED_DEFAULT_RECIPE);
+    let err = refusal(&text);
+    assert!(err.contains("recipes/bad.toml"), "{err}");
+    assert!(
+        err.contains("[data] verifiers") && err.contains("at least one"),
+        "{err}"
+    );
+}
+
+#[test]
+fn task_and_dataset_both_set_is_refused() {
+    assert_refused(
+        "data",
+        "dataset = \"train.jsonl\"",
+        "[data] dataset",
+        &["[data] task", "exactly one"],
+    );
+}
+
+#[test]
+fn zero_eval_size_is_refused() {
+    assert_refused("data", "eval_size = 0", "[data] eval_size", &[">= 1"]);
+}
