@@ -10,7 +10,7 @@ use composer_train::{run_train, TrainOptions};
 use serde_json::Value;
 
 mod common;
-use common::{all_channels_rollout, tiny_model_and_task, train_metrics};
+use common::{tiny_model_and_task, train_metrics};
 
 fn fixture(name: &str) -> PathBuf {
     let shared = std::env::var("COMPOSER_SHARED")
@@ -128,7 +128,7 @@ fn hf_checkpoint_keeps_the_loaded_files_byte_identical() {
             "{name} differs from the loaded checkpoint's"
         );
     }
-    assert!(!ck.join("reference.json").exists());
+    assert!(!ck.join("reference.safetensors").exists());
     // config.json: only the dtype may change.
     let mut src: Value =
         serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
@@ -156,10 +156,32 @@ fn hf_checkpoint_keeps_the_loaded_files_byte_identical() {
 }
 
 fn small_recipe(dir: &Path, extra_loss: &str, train: &str) -> PathBuf {
+    // All three channels on (as `all_channels_rollout!`), plus `extra_loss` keys of `[loss]`.
     let text = format!(
-        "{}{}{extra_loss}\n{train}\n[warmup]\nsteps = 20\nbatch_size = 16\nhint_fraction = 0.3\n\n[replay]\ntraces = [\"builtin:scripted\"]\n",
+        r#"{}
+[rollout]
+num_generations = 4
+max_completion_length = 3
+
+[loss]
+hint_weight = 1.0
+replay_weight = 1.0
+{extra_loss}
+[loss.hint.template]
+reprompt = "{{solution}}{{prompt}}"
+solution = "[{{successful_previous_attempt}}]"
+feedback = ""
+
+{train}
+[warmup]
+steps = 20
+batch_size = 16
+hint_fraction = 0.3
+
+[replay]
+traces = ["builtin:scripted"]
+"#,
         tiny_model_and_task!(),
-        all_channels_rollout!(),
     );
     let p = dir.join("recipe.toml");
     std::fs::write(&p, text).unwrap();
