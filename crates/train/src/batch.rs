@@ -97,3 +97,30 @@ pub fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
 pub fn scalar(t: &Tensor) -> Result<f64> {
     Ok(t.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topk_ids_are_the_k_largest_in_order_and_stay_on_the_device() {
+        let v: Vec<f32> = vec![0.1, 2.0, -1.0, 0.5, 3.0, 1.5, -2.0, 0.0];
+        let t = Tensor::from_vec(v, (1, 2, 4), &Device::Cpu).unwrap();
+        let ids = topk_ids(&t, 2).unwrap();
+        assert_eq!(ids.dims(), &[1, 2, 2]);
+        assert!(ids.device().same_device(t.device()));
+        assert_eq!(
+            ids.to_vec3::<u32>().unwrap(),
+            vec![vec![vec![1, 3], vec![0, 1]]]
+        );
+    }
+
+    #[test]
+    fn token_batch_masks_completion_targets_only() {
+        let tb = token_batch(&[(&[5, 6], &[7, 8]), (&[5], &[9])], 0, &Device::Cpu).unwrap();
+        assert_eq!(tb.len, 3);
+        assert_eq!(tb.completion_positions, vec![vec![1, 2], vec![3]]);
+        let m: Vec<Vec<f32>> = tb.mask.to_vec2().unwrap();
+        assert_eq!(m, vec![vec![0.0, 1.0, 1.0], vec![1.0, 0.0, 0.0]]);
+    }
+}

@@ -245,3 +245,43 @@ fn dynamic_sampling_fills_the_batch_with_nonzero_variance_groups() {
         assert!(reward_std > 0.0 || n == 16, "{l}");
     }
 }
+
+#[test]
+fn record_traces_writes_the_trace_store_format() {
+    use composer_train::record_traces::{record_traces, RecordTracesOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2-tiny");
+    hf_recipe(tmp.path(), &model);
+    let out = tmp.path().join("traces.jsonl");
+    let summary = record_traces(&RecordTracesOptions {
+        model_dir: model.clone(),
+        data: tmp.path().join("data.jsonl"),
+        out: out.clone(),
+        num_samples: 2,
+        top_k: 4,
+        max_new_tokens: 5,
+        temperature: 1.0,
+        seed: 1,
+        verifier: "numeric".into(),
+        device: "cpu".into(),
+    })
+    .unwrap();
+    assert_eq!(summary.traces, 4);
+    let store = composer_loss::TraceStore::load(&out).unwrap();
+    assert_eq!(store.traces.len(), 4);
+    let rendered = reference("qwen2-tiny")["chat_template_example"]["rendered"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let tok = composer_model::Tokenizer::from_dir(&model).unwrap();
+    for t in &store.traces {
+        assert_eq!(t.teacher, "qwen2-tiny");
+        assert_eq!(t.prompt_ids, tok.encode(&rendered).unwrap());
+        assert_eq!(t.topk_ids.len(), t.completion_ids.len());
+        assert!(t.topk_ids.iter().all(|k| k.len() == 4));
+        // Sorted by decreasing log-prob, all ≤ 0.
+        for lp in &t.topk_logprobs {
+            assert!(lp.windows(2).all(|w| w[0] >= w[1]) && lp[0] <= 0.0);
+        }
+    }
+}
