@@ -31,6 +31,9 @@ enum Command {
     Generate(GenerateArgs),
     /// Teacher-forced next-token log-probs of a text under a checkpoint.
     Score(ScoreArgs),
+    /// Sample a teacher checkpoint on a prompt dataset and write replay traces (token ids +
+    /// the teacher's top-K log-probs, reward, passed) in the trace store's JSONL format.
+    RecordTraces(RecordTracesArgs),
     /// Write the self-contained HTML report of a run (RUN_DIR/report.html) and print its summary.
     Report {
         /// The run directory (holds metrics.jsonl and recipe.toml).
@@ -124,6 +127,38 @@ struct ScoreArgs {
     /// Print `{"input_ids":[...],"next_token_logprobs":[...]}` as JSON.
     #[arg(long)]
     json: bool,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+#[derive(Args)]
+struct RecordTracesArgs {
+    /// Teacher checkpoint directory (Hugging Face format).
+    #[arg(long)]
+    model: PathBuf,
+    /// JSONL prompts: `prompt` or `messages` (rendered with the teacher's chat template), and
+    /// `answer`.
+    #[arg(long)]
+    data: PathBuf,
+    /// Trace file to write (truncated).
+    #[arg(long)]
+    out: PathBuf,
+    /// Completions per prompt.
+    #[arg(long, default_value_t = 1)]
+    num_samples: usize,
+    /// Top-K ids and log-probs recorded per completion token.
+    #[arg(long, default_value_t = 8)]
+    top_k: usize,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Sampling temperature (0 = greedy); recorded log-probs are at temperature 1.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Verifier scoring completions against `answer`: exact | numeric.
+    #[arg(long, default_value = "numeric")]
+    verifier: String,
     #[arg(long, default_value = "cpu")]
     device: String,
 }
@@ -367,6 +402,31 @@ fn run(cli: Cli) -> Result<()> {
                     println!("{}", s["completion_text"].as_str().unwrap_or(""));
                 }
             }
+            Ok(())
+        }
+        Command::RecordTraces(a) => {
+            let out = a.out.clone();
+            let summary = composer_train::record_traces::record_traces(
+                &composer_train::record_traces::RecordTracesOptions {
+                    model_dir: a.model,
+                    data: a.data,
+                    out: a.out,
+                    num_samples: a.num_samples,
+                    top_k: a.top_k,
+                    max_new_tokens: a.max_new_tokens,
+                    temperature: a.temperature,
+                    seed: a.seed,
+                    verifier: a.verifier,
+                    device: a.device,
+                },
+            )?;
+            println!(
+                "wrote {} traces ({} passed) to {}; {} prompts have no passing trace",
+                summary.traces,
+                summary.passed,
+                out.display(),
+                summary.prompts_without_pass
+            );
             Ok(())
         }
         Command::Score(a) => {

@@ -28,8 +28,8 @@ use composer_actors::{
 use tokenizers::Tokenizer;
 
 use crate::data::PromptRow;
+use crate::model::PolicyModel;
 use crate::recipe::Recipe;
-use crate::tiny::TinyModel;
 use crate::trainer::{
     end_step, sample_rollouts, save, score_rollouts, step_advantages, train_on_batch, Rewards,
     RolloutBatch, RunLog, Session, TrainStats, INTERRUPTED,
@@ -71,15 +71,15 @@ struct RolloutActor {
     recipe: Recipe,
     train_rows: Vec<PromptRow>,
     tok: Tokenizer,
-    eos: u32,
+    stop_ids: Vec<u32>,
     /// RL step whose prompt draw batch 0 uses (resumed runs start later).
     first_step: usize,
 }
 
-impl Generator<TinyModel> for RolloutActor {
+impl Generator<PolicyModel> for RolloutActor {
     type Item = StepRollout;
 
-    fn generate(&mut self, ctx: &GenerateContext<'_, TinyModel>) -> Result<Vec<StepRollout>> {
+    fn generate(&mut self, ctx: &GenerateContext<'_, PolicyModel>) -> Result<Vec<StepRollout>> {
         let t0 = Instant::now();
         let step = self.first_step + ctx.batch_index as usize;
         let batch = sample_rollouts(
@@ -88,8 +88,9 @@ impl Generator<TinyModel> for RolloutActor {
             &self.recipe,
             &self.train_rows,
             &self.tok,
-            self.eos,
+            &self.stop_ids,
             step,
+            0,
         )?;
         Ok(vec![StepRollout {
             batch,
@@ -152,7 +153,7 @@ struct TrainActor<'a> {
     nan_steps: Vec<usize>,
 }
 
-impl Trainer<TinyModel> for TrainActor<'_> {
+impl Trainer<PolicyModel> for TrainActor<'_> {
     type Scored = ScoredStep;
     type Report = StepReport;
 
@@ -171,7 +172,7 @@ impl Trainer<TinyModel> for TrainActor<'_> {
         })
     }
 
-    fn publish(&mut self, policy_version: PolicyVersion) -> Result<Arc<TinyModel>> {
+    fn publish(&mut self, policy_version: PolicyVersion) -> Result<Arc<PolicyModel>> {
         // The controller numbers versions by published steps; a skipped (non-finite) step
         // publishes unchanged weights under the next number, which is harmless.
         self.session.state.policy_version = policy_version;
@@ -275,7 +276,7 @@ pub(crate) fn run_async(s: &mut Session, run: &mut RunLog) -> Result<()> {
         recipe: s.recipe.clone(),
         train_rows: s.train_rows.clone(),
         tok: s.tok.clone(),
-        eos: s.eos,
+        stop_ids: s.stop_ids.clone(),
         first_step: s.state.step + 1,
     };
     let mut rewarder = RewardActor {

@@ -1,8 +1,11 @@
 //! Checkpoints: `RUN_DIR/checkpoint/` holds the model in HF format (config.json,
-//! model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja), the AdamW
-//! state (optimizer.safetensors), the trainer state (step, policy version, counters; the RNG
-//! state is the seed, since every random draw is ChaCha8(mix(seed, step, index))) and the
-//! recipe.
+//! model.safetensors, and the tokenizer side: for a model loaded from an HF directory, every
+//! other file of that directory copied byte-identical — tokenizer.json,
+//! tokenizer_config.json, chat_template.jinja, generation_config.json...; for the built-in
+//! model its char tokenizer and ChatML template), the AdamW state (optimizer.safetensors),
+//! the frozen reference policy when there is one (reference.safetensors), the trainer state
+//! (step, policy version, counters; the RNG state is the seed, since every random draw is
+//! ChaCha8(mix(seed, step, index))) and the recipe.
 //!
 //! Atomicity: everything is written into `checkpoint.tmp/`, each file fsynced, then the old
 //! checkpoint is renamed to `checkpoint.old/`, the new one renamed into place, and the old one
@@ -24,6 +27,18 @@ pub const ABORT_HOOK_ENV: &str = "COMPOSER_TRAIN_ABORT_DURING_CHECKPOINT";
 
 /// ChatML chat template written next to the built-in tiny model.
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// The reference policy's weights inside a checkpoint.
+pub const REFERENCE_FILE: &str = "reference.safetensors";
+
+/// Files the trainer writes itself (never copied from a loaded model directory).
+const OWN_FILES: [&str; 5] = [
+    "config.json",
+    "optimizer.safetensors",
+    "trainer_state.json",
+    "recipe.toml",
+    REFERENCE_FILE,
+];
 
 /// What the trainer needs to continue exactly where it stopped.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -58,10 +73,12 @@ pub struct CheckpointData<'a> {
     pub tokenizer_json: String,
     /// Optimizer moments.
     pub optimizer: HashMap<String, Tensor>,
-    /// tokenizer_config.json contents (default: the char-level tokenizer's).
-    pub tokenizer_config: Option<String>,
-    /// chat_template.jinja contents (default: ChatML).
-    pub chat_template: Option<String>,
+    /// The HF directory the model was loaded from: its files other than weights and
+    /// config.json are copied byte-identical, and `config` keeps that directory's config.json
+    /// with only the dtype changed. None: the built-in model (char tokenizer, ChatML).
+    pub source_dir: Option<&'a Path>,
+    /// The frozen reference policy's weights, if any.
+    pub reference: Option<HashMap<String, Tensor>>,
     /// Trainer state.
     pub state: &'a TrainerState,
     /// The recipe text.
@@ -116,24 +133,32 @@ pub fn save_checkpoint(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf>
         );
         std::process::abort();
     }
-    write_synced(
-        &tmp.join("config.json"),
-        serde_json::to_string_pretty(&data.config)?.as_bytes(),
-    )?;
-    write_synced(&tmp.join("tokenizer.json"), data.tokenizer_json.as_bytes())?;
-    let tok_cfg = serde_json::json!({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": crate::tokenizer::EOS_TOKEN,
-        "pad_token": crate::tokenizer::EOS_TOKEN,
-        "unk_token": crate::tokenizer::UNK_TOKEN,
-        "model_max_length": 256,
-        "chat_template": CHATML_TEMPLATE,
-    });
-    write_synced(
-        &tmp.join("tokenizer_config.json"),
-        serde_json::to_string_pretty(&tok_cfg)?.as_bytes(),
-    )?;
-    write_synced(&tmp.join("chat_template.jinja"), CHATML_TEMPLATE.as_bytes())?;
+    match data.source_dir {
+        Some(src) => copy_model_files(src, &tmp, &data.config)?,
+        None => {
+            write_synced(
+                &tmp.join("config.json"),
+                serde_json::to_string_pretty(&data.config)?.as_bytes(),
+            )?;
+            write_synced(&tmp.join("tokenizer.json"), data.tokenizer_json.as_bytes())?;
+            let tok_cfg = serde_json::json!({
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": crate::tokenizer::EOS_TOKEN,
+                "pad_token": crate::tokenizer::EOS_TOKEN,
+                "unk_token": crate::tokenizer::UNK_TOKEN,
+                "model_max_length": data.config["max_position_embeddings"],
+                "chat_template": CHATML_TEMPLATE,
+            });
+            write_synced(
+                &tmp.join("tokenizer_config.json"),
+                serde_json::to_string_pretty(&tok_cfg)?.as_bytes(),
+            )?;
+            write_synced(&tmp.join("chat_template.jinja"), CHATML_TEMPLATE.as_bytes())?;
+        }
+    }
+    if let Some(r) = &data.reference {
+        write_synced(&tmp.join(REFERENCE_FILE), &st(r)?)?;
+    }
     write_synced(&tmp.join("optimizer.safetensors"), &st(&data.optimizer)?)?;
     write_synced(
         &tmp.join("trainer_state.json"),
@@ -155,6 +180,52 @@ pub fn save_checkpoint(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf>
         std::fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
     }
     Ok(final_dir)
+}
+
+/// Copies every regular file of the loaded model directory `src` into `dst` byte-identical,
+/// except the weights (`*.safetensors`, the shard index) and the trainer's own files; writes
+/// `src/config.json` with only its dtype keys (`torch_dtype` / `dtype`) set to `float32`
+/// (or `fallback_config` when `src` has none).
+fn copy_model_files(src: &Path, dst: &Path, fallback_config: &serde_json::Value) -> Result<()> {
+    let entries = std::fs::read_dir(src).with_context(|| format!("listing {}", src.display()))?;
+    for entry in entries {
+        let entry = entry.with_context(|| format!("listing {}", src.display()))?;
+        let name = entry.file_name().to_string_lossy().to_string();
+        let is_weights = name.ends_with(".safetensors") || name == "model.safetensors.index.json";
+        if !entry.file_type()?.is_file() || is_weights || OWN_FILES.contains(&name.as_str()) {
+            continue;
+        }
+        let bytes = std::fs::read(entry.path())
+            .with_context(|| format!("reading {}", entry.path().display()))?;
+        write_synced(&dst.join(&name), &bytes)?;
+    }
+    let cfg_path = src.join("config.json");
+    let config = if cfg_path.is_file() {
+        let mut v: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(&cfg_path)
+                .with_context(|| format!("reading {}", cfg_path.display()))?,
+        )
+        .with_context(|| format!("parsing {}", cfg_path.display()))?;
+        if let Some(obj) = v.as_object_mut() {
+            let mut set = false;
+            for key in ["torch_dtype", "dtype"] {
+                if obj.contains_key(key) {
+                    obj.insert(key.into(), serde_json::json!("float32"));
+                    set = true;
+                }
+            }
+            if !set {
+                obj.insert("torch_dtype".into(), serde_json::json!("float32"));
+            }
+        }
+        v
+    } else {
+        fallback_config.clone()
+    };
+    write_synced(
+        &dst.join("config.json"),
+        serde_json::to_string_pretty(&config)?.as_bytes(),
+    )
 }
 
 /// The newest complete checkpoint directory of a run (`checkpoint/`, else `checkpoint.old/`).

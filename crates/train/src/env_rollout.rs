@@ -26,22 +26,26 @@ use composer_env::{
 };
 use tokenizers::Tokenizer;
 
-use crate::policy::{self, mix_seed, Sample, SamplingParams};
+use composer_model::SamplingParams;
+
+use crate::model::PolicyModel;
 use crate::recipe::{EnvSection, Recipe};
-use crate::tiny::TinyModel;
+use crate::rewards::Rewards;
+use crate::rollout::{sampling_params, RolloutBatch};
+use crate::sampling::{self, mix_seed, Rollout};
+use crate::session::Session;
 use crate::tokenizer as chartok;
-use crate::trainer::{Rewards, RolloutBatch, Session};
 
 /// One turn to sample: the context, the turn's token limit and its sampling seed.
 struct TurnRequest {
     context: Vec<u32>,
     max_new_tokens: usize,
     seed: u64,
-    reply: tokio::sync::oneshot::Sender<Result<Sample>>,
+    reply: tokio::sync::oneshot::Sender<Result<Rollout>>,
 }
 
 /// A handle to a generation thread that samples the turns of many concurrent episodes in
-/// batched `policy::generate` calls (every request waiting when a batch starts goes into it).
+/// batched calls of composer-model's KV-cached `generate` (every request waiting when a batch starts goes into it).
 /// Generation runs off the async executor, so env calls of other episodes proceed (and are
 /// timed) while the model computes. Make one with [`with_turn_sampler`].
 #[derive(Clone)]
@@ -50,7 +54,7 @@ pub struct TurnSampler {
 }
 
 impl TurnSampler {
-    async fn sample(&self, context: Vec<u32>, max_new_tokens: usize, seed: u64) -> Result<Sample> {
+    async fn sample(&self, context: Vec<u32>, max_new_tokens: usize, seed: u64) -> Result<Rollout> {
         let (reply, rx) = tokio::sync::oneshot::channel();
         self.tx
             .send(TurnRequest {
@@ -66,11 +70,12 @@ impl TurnSampler {
 }
 
 /// Runs `body` with a [`TurnSampler`] over `model` (sampling with `params`, whose
-/// `max_new_tokens` is the per-turn limit; tokens are stamped with `policy_version`), on a
-/// scoped generation thread that ends when every sampler clone is dropped.
+/// `max_new_tokens` is the per-turn limit and `stop_token_ids` the model's EOS ids; tokens
+/// are stamped with `policy_version`), on a scoped generation thread that ends when every
+/// sampler clone is dropped. Each turn re-reads its whole context (prefilled once, then
+/// decoded with the KV cache).
 pub fn with_turn_sampler<R>(
-    model: &TinyModel,
-    eos: u32,
+    model: &PolicyModel,
     params: SamplingParams,
     policy_version: u64,
     body: impl FnOnce(TurnSampler) -> R,
@@ -94,11 +99,9 @@ pub fn with_turn_sampler<R>(
                     let seeds: Vec<u64> = batch.iter().map(|r| r.seed).collect();
                     let p = SamplingParams {
                         max_new_tokens: limit.min(params.max_new_tokens),
-                        ..params
+                        ..params.clone()
                     };
-                    match policy::generate(model, &contexts, 1, &p, eos, policy_version, |i| {
-                        seeds[i]
-                    }) {
+                    match sampling::sample(model, &contexts, 1, &p, policy_version, |i| seeds[i]) {
                         Ok(samples) => {
                             for (r, smp) in batch.into_iter().zip(samples) {
                                 let _ = r.reply.send(Ok(smp));
@@ -396,57 +399,49 @@ impl EnvRollout {
         let reset_seeds: Vec<u64> = (0..n_prompts)
             .map(|i| mix_seed(seed, step as u64, 3_000_000 + i as u64) % (1 << 31))
             .collect();
-        let r = &s.recipe.rollout;
-        let params = SamplingParams {
-            temperature: r.temperature,
-            top_p: r.top_p,
-            top_k: r.top_k,
-            max_new_tokens: r.max_completion_length,
-        };
+        let params = sampling_params(&s.recipe, &s.stop_ids);
         let cfg = EpisodeConfig {
             max_turns: self.section.max_turns,
             max_total_tokens: self.section.max_total_tokens,
         };
         let sec = &self.section;
         let runtime = self.runtime()?;
-        let played =
-            with_turn_sampler(&s.model, s.eos, params, s.state.policy_version, |sampler| {
-                block_on(runtime, async {
-                    let episodes = (0..n_prompts * g).map(|i| {
-                        let reset = ResetOptions::seeded(reset_seeds[i / g]);
-                        let mut policy = ModelTurnPolicy::new(
-                            sampler.clone(),
-                            &s.tok,
-                            mix_seed(seed, step as u64, i as u64),
-                            &sec.prompt_template,
-                            &sec.observation_template,
-                        );
-                        async move {
-                            let t0 = Instant::now();
-                            let mut attempt = 0;
-                            loop {
-                                let ep = self
-                                    .pool
-                                    .run_episode(&mut policy, reset.clone(), &cfg)
-                                    .await?;
-                                let failed = matches!(ep.end, EpisodeEnd::EnvFailed { .. });
-                                if failed && attempt < sec.episode_retries {
-                                    attempt += 1;
-                                    continue;
-                                }
-                                let env_s =
-                                    (t0.elapsed().as_secs_f64() - policy.generate_s).max(0.0);
-                                return Ok::<_, anyhow::Error>((ep, env_s));
+        let played = with_turn_sampler(&s.model, params, s.state.policy_version, |sampler| {
+            block_on(runtime, async {
+                let episodes = (0..n_prompts * g).map(|i| {
+                    let reset = ResetOptions::seeded(reset_seeds[i / g]);
+                    let mut policy = ModelTurnPolicy::new(
+                        sampler.clone(),
+                        &s.tok,
+                        mix_seed(seed, step as u64, i as u64),
+                        &sec.prompt_template,
+                        &sec.observation_template,
+                    );
+                    async move {
+                        let t0 = Instant::now();
+                        let mut attempt = 0;
+                        loop {
+                            let ep = self
+                                .pool
+                                .run_episode(&mut policy, reset.clone(), &cfg)
+                                .await?;
+                            let failed = matches!(ep.end, EpisodeEnd::EnvFailed { .. });
+                            if failed && attempt < sec.episode_retries {
+                                attempt += 1;
+                                continue;
                             }
+                            let env_s = (t0.elapsed().as_secs_f64() - policy.generate_s).max(0.0);
+                            return Ok::<_, anyhow::Error>((ep, env_s));
                         }
-                    });
-                    let played = futures::future::join_all(episodes).await;
-                    // Every policy (and its sampler clone) is dropped here; the generation
-                    // thread ends once `sampler` goes too.
-                    drop(sampler);
-                    played
-                })
-            })?;
+                    }
+                });
+                let played = futures::future::join_all(episodes).await;
+                // Every policy (and its sampler clone) is dropped here; the generation
+                // thread ends once `sampler` goes too.
+                drop(sampler);
+                played
+            })
+        })?;
         let played: Vec<(Episode, f64)> = played.into_iter().collect::<Result<_>>()?;
         self.assemble(s, step, prompts, played)
     }
@@ -508,7 +503,7 @@ impl EnvRollout {
             let (ep, env_s) = &played[source];
             let p = ep.prompt_len;
             let last = ep.turns.last();
-            samples.push(Sample {
+            samples.push(Rollout {
                 group,
                 prompt_ids: ep.token_ids[..p].to_vec(),
                 completion_ids: ep.token_ids[p..].to_vec(),

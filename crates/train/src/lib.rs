@@ -1,5 +1,6 @@
-//! composer-train: the recipe, data and rewards, the built-in tiny model and arithmetic task,
-//! the step loop with its three-channel loss, checkpoints and resume.
+//! composer-train: the recipe, data and rewards, the built-in tiny model (a composer-model
+//! `Transformer`) and arithmetic task, the step loop (rollouts through composer-model's
+//! KV-cached `generate`, the loss through composer-loss), checkpoints and resume.
 //!
 //! Entry points: [`run_train`] (what `composer-rl train` calls), [`EXAMPLE_RECIPE`],
 //! [`embedded_default_recipe`], [`bench_channels`].
@@ -8,18 +9,25 @@
 #![allow(clippy::neg_cmp_op_on_partial_ord)]
 
 pub mod async_mode;
+pub mod batch;
 pub mod bench;
 pub mod checkpoint;
 pub mod data;
 pub mod env_rollout;
+pub mod model;
 pub mod optim;
-pub mod policy;
 pub mod recipe;
+pub mod record_traces;
 pub mod replay;
+pub mod rewards;
+pub mod rollout;
+pub mod sampling;
+pub mod session;
+pub mod step_loss;
 pub mod task;
-pub mod tiny;
 pub mod tokenizer;
 pub mod trainer;
+pub mod update;
 pub mod validate;
 pub mod verifiers;
 

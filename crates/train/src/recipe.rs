@@ -13,7 +13,7 @@ use composer_loss::hint::HintTemplate;
 use composer_loss::{AdvantageConfig, HintConfig, RlvrConfig};
 use serde::de::DeserializeOwned;
 
-use crate::tiny::TinyConfig;
+use crate::model::TinyConfig;
 
 /// A complete recipe.
 #[derive(Debug, Clone, PartialEq)]
@@ -163,8 +163,8 @@ pub struct ModelSection {
     /// Directory of an HF checkpoint (config.json, model.safetensors, tokenizer.json).
     #[serde(default)]
     pub path: Option<PathBuf>,
-    /// Shape of a randomly initialised Llama-architecture model with a char-level tokenizer
-    /// built for the data.
+    /// Shape of a randomly initialised Qwen2-shaped model with a char-level tokenizer built
+    /// for the data.
     #[serde(default)]
     pub builtin_tiny: Option<TinyConfig>,
     /// Where the policy trains and samples: `cpu` (default), `cuda` or `cuda:N` (a build with
@@ -294,6 +294,48 @@ pub struct LossSection {
     pub hint: HintSection,
     /// `[loss.replay]`.
     pub replay: ReplayLossConfig,
+    /// The frozen reference policy (KL term of RLVR with `beta > 0`, DPO of the replay
+    /// channel): `ref_model_path`, `sync_ref_model`, `ref_model_mixup_alpha`,
+    /// `ref_model_sync_steps` (TRL names).
+    pub reference: ReferenceConfig,
+    /// With `dynamic_sampling = true`: most extra sampling rounds per step to replace
+    /// zero-variance groups (`max_dynamic_sampling_rounds`).
+    pub max_dynamic_sampling_rounds: usize,
+}
+
+/// The reference policy π_ref, TRL's `GRPOConfig` / `DPOConfig` keys.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReferenceConfig {
+    /// An HF checkpoint directory to use as the reference; None = the policy's weights when
+    /// RL starts (after the warm-up).
+    pub ref_model_path: Option<PathBuf>,
+    /// Every `ref_model_sync_steps` RL steps, π_ref ← α·π + (1 − α)·π_ref.
+    pub sync_ref_model: bool,
+    /// α of the sync (TRL default 0.6).
+    pub ref_model_mixup_alpha: f64,
+    /// Steps between syncs (TRL default 512).
+    pub ref_model_sync_steps: usize,
+}
+
+impl Default for ReferenceConfig {
+    fn default() -> Self {
+        Self {
+            ref_model_path: None,
+            sync_ref_model: false,
+            ref_model_mixup_alpha: d_mixup_alpha(),
+            ref_model_sync_steps: d_ref_sync_steps(),
+        }
+    }
+}
+
+fn d_mixup_alpha() -> f64 {
+    0.6
+}
+fn d_ref_sync_steps() -> usize {
+    512
+}
+fn d_dynamic_rounds() -> usize {
+    4
 }
 
 /// `[loss.hint]`: composer-loss's [`HintConfig`] keys (`divergence`, `alpha`, `support`,
@@ -344,6 +386,16 @@ struct LossOwn {
     hint: Option<toml::Table>,
     #[serde(default)]
     replay: ReplayLossConfig,
+    #[serde(default)]
+    ref_model_path: Option<PathBuf>,
+    #[serde(default)]
+    sync_ref_model: bool,
+    #[serde(default = "d_mixup_alpha")]
+    ref_model_mixup_alpha: f64,
+    #[serde(default = "d_ref_sync_steps")]
+    ref_model_sync_steps: usize,
+    #[serde(default = "d_dynamic_rounds")]
+    max_dynamic_sampling_rounds: usize,
 }
 
 /// `[loss.replay]`: DPO pairs (chosen = passing teacher trace, rejected = failing rollout of the
@@ -796,6 +848,13 @@ fn parse_loss(table: toml::Table, text: &str) -> std::result::Result<LossSection
             template: hown.template,
         },
         replay: own.replay,
+        reference: ReferenceConfig {
+            ref_model_path: own.ref_model_path,
+            sync_ref_model: own.sync_ref_model,
+            ref_model_mixup_alpha: own.ref_model_mixup_alpha,
+            ref_model_sync_steps: own.ref_model_sync_steps,
+        },
+        max_dynamic_sampling_rounds: own.max_dynamic_sampling_rounds,
     })
 }
 
@@ -908,6 +967,29 @@ fn validate(r: &Recipe) -> Result<()> {
     }
     if let Some(env) = &r.env {
         validate_env(env, r)?;
+    }
+    let rf = &r.loss.reference;
+    if rf.sync_ref_model {
+        if !(0.0..=1.0).contains(&rf.ref_model_mixup_alpha) {
+            bail!(
+                "key `[loss] ref_model_mixup_alpha`: must be in [0, 1], got {}",
+                rf.ref_model_mixup_alpha
+            );
+        }
+        if rf.ref_model_sync_steps < 1 {
+            bail!("key `[loss] ref_model_sync_steps`: must be >= 1");
+        }
+    }
+    if let Some(p) = &rf.ref_model_path {
+        if !p.join("config.json").is_file() {
+            bail!(
+                "key `[loss] ref_model_path`: {} is not an HF checkpoint directory (no config.json)",
+                p.display()
+            );
+        }
+    }
+    if r.loss.advantage.dynamic_sampling && (r.env.is_some() || r.train.mode == TrainMode::Async) {
+        bail!("key `[loss] dynamic_sampling`: supported in `[train] mode = \"sync\"` without `[env]` only");
     }
     if let Some(rp) = &r.replay {
         if !rp.teacher_weights.is_empty() && rp.teacher_weights.len() != rp.traces.len() {

@@ -139,9 +139,10 @@ fn env_section_errors_name_the_key() {
 fn multi_turn_episode_is_token_faithful() {
     use candle_core::Device;
     use composer_env::{run_episode, EchoEnv, EpisodeConfig, EpisodeEnd, ResetOptions};
+    use composer_model::SamplingParams;
+    use composer_train::batch::{token_batch, token_logprobs};
     use composer_train::env_rollout::{with_turn_sampler, ModelTurnPolicy};
-    use composer_train::policy::{token_batch, token_logprobs, SamplingParams};
-    use composer_train::tiny::{TinyConfig, TinyModel};
+    use composer_train::model::{PolicyModel, TinyConfig};
     use composer_train::tokenizer::{build_char_tokenizer, encode, token_id, EOS_TOKEN};
 
     let tok =
@@ -150,19 +151,21 @@ fn multi_turn_episode_is_token_faithful() {
         "hidden_size = 16\nlayers = 1\nheads = 2\nkv_heads = 1\nintermediate_size = 32",
     )
     .unwrap();
-    let model = TinyModel::random_init(&cfg, tok.get_vocab_size(true), 5, &Device::Cpu).unwrap();
     let eos = token_id(&tok, EOS_TOKEN).unwrap();
+    let model_cfg = cfg.model_config(tok.get_vocab_size(true), eos).unwrap();
+    let model = PolicyModel::random_init(&model_cfg, 5, &Device::Cpu).unwrap();
     let params = SamplingParams {
         temperature: 1.0,
         top_p: 1.0,
         top_k: 0,
         max_new_tokens: 6,
+        stop_token_ids: Some(vec![eos]),
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    let ep = with_turn_sampler(&model, eos, params, 3, |sampler| {
+    let ep = with_turn_sampler(&model, params, 3, |sampler| {
         let mut policy =
             ModelTurnPolicy::new(sampler, &tok, 11, "{observation}\n", "[{observation}]\n");
         let mut env = EchoEnv::new();

@@ -1,0 +1,238 @@
+//! The policy the trainer optimises: composer-model's [`Transformer`] over a `VarMap` of f32
+//! master weights. Two ways in, one forward pass:
+//!
+//! - an HF checkpoint (`[model] path`), loaded by composer-model with its tokenizer, chat
+//!   template and every EOS id of `config.json` / `generation_config.json`;
+//! - the built-in tiny model (`[model.builtin_tiny]`): a Qwen2-shaped [`ModelConfig`] filled
+//!   from the recipe's keys, built by [`Transformer::random_init`] from a seed, with the
+//!   character tokenizer of [`crate::tokenizer`] and the ChatML template.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::VarMap;
+use composer_model::{ModelConfig, ModelType, Transformer};
+use serde::{Deserialize, Serialize};
+
+/// Shape of the built-in tiny model (`[model.builtin_tiny]` in a recipe): a Qwen2-shaped
+/// decoder (q/k/v bias, RMSNorm, RoPE, grouped-query attention, SwiGLU).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TinyConfig {
+    /// Model width.
+    pub hidden_size: usize,
+    /// Number of decoder layers.
+    pub layers: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Key/value heads (grouped-query attention); must divide `heads`.
+    pub kv_heads: usize,
+    /// SwiGLU inner width.
+    pub intermediate_size: usize,
+    /// RoPE base.
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f64,
+    /// RMSNorm epsilon.
+    #[serde(default = "default_rms_eps")]
+    pub rms_norm_eps: f64,
+    /// Std of the normal initialisation (`initializer_range`).
+    #[serde(default = "default_init_std")]
+    pub init_std: f64,
+    /// Longest sequence the model is used with (written to config.json).
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    /// Share the embedding matrix with the LM head.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+}
+
+fn default_rope_theta() -> f64 {
+    10000.0
+}
+fn default_rms_eps() -> f64 {
+    1e-5
+}
+fn default_init_std() -> f64 {
+    0.02
+}
+fn default_max_pos() -> usize {
+    256
+}
+
+impl TinyConfig {
+    /// The composer-model config of this shape (Qwen2 family) for a vocabulary of
+    /// `vocab_size` tokens whose end-of-text token is `eos`.
+    pub fn model_config(&self, vocab_size: usize, eos: u32) -> Result<ModelConfig> {
+        let c = self;
+        if c.hidden_size == 0
+            || c.layers == 0
+            || c.heads == 0
+            || c.kv_heads == 0
+            || c.intermediate_size == 0
+        {
+            bail!("key `[model.builtin_tiny]`: hidden_size, layers, heads, kv_heads and intermediate_size must be > 0");
+        }
+        if !c.hidden_size.is_multiple_of(c.heads) || !(c.hidden_size / c.heads).is_multiple_of(2) {
+            bail!(
+                "key `[model.builtin_tiny] hidden_size`: {} must be divisible by heads ({}) with an even head size",
+                c.hidden_size,
+                c.heads
+            );
+        }
+        if !c.heads.is_multiple_of(c.kv_heads) {
+            bail!(
+                "key `[model.builtin_tiny] kv_heads`: {} must divide heads ({})",
+                c.kv_heads,
+                c.heads
+            );
+        }
+        let cfg = ModelConfig {
+            model_type: ModelType::Qwen2,
+            vocab_size,
+            hidden_size: c.hidden_size,
+            intermediate_size: c.intermediate_size,
+            num_hidden_layers: c.layers,
+            num_attention_heads: c.heads,
+            num_key_value_heads: c.kv_heads,
+            head_dim: c.hidden_size / c.heads,
+            max_position_embeddings: c.max_position_embeddings,
+            rms_norm_eps: c.rms_norm_eps,
+            rope_theta: c.rope_theta,
+            tie_word_embeddings: c.tie_word_embeddings,
+            attention_bias: false,
+            mlp_bias: false,
+            initializer_range: c.init_std,
+            bos_token_id: None,
+            eos_token_ids: vec![eos],
+            pad_token_id: Some(eos),
+        };
+        cfg.validate()
+            .context("key `[model.builtin_tiny]`: invalid shape")?;
+        Ok(cfg)
+    }
+}
+
+/// The trainable policy: the transformer, its f32 variables, and where it came from.
+pub struct PolicyModel {
+    /// The decoder; its tensors are the `varmap`'s variables.
+    pub transformer: Transformer,
+    /// All trainable variables, by HF name.
+    pub varmap: VarMap,
+    /// The HF checkpoint directory it was loaded from (tokenizer files, chat template and
+    /// generation config are copied from it into checkpoints); None for the built-in model.
+    pub source_dir: Option<PathBuf>,
+}
+
+impl PolicyModel {
+    /// A randomly initialised model of `cfg`, deterministic in `seed`.
+    pub fn random_init(cfg: &ModelConfig, seed: u64, device: &Device) -> Result<Self> {
+        let (transformer, varmap) = Transformer::random_init(cfg, seed, device)?;
+        Ok(Self {
+            transformer,
+            varmap,
+            source_dir: None,
+        })
+    }
+
+    /// Loads an HF checkpoint directory with trainable f32 weights.
+    pub fn load_hf(dir: &Path, device: &Device) -> Result<Self> {
+        let (transformer, varmap) = Transformer::load_trainable(dir, device, DType::F32)
+            .with_context(|| format!("loading HF checkpoint {}", dir.display()))?;
+        Ok(Self {
+            transformer,
+            varmap,
+            source_dir: Some(dir.to_path_buf()),
+        })
+    }
+
+    /// The model's config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.transformer.cfg
+    }
+
+    /// Vocabulary size (rows of the embedding).
+    pub fn vocab_size(&self) -> usize {
+        self.transformer.cfg.vocab_size
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        self.transformer.device()
+    }
+
+    /// Differentiable logits `[B, T, V]` for right-padded ids `[B, T]`.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        self.transformer.forward_train(ids, None)
+    }
+
+    /// An independent copy of the weights (one copy of every tensor): what the trainer
+    /// publishes to an async generator, and the frozen reference policy.
+    pub fn snapshot(&self) -> Result<PolicyModel> {
+        let varmap = VarMap::new();
+        {
+            let src = lock(&self.varmap)?;
+            let mut dst = lock(&varmap)?;
+            for (name, var) in src.iter() {
+                // `detach` shares the storage; `Var::from_tensor` of a non-variable copies it.
+                dst.insert(name.clone(), Var::from_tensor(&var.as_tensor().detach())?);
+            }
+        }
+        let transformer = Transformer::from_varmap(self.config(), &varmap, self.device())?;
+        Ok(PolicyModel {
+            transformer,
+            varmap,
+            source_dir: self.source_dir.clone(),
+        })
+    }
+
+    /// Every weight by name (shares storage with the variables).
+    pub fn weights(&self) -> Result<Vec<(String, Tensor)>> {
+        let data = lock(&self.varmap)?;
+        let mut out: Vec<(String, Tensor)> = data
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
+    }
+
+    /// Overwrites every weight from `tensors` (by name); a missing or mis-shaped tensor is
+    /// an error naming it and `origin`.
+    pub fn set_weights(
+        &self,
+        tensors: &std::collections::HashMap<String, Tensor>,
+        origin: &Path,
+    ) -> Result<()> {
+        let data = lock(&self.varmap)?;
+        for (name, var) in data.iter() {
+            let t = tensors
+                .get(name)
+                .with_context(|| format!("{}: missing tensor {name}", origin.display()))?;
+            if t.dims() != var.dims() {
+                bail!(
+                    "{}: tensor {name} has shape {:?}, expected {:?}",
+                    origin.display(),
+                    t.dims(),
+                    var.dims()
+                );
+            }
+            var.set(&t.to_dtype(DType::F32)?.to_device(var.device())?)?;
+        }
+        Ok(())
+    }
+
+    /// Loads weights from a safetensors file with HF names (a checkpoint's model or
+    /// reference weights).
+    pub fn load_weights(&self, path: &Path) -> Result<()> {
+        let tensors = candle_core::safetensors::load(path, self.device())
+            .with_context(|| format!("reading weights {}", path.display()))?;
+        self.set_weights(&tensors, path)
+    }
+}
+
+fn lock(v: &VarMap) -> Result<std::sync::MutexGuard<'_, std::collections::HashMap<String, Var>>> {
+    v.data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("varmap lock poisoned"))
+}

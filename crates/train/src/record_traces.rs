@@ -1,0 +1,156 @@
+//! `composer-rl record-traces`: sample a teacher checkpoint on a prompt dataset and write its
+//! completions in the trace store's format (prompt/completion ids, the teacher's top-K ids
+//! and log-probs at every completion position, reward, passed), for the replay channel.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Tensor};
+use composer_loss::{Trace, TraceWriter};
+use composer_model::{GenerationRequest, Policy, SamplingParams};
+
+use crate::data::{self, Message};
+use crate::recipe::VerifierSpec;
+use crate::session::render_messages;
+use crate::verifiers::RewardFn;
+
+/// What to record.
+#[derive(Debug, Clone)]
+pub struct RecordTracesOptions {
+    /// The teacher: an HF checkpoint directory.
+    pub model_dir: PathBuf,
+    /// JSONL prompts (`prompt` or `messages`, and `answer`), as `[data] dataset`.
+    pub data: PathBuf,
+    /// Trace file to write (JSONL, truncated).
+    pub out: PathBuf,
+    /// Completions per prompt.
+    pub num_samples: usize,
+    /// Top-K recorded per position.
+    pub top_k: usize,
+    /// Completion length cap.
+    pub max_new_tokens: usize,
+    /// Sampling temperature (0 = greedy). Recorded log-probs are at temperature 1.
+    pub temperature: f64,
+    /// RNG seed (prompt i samples from seed + i).
+    pub seed: u64,
+    /// Verifier kind scoring the completions against the rows' answers.
+    pub verifier: String,
+    /// Device string.
+    pub device: String,
+}
+
+/// What was recorded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordSummary {
+    /// Traces written.
+    pub traces: usize,
+    /// Of which passed the verifier.
+    pub passed: usize,
+    /// Prompts with no passing trace.
+    pub prompts_without_pass: usize,
+}
+
+/// Samples the teacher and writes the trace file.
+pub fn record_traces(o: &RecordTracesOptions) -> Result<RecordSummary> {
+    let device = composer_model::device_from_str(&o.device)?;
+    let policy = Policy::load(&o.model_dir, &device, DType::F32)?;
+    let rows = data::load_prompts(&o.data, &|m: &[Message]| {
+        render_messages(policy.chat_template.as_ref(), m)
+    })?;
+    let reward = RewardFn::from_specs(&[VerifierSpec {
+        kind: o.verifier.clone(),
+        weight: 1.0,
+        pattern: None,
+    }])
+    .context("--verifier")?;
+    let max = reward.max_reward();
+    let teacher = teacher_name(&o.model_dir);
+    let params = SamplingParams {
+        temperature: o.temperature,
+        top_p: 1.0,
+        top_k: 0,
+        max_new_tokens: o.max_new_tokens,
+        stop_token_ids: policy.sampling.stop_token_ids.clone(),
+    };
+    let mut writer = TraceWriter::create(&o.out).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut summary = RecordSummary {
+        traces: 0,
+        passed: 0,
+        prompts_without_pass: 0,
+    };
+    for (i, row) in rows.iter().enumerate() {
+        let prompt_ids = policy.tokenizer.encode(&row.prompt)?;
+        if prompt_ids.is_empty() {
+            anyhow::bail!(
+                "{} row {}: the prompt tokenizes to nothing",
+                o.data.display(),
+                i + 1
+            );
+        }
+        let req = GenerationRequest {
+            prompt_ids: prompt_ids.clone(),
+            num_samples: o.num_samples,
+            seed: o.seed.wrapping_add(i as u64),
+        };
+        let samples = composer_model::generate(&policy.model, &[req], &params)?;
+        let mut any_pass = false;
+        for smp in samples.into_iter().flatten() {
+            let (topk_ids, topk_logprobs) =
+                teacher_topk(&policy, &prompt_ids, &smp.completion_ids, o.top_k)?;
+            let text = policy.tokenizer.decode_skip_special(&smp.completion_ids)?;
+            let (r, _) = reward.score(&text, &row.answer);
+            let passed = r >= max - 1e-9;
+            any_pass |= passed;
+            writer
+                .write(&Trace {
+                    teacher: teacher.clone(),
+                    prompt_ids: prompt_ids.clone(),
+                    completion_ids: smp.completion_ids,
+                    topk_ids,
+                    topk_logprobs,
+                    reward: r,
+                    passed,
+                })
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            summary.traces += 1;
+            summary.passed += passed as usize;
+        }
+        summary.prompts_without_pass += (!any_pass) as usize;
+    }
+    writer.flush().map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(summary)
+}
+
+/// The teacher's top-K ids and log-probs (temperature 1) at every completion position.
+#[allow(clippy::type_complexity)]
+fn teacher_topk(
+    policy: &Policy,
+    prompt: &[u32],
+    completion: &[u32],
+    k: usize,
+) -> Result<(Vec<Vec<u32>>, Vec<Vec<f32>>)> {
+    if completion.is_empty() {
+        return Ok((vec![], vec![]));
+    }
+    let seq: Vec<u32> = prompt
+        .iter()
+        .chain(completion)
+        .copied()
+        .take(prompt.len() + completion.len() - 1)
+        .collect();
+    let n = seq.len();
+    let ids = Tensor::from_vec(seq, (1, n), policy.model.device())?;
+    let logits = policy.model.forward(&ids, None)?;
+    let at = logits
+        .narrow(1, prompt.len() - 1, completion.len())?
+        .squeeze(0)?;
+    let (top_ids, top_lp) = composer_model::topk_logprobs(&at, k)?;
+    Ok((top_ids.to_vec2::<u32>()?, top_lp.to_vec2::<f32>()?))
+}
+
+fn teacher_name(dir: &Path) -> String {
+    dir.file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| "teacher".into())
+}

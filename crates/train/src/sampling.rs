@@ -1,0 +1,80 @@
+//! Rollouts through composer-model's batched, KV-cached [`composer_model::generate`], for
+//! every policy (built-in or HF, single-turn or env turns), and what the trainer keeps of
+//! each sampled completion ([`Rollout`]).
+
+use anyhow::Result;
+use composer_model::{FinishReason, GenerationRequest, SamplingParams};
+
+use crate::model::PolicyModel;
+
+/// One sampled completion, with what the loss and the audit need.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rollout {
+    /// Index of its prompt in the step's prompt list (its group).
+    pub group: usize,
+    /// Prompt token ids.
+    pub prompt_ids: Vec<u32>,
+    /// Completion token ids (ending with a stop id unless truncated).
+    pub completion_ids: Vec<u32>,
+    /// Sampler log-prob of each completion token (after temperature, before top-k/top-p).
+    pub sampler_logprobs: Vec<f32>,
+    /// Hit `max_new_tokens` (or the position limit) without a stop id.
+    pub truncated: bool,
+    /// Weights version that produced it.
+    pub policy_version: u64,
+    /// Per completion token, 1 = trained on, 0 = not (environment observation tokens between
+    /// model turns of a multi-turn episode). `None`: every completion token is trained on.
+    pub loss_mask: Option<Vec<u8>>,
+}
+
+/// A seed that depends only on (seed, step, index): SplitMix64 over the three.
+pub fn mix_seed(seed: u64, step: u64, index: u64) -> u64 {
+    let mut z = seed
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(step.wrapping_mul(0xBF58_476D_1CE4_E5B9))
+        .wrapping_add(index.wrapping_mul(0x94D0_49BB_1331_11EB))
+        .wrapping_add(0x2545_F491_4F6C_DD1D);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Samples `n` completions of every prompt in one batched, KV-cached `generate` call.
+/// Prompt `p`'s samples draw from ChaCha8(`seed_of(p)`) streams 0..n (composer-model's
+/// per-request seeding), so a prompt's completions do not depend on the rest of the batch.
+/// `params.stop_token_ids` should hold every EOS id of the model. Rollouts come back grouped:
+/// prompt 0's `n`, then prompt 1's...
+pub fn sample(
+    model: &PolicyModel,
+    prompts: &[Vec<u32>],
+    n: usize,
+    params: &SamplingParams,
+    policy_version: u64,
+    seed_of: impl Fn(usize) -> u64,
+) -> Result<Vec<Rollout>> {
+    let requests: Vec<GenerationRequest> = prompts
+        .iter()
+        .enumerate()
+        .map(|(p, ids)| GenerationRequest {
+            prompt_ids: ids.clone(),
+            num_samples: n,
+            seed: seed_of(p),
+        })
+        .collect();
+    let out = composer_model::generate(&model.transformer, &requests, params)?;
+    let mut rollouts = Vec::with_capacity(prompts.len() * n);
+    for (group, samples) in out.into_iter().enumerate() {
+        for smp in samples {
+            rollouts.push(Rollout {
+                group,
+                prompt_ids: prompts[group].clone(),
+                completion_ids: smp.completion_ids,
+                sampler_logprobs: smp.sampler_logprobs,
+                truncated: smp.finish_reason == FinishReason::Length,
+                policy_version,
+                loss_mask: None,
+            });
+        }
+    }
+    Ok(rollouts)
+}

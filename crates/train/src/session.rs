@@ -1,0 +1,473 @@
+//! Session setup: recipe, tokenizer and chat template, data, the policy (built-in or HF), the
+//! frozen reference policy, teacher traces, optimizer, and resume from a checkpoint; and
+//! writing the session's checkpoint.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use composer_model::{ChatMessage, ChatTemplate};
+use tokenizers::Tokenizer;
+
+use crate::checkpoint::{self, CheckpointData, TrainerState};
+use crate::data::{self, Message, PromptRow};
+use crate::model::PolicyModel;
+use crate::optim::{AdamW, AdamWParams};
+use crate::recipe::{self, Recipe};
+use crate::replay::{self, TeacherTrace};
+use crate::sampling::mix_seed;
+use crate::task;
+use crate::tokenizer as chartok;
+use crate::trainer::TrainOptions;
+use crate::verifiers::RewardFn;
+
+/// Everything the loop works on.
+pub struct Session {
+    /// The recipe.
+    pub recipe: Recipe,
+    /// Its text (written to RUN_DIR/recipe.toml and into checkpoints).
+    pub recipe_text: String,
+    /// Run directory.
+    pub run_dir: PathBuf,
+    /// Tokenizer.
+    pub tok: Tokenizer,
+    /// The chat template `messages` rows are rendered with (the checkpoint's own, or ChatML
+    /// for the built-in char tokenizer); None when an HF checkpoint has none.
+    pub chat_template: Option<ChatTemplate>,
+    /// Padding id (the first stop id).
+    pub eos: u32,
+    /// Every id that ends a completion (all EOS ids of config.json, generation_config.json
+    /// and the tokenizer).
+    pub stop_ids: Vec<u32>,
+    /// The policy.
+    pub model: PolicyModel,
+    /// The frozen reference policy π_ref (KL with `beta > 0`, replay DPO); built when RL
+    /// starts if the recipe needs one.
+    pub reference: Option<PolicyModel>,
+    /// RL optimizer.
+    pub opt: AdamW,
+    /// Training prompts.
+    pub train_rows: Vec<PromptRow>,
+    /// Held-out prompts.
+    pub eval_rows: Vec<PromptRow>,
+    /// Reward.
+    pub reward: RewardFn,
+    /// Teacher traces.
+    pub traces: Vec<TeacherTrace>,
+    /// Weight of each teacher (by the traces' `teacher` name), from `[replay] teacher_weights`.
+    pub teacher_weights: BTreeMap<String, f64>,
+    /// Indices of passing traces, by prompt token ids.
+    pub traces_by_prompt: HashMap<Vec<u32>, Vec<usize>>,
+    /// Training prompts that no passing trace covers (the replay channel skips them).
+    pub rows_without_trace: usize,
+    /// Resumable counters.
+    pub state: TrainerState,
+    /// `[env]` rollouts (an env pool), when the recipe has an `[env]` section.
+    pub env_rollout: Option<crate::env_rollout::EnvRollout>,
+}
+
+impl Session {
+    /// Whether the loss reads reference log-probs: RLVR's KL (`beta != 0`) or replay DPO.
+    pub fn needs_reference(&self) -> bool {
+        let l = &self.recipe.loss;
+        l.rlvr.beta != 0.0
+            || (l.replay_weight > 0.0 && l.replay.dpo_weight > 0.0 && !self.traces.is_empty())
+    }
+
+    /// Builds the frozen reference policy if the loss needs one and it is not there yet:
+    /// `[loss] ref_model_path`, else a copy of the current weights.
+    pub fn ensure_reference(&mut self) -> Result<()> {
+        if self.reference.is_some() || !self.needs_reference() {
+            return Ok(());
+        }
+        self.reference = Some(match &self.recipe.loss.reference.ref_model_path {
+            Some(p) => {
+                let r = PolicyModel::load_hf(p, self.model.device())
+                    .with_context(|| format!("key `[loss] ref_model_path` = {}", p.display()))?;
+                if r.vocab_size() != self.model.vocab_size() {
+                    bail!(
+                        "key `[loss] ref_model_path`: {} has vocab_size {}, the policy {}",
+                        p.display(),
+                        r.vocab_size(),
+                        self.model.vocab_size()
+                    );
+                }
+                r
+            }
+            None => self.model.snapshot()?,
+        });
+        Ok(())
+    }
+
+    /// TRL's `sync_ref_model`: after every `ref_model_sync_steps`-th step,
+    /// π_ref ← α·π + (1 − α)·π_ref (composer-loss's EMA update with τ = α).
+    pub fn sync_reference(&mut self, step: usize) -> Result<()> {
+        let rc = &self.recipe.loss.reference;
+        if !rc.sync_ref_model || !step.is_multiple_of(rc.ref_model_sync_steps.max(1)) {
+            return Ok(());
+        }
+        let Some(reference) = &self.reference else {
+            return Ok(());
+        };
+        let policy: HashMap<String, candle_core::Tensor> =
+            self.model.weights()?.into_iter().collect();
+        let data = reference
+            .varmap
+            .data()
+            .lock()
+            .map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
+        let mut names: Vec<&String> = data.keys().collect();
+        names.sort();
+        let vars: Vec<candle_core::Var> = names.iter().map(|n| data[*n].clone()).collect();
+        let student: Vec<candle_core::Tensor> = names
+            .iter()
+            .map(|n| policy.get(*n).cloned().context("policy weight missing"))
+            .collect::<Result<_>>()?;
+        composer_loss::ema_update(&vars, &student, rc.ref_model_mixup_alpha)
+            .map_err(|e| anyhow::anyhow!("syncing the reference policy: {e}"))?;
+        Ok(())
+    }
+
+    /// Prompt token ids of a text.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        chartok::encode(&self.tok, text)
+    }
+}
+
+/// Renders `messages` with `template` as transformers' `apply_chat_template(messages,
+/// add_generation_prompt=True)`.
+pub fn render_messages(template: Option<&ChatTemplate>, messages: &[Message]) -> Result<String> {
+    let t = template.context(
+        "`messages` rows need a chat template (the checkpoint has no chat_template.jinja and no `chat_template` in tokenizer_config.json)",
+    )?;
+    let msgs: Vec<ChatMessage> = messages
+        .iter()
+        .map(|m| ChatMessage::new(&m.role, &m.content))
+        .collect();
+    t.render(&msgs, true)
+}
+
+/// The ChatML template of the built-in char tokenizer.
+pub fn chatml_template() -> ChatTemplate {
+    ChatTemplate {
+        source: checkpoint::CHATML_TEMPLATE.to_string(),
+        bos_token: String::new(),
+        eos_token: chartok::EOS_TOKEN.to_string(),
+    }
+}
+
+/// Load or build everything; on `resume`, restore weights, optimizer, reference and counters.
+pub fn open_session(opts: &TrainOptions) -> Result<Session> {
+    // A resumed run's recipe is the one in its checkpoint; its optimizer state is read on
+    // the CPU and moved to the recipe's device below.
+    let mut resume_ckpt = match &opts.resume {
+        Some(dir) => Some(checkpoint::load_checkpoint(
+            &checkpoint::find_checkpoint(dir)?,
+            &candle_core::Device::Cpu,
+        )?),
+        None => None,
+    };
+    let (recipe_text, origin) = match (&resume_ckpt, &opts.recipe_path) {
+        (Some(c), _) => (c.recipe_text.clone(), c.dir.join("recipe.toml")),
+        (None, Some(p)) => (
+            std::fs::read_to_string(p)
+                .with_context(|| format!("reading recipe {}", p.display()))?,
+            p.clone(),
+        ),
+        (None, None) => (
+            recipe::EMBEDDED_DEFAULT_RECIPE.to_string(),
+            PathBuf::from("<embedded default recipe>"),
+        ),
+    };
+    let mut recipe = recipe::parse_recipe(&recipe_text, &origin)?;
+    if let Some(s) = opts.max_steps_override {
+        recipe.train.steps = s;
+    }
+    let device = composer_model::device_from_str(&recipe.model.device)
+        .with_context(|| format!("key `[model] device` = {:?}", recipe.model.device))?;
+    if let Some(c) = resume_ckpt.as_mut() {
+        if !device.is_cpu() {
+            for t in c.optimizer.values_mut() {
+                *t = t.to_device(&device)?;
+            }
+        }
+    }
+    let run_dir = match (&opts.resume, &opts.run_dir_override) {
+        (Some(d), _) => d.clone(),
+        (None, Some(d)) => d.clone(),
+        (None, None) => recipe.output.run_dir.clone(),
+    };
+    std::fs::create_dir_all(&run_dir)
+        .with_context(|| format!("creating run dir {}", run_dir.display()))?;
+    let seed = recipe.train.seed;
+
+    // An HF checkpoint's tokenizer and chat template come first: `messages` rows are
+    // rendered with the checkpoint's own template. (On resume: the checkpoint's copies.)
+    let hf_dir = recipe.model.path.as_ref().map(|path| {
+        resume_ckpt
+            .as_ref()
+            .map(|c| c.dir.clone())
+            .unwrap_or_else(|| path.clone())
+    });
+    let hf_text = match &hf_dir {
+        Some(dir) => {
+            let tok = composer_model::Tokenizer::from_dir(dir)?;
+            let template = ChatTemplate::from_dir(dir, Some(&tok))?;
+            Some((tok, template))
+        }
+        None => None,
+    };
+    let chat_template = match &hf_text {
+        Some((_, t)) => t.clone(),
+        None => Some(chatml_template()),
+    };
+    let render = |m: &[Message]| render_messages(chat_template.as_ref(), m);
+
+    // Data.
+    let (train_rows, eval_rows) = match (&recipe.data.task, &recipe.data.dataset) {
+        (Some(_), _) => {
+            task::arithmetic_split(&recipe.data.arithmetic, recipe.data.eval_size, seed)
+        }
+        (None, Some(path)) => {
+            let rows = data::load_prompts(path, &render)?;
+            match &recipe.data.eval_dataset {
+                Some(e) => (rows, data::load_prompts(e, &render)?),
+                None => {
+                    let n_eval = recipe.data.eval_size.min(rows.len() / 2);
+                    let mut rows = rows;
+                    let train = rows.split_off(n_eval);
+                    (train, rows)
+                }
+            }
+        }
+        (None, None) => bail!("key `[data]`: no task and no dataset"),
+    };
+    if train_rows.is_empty() {
+        bail!("[data]: no training prompts");
+    }
+
+    // Tokenizer and model: an HF checkpoint, or the built-in tiny model with a char-level
+    // tokenizer built for the data.
+    let (tok, model, stop_ids) = match (hf_dir, hf_text, recipe.model.builtin_tiny.clone()) {
+        (Some(dir), Some((htok, _)), _) => {
+            let model = PolicyModel::load_hf(&dir, &device)?;
+            // As `composer-rl generate`: config.json ∪ generation_config.json EOS ids, plus
+            // the tokenizer's eos_token.
+            let mut stops = model.config().eos_token_ids.clone();
+            if let Some(e) = htok.eos_token_id() {
+                if !stops.contains(&e) {
+                    stops.push(e);
+                }
+            }
+            if stops.is_empty() {
+                bail!(
+                    "{}: no EOS token id in config.json, generation_config.json or tokenizer_config.json; completions could never stop",
+                    dir.display()
+                );
+            }
+            (htok.inner, model, stops)
+        }
+        (None, _, Some(tiny)) => {
+            let tok = match &resume_ckpt {
+                Some(c) => Tokenizer::from_file(c.dir.join("tokenizer.json")).map_err(|e| {
+                    anyhow::anyhow!("{}: {e}", c.dir.join("tokenizer.json").display())
+                })?,
+                None => {
+                    let t = &recipe.loss.hint.template;
+                    let mut texts: Vec<&str> = vec![&t.reprompt, &t.solution, &t.feedback];
+                    for r in train_rows.iter().chain(&eval_rows) {
+                        texts.push(&r.prompt);
+                        texts.push(&r.answer);
+                    }
+                    let sft_rows;
+                    if let Some(w) = &recipe.warmup {
+                        if let Some(p) = &w.dataset {
+                            sft_rows = data::load_sft(p, &render)?;
+                            for r in &sft_rows {
+                                texts.push(&r.prompt);
+                                texts.push(&r.completion);
+                            }
+                        }
+                    }
+                    chartok::build_char_tokenizer(texts)?
+                }
+            };
+            let eos = chartok::token_id(&tok, chartok::EOS_TOKEN)?;
+            let cfg = tiny.model_config(tok.get_vocab_size(true), eos)?;
+            let model = PolicyModel::random_init(&cfg, mix_seed(seed, u64::MAX, 0), &device)?;
+            if let Some(c) = &resume_ckpt {
+                model.load_weights(&c.dir.join("model.safetensors"))?;
+            }
+            (tok, model, vec![eos])
+        }
+        _ => bail!("key `[model]`: set `path` or `builtin_tiny`"),
+    };
+    let eos = stop_ids[0];
+    let vocab = model.vocab_size();
+
+    // Optimizer over the model's variables.
+    let vars: Vec<(String, candle_core::Var)> = {
+        let data = model
+            .varmap
+            .data()
+            .lock()
+            .map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
+        data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    };
+    let o = &recipe.optimizer;
+    let mut opt = AdamW::new(
+        vars,
+        AdamWParams {
+            betas: o.betas,
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+        },
+    )?;
+
+    // A resumed run's reference policy is the one its checkpoint saved.
+    let mut reference = None;
+    let state = match &resume_ckpt {
+        Some(c) => {
+            opt.load_state(&c.optimizer, c.state.optimizer_step)?;
+            let ref_path = c.dir.join(checkpoint::REFERENCE_FILE);
+            if ref_path.is_file() {
+                let r = model.snapshot()?;
+                r.load_weights(&ref_path)?;
+                reference = Some(r);
+            }
+            c.state.clone()
+        }
+        None => TrainerState {
+            step: 0,
+            policy_version: 0,
+            optimizer_step: 0,
+            skipped_steps: 0,
+            consecutive_skipped: 0,
+            samples_generated: 0,
+            trained_tokens: 0,
+            seed,
+            warmup_accuracy: None,
+        },
+    };
+
+    // Teacher traces, and each teacher's weight (by the name its traces carry).
+    let mut traces = Vec::new();
+    let mut teacher_weights = BTreeMap::new();
+    if let Some(rp) = &recipe.replay {
+        for (i, src) in rp.traces.iter().enumerate() {
+            let w = rp.teacher_weights.get(i).copied().unwrap_or(1.0);
+            let path = if src == "builtin:scripted" {
+                let p = run_dir.join("traces").join("scripted.jsonl");
+                if !p.exists() {
+                    write_scripted_traces(&p, &train_rows, &tok, eos)?;
+                }
+                p
+            } else {
+                PathBuf::from(src)
+            };
+            for t in replay::read_traces(&path, vocab)
+                .with_context(|| format!("key `[replay] traces` #{i}"))?
+            {
+                if let Some(old) = teacher_weights.insert(t.teacher.clone(), w) {
+                    if old != w {
+                        bail!(
+                            "key `[replay] teacher_weights`: teacher {:?} appears in several trace files with different weights ({old} and {w})",
+                            t.teacher
+                        );
+                    }
+                }
+                traces.push(t);
+            }
+        }
+    }
+    let mut traces_by_prompt: HashMap<Vec<u32>, Vec<usize>> = HashMap::new();
+    for (i, t) in traces.iter().enumerate() {
+        if t.passed {
+            traces_by_prompt
+                .entry(t.prompt_ids.clone())
+                .or_default()
+                .push(i);
+        }
+    }
+    let rows_without_trace = if traces.is_empty() {
+        0
+    } else {
+        let mut n = 0;
+        for r in &train_rows {
+            if !traces_by_prompt.contains_key(&chartok::encode(&tok, &r.prompt)?) {
+                n += 1;
+            }
+        }
+        n
+    };
+    let reward = RewardFn::from_specs(&recipe.data.verifiers)?;
+    let env_rollout = crate::env_rollout::EnvRollout::from_recipe(&recipe)?;
+    Ok(Session {
+        env_rollout,
+        recipe,
+        recipe_text,
+        run_dir,
+        tok,
+        chat_template,
+        eos,
+        stop_ids,
+        model,
+        reference,
+        opt,
+        train_rows,
+        eval_rows,
+        reward,
+        traces,
+        teacher_weights,
+        traces_by_prompt,
+        rows_without_trace,
+        state,
+    })
+}
+
+/// The scripted arithmetic teacher's traces for every training prompt.
+fn write_scripted_traces(path: &Path, rows: &[PromptRow], tok: &Tokenizer, eos: u32) -> Result<()> {
+    let digit_ids: Vec<u32> = "0123456789-"
+        .chars()
+        .filter_map(|c| tok.token_to_id(&c.to_string()))
+        .chain([eos])
+        .collect();
+    let mut traces = Vec::with_capacity(rows.len());
+    for r in rows {
+        let p = chartok::encode(tok, &r.prompt)?;
+        let mut c = chartok::encode(tok, &r.answer)?;
+        c.push(eos);
+        traces.push(task::scripted_trace(r, p, c, &digit_ids, 4));
+    }
+    task::write_traces(path, &traces)
+}
+
+/// Write the session's checkpoint: the weights in f32 and, for an HF model, every other file
+/// of the loaded directory byte-identical (tokenizer files, chat template, generation config;
+/// config.json with only its dtype changed).
+pub fn save(s: &Session) -> Result<PathBuf> {
+    let weights = s.model.weights()?.into_iter().collect();
+    let mut state = s.state.clone();
+    state.optimizer_step = s.opt.step;
+    let tokenizer_json = s
+        .tok
+        .to_string(true)
+        .map_err(|e| anyhow::anyhow!("serialising tokenizer: {e}"))?;
+    let reference = match &s.reference {
+        Some(r) => Some(r.weights()?.into_iter().collect()),
+        None => None,
+    };
+    checkpoint::save_checkpoint(
+        &s.run_dir,
+        &CheckpointData {
+            config: s.model.config().to_hf_json("float32"),
+            weights,
+            tokenizer_json,
+            optimizer: s.opt.state_tensors(),
+            source_dir: s.model.source_dir.as_deref(),
+            reference,
+            state: &state,
+            recipe_text: &s.recipe_text,
+        },
+    )
+}

@@ -1,0 +1,389 @@
+//! One micro-batch's loss: the trainer turns rollouts, hint prompts, teacher traces and the
+//! reference policy into composer-loss's [`LossInputs`] and calls
+//! [`composer_loss::composer_loss`] for all three channels. No loss maths lives here: only
+//! forward passes, gathers and index bookkeeping, all on the tensors' device.
+
+use anyhow::{Context, Result};
+use candle_core::Tensor;
+use composer_loss::{
+    composer_loss, sequence_logprobs, ComposerConfig, DpoConfig, DpoInputs, HintInputs, LossInputs,
+    LossScale, ReplayConfig, ReplayInputs, TeacherKlInputs,
+};
+
+use crate::batch::{self, scalar, TokenBatch};
+use crate::rewards::Rewards;
+use crate::rollout::RolloutBatch;
+use crate::sampling::Rollout;
+use crate::session::Session;
+
+/// Per micro-batch tensors fixed before the first update (μ > 1): the old log-probs.
+pub struct Frozen {
+    /// `[B, L]` log π_old of the rollouts.
+    pub old_logprobs: Option<Tensor>,
+}
+
+/// One micro-batch's combined loss `L_rlvr + α·L_hint + β·L_replay` and its parts.
+pub struct MicroOut {
+    /// The loss (with gradient).
+    pub loss: Tensor,
+    /// RLVR channel value (this micro-batch's share × the number of micro-batches).
+    pub rlvr: f64,
+    /// Hint channel value (unweighted).
+    pub hint: f64,
+    /// Replay channel value (unweighted).
+    pub replay: f64,
+    /// Its DPO part.
+    pub dpo: f64,
+    /// Its teacher-KL part.
+    pub teacher_kl: f64,
+    /// KL to the reference (`beta != 0`), else the sampler/trainer mismatch KL.
+    pub kl: f64,
+    /// Mean token entropy.
+    pub entropy: f64,
+    /// Clip fractions.
+    pub clip_low: f64,
+    /// Clip fractions.
+    pub clip_high: f64,
+    /// Samples with a hint.
+    pub hinted: usize,
+    /// DPO pairs.
+    pub dpo_pairs: usize,
+}
+
+/// Builds the micro-batch `idx`'s loss. With `freeze_only`, returns only the detached old
+/// log-probs instead (the μ > 1 pre-pass).
+#[allow(clippy::too_many_arguments)]
+pub fn micro_loss(
+    s: &Session,
+    idx: &[usize],
+    batch: &RolloutBatch,
+    rewards: &Rewards,
+    advantages: &[f64],
+    hint_ids: &[Option<Vec<u32>>],
+    frozen: Option<&Frozen>,
+    freeze_only: bool,
+    rlvr_scale: Option<&LossScale>,
+) -> Result<(Option<MicroOut>, Option<Tensor>)> {
+    let dev = s.model.device().clone();
+    let temp = s.recipe.rollout.temperature;
+    let temp = if temp > 0.0 { temp } else { 1.0 };
+    let samples: Vec<&Rollout> = idx.iter().map(|&i| &batch.samples[i]).collect();
+    let tb = rollout_batch_tensors(s, &samples)?;
+    let (b, l) = tb.input.dims2()?;
+    let (lp, ls) = batch::token_logprobs(&s.model, &tb, temp)?;
+    if freeze_only {
+        return Ok((None, Some(lp.detach())));
+    }
+
+    // RLVR inputs.
+    let mut sampler = vec![0f32; b * l];
+    for (r, smp) in samples.iter().enumerate() {
+        for (k, &pos) in tb.completion_positions[r].iter().enumerate() {
+            sampler[pos] = smp.sampler_logprobs[k];
+        }
+    }
+    let sampler = Tensor::from_vec(sampler, (b, l), &dev)?;
+    let adv: Vec<f32> = idx.iter().map(|&i| advantages[i] as f32).collect();
+    let adv = Tensor::from_vec(adv, b, &dev)?;
+    let entropies = batch::entropies(&ls)?;
+    let mut inputs = LossInputs::new(lp.clone(), adv, tb.mask.clone());
+    inputs.old_logprobs = frozen.and_then(|f| f.old_logprobs.clone());
+    inputs.sampler_logprobs = Some(sampler);
+    inputs.truncated = Some(samples.iter().map(|x| x.truncated).collect());
+    inputs.entropies = Some(entropies.clone());
+    let mut rlvr = s.recipe.loss.rlvr.clone();
+    rlvr.max_completion_length = s.recipe.rollout.max_completion_length;
+    // The step's normaliser (global token count across gradient-accumulation micro-batches),
+    // or this micro-batch alone.
+    let scale = match rlvr_scale {
+        Some(sc) => *sc,
+        None => LossScale::local(&inputs, rlvr.mask_truncated_completions)?,
+    };
+    // Hint and replay are per-micro-batch means: averaged over the step's micro-batches.
+    let per_micro = 1.0 / scale.num_micro_batches;
+
+    // Teacher traces of this micro-batch's prompts: chosen = passing trace, rejected =
+    // failing rollouts of the same prompt.
+    let trace_ids = traces_of(s, idx, batch);
+    let mut pairs: Vec<(usize, usize)> = Vec::new(); // (trace row, rollout row)
+    for (ti, &t) in trace_ids.iter().enumerate() {
+        for (r, &i) in idx.iter().enumerate() {
+            if !rewards.passed[i] && batch.samples[i].prompt_ids == s.traces[t].prompt_ids {
+                pairs.push((ti, r));
+            }
+        }
+    }
+    let dpo_on = s.recipe.loss.replay.dpo_weight > 0.0 && !pairs.is_empty();
+
+    // The frozen reference policy: KL term (beta != 0) and DPO's rejected rollouts.
+    let reference = if s.recipe.loss.rlvr.beta != 0.0 || dpo_on {
+        Some(
+            s.reference
+                .as_ref()
+                .context("the loss needs a reference policy but none was built")?,
+        )
+    } else {
+        None
+    };
+    let ref_lp = match reference {
+        Some(r) => Some(batch::token_logprobs(r, &tb, temp)?.0.detach()),
+        None => None,
+    };
+    if s.recipe.loss.rlvr.beta != 0.0 {
+        inputs.ref_logprobs = ref_lp.clone();
+    }
+
+    // Hint: the same weights score the student's completion after the hinted prompt.
+    let alpha = s.recipe.loss.hint_weight;
+    let has_hint: Vec<bool> = idx.iter().map(|&i| hint_ids[i].is_some()).collect();
+    let hinted = has_hint.iter().filter(|h| **h).count();
+    if alpha > 0.0 && hinted > 0 {
+        inputs.hint = Some(hint_inputs(
+            s, idx, &samples, hint_ids, &tb, &ls, temp, has_hint,
+        )?);
+    }
+
+    // Replay: DPO on (passing teacher trace, failing rollout) pairs + forward KL to the
+    // teachers' recorded top-K on the traces (log-probs at temperature 1, as recorded).
+    if s.recipe.loss.replay_weight > 0.0 && !trace_ids.is_empty() {
+        let trace_pairs: Vec<(&[u32], &[u32])> = trace_ids
+            .iter()
+            .map(|&t| {
+                (
+                    s.traces[t].prompt_ids.as_slice(),
+                    s.traces[t].completion_ids.as_slice(),
+                )
+            })
+            .collect();
+        let ttb = batch::token_batch(&trace_pairs, s.eos, &dev)?;
+        let (tlp, tls) = batch::token_logprobs(&s.model, &ttb, 1.0)?;
+        let mut replay = ReplayInputs::default();
+        if s.recipe.loss.replay.kl_weight > 0.0 {
+            replay.teacher_kl = Some(teacher_kl_inputs(s, &trace_ids, &ttb, &tls)?);
+        }
+        if dpo_on {
+            let reference = reference.context("DPO needs the reference policy")?;
+            let ref_lp = ref_lp.as_ref().context("DPO needs reference log-probs")?;
+            let (ref_tlp, _) = batch::token_logprobs(reference, &ttb, 1.0)?;
+            let pc = Tensor::from_vec(
+                pairs.iter().map(|p| p.0 as u32).collect::<Vec<_>>(),
+                pairs.len(),
+                &dev,
+            )?;
+            let pr = Tensor::from_vec(
+                pairs.iter().map(|p| p.1 as u32).collect::<Vec<_>>(),
+                pairs.len(),
+                &dev,
+            )?;
+            let seq = |x: &Tensor, m: &Tensor, rows: &Tensor| -> Result<Tensor> {
+                Ok(sequence_logprobs(x, m)?.index_select(rows, 0)?)
+            };
+            replay.dpo = Some(DpoInputs {
+                policy_chosen_logps: seq(&tlp, &ttb.mask, &pc)?,
+                ref_chosen_logps: seq(&ref_tlp.detach(), &ttb.mask, &pc)?,
+                policy_rejected_logps: seq(&lp, &tb.mask, &pr)?,
+                ref_rejected_logps: seq(ref_lp, &tb.mask, &pr)?,
+                chosen_lengths: pairs
+                    .iter()
+                    .map(|p| s.traces[trace_ids[p.0]].completion_ids.len())
+                    .collect(),
+                rejected_lengths: pairs
+                    .iter()
+                    .map(|p| samples[p.1].completion_ids.len())
+                    .collect(),
+            });
+        }
+        if replay.dpo.is_some() || replay.teacher_kl.is_some() {
+            inputs.replay = Some(replay);
+        }
+    }
+
+    let rc = &s.recipe.loss.replay;
+    let cfg = ComposerConfig {
+        use_rlvr: true,
+        use_hint: inputs.hint.is_some(),
+        use_replay: inputs.replay.is_some(),
+        hint_coef: alpha * per_micro,
+        replay_coef: s.recipe.loss.replay_weight * per_micro,
+        rlvr,
+        hint: s.recipe.loss.hint.config.clone(),
+        replay: ReplayConfig {
+            dpo: DpoConfig {
+                beta: rc.dpo_beta,
+                ..Default::default()
+            },
+            dpo_coef: rc.dpo_weight,
+            kl_coef: rc.kl_weight,
+            teacher_weights: s.teacher_weights.clone(),
+            ..Default::default()
+        },
+    };
+    let (loss, m) = composer_loss(&inputs, &cfg, &scale).context("composer loss")?;
+    let m_rlvr = m.rlvr.unwrap_or_default();
+    let ent = scalar(&batch::masked_mean(&entropies.detach(), &tb.mask)?)?;
+    let replay = m.replay.unwrap_or_default();
+    Ok((
+        Some(MicroOut {
+            loss,
+            // This micro-batch's share times their number: the mean over micro-batches is
+            // the step's RLVR loss.
+            rlvr: m_rlvr.loss * scale.num_micro_batches,
+            hint: m.hint.map(|h| h.loss).unwrap_or(0.0),
+            replay: replay.loss,
+            dpo: replay.dpo.as_ref().map(|d| d.loss).unwrap_or(0.0),
+            teacher_kl: replay.teacher_kl.as_ref().map(|k| k.loss).unwrap_or(0.0),
+            kl: m_rlvr.kl.or(m_rlvr.mismatch_kl).unwrap_or(0.0),
+            entropy: ent,
+            clip_low: m_rlvr.clip_ratio_low,
+            clip_high: m_rlvr.clip_ratio_high,
+            hinted,
+            dpo_pairs: pairs.len(),
+        }),
+        None,
+    ))
+}
+
+/// The teacher-forcing batch of rollouts, with environment observation tokens (multi-turn
+/// episodes) masked out of the loss.
+fn rollout_batch_tensors(s: &Session, samples: &[&Rollout]) -> Result<TokenBatch> {
+    let pairs: Vec<(&[u32], &[u32])> = samples
+        .iter()
+        .map(|x| (x.prompt_ids.as_slice(), x.completion_ids.as_slice()))
+        .collect();
+    let dev = s.model.device();
+    let mut tb = batch::token_batch(&pairs, s.eos, dev)?;
+    if samples.iter().any(|x| x.loss_mask.is_some()) {
+        let (b, l) = tb.input.dims2()?;
+        let mut keep = vec![1f32; b * l];
+        for (r, smp) in samples.iter().enumerate() {
+            if let Some(mask) = &smp.loss_mask {
+                for (k, &pos) in tb.completion_positions[r].iter().enumerate() {
+                    if mask.get(k) == Some(&0) {
+                        keep[pos] = 0.0;
+                    }
+                }
+            }
+        }
+        let keep = Tensor::from_vec(keep, (b, l), dev)?.to_dtype(tb.mask.dtype())?;
+        tb.mask = (&tb.mask * keep)?;
+    }
+    Ok(tb)
+}
+
+/// Passing traces of the micro-batch's prompts (each prompt's group once).
+fn traces_of(s: &Session, idx: &[usize], batch: &RolloutBatch) -> Vec<usize> {
+    let mut out = Vec::new();
+    if s.recipe.loss.replay_weight <= 0.0 || s.traces.is_empty() {
+        return out;
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for &i in idx {
+        let smp = &batch.samples[i];
+        if seen.insert(smp.group) {
+            if let Some(ts) = s.traces_by_prompt.get(&smp.prompt_ids) {
+                out.extend(ts.iter().copied());
+            }
+        }
+    }
+    out
+}
+
+/// Hint channel inputs: the same weights score the completion after the hinted prompt
+/// (detached teacher); the student's top-K ids are selected on the device.
+#[allow(clippy::too_many_arguments)]
+fn hint_inputs(
+    s: &Session,
+    idx: &[usize],
+    samples: &[&Rollout],
+    hint_ids: &[Option<Vec<u32>>],
+    tb: &TokenBatch,
+    ls: &Tensor,
+    temp: f64,
+    has_hint: Vec<bool>,
+) -> Result<HintInputs> {
+    let dev = s.model.device();
+    let (b, l) = tb.input.dims2()?;
+    let k = s.recipe.loss.hint.top_k.min(s.model.vocab_size());
+    let tpairs: Vec<(&[u32], &[u32])> = idx
+        .iter()
+        .zip(samples)
+        .map(|(&i, smp)| {
+            (
+                hint_ids[i].as_deref().unwrap_or(smp.prompt_ids.as_slice()),
+                smp.completion_ids.as_slice(),
+            )
+        })
+        .collect();
+    let ttb = batch::token_batch(&tpairs, s.eos, dev)?;
+    let (_, tls) = batch::token_logprobs(&s.model, &ttb, temp)?;
+    let tls = tls.detach();
+    let (_, lt, v) = tls.dims3()?;
+    // Map each student position to the teacher position predicting the same token.
+    let mut map = vec![0u32; b * l];
+    for r in 0..b {
+        for (kk, &pos) in tb.completion_positions[r].iter().enumerate() {
+            map[pos] = ttb.completion_positions[r][kk] as u32;
+        }
+    }
+    let map = Tensor::from_vec(map, b * l, dev)?;
+    let teacher_full = tls
+        .reshape((b * lt, v))?
+        .index_select(&map, 0)?
+        .reshape((b, l, v))?;
+    let topk = batch::topk_ids(ls, k)?;
+    Ok(HintInputs {
+        student_topk_logprobs: Some(ls.gather(&topk, 2)?),
+        teacher_topk_logprobs: Some(teacher_full.gather(&topk, 2)?),
+        topk_ids: Some(topk),
+        teacher_token_logprobs: Some(
+            teacher_full
+                .gather(&tb.targets.unsqueeze(2)?, 2)?
+                .squeeze(2)?,
+        ),
+        has_hint,
+    })
+}
+
+/// The student's log-probs at the teachers' recorded top-K ids of each trace position, and
+/// the recorded log-probs (positions with fewer than K recorded ids are padded with a
+/// log-prob of −1e4, i.e. no mass).
+fn teacher_kl_inputs(
+    s: &Session,
+    trace_ids: &[usize],
+    ttb: &TokenBatch,
+    tls: &Tensor,
+) -> Result<TeacherKlInputs> {
+    let (bt, lt) = ttb.input.dims2()?;
+    let kmax = trace_ids
+        .iter()
+        .flat_map(|&t| s.traces[t].topk_ids.iter().map(|x| x.len()))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let mut ids = vec![0u32; bt * lt * kmax];
+    let mut tlps = vec![-1e4f32; bt * lt * kmax];
+    for (r, &t) in trace_ids.iter().enumerate() {
+        let tr = &s.traces[t];
+        for (kk, &pos) in ttb.completion_positions[r].iter().enumerate() {
+            for (j, (&id, &lpv)) in tr.topk_ids[kk]
+                .iter()
+                .zip(&tr.topk_logprobs[kk])
+                .enumerate()
+            {
+                ids[pos * kmax + j] = id;
+                tlps[pos * kmax + j] = lpv;
+            }
+        }
+    }
+    let dev = s.model.device();
+    let ids = Tensor::from_vec(ids, (bt, lt, kmax), dev)?;
+    Ok(TeacherKlInputs {
+        student_topk_logprobs: tls.gather(&ids, 2)?,
+        teacher_topk_logprobs: Tensor::from_vec(tlps, (bt, lt, kmax), dev)?,
+        loss_mask: ttb.mask.clone(),
+        teachers: trace_ids
+            .iter()
+            .map(|&t| s.traces[t].teacher.clone())
+            .collect(),
+    })
+}

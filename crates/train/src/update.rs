@@ -1,0 +1,346 @@
+//! The update of a step: hint prompts, mini-/micro-batches, μ passes of optimizer steps
+//! with gradient accumulation (the loss of each micro-batch is built by
+//! [`crate::step_loss::micro_loss`]), the non-finite guard; and the supervised warm-up.
+
+use std::collections::HashMap;
+
+use anyhow::Result;
+use candle_core::Tensor;
+use composer_loss::hint::{build_hint_prompts, RolloutForHint};
+use composer_loss::LossScale;
+
+use crate::batch::{self, scalar};
+use crate::data::{self, SftRow};
+use crate::optim::{self, AdamW};
+use crate::rewards::Rewards;
+use crate::rollout::RolloutBatch;
+use crate::sampling::mix_seed;
+use crate::session::{render_messages, Session};
+use crate::step_loss::{micro_loss, Frozen};
+use crate::tokenizer as chartok;
+
+/// What one `train_on_batch` did.
+#[derive(Debug, Default, Clone)]
+pub struct TrainStats {
+    /// Mean RLVR loss over micro-batches.
+    pub loss_rlvr: f64,
+    /// Mean hint loss.
+    pub loss_hint: f64,
+    /// Mean replay loss (DPO + token KL, weighted).
+    pub loss_replay: f64,
+    /// Mean DPO part.
+    pub loss_dpo: f64,
+    /// Mean token-KL part.
+    pub loss_teacher_kl: f64,
+    /// Mismatch KL (k3, trainer vs sampler) / RLVR's KL.
+    pub kl: f64,
+    /// Mean token entropy.
+    pub entropy: f64,
+    /// Clip fractions.
+    pub clip_low: f64,
+    /// Clip fractions.
+    pub clip_high: f64,
+    /// Last pre-clip gradient norm.
+    pub grad_norm: f64,
+    /// Last learning rate.
+    pub lr: f64,
+    /// Optimizer steps taken.
+    pub updates: usize,
+    /// A non-finite loss or gradient made this step skip its updates.
+    pub non_finite: bool,
+    /// Samples that received a hint.
+    pub hinted: usize,
+    /// DPO pairs.
+    pub dpo_pairs: usize,
+}
+
+/// Supervised warm-up: cross-entropy on completion tokens (+ EOS) only, constant lr, its own
+/// AdamW. Returns the last step's loss.
+pub fn warmup(s: &mut Session, w: &crate::recipe::WarmupSection) -> Result<f64> {
+    let rows: Vec<SftRow> = match &w.dataset {
+        Some(p) => data::load_sft(p, &|m: &[data::Message]| {
+            render_messages(s.chat_template.as_ref(), m)
+        })?,
+        None => s
+            .train_rows
+            .iter()
+            .map(|r| SftRow {
+                prompt: r.prompt.clone(),
+                completion: r.answer.clone(),
+            })
+            .collect(),
+    };
+    let seed = s.recipe.train.seed;
+    let mut opt = AdamW::new(s.opt.vars.clone(), s.opt.params)?;
+    let tmpl = &s.recipe.loss.hint.template;
+    let mut last = f64::NAN;
+    for step in 0..w.steps {
+        let mut pairs_owned = Vec::with_capacity(w.batch_size);
+        for i in 0..w.batch_size {
+            let r = mix_seed(seed, 2_000_000_000 + step as u64, i as u64);
+            let row = &rows[(r % rows.len() as u64) as usize];
+            // A fraction of generated examples is shown in the hint format so the model learns
+            // to read a hint (the hinted teacher of the hint channel).
+            let hinted =
+                w.dataset.is_none() && ((r >> 32) as f64 / u32::MAX as f64) < w.hint_fraction;
+            let prompt = if hinted {
+                tmpl.reprompt
+                    .replace(
+                        "{solution}",
+                        &tmpl
+                            .solution
+                            .replace("{successful_previous_attempt}", &row.completion),
+                    )
+                    .replace("{feedback}", "")
+                    .replace("{prompt}", &row.prompt)
+            } else {
+                row.prompt.clone()
+            };
+            let p = chartok::encode(&s.tok, &prompt)?;
+            let mut c = chartok::encode(&s.tok, &row.completion)?;
+            c.push(s.eos);
+            pairs_owned.push((p, c));
+        }
+        let pairs: Vec<(&[u32], &[u32])> = pairs_owned
+            .iter()
+            .map(|(p, c)| (p.as_slice(), c.as_slice()))
+            .collect();
+        let tb = batch::token_batch(&pairs, s.eos, s.model.device())?;
+        let (lp, _) = batch::token_logprobs(&s.model, &tb, 1.0)?;
+        let loss = batch::masked_mean(&lp.neg()?, &tb.mask)?;
+        last = scalar(&loss)?;
+        let mut grads = collect_grads(&opt, &loss)?;
+        let names: Vec<String> = opt.vars.iter().map(|(n, _)| n.clone()).collect();
+        let norm = optim::grad_norm(&names, &grads)?;
+        if !last.is_finite() || !norm.is_finite() {
+            continue;
+        }
+        optim::clip_grads(&mut grads, norm, s.recipe.optimizer.max_grad_norm)?;
+        opt.step(&grads, w.lr)?;
+    }
+    Ok(last)
+}
+
+fn collect_grads(opt: &AdamW, loss: &Tensor) -> Result<HashMap<String, Tensor>> {
+    let store = loss.backward()?;
+    let mut out = HashMap::new();
+    for (name, var) in &opt.vars {
+        if let Some(g) = store.get(var.as_tensor()) {
+            out.insert(name.clone(), g.clone());
+        }
+    }
+    Ok(out)
+}
+
+/// μ passes over the batch; each pass splits it into `mini_batches` optimizer steps (by prompt
+/// group), each accumulating gradients over `gradient_accumulation_steps` micro-batches.
+pub fn train_on_batch(
+    s: &mut Session,
+    step: usize,
+    batch: &RolloutBatch,
+    rewards: &Rewards,
+    advantages: &[f64],
+    inject_nan: bool,
+) -> Result<TrainStats> {
+    let g = s.recipe.rollout.num_generations;
+    let n_groups = batch.prompts.len();
+    let tr = s.recipe.train.clone();
+    s.ensure_reference()?;
+
+    // Hint prompts: for each sample, the teacher prompt with a successful peer's completion.
+    let mut hint_ids: Vec<Option<Vec<u32>>> = vec![None; batch.samples.len()];
+    if s.recipe.loss.hint_weight > 0.0 {
+        for gi in 0..n_groups {
+            // Env rollouts: the prompt the student saw and the env's feedback (e.g. the
+            // failing test); otherwise the `[data]` prompt row, without feedback.
+            let env_group = s
+                .env_rollout
+                .as_ref()
+                .and_then(|e| e.hint_group(batch, rewards, gi, g));
+            let group: Vec<RolloutForHint> = match env_group {
+                Some(group) => group,
+                None => {
+                    let prompt_text = &s.train_rows[batch.prompts[gi]].prompt;
+                    (gi * g..(gi + 1) * g)
+                        .map(|i| RolloutForHint {
+                            prompt_text: prompt_text.clone(),
+                            completion_text: batch.texts[i].clone(),
+                            reward: rewards.total[i],
+                            passed: rewards.passed[i],
+                            feedback: None,
+                        })
+                        .collect()
+                }
+            };
+            for (k, hp) in build_hint_prompts(&group, &s.recipe.loss.hint.template)
+                .into_iter()
+                .enumerate()
+            {
+                let i = gi * g + k;
+                if s.recipe.loss.hint.only_failed && rewards.passed[i] {
+                    continue;
+                }
+                if let Some(text) = hp {
+                    hint_ids[i] = Some(chartok::encode(&s.tok, &text)?);
+                }
+            }
+        }
+    }
+
+    // Mini-batches and micro-batches as lists of sample indices (whole groups).
+    let groups_per_mb = n_groups.div_ceil(tr.mini_batches);
+    let mini: Vec<Vec<Vec<usize>>> = (0..n_groups)
+        .collect::<Vec<_>>()
+        .chunks(groups_per_mb.max(1))
+        .map(|gs| {
+            let per_micro = gs.len().div_ceil(tr.gradient_accumulation_steps).max(1);
+            gs.chunks(per_micro)
+                .map(|c| c.iter().flat_map(|&gi| gi * g..(gi + 1) * g).collect())
+                .collect()
+        })
+        .collect();
+
+    // Old log-probs (and DPO reference) recomputed once before the first update when μ > 1;
+    // with μ = 1 the detached current values are used (ratio 1 at the single update).
+    let mut frozen: Vec<Vec<Frozen>> = Vec::new();
+    for mb in &mini {
+        let mut v = Vec::new();
+        for micro in mb {
+            let old_logprobs = if tr.num_iterations > 1 {
+                micro_loss(
+                    s, micro, batch, rewards, advantages, &hint_ids, None, true, None,
+                )?
+                .1
+            } else {
+                None
+            };
+            v.push(Frozen { old_logprobs });
+        }
+        frozen.push(v);
+    }
+
+    let names: Vec<String> = s.opt.vars.iter().map(|(n, _)| n.clone()).collect();
+    let mut stats = TrainStats::default();
+    let mut n_micro = 0f64;
+    let total_updates = tr.steps * tr.num_iterations * tr.mini_batches;
+    for _pass in 0..tr.num_iterations {
+        for (mb_i, mb) in mini.iter().enumerate() {
+            let mut grads: HashMap<String, Tensor> = HashMap::new();
+            let mut finite = true;
+            let scale = optimizer_step_scale(s, batch, mb);
+            for (mi, micro) in mb.iter().enumerate() {
+                let fz = &frozen[mb_i][mi];
+                let (out, _) = micro_loss(
+                    s,
+                    micro,
+                    batch,
+                    rewards,
+                    advantages,
+                    &hint_ids,
+                    Some(fz),
+                    false,
+                    Some(&scale),
+                )?;
+                let Some(out) = out else { continue };
+                let loss = if inject_nan {
+                    (&out.loss * f64::NAN)?
+                } else {
+                    out.loss.clone()
+                };
+                let value = scalar(&loss)?;
+                stats.loss_rlvr += out.rlvr;
+                stats.loss_hint += out.hint;
+                stats.loss_replay += out.replay;
+                stats.loss_dpo += out.dpo;
+                stats.loss_teacher_kl += out.teacher_kl;
+                stats.kl += out.kl;
+                stats.entropy += out.entropy;
+                stats.clip_low += out.clip_low;
+                stats.clip_high += out.clip_high;
+                stats.hinted += out.hinted;
+                stats.dpo_pairs += out.dpo_pairs;
+                n_micro += 1.0;
+                if !value.is_finite() {
+                    finite = false;
+                    continue;
+                }
+                for (k, gk) in collect_grads(&s.opt, &loss)? {
+                    let acc = match grads.remove(&k) {
+                        Some(a) => (a + gk)?,
+                        None => gk,
+                    };
+                    grads.insert(k, acc);
+                }
+            }
+            let norm = optim::grad_norm(&names, &grads)?;
+            stats.grad_norm = norm;
+            if !finite || !norm.is_finite() {
+                stats.non_finite = true;
+                continue;
+            }
+            optim::clip_grads(&mut grads, norm, s.recipe.optimizer.max_grad_norm)?;
+            let o = &s.recipe.optimizer;
+            let lr = optim::lr_at(
+                o.lr,
+                s.opt.step as usize,
+                o.warmup_steps,
+                total_updates,
+                o.schedule == "cosine",
+            );
+            stats.lr = lr;
+            s.opt.step(&grads, lr)?;
+            stats.updates += 1;
+        }
+    }
+    if n_micro > 0.0 {
+        for x in [
+            &mut stats.loss_rlvr,
+            &mut stats.loss_hint,
+            &mut stats.loss_replay,
+            &mut stats.loss_dpo,
+            &mut stats.loss_teacher_kl,
+            &mut stats.kl,
+            &mut stats.entropy,
+            &mut stats.clip_low,
+            &mut stats.clip_high,
+        ] {
+            *x /= n_micro;
+        }
+        stats.hinted /= tr.num_iterations;
+        stats.dpo_pairs /= tr.num_iterations;
+    }
+    if stats.updates > 0 {
+        s.sync_reference(step)?;
+    }
+    Ok(stats)
+}
+
+/// The RLVR normaliser of one optimizer step made of the micro-batches `micro` (lists of
+/// sample indices): active completion tokens and sequences over all of them, counted as
+/// `LossScale::from_micro_batches` counts them (truncated samples excluded when
+/// `mask_truncated_completions`, observation tokens excluded by `loss_mask`). With it the
+/// summed micro-batch losses equal the loss of the step's whole batch (DAPO, CISPO, DPPO...).
+fn optimizer_step_scale(s: &Session, batch: &RolloutBatch, micro: &[Vec<usize>]) -> LossScale {
+    let mask_truncated = s.recipe.loss.rlvr.mask_truncated_completions;
+    let (mut tokens, mut sequences) = (0.0, 0.0);
+    for &i in micro.iter().flatten() {
+        let smp = &batch.samples[i];
+        let active = if mask_truncated && smp.truncated {
+            0
+        } else {
+            match &smp.loss_mask {
+                Some(mask) => mask.iter().filter(|&&m| m != 0).count(),
+                None => smp.completion_ids.len(),
+            }
+        };
+        tokens += active as f64;
+        if active > 0 {
+            sequences += 1.0;
+        }
+    }
+    LossScale {
+        global_active_tokens: tokens,
+        global_sequences: sequences,
+        num_micro_batches: micro.len().max(1) as f64,
+    }
+}
