@@ -10,7 +10,7 @@ use crate::actor::{
 };
 use crate::cancel::CancelToken;
 use crate::queue::{BoundedQueue, PopError, PushError};
-use crate::record::{IdleTimes, RunEnd, RunSummary, StalenessStats, StepRecord, StepWalls};
+use crate::record::{ControllerSummary, IdleTimes, RunEnd, StalenessStats, StepRecord, StepWalls};
 use crate::version::{PolicyVersion, Versioned};
 use crate::weights::PublishedWeights;
 
@@ -348,7 +348,7 @@ impl<W: Send + Sync> Controller<W> {
         rewarder: &mut R,
         trainer: &mut T,
         hooks: &mut H,
-    ) -> Result<RunSummary, ControllerError>
+    ) -> Result<ControllerSummary, ControllerError>
     where
         G: Generator<W>,
         R: Rewarder<G::Item>,
@@ -356,7 +356,7 @@ impl<W: Send + Sync> Controller<W> {
         H: Hooks<T, T::Report>,
     {
         let started = Instant::now();
-        let mut summary = RunSummary {
+        let mut summary = ControllerSummary {
             steps: 0,
             policy_version: self.weights.policy_version(),
             consumed: 0,
@@ -409,7 +409,7 @@ impl<W: Send + Sync> Controller<W> {
         input: StepInput<T::Scored>,
         idle: Option<(f64, f64, f64)>,
         step_started: Instant,
-        summary: &mut RunSummary,
+        summary: &mut ControllerSummary,
     ) -> Result<(), ControllerError>
     where
         T: Trainer<W>,
@@ -480,7 +480,7 @@ impl<W: Send + Sync> Controller<W> {
         rewarder: &mut R,
         trainer: &mut T,
         hooks: &mut H,
-        summary: &mut RunSummary,
+        summary: &mut ControllerSummary,
     ) -> Result<(), ControllerError>
     where
         G: Generator<W>,
@@ -489,7 +489,7 @@ impl<W: Send + Sync> Controller<W> {
         H: Hooks<T, T::Report>,
     {
         let mut batch_index = 0u64;
-        let cancelled = |summary: &RunSummary| ControllerError::Cancelled {
+        let cancelled = |summary: &ControllerSummary| ControllerError::Cancelled {
             steps_done: summary.steps,
         };
         for step in 0..self.config.steps {
@@ -567,7 +567,7 @@ impl<W: Send + Sync> Controller<W> {
         hooks: &mut H,
         bound: u64,
         queue_capacity: usize,
-        summary: &mut RunSummary,
+        summary: &mut ControllerSummary,
     ) -> Result<(), ControllerError>
     where
         G: Generator<W>,
@@ -651,7 +651,7 @@ impl<W: Send + Sync> Controller<W> {
         shared: &Shared<'_, W>,
         scored: &BoundedQueue<Envelope<T::Scored>>,
         bound: u64,
-        summary: &mut RunSummary,
+        summary: &mut ControllerSummary,
     ) -> Result<(), ControllerError>
     where
         T: Trainer<W>,

@@ -63,6 +63,6 @@ pub use actor::{
 };
 pub use cancel::CancelToken;
 pub use controller::{Controller, ControllerConfig, ControllerError, Hooks, Mode, NoHooks};
-pub use record::{IdleTimes, RunEnd, RunSummary, StalenessStats, StepRecord, StepWalls};
+pub use record::{ControllerSummary, IdleTimes, RunEnd, StalenessStats, StepRecord, StepWalls};
 pub use version::{PolicyVersion, VersionSegment, VersionSegments, Versioned};
 pub use weights::{Published, PublishedWeights};

@@ -165,7 +165,7 @@ pub enum RunEnd {
 
 /// What a finished run returns.
 #[derive(Debug, Clone, PartialEq)]
-pub struct RunSummary {
+pub struct ControllerSummary {
     /// Steps completed (trained and published).
     pub steps: u64,
     /// The last published version.

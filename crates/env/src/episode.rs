@@ -19,7 +19,7 @@ use crate::schema::{required_string_fields, validate_action};
 /// Why a model turn stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum FinishReason {
+pub enum TurnEnd {
     /// End-of-sequence token or stop sequence.
     Stop,
     /// The per-turn token limit (or the episode's token budget).
@@ -36,7 +36,7 @@ pub struct TurnOutput {
     /// Version of the policy weights that sampled this turn.
     pub policy_version: u64,
     /// Why generation stopped.
-    pub finish_reason: FinishReason,
+    pub finish_reason: TurnEnd,
 }
 
 /// The model side of an episode (the trainer implements it with the real model).
@@ -106,7 +106,7 @@ pub struct Turn {
     /// The model's text (decoded from its tokens, for parsing and logs only).
     pub action_text: String,
     /// Why the model's turn stopped.
-    pub finish_reason: FinishReason,
+    pub finish_reason: TurnEnd,
     /// Policy version that sampled the turn.
     pub policy_version: u64,
     /// The parsed action (None when it could not be parsed).
@@ -313,7 +313,7 @@ pub async fn run_episode<P: TurnPolicy + ?Sized>(
             model_tokens,
             action_text,
             finish_reason: if over_budget {
-                FinishReason::Length
+                TurnEnd::Length
             } else {
                 out.finish_reason
             },

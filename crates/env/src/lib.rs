@@ -29,7 +29,7 @@ pub use env::{
     StepResult,
 };
 pub use episode::{
-    parse_action, run_episode, Episode, EpisodeConfig, EpisodeEnd, FinishReason, Turn, TurnOutput,
+    parse_action, run_episode, Episode, EpisodeConfig, EpisodeEnd, Turn, TurnEnd, TurnOutput,
     TurnPolicy,
 };
 pub use pool::{

@@ -21,8 +21,8 @@ use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
 use composer_env::{
     builtin_env_factory, CodeEnv, CodeEnvConfig, EnvPool, Episode, EpisodeConfig, EpisodeEnd,
-    FinishReason, OpenEnvClient, OpenEnvClientConfig, PoolConfig, PoolStats, ResetOptions,
-    TurnOutput, TurnPolicy,
+    OpenEnvClient, OpenEnvClientConfig, PoolConfig, PoolStats, ResetOptions, TurnEnd, TurnOutput,
+    TurnPolicy,
 };
 use tokenizers::Tokenizer;
 
@@ -185,9 +185,9 @@ impl TurnPolicy for ModelTurnPolicy<'_> {
         self.generate_s += t0.elapsed().as_secs_f64();
         Ok(TurnOutput {
             finish_reason: if sample.truncated {
-                FinishReason::Length
+                TurnEnd::Length
             } else {
-                FinishReason::Stop
+                TurnEnd::Stop
             },
             token_ids: sample.completion_ids,
             sampler_logprobs: sample.sampler_logprobs,
@@ -508,7 +508,7 @@ impl EnvRollout {
                 prompt_ids: ep.token_ids[..p].to_vec(),
                 completion_ids: ep.token_ids[p..].to_vec(),
                 sampler_logprobs: ep.sampler_logprobs[p..].to_vec(),
-                truncated: last.is_some_and(|t| t.finish_reason == FinishReason::Length),
+                truncated: last.is_some_and(|t| t.finish_reason == TurnEnd::Length),
                 policy_version: s.state.policy_version,
                 loss_mask: Some(ep.loss_mask[p..].to_vec()),
             });

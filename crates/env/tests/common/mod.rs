@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use composer_env::{FinishReason, TurnOutput, TurnPolicy};
+use composer_env::{TurnEnd, TurnOutput, TurnPolicy};
 
 /// Reads a service variable. Unset: fails when `CI` is set, else prints a loud SKIPPED line.
 pub fn service_var(name: &str, test: &str) -> Option<String> {
@@ -89,7 +89,7 @@ impl TurnPolicy for ScriptedPolicy {
             sampler_logprobs: (0..ids.len()).map(Self::logprob).collect(),
             token_ids: ids,
             policy_version: 7,
-            finish_reason: FinishReason::Stop,
+            finish_reason: TurnEnd::Stop,
         })
     }
 
