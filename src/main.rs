@@ -156,9 +156,12 @@ struct RecordTracesArgs {
     temperature: f64,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Verifier scoring completions against `answer`: exact | numeric.
+    /// Verifier scoring completions against `answer`: exact | numeric | regex.
     #[arg(long, default_value = "numeric")]
     verifier: String,
+    /// The regex verifier's pattern (`{answer}` is replaced by the escaped answer).
+    #[arg(long)]
+    verifier_pattern: Option<String>,
     #[arg(long, default_value = "cpu")]
     device: String,
 }
@@ -417,6 +420,7 @@ fn run(cli: Cli) -> Result<()> {
                     temperature: a.temperature,
                     seed: a.seed,
                     verifier: a.verifier,
+                    verifier_pattern: a.verifier_pattern,
                     device: a.device,
                 },
             )?;

@@ -122,7 +122,10 @@ fn run(
     gen: &mut Gen,
     rew: &mut Rew,
     train_delay: Duration,
-) -> (Result<composer_actors::ControllerSummary, ControllerError>, Log) {
+) -> (
+    Result<composer_actors::ControllerSummary, ControllerError>,
+    Log,
+) {
     let mut controller = Controller::new(ControllerConfig::new(mode, steps), 0, Arc::new(0u64));
     let mut trainer = Train {
         version: 0,

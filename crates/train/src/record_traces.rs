@@ -35,6 +35,8 @@ pub struct RecordTracesOptions {
     pub seed: u64,
     /// Verifier kind scoring the completions against the rows' answers.
     pub verifier: String,
+    /// The `regex` verifier's pattern (`{answer}` is replaced by the escaped answer).
+    pub verifier_pattern: Option<String>,
     /// Device string.
     pub device: String,
 }
@@ -60,7 +62,7 @@ pub fn record_traces(o: &RecordTracesOptions) -> Result<RecordSummary> {
     let reward = RewardFn::from_specs(&[VerifierSpec {
         kind: o.verifier.clone(),
         weight: 1.0,
-        pattern: None,
+        pattern: o.verifier_pattern.clone(),
     }])
     .context("--verifier")?;
     let max = reward.max_reward();

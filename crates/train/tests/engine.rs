@@ -263,6 +263,7 @@ fn record_traces_writes_the_trace_store_format() {
         temperature: 1.0,
         seed: 1,
         verifier: "numeric".into(),
+        verifier_pattern: None,
         device: "cpu".into(),
     })
     .unwrap();
