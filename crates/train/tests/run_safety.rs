@@ -74,6 +74,9 @@ fn error_of(what: &str, f: impl FnOnce() -> anyhow::Result<RunOutcome>) -> Strin
     }
 }
 
+/// Damages a checkpoint directory.
+type Corruption<'a> = &'a dyn Fn(&Path);
+
 fn copy_dir(src: &Path, dst: &Path) {
     std::fs::create_dir_all(dst).unwrap();
     for e in std::fs::read_dir(src).unwrap() {
@@ -160,7 +163,7 @@ fn resume_checks_the_recipe_argument_and_survives_corrupted_checkpoints() {
     resume(&run, Some(&commented)).unwrap();
 
     // Item 4: corrupted checkpoint files are errors naming the file.
-    let cases: [(&str, &dyn Fn(&Path)); 3] = [
+    let cases: [(&str, Corruption); 3] = [
         ("model.safetensors", &|ck: &Path| {
             let p = ck.join("model.safetensors");
             let bytes = std::fs::read(&p).unwrap();
