@@ -68,6 +68,10 @@ struct TrainArgs {
     /// Override `[output] run_dir`.
     #[arg(long, value_name = "DIR")]
     run_dir: Option<PathBuf>,
+    /// Start a fresh run even if the run directory already holds one (its metrics and
+    /// checkpoint are replaced).
+    #[arg(long, conflicts_with = "resume")]
+    overwrite: bool,
     /// Override `[train] steps`.
     #[arg(long)]
     steps: Option<usize>,
@@ -365,6 +369,7 @@ fn run(cli: Cli) -> Result<()> {
                 quiet: a.quiet,
                 run_dir_override: a.run_dir,
                 max_steps_override: a.steps,
+                overwrite: a.overwrite,
             })?;
             println!(
                 "run {}: {} steps, final greedy accuracy {}, {:.1} s",

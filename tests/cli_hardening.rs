@@ -109,3 +109,26 @@ fn logs_to_a_pipe_carry_no_ansi_escapes() {
     assert!(!err.contains('\u{1b}'), "ANSI escape in piped log: {err:?}");
     assert!(!String::from_utf8_lossy(&out.stdout).contains('\u{1b}'));
 }
+
+#[test]
+fn train_into_a_used_run_dir_is_refused_unless_overwrite() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    std::fs::write(run.join("metrics.jsonl"), "{\"step\":1}\n").unwrap();
+    let run_s = run.to_str().unwrap();
+    let out = composer_rl(&["train", "--quiet", "--run-dir", run_s, "--steps", "0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains(run_s) && err.contains("--resume") && err.contains("--overwrite"),
+        "{err}"
+    );
+    let out = composer_rl(&["train", "--overwrite", "--resume", run_s]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--overwrite"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

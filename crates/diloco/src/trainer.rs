@@ -152,6 +152,7 @@ pub fn run_replica(opts: &ReplicaOptions) -> Result<ReplicaOutcome> {
         quiet: opts.quiet,
         run_dir_override: Some(run_dir.clone()),
         max_steps_override: opts.max_steps_override,
+        overwrite: false,
     })?;
     std::fs::write(run_dir.join("recipe.toml"), &text)
         .with_context(|| format!("writing {}", run_dir.join("recipe.toml").display()))?;

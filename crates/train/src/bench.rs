@@ -96,6 +96,8 @@ pub fn bench_channels(opts: &BenchOptions) -> Result<(Vec<BenchRow>, String)> {
                 quiet: true,
                 run_dir_override: Some(dir),
                 max_steps_override: None,
+                // A benchmark re-run replaces its arms' earlier runs.
+                overwrite: true,
             })?;
             rows.push(BenchRow {
                 arm: name.into(),
@@ -225,6 +227,7 @@ pub fn bench_async(opts: &AsyncBenchOptions) -> Result<String> {
             quiet: true,
             run_dir_override: Some(run_dir.clone()),
             max_steps_override: None,
+            overwrite: true,
         })?;
         let lines = composer_telemetry::read_metrics(&run_dir.join("metrics.jsonl"))?;
         let train: Vec<_> = lines

@@ -100,16 +100,26 @@ fn sync_dir(dir: &Path) -> Result<()> {
         .with_context(|| format!("syncing directory {}", dir.display()))
 }
 
-/// Write a checkpoint atomically into `run_dir/checkpoint`.
+/// Write a checkpoint atomically into `run_dir/checkpoint`. On a failed write (disk full...)
+/// the last good checkpoint is untouched and the partial `checkpoint.tmp` is removed, so it
+/// does not keep the disk full.
 pub fn save_checkpoint(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf> {
-    let final_dir = run_dir.join("checkpoint");
     let tmp = run_dir.join("checkpoint.tmp");
-    let old = run_dir.join("checkpoint.old");
+    let written = write_checkpoint_tmp(&tmp, data);
+    if written.is_err() && tmp.exists() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    written?;
+    publish_checkpoint(run_dir, &tmp)
+}
+
+/// Writes every file of the checkpoint into `tmp` and syncs them.
+fn write_checkpoint_tmp(tmp: &Path, data: &CheckpointData) -> Result<()> {
     if tmp.exists() {
-        std::fs::remove_dir_all(&tmp)
+        std::fs::remove_dir_all(tmp)
             .with_context(|| format!("removing stale {}", tmp.display()))?;
     }
-    std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    std::fs::create_dir_all(tmp).with_context(|| format!("creating {}", tmp.display()))?;
     let st = |t: &HashMap<String, Tensor>| -> Result<Vec<u8>> {
         let mut sorted: Vec<(&String, &Tensor)> = t.iter().collect();
         sorted.sort_by(|a, b| a.0.cmp(b.0));
@@ -134,7 +144,7 @@ pub fn save_checkpoint(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf>
         std::process::abort();
     }
     match data.source_dir {
-        Some(src) => copy_model_files(src, &tmp, &data.config)?,
+        Some(src) => copy_model_files(src, tmp, &data.config)?,
         None => {
             write_synced(
                 &tmp.join("config.json"),
@@ -165,7 +175,14 @@ pub fn save_checkpoint(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf>
         serde_json::to_string_pretty(data.state)?.as_bytes(),
     )?;
     write_synced(&tmp.join("recipe.toml"), data.recipe_text.as_bytes())?;
-    sync_dir(&tmp)?;
+    sync_dir(tmp)
+}
+
+/// Swaps the complete `tmp` in as `run_dir/checkpoint` (the previous one as
+/// `checkpoint.old` until the swap is durable).
+fn publish_checkpoint(run_dir: &Path, tmp: &Path) -> Result<PathBuf> {
+    let final_dir = run_dir.join("checkpoint");
+    let old = run_dir.join("checkpoint.old");
     if old.exists() {
         std::fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
     }
@@ -173,7 +190,7 @@ pub fn save_checkpoint(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf>
         std::fs::rename(&final_dir, &old)
             .with_context(|| format!("moving {} aside", final_dir.display()))?;
     }
-    std::fs::rename(&tmp, &final_dir)
+    std::fs::rename(tmp, &final_dir)
         .with_context(|| format!("renaming into {}", final_dir.display()))?;
     sync_dir(run_dir)?;
     if old.exists() {

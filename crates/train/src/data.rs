@@ -81,6 +81,14 @@ fn read_rows(path: &Path) -> Result<Vec<(usize, RawRow)>> {
 
 /// Load RL prompts: each row needs `prompt` or `messages`, and `answer` (string or number).
 pub fn load_prompts(path: &Path, chat: ChatRenderer) -> Result<Vec<PromptRow>> {
+    Ok(load_prompts_with_lines(path, chat)?
+        .into_iter()
+        .map(|(_, r)| r)
+        .collect())
+}
+
+/// [`load_prompts`], each row with its 1-based line in the file.
+pub fn load_prompts_with_lines(path: &Path, chat: ChatRenderer) -> Result<Vec<(usize, PromptRow)>> {
     let mut out = Vec::new();
     for (line, row) in read_rows(path)? {
         let at = || format!("{} line {line}", path.display());
@@ -98,7 +106,7 @@ pub fn load_prompts(path: &Path, chat: ChatRenderer) -> Result<Vec<PromptRow>> {
             Some(_) => bail!("{}: `answer` must be a string or a number", at()),
             None => bail!("{}: missing `answer`", at()),
         };
-        out.push(PromptRow { prompt, answer });
+        out.push((line, PromptRow { prompt, answer }));
     }
     Ok(out)
 }

@@ -351,6 +351,7 @@ impl EnvRollout {
         let mut pool = EnvPool::new(PoolConfig {
             call_timeout: Duration::from_secs_f64(section.call_timeout_s),
             episode_timeout: Duration::from_secs_f64(section.episode_timeout_s),
+            server_down_budget: Duration::from_secs_f64(section.server_down_budget_s),
             ..Default::default()
         });
         for (name, factory) in servers {

@@ -21,6 +21,7 @@ pub mod record_traces;
 pub mod replay;
 pub mod rewards;
 pub mod rollout;
+pub mod run_dir;
 pub mod sampling;
 pub mod session;
 pub mod step_loss;

@@ -113,6 +113,11 @@ pub struct EnvSection {
     /// Limit of one connection attempt to an OpenEnv server, seconds.
     #[serde(default = "d_env_connect_timeout")]
     pub connect_timeout_s: f64,
+    /// How long a server may fail every connection without one success before the pool gives
+    /// it up, seconds; when every server is given up the run stops with an error
+    /// (composer-env's `PoolConfig::server_down_budget`).
+    #[serde(default = "d_env_server_down_budget")]
+    pub server_down_budget_s: f64,
     /// Retries of a failed episode (server error, restart...) before its sample is replaced
     /// by a zero-advantage copy of a peer.
     #[serde(default = "d_env_retries")]
@@ -145,6 +150,9 @@ fn d_env_episode_timeout() -> f64 {
 }
 fn d_env_connect_timeout() -> f64 {
     10.0
+}
+fn d_env_server_down_budget() -> f64 {
+    60.0
 }
 fn d_env_retries() -> usize {
     1
@@ -199,6 +207,14 @@ pub struct DataSection {
     /// Rewards, summed with their weights. Default: numeric match, weight 1.
     #[serde(default = "d_verifiers")]
     pub verifiers: Vec<VerifierSpec>,
+    /// A prompt that leaves no room in the model's context: `"error"` (default; the run stops
+    /// before training, naming the file and line) or `"skip"` (the row is dropped and counted).
+    #[serde(default = "d_overlong_prompts")]
+    pub overlong_prompts: String,
+}
+
+fn d_overlong_prompts() -> String {
+    "error".into()
 }
 
 /// The built-in arithmetic task: `"37+58="` → `"95"`.
@@ -933,6 +949,11 @@ fn validate(r: &Recipe) -> Result<()> {
         Ok(())
     };
     one_of(
+        "[data] overlong_prompts",
+        &r.data.overlong_prompts,
+        &["error", "skip"],
+    )?;
+    one_of(
         "[optimizer] schedule",
         &r.optimizer.schedule,
         &["constant", "cosine"],
@@ -1036,6 +1057,7 @@ fn validate_env(e: &EnvSection, r: &Recipe) -> Result<()> {
         ("call_timeout_s", e.call_timeout_s),
         ("episode_timeout_s", e.episode_timeout_s),
         ("connect_timeout_s", e.connect_timeout_s),
+        ("server_down_budget_s", e.server_down_budget_s),
     ] {
         if !(v > 0.0) || !v.is_finite() {
             bail!("key `[env] {key}`: must be a positive number of seconds, got {v}");

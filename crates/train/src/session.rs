@@ -64,6 +64,8 @@ pub struct Session {
     pub state: TrainerState,
     /// `[env]` rollouts (an env pool), when the recipe has an `[env]` section.
     pub env_rollout: Option<crate::env_rollout::EnvRollout>,
+    /// This process's lock of the run directory, held as long as the session lives.
+    pub run_lock: crate::run_dir::RunDirLock,
 }
 
 impl Session {
@@ -156,6 +158,70 @@ pub fn chatml_template() -> ChatTemplate {
     }
 }
 
+/// Checks each prompt's token ids against the model's vocabulary (an error naming `at[i]`)
+/// and its length against the context `ctx`: an overlong prompt is an error naming `at[i]`,
+/// or with `skip` is dropped; returns the kept rows and the number dropped.
+fn screen_prompts(
+    rows: Vec<PromptRow>,
+    at: &[String],
+    tok: &Tokenizer,
+    vocab: usize,
+    ctx: usize,
+    skip: bool,
+) -> Result<(Vec<PromptRow>, usize)> {
+    let mut kept = Vec::with_capacity(rows.len());
+    let mut skipped = 0;
+    for (r, at) in rows.into_iter().zip(at) {
+        let ids = chartok::encode(tok, &r.prompt).with_context(|| format!("{at}: tokenizing"))?;
+        if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            bail!(
+                "{at}: the prompt has token id {id}, outside the model's vocabulary of {vocab} \
+                 (the tokenizer is larger than the model's embedding)"
+            );
+        }
+        if ids.len() >= ctx {
+            if skip {
+                skipped += 1;
+                continue;
+            }
+            bail!(
+                "{at}: the prompt is {} tokens, leaving no room in the model's context of {ctx} \
+                 tokens (max_position_embeddings); shorten it, or set `[data] overlong_prompts = \
+                 \"skip\"` to drop such rows",
+                ids.len()
+            );
+        }
+        kept.push(r);
+    }
+    Ok((kept, skipped))
+}
+
+/// With `--resume`, a recipe argument must be the run's own recipe (byte-equal, or equal once
+/// parsed): refuses otherwise, naming both files.
+fn check_resume_recipe(given: &Path, stored_text: &str, stored: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(given)
+        .with_context(|| format!("reading recipe {}", given.display()))?;
+    if text == stored_text {
+        return Ok(());
+    }
+    let same = match (
+        recipe::parse_recipe(&text, given),
+        recipe::parse_recipe(stored_text, stored),
+    ) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    if !same {
+        bail!(
+            "recipe {} differs from the resumed run's recipe {}; a resumed run continues with its \
+             own recipe: drop the recipe argument, or start a new run with it",
+            given.display(),
+            stored.display()
+        );
+    }
+    Ok(())
+}
+
 /// Load or build everything; on `resume`, restore weights, optimizer, reference and counters.
 pub fn open_session(opts: &TrainOptions) -> Result<Session> {
     // A resumed run's recipe is the one in its checkpoint; its optimizer state is read on
@@ -167,6 +233,9 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
         )?),
         None => None,
     };
+    if let (Some(c), Some(p)) = (&resume_ckpt, &opts.recipe_path) {
+        check_resume_recipe(p, &c.recipe_text, &c.dir.join("recipe.toml"))?;
+    }
     let (recipe_text, origin) = match (&resume_ckpt, &opts.recipe_path) {
         (Some(c), _) => (c.recipe_text.clone(), c.dir.join("recipe.toml")),
         (None, Some(p)) => (
@@ -197,8 +266,7 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
         (None, Some(d)) => d.clone(),
         (None, None) => recipe.output.run_dir.clone(),
     };
-    std::fs::create_dir_all(&run_dir)
-        .with_context(|| format!("creating run dir {}", run_dir.display()))?;
+    let run_lock = crate::run_dir::claim(&run_dir, opts.resume.is_some(), opts.overwrite)?;
     let seed = recipe.train.seed;
 
     // An HF checkpoint's tokenizer and chat template come first: `messages` rows are
@@ -223,15 +291,27 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
     };
     let render = |m: &[Message]| render_messages(chat_template.as_ref(), m);
 
-    // Data.
+    // Data, each row with where it came from (for errors naming the file and line).
     let (train_rows, eval_rows) = match (&recipe.data.task, &recipe.data.dataset) {
         (Some(_), _) => {
-            task::arithmetic_split(&recipe.data.arithmetic, recipe.data.eval_size, seed)
+            let (train, eval) =
+                task::arithmetic_split(&recipe.data.arithmetic, recipe.data.eval_size, seed);
+            let at = |(i, r): (usize, PromptRow)| (format!("`[data] task` row {}", i + 1), r);
+            (
+                train.into_iter().enumerate().map(at).collect(),
+                eval.into_iter().enumerate().map(at).collect(),
+            )
         }
         (None, Some(path)) => {
-            let rows = data::load_prompts(path, &render)?;
+            let load = |p: &Path| -> Result<Vec<(String, PromptRow)>> {
+                Ok(data::load_prompts_with_lines(p, &render)?
+                    .into_iter()
+                    .map(|(l, r)| (format!("{} line {l}", p.display()), r))
+                    .collect())
+            };
+            let rows = load(path)?;
             match &recipe.data.eval_dataset {
-                Some(e) => (rows, data::load_prompts(e, &render)?),
+                Some(e) => (rows, load(e)?),
                 None => {
                     let n_eval = recipe.data.eval_size.min(rows.len() / 2);
                     let mut rows = rows;
@@ -242,6 +322,8 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
         }
         (None, None) => bail!("key `[data]`: no task and no dataset"),
     };
+    let (train_at, train_rows): (Vec<String>, Vec<PromptRow>) = train_rows.into_iter().unzip();
+    let (eval_at, eval_rows): (Vec<String>, Vec<PromptRow>) = eval_rows.into_iter().unzip();
     if train_rows.is_empty() {
         bail!("[data]: no training prompts");
     }
@@ -296,7 +378,9 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
             let cfg = tiny.model_config(tok.get_vocab_size(true), eos)?;
             let model = PolicyModel::random_init(&cfg, mix_seed(seed, u64::MAX, 0), &device)?;
             if let Some(c) = &resume_ckpt {
-                model.load_weights(&c.dir.join("model.safetensors"))?;
+                model
+                    .load_weights(&c.dir.join("model.safetensors"))
+                    .with_context(|| format!("resuming from {}", c.dir.display()))?;
             }
             (tok, model, vec![eos])
         }
@@ -304,6 +388,25 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
     };
     let eos = stop_ids[0];
     let vocab = model.vocab_size();
+
+    // Every prompt must fit the model: token ids inside its vocabulary, and room for at
+    // least one completion token in its context.
+    let skip = recipe.data.overlong_prompts == "skip";
+    let ctx = model.config().max_position_embeddings;
+    let (train_rows, skipped_train) =
+        screen_prompts(train_rows, &train_at, &tok, vocab, ctx, skip)?;
+    let (eval_rows, skipped_eval) = screen_prompts(eval_rows, &eval_at, &tok, vocab, ctx, skip)?;
+    if skipped_train + skipped_eval > 0 {
+        tracing::warn!(
+            "[data] overlong_prompts = \"skip\": skipped {skipped_train} training and \
+             {skipped_eval} eval prompts longer than the model's context ({ctx} tokens)"
+        );
+        if train_rows.is_empty() {
+            bail!(
+                "[data]: every training prompt is longer than the model's context ({ctx} tokens)"
+            );
+        }
+    }
 
     // Optimizer over the model's variables.
     let vars: Vec<(String, candle_core::Var)> = {
@@ -328,11 +431,14 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
     let mut reference = None;
     let state = match &resume_ckpt {
         Some(c) => {
-            opt.load_state(&c.optimizer, c.state.optimizer_step)?;
+            let op = c.dir.join("optimizer.safetensors");
+            opt.load_state(&c.optimizer, c.state.optimizer_step)
+                .with_context(|| format!("{}: not this run's optimizer state", op.display()))?;
             let ref_path = c.dir.join(checkpoint::REFERENCE_FILE);
             if ref_path.is_file() {
                 let r = model.snapshot()?;
-                r.load_weights(&ref_path)?;
+                r.load_weights(&ref_path)
+                    .with_context(|| format!("resuming from {}", c.dir.display()))?;
                 reference = Some(r);
             }
             c.state.clone()
@@ -403,6 +509,7 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
     let reward = RewardFn::from_specs(&recipe.data.verifiers)?;
     let env_rollout = crate::env_rollout::EnvRollout::from_recipe(&recipe)?;
     Ok(Session {
+        run_lock,
         env_rollout,
         recipe,
         recipe_text,
@@ -470,4 +577,47 @@ pub fn save(s: &Session) -> Result<PathBuf> {
             recipe_text: &s.recipe_text,
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(prompt: &str) -> PromptRow {
+        PromptRow {
+            prompt: prompt.into(),
+            answer: "0".into(),
+        }
+    }
+
+    #[test]
+    fn token_ids_outside_the_vocabulary_are_refused_naming_the_line() {
+        let tok = chartok::build_char_tokenizer(["abc"]).unwrap();
+        let at = vec![
+            "data.jsonl line 1".to_string(),
+            "data.jsonl line 2".to_string(),
+        ];
+        let rows = vec![row("1+1="), row("abc")];
+        let full = tok.get_vocab_size(true);
+        let (kept, skipped) = screen_prompts(rows.clone(), &at, &tok, full, 100, false).unwrap();
+        assert_eq!((kept.len(), skipped), (2, 0));
+        // A model whose embedding is smaller than the tokenizer: the row with the largest
+        // id is named.
+        let max_id = |r: &PromptRow| {
+            *chartok::encode(&tok, &r.prompt)
+                .unwrap()
+                .iter()
+                .max()
+                .unwrap()
+        };
+        let small = max_id(&rows[0]).max(max_id(&rows[1])) as usize;
+        let e = format!(
+            "{:#}",
+            screen_prompts(rows, &at, &tok, small, 100, false).unwrap_err()
+        );
+        assert!(
+            e.contains("data.jsonl line") && e.contains("vocabulary"),
+            "{e}"
+        );
+    }
 }

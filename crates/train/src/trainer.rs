@@ -60,6 +60,8 @@ pub struct TrainOptions {
     pub run_dir_override: Option<PathBuf>,
     /// Overrides `[train] steps`.
     pub max_steps_override: Option<usize>,
+    /// A fresh run may replace the run already in the run directory (`--overwrite`).
+    pub overwrite: bool,
 }
 
 /// What a finished run reports.

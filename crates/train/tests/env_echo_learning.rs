@@ -314,6 +314,7 @@ fn failed_episodes_are_counted_and_replaced() {
         quiet: true,
         run_dir_override: Some(dir.path().join("run")),
         max_steps_override: None,
+        overwrite: false,
     })
     .unwrap();
     let section = s.recipe.env.clone().unwrap();

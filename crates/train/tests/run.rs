@@ -48,6 +48,7 @@ fn opts(recipe: &Path, run_dir: &Path) -> TrainOptions {
         quiet: true,
         run_dir_override: Some(run_dir.to_path_buf()),
         max_steps_override: None,
+        overwrite: false,
     }
 }
 

@@ -1,0 +1,328 @@
+//! Issue 19, run safety: a fresh run refuses a directory holding a run (unless
+//! `overwrite`), two processes never share a run directory, a recipe given with `--resume`
+//! must be the run's own, overlong prompts are reported by file and line, a corrupted
+//! checkpoint is a clear error (never a panic), and a failed checkpoint write (disk full)
+//! keeps the last good checkpoint.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use composer_train::checkpoint::{self, CheckpointData, TrainerState};
+use composer_train::{run_train, RunOutcome, TrainOptions};
+
+mod common;
+use common::tiny_model_and_task;
+
+/// One RL step on the tiny model, with a checkpoint.
+const ONE_STEP: &str = concat!(
+    tiny_model_and_task!(),
+    r#"
+[rollout]
+num_generations = 2
+max_completion_length = 3
+
+[train]
+steps = 1
+prompts_per_step = 2
+seed = 3
+checkpoint_every = 1
+"#
+);
+
+/// A recipe whose model cannot load: any error after the run-dir checks is about the model.
+const MISSING_MODEL: &str = r#"
+[model]
+path = "/nonexistent/composer-model"
+
+[data]
+task = "arithmetic"
+"#;
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn fresh(recipe: &Path, run_dir: &Path, overwrite: bool) -> anyhow::Result<RunOutcome> {
+    run_train(&TrainOptions {
+        recipe_path: Some(recipe.to_path_buf()),
+        quiet: true,
+        run_dir_override: Some(run_dir.to_path_buf()),
+        overwrite,
+        ..Default::default()
+    })
+}
+
+fn resume(run_dir: &Path, recipe: Option<&Path>) -> anyhow::Result<RunOutcome> {
+    run_train(&TrainOptions {
+        recipe_path: recipe.map(Path::to_path_buf),
+        resume: Some(run_dir.to_path_buf()),
+        quiet: true,
+        ..Default::default()
+    })
+}
+
+/// The error of `f`, which must neither succeed nor panic.
+fn error_of(what: &str, f: impl FnOnce() -> anyhow::Result<RunOutcome>) -> String {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(_)) => panic!("{what}: accepted"),
+        Ok(Err(e)) => format!("{e:#}"),
+        Err(_) => panic!("{what}: panicked"),
+    }
+}
+
+/// Damages a checkpoint directory.
+type Corruption<'a> = &'a dyn Fn(&Path);
+
+fn copy_dir(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        let to = dst.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &to);
+        } else if e.file_name() != ".lock" {
+            std::fs::copy(e.path(), &to).unwrap();
+        }
+    }
+}
+
+#[test]
+fn fresh_run_into_a_used_run_dir_is_refused_before_the_model_loads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = write(tmp.path(), "missing.toml", MISSING_MODEL);
+    let run = tmp.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    std::fs::write(run.join("metrics.jsonl"), "{\"step\":1}\n").unwrap();
+    let e = error_of("fresh run over a run", || fresh(&recipe, &run, false));
+    assert!(
+        e.contains(&run.display().to_string())
+            && e.contains("--resume")
+            && e.contains("--overwrite"),
+        "{e}"
+    );
+    assert!(
+        !e.contains("nonexistent"),
+        "refused only after loading the model: {e}"
+    );
+    // The earlier run's metrics are untouched.
+    assert_eq!(
+        std::fs::read_to_string(run.join("metrics.jsonl")).unwrap(),
+        "{\"step\":1}\n"
+    );
+    // With overwrite the run goes on (and fails on the missing model).
+    let e = error_of("overwrite", || fresh(&recipe, &run, true));
+    assert!(e.contains("nonexistent"), "{e}");
+}
+
+#[test]
+fn a_run_dir_in_use_is_refused_naming_the_owner_pid() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = write(tmp.path(), "missing.toml", MISSING_MODEL);
+    let run = tmp.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let held = composer_train::run_dir::lock(&run).unwrap();
+    let e = error_of("second owner", || fresh(&recipe, &run, true));
+    assert!(
+        e.contains(&std::process::id().to_string()) && e.contains("in use"),
+        "{e}"
+    );
+    drop(held);
+    let e = error_of("after release", || fresh(&recipe, &run, true));
+    assert!(e.contains("nonexistent"), "{e}");
+}
+
+#[test]
+fn resume_checks_the_recipe_argument_and_survives_corrupted_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = write(tmp.path(), "recipe.toml", ONE_STEP);
+    let run = tmp.path().join("run");
+    fresh(&recipe, &run, false).unwrap();
+    // Training into it again needs `overwrite`.
+    let e = error_of("second fresh run", || fresh(&recipe, &run, false));
+    assert!(e.contains("--resume"), "{e}");
+    fresh(&recipe, &run, true).unwrap();
+
+    // Item 2: a recipe with `--resume` must be the run's own.
+    let other = write(
+        tmp.path(),
+        "other.toml",
+        &ONE_STEP.replace("seed = 3", "seed = 4"),
+    );
+    let e = error_of("other recipe", || resume(&run, Some(&other)));
+    assert!(
+        e.contains("other.toml")
+            && e.contains(&run.join("checkpoint/recipe.toml").display().to_string()),
+        "{e}"
+    );
+    resume(&run, Some(&recipe)).unwrap();
+    let commented = write(tmp.path(), "commented.toml", &format!("# same\n{ONE_STEP}"));
+    resume(&run, Some(&commented)).unwrap();
+
+    // Item 4: corrupted checkpoint files are errors naming the file.
+    let cases: [(&str, Corruption); 3] = [
+        ("model.safetensors", &|ck: &Path| {
+            let p = ck.join("model.safetensors");
+            let bytes = std::fs::read(&p).unwrap();
+            std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
+        }),
+        ("optimizer.safetensors", &|ck: &Path| {
+            std::fs::write(ck.join("optimizer.safetensors"), b"garbage").unwrap();
+        }),
+        ("optimizer.safetensors", &|ck: &Path| {
+            let empty = safetensors::serialize(Vec::<(String, Tensor)>::new(), None).unwrap();
+            std::fs::write(ck.join("optimizer.safetensors"), empty).unwrap();
+        }),
+    ];
+    for (i, (file, corrupt)) in cases.iter().enumerate() {
+        let dir = tmp.path().join(format!("corrupt-{i}"));
+        copy_dir(&run, &dir);
+        let _ = std::fs::remove_dir_all(dir.join("checkpoint.old"));
+        corrupt(&dir.join("checkpoint"));
+        let e = error_of(file, || resume(&dir, None));
+        assert!(
+            e.contains(&dir.join("checkpoint").join(file).display().to_string()),
+            "case {i}: {e}"
+        );
+    }
+}
+
+#[test]
+fn overlong_prompts_are_reported_by_file_and_line_or_skipped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let long = "1".repeat(600);
+    let rows = [
+        r#"{"prompt": "1+1=", "answer": "2"}"#.to_string(),
+        r#"{"prompt": "2+2=", "answer": "4"}"#.to_string(),
+        format!(r#"{{"prompt": "{long}+1=", "answer": "0"}}"#),
+        r#"{"prompt": "3+3=", "answer": "6"}"#.to_string(),
+        r#"{"prompt": "1+2=", "answer": "3"}"#.to_string(),
+    ];
+    let data = write(tmp.path(), "data.jsonl", &(rows.join("\n") + "\n"));
+    let recipe_text = |policy: &str| {
+        ONE_STEP.replace(
+            "task = \"arithmetic\"\neval_size = 10",
+            &format!(
+                "dataset = {:?}\neval_size = 1{policy}",
+                data.display().to_string()
+            ),
+        )
+    };
+    assert!(
+        recipe_text("").contains("data.jsonl"),
+        "the recipe template changed"
+    );
+    let recipe = write(tmp.path(), "error.toml", &recipe_text(""));
+    let e = error_of("overlong prompt", || {
+        fresh(&recipe, &tmp.path().join("run-error"), false)
+    });
+    assert!(
+        e.contains("data.jsonl line 3") && e.contains("overlong_prompts"),
+        "{e}"
+    );
+    let recipe = write(
+        tmp.path(),
+        "skip.toml",
+        &recipe_text("\noverlong_prompts = \"skip\""),
+    );
+    let out = fresh(&recipe, &tmp.path().join("run-skip"), false).unwrap();
+    assert_eq!(out.steps_completed, 1);
+}
+
+/// Unmounts the tmpfs when the test ends (pass or fail).
+struct Mounted(PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
+fn checkpoint_of(step: usize, floats: usize) -> (HashMap<String, Tensor>, TrainerState) {
+    let w = Tensor::zeros(floats, candle_core::DType::F32, &Device::Cpu).unwrap();
+    let state = TrainerState {
+        step,
+        policy_version: step as u64,
+        optimizer_step: step as u64,
+        skipped_steps: 0,
+        consecutive_skipped: 0,
+        samples_generated: 0,
+        trained_tokens: 0,
+        seed: 0,
+        warmup_accuracy: None,
+    };
+    (HashMap::from([("w".to_string(), w)]), state)
+}
+
+fn save(run_dir: &Path, step: usize, floats: usize) -> anyhow::Result<PathBuf> {
+    let (weights, state) = checkpoint_of(step, floats);
+    checkpoint::save_checkpoint(
+        run_dir,
+        &CheckpointData {
+            config: serde_json::json!({}),
+            weights,
+            tokenizer_json: "{}".into(),
+            optimizer: HashMap::new(),
+            source_dir: None,
+            reference: None,
+            state: &state,
+            recipe_text: "",
+        },
+    )
+}
+
+#[test]
+fn disk_full_while_checkpointing_keeps_the_last_good_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("fs");
+    std::fs::create_dir_all(&run).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=256k", "tmpfs"])
+        .arg(&run)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !mounted {
+        eprintln!("note: cannot mount a tmpfs here (not root?); disk-full test skipped");
+        return;
+    }
+    let _guard = Mounted(run.clone());
+    save(&run, 1, 1024).unwrap();
+    // 4 MB of weights on a 256 KB disk.
+    let e = format!("{:#}", save(&run, 2, 1 << 20).unwrap_err());
+    assert!(e.contains("model.safetensors"), "{e}");
+    let ck = checkpoint::find_checkpoint(&run).unwrap();
+    let loaded = checkpoint::load_checkpoint(&ck, &Device::Cpu).unwrap();
+    assert_eq!(loaded.state.step, 1);
+    let w = candle_core::safetensors::load(ck.join("model.safetensors"), &Device::Cpu).unwrap();
+    assert_eq!(w["w"].dims(), &[1024]);
+    // The partial write does not keep the disk full: the next checkpoint fits.
+    assert!(!run.join("checkpoint.tmp").exists());
+    save(&run, 3, 1024).unwrap();
+    let ck = checkpoint::find_checkpoint(&run).unwrap();
+    assert_eq!(
+        checkpoint::load_checkpoint(&ck, &Device::Cpu)
+            .unwrap()
+            .state
+            .step,
+        3
+    );
+}
+
+#[test]
+fn env_server_down_budget_is_a_recipe_key() {
+    let text = format!(
+        "{ONE_STEP}\n[env]\nkind = \"builtin\"\nname = \"echo\"\nserver_down_budget_s = 5.5\n"
+    );
+    let r = composer_train::parse_recipe(&text, Path::new("env.toml")).unwrap();
+    assert_eq!(r.env.unwrap().server_down_budget_s, 5.5);
+    let bad = text.replace("= 5.5", "= 0.0");
+    let e = format!(
+        "{:#}",
+        composer_train::parse_recipe(&bad, Path::new("env.toml")).unwrap_err()
+    );
+    assert!(e.contains("server_down_budget_s"), "{e}");
+}
