@@ -31,8 +31,8 @@ use crate::data::PromptRow;
 use crate::model::PolicyModel;
 use crate::recipe::Recipe;
 use crate::trainer::{
-    end_step, sample_rollouts, save, score_rollouts, step_advantages, train_on_batch, Rewards,
-    RolloutBatch, RunLog, Session, TrainStats, INTERRUPTED,
+    end_step, sample_rollouts, save, score_rollouts, step_advantages, train_on_batch, NoHook,
+    Rewards, RolloutBatch, RunLog, Session, StepDone, TrainStats,
 };
 use crate::verifiers::RewardFn;
 
@@ -229,16 +229,14 @@ impl<'s> Hooks<TrainActor<'s>, StepReport> for StepHooks<'_> {
         let r = &record.report;
         let walls = record.walls;
         let extra = record.metrics();
-        let stop = end_step(
-            trainer.session,
-            self.run,
-            r.step,
-            &r.batch,
-            &r.rewards,
-            &r.stats,
-            &walls,
-            extra,
-        )?;
+        let done = StepDone {
+            step: r.step,
+            batch: &r.batch,
+            rewards: &r.rewards,
+            stats: &r.stats,
+            walls: &walls,
+        };
+        let stop = end_step(trainer.session, self.run, &done, extra, vec![], &mut NoHook)?;
         if stop {
             self.stopped_by_loop = true;
             self.cancel.cancel();
@@ -250,9 +248,11 @@ impl<'s> Hooks<TrainActor<'s>, StepReport> for StepHooks<'_> {
         // Ctrl-C while the trainer waited for data: keep the last completed step.
         if *end == RunEnd::Cancelled && !self.stopped_by_loop && trainer.session.state.step > 0 {
             save(trainer.session)?;
-            self.run.interrupted = true;
+            let sig = crate::signals::pending().unwrap_or(crate::signals::Interrupt::Sigint);
+            self.run.interrupted = Some(sig);
             self.run.progress.println(format!(
-                "interrupted: checkpoint written at step {}; continue with --resume {}",
+                "interrupted by {}: checkpoint written at step {}; continue with --resume {}",
+                sig.name(),
                 trainer.session.state.step,
                 trainer.session.run_dir.display()
             ));
@@ -303,7 +303,7 @@ pub(crate) fn run_async(s: &mut Session, run: &mut RunLog) -> Result<()> {
         let (cancel, done) = (cancel.clone(), done.clone());
         std::thread::spawn(move || {
             while !done.load(Ordering::SeqCst) {
-                if INTERRUPTED.load(Ordering::SeqCst) {
+                if crate::signals::pending().is_some() {
                     cancel.cancel();
                     return;
                 }
