@@ -18,7 +18,7 @@
 //! as in sync mode, and a run resumed from a checkpoint continues bit-identically — the
 //! in-flight rollouts of older weights, which a checkpoint does not hold, are never needed.
 //! (A checkpoint written by Ctrl-C between `checkpoint_every` steps resumes correctly, just
-//! not bit-identically.) The trainer keeps the few snapshots still needed in a [`History`].
+//! not bit-identically.) The trainer keeps the few snapshots still needed in a `History`.
 //!
 //! Everything after the update (metrics, eval, checkpoint, Ctrl-C) is the same
 //! [`end_step`] the sync loop calls, with the controller's walls, idle times and staleness

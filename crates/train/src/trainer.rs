@@ -4,6 +4,13 @@
 //! advantages → [`train_on_batch`] (μ passes of mini-batch updates through composer-loss) →
 //! [`publish_weights`] → eval → metrics and the step's samples → checkpoint.
 //!
+//! One step loop serves every layout: sync mode (`run_sync`, staleness 0), async mode
+//! (composer-actors' controller in [`crate::async_mode`], bounded staleness, whose trainer
+//! ends each step with the same `end_step`) and DiLoCo replicas (the sync loop with a
+//! [`StepHook`] for the outer step). So the NaN/Inf guard, the walls (`time/...`), metrics,
+//! eval, checkpoints and SIGINT/SIGTERM ([`crate::signals`]: checkpoint, stop, exit 130/143)
+//! behave the same in all three.
+//!
 //! The step's pieces live in their own modules: [`crate::session`], [`crate::rollout`],
 //! [`crate::rewards`], [`crate::update`] / [`crate::step_loss`], [`crate::checkpoint`].
 //!
