@@ -213,6 +213,10 @@ impl StepHook for ReplicaHook {
     fn note(&self) -> Option<String> {
         Some(self.round_note.clone())
     }
+
+    fn allows_early_stop(&self) -> bool {
+        false
+    }
 }
 
 /// Runs one replica to the end of `[train] steps` (see the module docs).

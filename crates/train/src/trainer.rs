@@ -85,6 +85,11 @@ pub trait StepHook {
     fn note(&self) -> Option<String> {
         None
     }
+    /// Whether `[train] stop_at_accuracy` may end the run early (not for a DiLoCo replica,
+    /// whose peers would wait for it at the next round).
+    fn allows_early_stop(&self) -> bool {
+        true
+    }
 }
 
 /// What [`StepHook::after_step`] adds to the step's metrics.
@@ -501,7 +506,9 @@ pub(crate) fn end_step(
     }
     let interrupted = signals::pending();
     run.interrupted = interrupted;
-    let stop_early = s.recipe.train.stop_at_accuracy > 0.0 && eval_acc.is_some_and(|a| a >= target);
+    let stop_early = hook.allows_early_stop()
+        && s.recipe.train.stop_at_accuracy > 0.0
+        && eval_acc.is_some_and(|a| a >= target);
     if s.state.consecutive_skipped >= s.recipe.train.max_nonfinite_steps.max(1) {
         let last_good = checkpoint::find_checkpoint(&s.run_dir)
             .map(|p| p.display().to_string())
