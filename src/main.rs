@@ -321,7 +321,9 @@ fn main() -> ExitCode {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     match run(Cli::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
+        // A run stopped by SIGINT / SIGTERM (checkpoint written) exits 130 / 143.
+        Ok(()) => composer_train::signals::pending()
+            .map_or(ExitCode::SUCCESS, |sig| ExitCode::from(sig.exit_code())),
         Err(err) => {
             eprintln!("error: {err:#}");
             ExitCode::FAILURE

@@ -57,6 +57,12 @@ pub struct GenerateContext<'a, W> {
 }
 
 impl<W> GenerateContext<'_, W> {
+    /// Whether the run is stopping (cancelled, finished or failed): a generator waiting for
+    /// something of its own should give up.
+    pub fn is_stopping(&self) -> bool {
+        self.cancel.is_cancelled()
+    }
+
     /// Newer weights than `than`, if the trainer has published some since. A long rollout
     /// may call this between decode chunks, switch to them and start a new
     /// [`crate::VersionSegments`] segment (async mode; in sync mode this is always `None`).

@@ -3,10 +3,12 @@
 //!
 //! The recipe is the ordinary trainer recipe plus a `[diloco]` table ([`DilocoConfig`] fields
 //! and `store`), which this module parses and removes before handing the rest to
-//! composer-train. Each replica runs composer-train's public step functions
-//! (`rollout_batch` → `reward_batch` → advantages → `train_on_batch` → `publish_weights`) on
-//! the model's VarMap parameters and calls [`DilocoReplica::after_inner_step`] after every
-//! step, so every H / F steps the weights become the round's outer-updated global weights.
+//! composer-train. Each replica runs composer-train's own step loop
+//! ([`composer_train::run_train_with`]: the same NaN/Inf guard, walls, metrics, eval,
+//! checkpoints and SIGINT/SIGTERM handling as `composer-rl train`) with a [`StepHook`] that
+//! joins the store before the first step, calls [`DilocoReplica::after_inner_step`] after every
+//! step (so every H / F steps the weights become the round's outer-updated global weights) and
+//! saves the outer state with every checkpoint.
 //!
 //! Data split: replica `i` of `R` rolls out the prompts of sample stream `(step − 1)·R + i + 1`,
 //! so the R replicas together see what one process doing R× the steps would see, and no two
@@ -15,16 +17,13 @@
 //! replica's warmed-up weights become the run's initial global weights (the others adopt them).
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Var;
-use composer_loss::compute_advantages;
-use composer_telemetry::{MetricsWriter, StepSnapshot, TrainProgress};
-use composer_train::trainer::{
-    evaluate, open_session, publish_weights, reward_batch, rollout_batch, save, train_on_batch,
-    warmup, Session, TrainOptions,
-};
+use composer_telemetry::TrainProgress;
+use composer_train::recipe::TrainMode;
+use composer_train::trainer::{Session, StepExtras, StepHook, TrainOptions};
+use composer_train::{run_train_with, Interrupt};
 use serde_json::json;
 
 use crate::config::DilocoConfig;
@@ -67,6 +66,8 @@ pub struct ReplicaOutcome {
     pub bytes_down: u64,
     /// Wall-clock seconds.
     pub wall_s: f64,
+    /// Stopped by this signal (a checkpoint and the DiLoCo state were written).
+    pub interrupted: Option<Interrupt>,
 }
 
 /// Splits recipe text into the `[diloco]` section and the rest (for composer-train).
@@ -106,9 +107,120 @@ pub fn state_path(run_dir: &Path) -> PathBuf {
     run_dir.join("diloco-state.safetensors")
 }
 
+/// The DiLoCo side of a replica, around composer-train's step loop.
+struct ReplicaHook {
+    /// The full recipe text (with `[diloco]`), written as the run's `recipe.toml`.
+    recipe_text: String,
+    config: DilocoConfig,
+    store_url: String,
+    replica_id: usize,
+    resume: bool,
+    run_dir: PathBuf,
+    rt: tokio::runtime::Runtime,
+    /// Set by `before_loop`.
+    joined: Option<(DilocoReplica, Vec<(String, Var)>)>,
+    /// Last round's summary for the progress line: round, quorum, bytes moved so far.
+    round_note: String,
+}
+
+impl ReplicaHook {
+    fn joined(&mut self) -> Result<&mut (DilocoReplica, Vec<(String, Var)>)> {
+        self.joined
+            .as_mut()
+            .ok_or_else(|| anyhow!("diloco replica: the step loop ran before joining the store"))
+    }
+}
+
+impl StepHook for ReplicaHook {
+    fn before_loop(&mut self, s: &mut Session, progress: &TrainProgress) -> Result<()> {
+        let recipe_file = self.run_dir.join("recipe.toml");
+        std::fs::write(&recipe_file, &self.recipe_text)
+            .with_context(|| format!("writing {}", recipe_file.display()))?;
+        let vars = model_vars(s)?;
+        let (store_url, id, config) = (&self.store_url, self.replica_id, self.config.clone());
+        let mut diloco = self.rt.block_on(async {
+            let (store, prefix) = open_store(store_url).await?;
+            DilocoReplica::join(store, prefix, &id.to_string(), config, &vars).await
+        })?;
+        let state = state_path(&self.run_dir);
+        if self.resume && state.exists() {
+            self.rt.block_on(diloco.load_state(&state, &vars))?;
+        }
+        // The vars now hold the global weights at the start of round `diloco.round()`, so the
+        // replica continues at that round's first step: a replica (re)joining a run in
+        // progress skips ahead to the run's position, and one resumed from a mid-round
+        // checkpoint redoes the round's steps from the global weights (keeping every
+        // replica's rounds aligned).
+        s.state.step = diloco.round() as usize * self.config.round_period();
+        progress.println(format!(
+            "diloco replica {}: joined at round {} (step {}), store {}",
+            self.replica_id,
+            diloco.round(),
+            s.state.step,
+            self.store_url
+        ));
+        self.joined = Some((diloco, vars));
+        Ok(())
+    }
+
+    /// Replica `i` of `R` draws the prompts of sample stream `(step − 1)·R + i + 1`.
+    fn sample_stream(&self, step: usize) -> usize {
+        (step - 1) * self.config.num_replicas + self.replica_id + 1
+    }
+
+    fn after_step(&mut self, _s: &mut Session, step: usize) -> Result<StepExtras> {
+        let replicas = self.config.num_replicas;
+        let rt = &self.rt;
+        let (diloco, vars) = self
+            .joined
+            .as_mut()
+            .ok_or_else(|| anyhow!("diloco replica: the step loop ran before joining the store"))?;
+        let mut extras = StepExtras::default();
+        extras
+            .keys
+            .insert("diloco/replica".into(), json!(self.replica_id));
+        if let Some(report) = rt.block_on(diloco.after_inner_step(vars))? {
+            extras.lines.push(json!({
+                "step": step,
+                "kind": "diloco",
+                "diloco/round": report.round,
+                "diloco/fragment": report.fragment,
+                "diloco/replicas": report.replicas_in_quorum,
+                "diloco/bytes": report.bytes_up + report.bytes_down,
+                "diloco/bytes_up": report.bytes_up,
+                "diloco/bytes_down": report.bytes_down,
+                "diloco/rejected": report.rejected_keys,
+                "time/outer_sync_s": report.outer_sync_s,
+            }));
+            self.round_note = format!(
+                "diloco r{} f{} quorum {}/{} {:.1} MB{}",
+                report.round,
+                report.fragment,
+                report.replicas_in_quorum,
+                replicas,
+                (diloco.bytes_up_total() + diloco.bytes_down_total()) as f64 / 1e6,
+                if report.caught_up { " (caught up)" } else { "" }
+            );
+        }
+        Ok(extras)
+    }
+
+    fn after_save(&mut self, _s: &Session) -> Result<()> {
+        let path = state_path(&self.run_dir);
+        self.joined()?.0.save_state(&path)
+    }
+
+    fn note(&self) -> Option<String> {
+        Some(self.round_note.clone())
+    }
+
+    fn allows_early_stop(&self) -> bool {
+        false
+    }
+}
+
 /// Runs one replica to the end of `[train] steps` (see the module docs).
 pub fn run_replica(opts: &ReplicaOptions) -> Result<ReplicaOutcome> {
-    let started = Instant::now();
     let text = std::fs::read_to_string(&opts.recipe_path)
         .with_context(|| format!("reading recipe {}", opts.recipe_path.display()))?;
     let (config, trainer_text) = split_recipe(&text, &opts.recipe_path)?;
@@ -129,16 +241,20 @@ pub fn run_replica(opts: &ReplicaOptions) -> Result<ReplicaOutcome> {
             config.num_replicas
         );
     }
-    let replicas = config.num_replicas;
+    let recipe = composer_train::recipe::parse_recipe(&trainer_text, &opts.recipe_path)?;
+    if recipe.train.mode == TrainMode::Async {
+        bail!(
+            "recipe {}: a DiLoCo replica runs [train] mode = \"sync\" (its outer step needs \
+             the inner steps in order)",
+            opts.recipe_path.display()
+        );
+    }
     let run_dir = match &opts.run_dir_override {
         Some(d) => d.clone(),
-        None => {
-            let recipe = composer_train::recipe::parse_recipe(&trainer_text, &opts.recipe_path)?;
-            recipe
-                .output
-                .run_dir
-                .join(format!("replica-{}", opts.replica_id))
-        }
+        None => recipe
+            .output
+            .run_dir
+            .join(format!("replica-{}", opts.replica_id)),
     };
     std::fs::create_dir_all(&run_dir)
         .with_context(|| format!("creating run dir {}", run_dir.display()))?;
@@ -146,164 +262,44 @@ pub fn run_replica(opts: &ReplicaOptions) -> Result<ReplicaOutcome> {
     let trainer_recipe = run_dir.join("recipe.trainer.toml");
     std::fs::write(&trainer_recipe, &trainer_text)
         .with_context(|| format!("writing {}", trainer_recipe.display()))?;
-    let mut s = open_session(&TrainOptions {
-        recipe_path: Some(trainer_recipe),
-        resume: opts.resume.then(|| run_dir.clone()),
-        quiet: opts.quiet,
-        run_dir_override: Some(run_dir.clone()),
-        max_steps_override: opts.max_steps_override,
-        overwrite: false,
-    })?;
-    std::fs::write(run_dir.join("recipe.toml"), &text)
-        .with_context(|| format!("writing {}", run_dir.join("recipe.toml").display()))?;
-    let metrics_path = run_dir.join("metrics.jsonl");
-    let mut metrics = if opts.resume {
-        MetricsWriter::open_resume(&metrics_path, s.state.step as u64)?
-    } else {
-        MetricsWriter::create(&metrics_path)?
-    };
-
-    if s.state.step == 0 && !opts.resume {
-        if let Some(w) = s.recipe.warmup.clone() {
-            let loss = warmup(&mut s, &w)?;
-            let acc = evaluate(&s)?;
-            s.state.warmup_accuracy = Some(acc);
-            metrics.write(&json!({"step": 0, "kind": "eval", "eval/accuracy": acc, "policy_version": 0, "warmup/loss": loss}))?;
-        }
-    }
-
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting the DiLoCo runtime")?;
-    let vars = model_vars(&s)?;
-    let period = config.round_period();
-    let mut diloco = rt.block_on(async {
-        let (store, prefix) = open_store(&store_url).await?;
-        DilocoReplica::join(store, prefix, &opts.replica_id.to_string(), config, &vars).await
-    })?;
-    if opts.resume && state_path(&run_dir).exists() {
-        rt.block_on(diloco.load_state(&state_path(&run_dir), &vars))?;
-    }
-    // The vars now hold the global weights at the start of round `diloco.round()`, so the
-    // replica continues at that round's first step: a replica (re)joining a run in progress
-    // skips ahead to the run's position, and one resumed from a mid-round checkpoint redoes
-    // the round's steps from the global weights (keeping every replica's rounds aligned).
-    s.state.step = diloco.round() as usize * period;
-    let total_steps = s.recipe.train.steps;
-    let mut progress = TrainProgress::new(total_steps as u64, opts.quiet);
-    progress.resume_from(s.state.step as u64);
-    progress.println(format!(
-        "diloco replica {}: joined at round {} (step {}), store {store_url}",
-        opts.replica_id,
-        diloco.round(),
-        s.state.step
-    ));
-    // Last round's summary for the progress line: round, quorum, bytes moved so far.
-    let mut round_note = String::from("diloco: no round yet");
-    let mut final_accuracy = None;
-    while s.state.step < total_steps {
-        let step = s.state.step + 1;
-        let t_step = Instant::now();
-        let batch = rollout_batch(&s, (step - 1) * replicas + opts.replica_id + 1)?;
-        let rewards = reward_batch(&s, &batch);
-        let lengths: Vec<usize> = batch
-            .samples
-            .iter()
-            .map(|x| x.completion_ids.len())
-            .collect();
-        // Per-verifier rewards times their weights (what run_train passes to the advantages).
-        let weighted: Vec<Vec<f64>> = rewards
-            .per_func
-            .iter()
-            .map(|r| {
-                r.iter()
-                    .zip(&s.reward.parts)
-                    .map(|(x, (_, w))| x * w)
-                    .collect()
-            })
-            .collect();
-        let g = s.recipe.rollout.num_generations;
-        let advantages = compute_advantages(&s.recipe.loss.advantage, &weighted, &lengths, g)
-            .context("computing advantages")?;
-        let stats = train_on_batch(&mut s, step, &batch, &rewards, &advantages, false)?;
-        publish_weights(&mut s, &stats);
-        s.state.step = step;
-        s.state.samples_generated += batch.samples.len() as u64;
-        let n = rewards.total.len().max(1) as f64;
-        metrics.write(&json!({
-            "step": step,
-            "kind": "train",
-            "policy_version": s.state.policy_version,
-            "reward/mean": rewards.total.iter().sum::<f64>() / n,
-            "loss/rlvr": stats.loss_rlvr,
-            "grad_norm": stats.grad_norm,
-            "lr": stats.lr,
-            "samples": s.state.samples_generated,
-            "time/step_s": t_step.elapsed().as_secs_f64(),
-            "diloco/replica": opts.replica_id,
-        }))?;
-
-        if let Some(report) = rt.block_on(diloco.after_inner_step(&vars))? {
-            metrics.write(&json!({
-                "step": step,
-                "kind": "diloco",
-                "diloco/round": report.round,
-                "diloco/fragment": report.fragment,
-                "diloco/replicas": report.replicas_in_quorum,
-                "diloco/bytes": report.bytes_up + report.bytes_down,
-                "diloco/bytes_up": report.bytes_up,
-                "diloco/bytes_down": report.bytes_down,
-                "diloco/rejected": report.rejected_keys,
-                "time/outer_sync_s": report.outer_sync_s,
-            }))?;
-            round_note = format!(
-                "diloco r{} f{} quorum {}/{} {:.1} MB{}",
-                report.round,
-                report.fragment,
-                report.replicas_in_quorum,
-                replicas,
-                (diloco.bytes_up_total() + diloco.bytes_down_total()) as f64 / 1e6,
-                if report.caught_up { " (caught up)" } else { "" }
-            );
-        }
-
-        let every = s.recipe.train.eval_every;
-        let mut eval_acc = None;
-        if (every > 0 && step % every == 0) || step == total_steps {
-            let acc = evaluate(&s)?;
-            final_accuracy = Some(acc);
-            eval_acc = Some(acc);
-            metrics.write(&json!({"step": step, "kind": "eval", "policy_version": s.state.policy_version, "eval/accuracy": acc, "samples": s.state.samples_generated}))?;
-        }
-        progress.update(&StepSnapshot {
-            step: step as u64,
-            reward_mean: rewards.total.iter().sum::<f64>() / n,
-            eval_accuracy: eval_acc,
-            tokens_per_s: 0.0,
-            extra: Some(round_note.clone()),
-        });
-        let ck = s.recipe.train.checkpoint_every;
-        if (ck > 0 && step % ck == 0) || step == total_steps {
-            save(&s)?;
-            diloco.save_state(&state_path(&run_dir))?;
-        }
-    }
-    progress.finish(format!(
-        "diloco replica {}: {} steps, {} rounds, final accuracy {:?}, {:.1} MB moved",
-        opts.replica_id,
-        s.state.step,
-        diloco.round(),
-        final_accuracy,
-        (diloco.bytes_up_total() + diloco.bytes_down_total()) as f64 / 1e6
-    ));
+    let mut hook = ReplicaHook {
+        recipe_text: text,
+        config,
+        store_url,
+        replica_id: opts.replica_id,
+        resume: opts.resume,
+        run_dir: run_dir.clone(),
+        rt,
+        joined: None,
+        round_note: String::from("diloco: no round yet"),
+    };
+    let outcome = run_train_with(
+        &TrainOptions {
+            recipe_path: Some(trainer_recipe),
+            resume: opts.resume.then(|| run_dir.clone()),
+            quiet: opts.quiet,
+            run_dir_override: Some(run_dir.clone()),
+            max_steps_override: opts.max_steps_override,
+            overwrite: false,
+        },
+        &mut hook,
+    )?;
+    let (rounds, bytes_up, bytes_down) = match &hook.joined {
+        Some((d, _)) => (d.round(), d.bytes_up_total(), d.bytes_down_total()),
+        None => (0, 0, 0),
+    };
     Ok(ReplicaOutcome {
         run_dir,
-        steps_completed: s.state.step,
-        rounds: diloco.round(),
-        final_accuracy,
-        bytes_up: diloco.bytes_up_total(),
-        bytes_down: diloco.bytes_down_total(),
-        wall_s: started.elapsed().as_secs_f64(),
+        steps_completed: outcome.steps_completed,
+        rounds,
+        final_accuracy: outcome.final_accuracy,
+        bytes_up,
+        bytes_down,
+        wall_s: outcome.wall_s,
+        interrupted: outcome.interrupted,
     })
 }

@@ -192,3 +192,102 @@ fn diloco_section_is_split_off_and_bad_fields_are_named() {
     );
     assert!(e.contains("no [diloco] section"), "{e}");
 }
+
+/// A replica runs composer-train's step loop: a non-finite step is skipped as in
+/// `composer-rl train` (the trainer's NaN test hook), and its metrics carry the same walls.
+#[test]
+fn a_replica_skips_a_non_finite_step_and_logs_the_walls() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = tmp.path().join("recipe.toml");
+    let one = RECIPE
+        .replace("num_replicas = 2", "num_replicas = 1")
+        .replace("min_replicas = 2", "min_replicas = 1");
+    std::fs::write(&recipe, one).unwrap();
+    let store = format!("file://{}", tmp.path().join("store").display());
+    let run_dir = tmp.path().join("run-0");
+    let out = Command::new(BIN)
+        .args(["--recipe", recipe.to_str().unwrap(), "--replica-id", "0"])
+        .args(["--store", &store])
+        .args(["--run-dir", run_dir.to_str().unwrap()])
+        .env(composer_train::trainer::NAN_HOOK_ENV, "2")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    let train: Vec<Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|v| v["kind"] == "train")
+        .collect();
+    assert_eq!(train.len(), 4, "{metrics}");
+    for t in &train {
+        let skipped = t["step"] == 2;
+        assert_eq!(t["skipped"] == true, skipped, "{t}");
+        assert_eq!(
+            t["skipped_steps"],
+            if t["step"] == 1 { 0 } else { 1 },
+            "{t}"
+        );
+        for key in [
+            "time/rollout_s",
+            "time/reward_s",
+            "time/train_s",
+            "time/sync_s",
+            "time/step_s",
+        ] {
+            assert!(t[key].as_f64().is_some_and(|x| x >= 0.0), "{key}: {t}");
+        }
+        assert_eq!(t["diloco/replica"], 0);
+    }
+    assert!(run_dir.join("diloco-state.safetensors").exists());
+}
+
+/// SIGTERM stops a replica like `composer-rl train`: checkpoint and outer state written, exit
+/// 143; `--resume` then finishes the run.
+#[test]
+fn sigterm_checkpoints_a_replica_which_then_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = tmp.path().join("recipe.toml");
+    let one = RECIPE
+        .replace("num_replicas = 2", "num_replicas = 1")
+        .replace("min_replicas = 2", "min_replicas = 1");
+    std::fs::write(&recipe, one).unwrap();
+    let store = format!("file://{}", tmp.path().join("store").display());
+    let run_dir = tmp.path().join("run-0");
+    let replica = |resume: bool| {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["--recipe", recipe.to_str().unwrap(), "--replica-id", "0"])
+            .args(["--store", &store])
+            .args(["--run-dir", run_dir.to_str().unwrap()]);
+        if resume {
+            cmd.arg("--resume");
+        } else {
+            cmd.env(composer_train::trainer::SIGTERM_HOOK_ENV, "3");
+        }
+        cmd.output().unwrap()
+    };
+    let out = replica(false);
+    assert_eq!(
+        out.status.code(),
+        Some(143),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(composer_train::checkpoint::find_checkpoint(&run_dir).is_ok());
+    assert!(run_dir.join("diloco-state.safetensors").exists());
+    let out = replica(true);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("FINAL "))
+        .unwrap();
+    let fin: Value = serde_json::from_str(line).unwrap();
+    assert_eq!(fin["steps"], 4, "{fin}");
+    assert_eq!(fin["round"], 2, "{fin}");
+}

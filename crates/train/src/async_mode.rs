@@ -11,12 +11,22 @@
 //!   (`staleness/dropped`), never trained on. Off-policy tokens are corrected by the loss's
 //!   sampler importance weights (sampler vs trainer log-probs, recorded per token).
 //!
+//! **Determinism.** The generator does not take whatever weights are newest (that would depend
+//! on timing): step t always samples with the weights of version `max(t − 1 − k, c)`, where c
+//! is the last `checkpoint_every` step before t (a barrier: right after a checkpoint the
+//! generator waits for the checkpointed weights). So a run is a function of (recipe, seed)
+//! as in sync mode, and a run resumed from a checkpoint continues bit-identically — the
+//! in-flight rollouts of older weights, which a checkpoint does not hold, are never needed.
+//! (A checkpoint written by Ctrl-C between `checkpoint_every` steps resumes correctly, just
+//! not bit-identically.) The trainer keeps the few snapshots still needed in a `History`.
+//!
 //! Everything after the update (metrics, eval, checkpoint, Ctrl-C) is the same
 //! [`end_step`] the sync loop calls, with the controller's walls, idle times and staleness
 //! added to the metrics line.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
@@ -31,8 +41,8 @@ use crate::data::PromptRow;
 use crate::model::PolicyModel;
 use crate::recipe::Recipe;
 use crate::trainer::{
-    end_step, sample_rollouts, save, score_rollouts, step_advantages, train_on_batch, Rewards,
-    RolloutBatch, RunLog, Session, TrainStats, INTERRUPTED,
+    end_step, sample_rollouts, save, score_rollouts, step_advantages, train_on_batch, NoHook,
+    Rewards, RolloutBatch, RunLog, Session, StepDone, TrainStats,
 };
 use crate::verifiers::RewardFn;
 
@@ -66,7 +76,56 @@ impl Versioned for ScoredStep {
     }
 }
 
-/// Samples rollouts with the published weights.
+/// Published snapshots by policy version, kept until no later step samples with them.
+#[derive(Default)]
+struct History {
+    snapshots: Mutex<BTreeMap<PolicyVersion, Arc<PolicyModel>>>,
+    changed: Condvar,
+}
+
+impl History {
+    fn insert(&self, version: PolicyVersion, weights: Arc<PolicyModel>) {
+        let mut map = self.snapshots.lock().unwrap_or_else(|e| e.into_inner());
+        map.insert(version, weights);
+        self.changed.notify_all();
+    }
+
+    /// Waits for `version` (or the cancel), dropping every older snapshot.
+    fn take(
+        &self,
+        version: PolicyVersion,
+        stopping: impl Fn() -> bool,
+    ) -> Option<Arc<PolicyModel>> {
+        let mut map = self.snapshots.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(w) = map.get(&version).cloned() {
+                map.retain(|v, _| *v >= version);
+                return Some(w);
+            }
+            if stopping() {
+                return None;
+            }
+            map = self
+                .changed
+                .wait_timeout(map, Duration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+/// The step whose weights sample step `step` (see the module docs): `max(step − 1 − k, c)`,
+/// never before the run's (or resume's) first weights `first_step − 1`.
+fn sampling_step(step: usize, k: usize, checkpoint_every: usize, first_step: usize) -> usize {
+    let lagged = step.saturating_sub(1 + k);
+    let barrier = match checkpoint_every {
+        0 => 0,
+        ck => (step - 1) / ck * ck,
+    };
+    lagged.max(barrier).max(first_step - 1)
+}
+
+/// Samples rollouts with the published weights of the step's pinned version.
 struct RolloutActor {
     recipe: Recipe,
     train_rows: Vec<PromptRow>,
@@ -74,17 +133,27 @@ struct RolloutActor {
     stop_ids: Vec<u32>,
     /// RL step whose prompt draw batch 0 uses (resumed runs start later).
     first_step: usize,
+    /// Policy version of the weights at the start (after step `first_step − 1`).
+    first_version: PolicyVersion,
+    history: Arc<History>,
 }
 
 impl Generator<PolicyModel> for RolloutActor {
     type Item = StepRollout;
 
     fn generate(&mut self, ctx: &GenerateContext<'_, PolicyModel>) -> Result<Vec<StepRollout>> {
-        let t0 = Instant::now();
         let step = self.first_step + ctx.batch_index as usize;
+        let k = self.recipe.train.max_staleness as usize;
+        let at = sampling_step(step, k, self.recipe.train.checkpoint_every, self.first_step);
+        // Every step publishes one version (skipped steps too).
+        let version = self.first_version + (at + 1 - self.first_step) as u64;
+        let Some(weights) = self.history.take(version, || ctx.is_stopping()) else {
+            bail!("cancelled while waiting for the weights of version {version}");
+        };
+        let t0 = Instant::now();
         let batch = sample_rollouts(
-            &ctx.weights.weights,
-            ctx.weights.policy_version,
+            &weights,
+            version,
             &self.recipe,
             &self.train_rows,
             &self.tok,
@@ -94,7 +163,7 @@ impl Generator<PolicyModel> for RolloutActor {
         )?;
         Ok(vec![StepRollout {
             batch,
-            policy_version: ctx.weights.policy_version,
+            policy_version: version,
             rollout_s: t0.elapsed().as_secs_f64(),
         }])
     }
@@ -151,6 +220,7 @@ struct StepReport {
 struct TrainActor<'a> {
     session: &'a mut Session,
     nan_steps: Vec<usize>,
+    history: Arc<History>,
 }
 
 impl Trainer<PolicyModel> for TrainActor<'_> {
@@ -176,7 +246,9 @@ impl Trainer<PolicyModel> for TrainActor<'_> {
         // The controller numbers versions by published steps; a skipped (non-finite) step
         // publishes unchanged weights under the next number, which is harmless.
         self.session.state.policy_version = policy_version;
-        Ok(Arc::new(self.session.model.snapshot()?))
+        let snapshot = Arc::new(self.session.model.snapshot()?);
+        self.history.insert(policy_version, snapshot.clone());
+        Ok(snapshot)
     }
 }
 
@@ -229,16 +301,14 @@ impl<'s> Hooks<TrainActor<'s>, StepReport> for StepHooks<'_> {
         let r = &record.report;
         let walls = record.walls;
         let extra = record.metrics();
-        let stop = end_step(
-            trainer.session,
-            self.run,
-            r.step,
-            &r.batch,
-            &r.rewards,
-            &r.stats,
-            &walls,
-            extra,
-        )?;
+        let done = StepDone {
+            step: r.step,
+            batch: &r.batch,
+            rewards: &r.rewards,
+            stats: &r.stats,
+            walls: &walls,
+        };
+        let stop = end_step(trainer.session, self.run, &done, extra, vec![], &mut NoHook)?;
         if stop {
             self.stopped_by_loop = true;
             self.cancel.cancel();
@@ -250,9 +320,11 @@ impl<'s> Hooks<TrainActor<'s>, StepReport> for StepHooks<'_> {
         // Ctrl-C while the trainer waited for data: keep the last completed step.
         if *end == RunEnd::Cancelled && !self.stopped_by_loop && trainer.session.state.step > 0 {
             save(trainer.session)?;
-            self.run.interrupted = true;
+            let sig = crate::signals::pending().unwrap_or(crate::signals::Interrupt::Sigint);
+            self.run.interrupted = Some(sig);
             self.run.progress.println(format!(
-                "interrupted: checkpoint written at step {}; continue with --resume {}",
+                "interrupted by {}: checkpoint written at step {}; continue with --resume {}",
+                sig.name(),
                 trainer.session.state.step,
                 trainer.session.run_dir.display()
             ));
@@ -272,13 +344,6 @@ pub(crate) fn run_async(s: &mut Session, run: &mut RunLog) -> Result<()> {
         max_staleness: k,
         queue_capacity: (k as usize).max(1),
     };
-    let mut generator = RolloutActor {
-        recipe: s.recipe.clone(),
-        train_rows: s.train_rows.clone(),
-        tok: s.tok.clone(),
-        stop_ids: s.stop_ids.clone(),
-        first_step: s.state.step + 1,
-    };
     let mut rewarder = RewardActor {
         reward: s.reward.clone(),
         train_rows: s.train_rows.clone(),
@@ -290,12 +355,24 @@ pub(crate) fn run_async(s: &mut Session, run: &mut RunLog) -> Result<()> {
         batches_scored: 0,
     };
     let initial = Arc::new(s.model.snapshot()?);
+    let initial_weights = initial.clone();
     let mut controller = Controller::new(
         ControllerConfig::new(mode, remaining as u64),
         s.state.policy_version,
         initial,
     );
     let cancel = controller.cancel_token();
+    let history = Arc::new(History::default());
+    history.insert(s.state.policy_version, initial_weights);
+    let mut generator = RolloutActor {
+        recipe: s.recipe.clone(),
+        train_rows: s.train_rows.clone(),
+        tok: s.tok.clone(),
+        stop_ids: s.stop_ids.clone(),
+        first_step: s.state.step + 1,
+        first_version: s.state.policy_version,
+        history: history.clone(),
+    };
     // Ctrl-C sets a process-wide flag (the signal handler may only store an atomic); this
     // watcher turns it into a controller cancel, so waiting actors notice within 50 ms.
     let done = Arc::new(AtomicBool::new(false));
@@ -303,7 +380,7 @@ pub(crate) fn run_async(s: &mut Session, run: &mut RunLog) -> Result<()> {
         let (cancel, done) = (cancel.clone(), done.clone());
         std::thread::spawn(move || {
             while !done.load(Ordering::SeqCst) {
-                if INTERRUPTED.load(Ordering::SeqCst) {
+                if crate::signals::pending().is_some() {
                     cancel.cancel();
                     return;
                 }
@@ -314,6 +391,7 @@ pub(crate) fn run_async(s: &mut Session, run: &mut RunLog) -> Result<()> {
     let mut trainer = TrainActor {
         session: s,
         nan_steps: run.nan_steps.clone(),
+        history,
     };
     let mut hooks = StepHooks {
         run,

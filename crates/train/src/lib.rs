@@ -24,6 +24,7 @@ pub mod rollout;
 pub mod run_dir;
 pub mod sampling;
 pub mod session;
+pub mod signals;
 pub mod step_loss;
 pub mod task;
 pub mod tokenizer;
@@ -37,4 +38,7 @@ pub use recipe::{
     embedded_default_recipe, load_recipe, parse_recipe, Recipe, EMBEDDED_DEFAULT_RECIPE,
     EXAMPLE_RECIPE,
 };
-pub use trainer::{run_train, RunOutcome, TrainOptions};
+pub use signals::Interrupt;
+pub use trainer::{
+    run_train, run_train_with, NoHook, RunOutcome, StepExtras, StepHook, TrainOptions,
+};

@@ -4,6 +4,13 @@
 //! advantages → [`train_on_batch`] (μ passes of mini-batch updates through composer-loss) →
 //! [`publish_weights`] → eval → metrics and the step's samples → checkpoint.
 //!
+//! One step loop serves every layout: sync mode (`run_sync`, staleness 0), async mode
+//! (composer-actors' controller in [`crate::async_mode`], bounded staleness, whose trainer
+//! ends each step with the same `end_step`) and DiLoCo replicas (the sync loop with a
+//! [`StepHook`] for the outer step). So the NaN/Inf guard, the walls (`time/...`), metrics,
+//! eval, checkpoints and SIGINT/SIGTERM ([`crate::signals`]: checkpoint, stop, exit 130/143)
+//! behave the same in all three.
+//!
 //! The step's pieces live in their own modules: [`crate::session`], [`crate::rollout`],
 //! [`crate::rewards`], [`crate::update`] / [`crate::step_loss`], [`crate::checkpoint`].
 //!
@@ -11,7 +18,6 @@
 //! function of (recipe, seed) and a resumed run continues bit-identically.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -26,6 +32,7 @@ pub use crate::rollout::{
     evaluate, rollout_and_score, rollout_batch, sample_rollouts, RolloutBatch,
 };
 pub use crate::session::{open_session, save, Session};
+use crate::signals::{self, Interrupt};
 pub use crate::update::{train_on_batch, warmup, TrainStats};
 
 /// Test hook: comma-separated RL steps whose loss is replaced by NaN.
@@ -35,17 +42,69 @@ pub const NAN_HOOK_ENV: &str = "COMPOSER_TRAIN_INJECT_NAN_STEPS";
 /// (exercises the Ctrl-C path: checkpoint, clean shutdown of every actor).
 pub const SIGINT_HOOK_ENV: &str = "COMPOSER_TRAIN_SIGINT_AT_STEPS";
 
+/// Test hook: like [`SIGINT_HOOK_ENV`], with a real SIGTERM.
+pub const SIGTERM_HOOK_ENV: &str = "COMPOSER_TRAIN_SIGTERM_AT_STEPS";
+
+/// Test hook: the supervised warm-up step (0-based) at whose start the process raises SIGINT.
+pub const WARMUP_SIGINT_HOOK_ENV: &str = "COMPOSER_TRAIN_SIGINT_AT_WARMUP_STEP";
+
 /// Test hook (async mode): the rewarder fails on this scored batch (1-based), to exercise
 /// shutdown on an actor's error.
 pub const REWARD_ERROR_HOOK_ENV: &str = "COMPOSER_TRAIN_INJECT_REWARD_ERROR_AT_BATCH";
 
-fn hook_steps(var: &str) -> Vec<usize> {
+pub(crate) fn hook_steps(var: &str) -> Vec<usize> {
     std::env::var(var)
         .unwrap_or_default()
         .split(',')
         .filter_map(|x| x.trim().parse().ok())
         .collect()
 }
+
+/// What a layout wrapped around the step loop does at its edges: DiLoCo's replica joins its
+/// store before the first step, runs the outer step after every inner step and saves its outer
+/// state with every checkpoint. Every method has a do-nothing default ([`NoHook`]).
+pub trait StepHook {
+    /// After set-up, warm-up and the reference policy, before the first step; may move
+    /// `s.state.step` (a replica joining a run in progress).
+    fn before_loop(&mut self, _s: &mut Session, _progress: &TrainProgress) -> Result<()> {
+        Ok(())
+    }
+    /// The prompt-draw stream of RL step `step` (default: `step`).
+    fn sample_stream(&self, step: usize) -> usize {
+        step
+    }
+    /// After the step's update and publish (skipped steps included), before its metrics.
+    fn after_step(&mut self, _s: &mut Session, _step: usize) -> Result<StepExtras> {
+        Ok(StepExtras::default())
+    }
+    /// After every checkpoint of the loop.
+    fn after_save(&mut self, _s: &Session) -> Result<()> {
+        Ok(())
+    }
+    /// A note for the progress line.
+    fn note(&self) -> Option<String> {
+        None
+    }
+    /// Whether `[train] stop_at_accuracy` may end the run early (not for a DiLoCo replica,
+    /// whose peers would wait for it at the next round).
+    fn allows_early_stop(&self) -> bool {
+        true
+    }
+}
+
+/// What [`StepHook::after_step`] adds to the step's metrics.
+#[derive(Debug, Default)]
+pub struct StepExtras {
+    /// Keys added to the step's `train` line.
+    pub keys: serde_json::Map<String, serde_json::Value>,
+    /// Whole lines written after it.
+    pub lines: Vec<serde_json::Value>,
+}
+
+/// The plain trainer: no hook.
+pub struct NoHook;
+
+impl StepHook for NoHook {}
 
 /// How `composer-rl train` was invoked.
 #[derive(Debug, Clone, Default)]
@@ -84,34 +143,21 @@ pub struct RunOutcome {
     pub skipped_steps: usize,
     /// Wall-clock seconds of this invocation.
     pub wall_s: f64,
-    /// Stopped by Ctrl-C (a checkpoint was written).
-    pub interrupted: bool,
-}
-
-pub(crate) static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_sigint(_: libc::c_int) {
-    INTERRUPTED.store(true, Ordering::SeqCst);
-}
-
-fn install_sigint_handler() {
-    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
-    let action = SigAction::new(
-        SigHandler::Handler(on_sigint),
-        SaFlags::empty(),
-        SigSet::empty(),
-    );
-    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-    let _ = unsafe { sigaction(Signal::SIGINT, &action) };
+    /// Stopped by this signal (a checkpoint was written, unless it came during the warm-up).
+    pub interrupted: Option<Interrupt>,
 }
 
 /// Train the policy as the recipe says. See the module docs for the order of things.
 pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
+    run_train_with(opts, &mut NoHook)
+}
+
+/// [`run_train`] with `hook` around the steps (sync mode only).
+pub fn run_train_with(opts: &TrainOptions, hook: &mut dyn StepHook) -> Result<RunOutcome> {
     let started = Instant::now();
     let mut s = open_session(opts)?;
-    install_sigint_handler();
-    // A Ctrl-C of an earlier run in this process (library use, tests) must not stop this one.
-    INTERRUPTED.store(false, Ordering::SeqCst);
+    // Also forgets a signal of an earlier run in this process (library use, tests).
+    signals::install();
     std::fs::write(s.run_dir.join("recipe.toml"), &s.recipe_text)
         .with_context(|| format!("writing {}", s.run_dir.join("recipe.toml").display()))?;
     let metrics_path = s.run_dir.join("metrics.jsonl");
@@ -137,12 +183,39 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
         ));
     }
     let nan_steps = hook_steps(NAN_HOOK_ENV);
-    let sigint_steps = hook_steps(SIGINT_HOOK_ENV);
+    let signal_steps: Vec<(usize, Interrupt)> = hook_steps(SIGINT_HOOK_ENV)
+        .into_iter()
+        .map(|x| (x, Interrupt::Sigint))
+        .chain(
+            hook_steps(SIGTERM_HOOK_ENV)
+                .into_iter()
+                .map(|x| (x, Interrupt::Sigterm)),
+        )
+        .collect();
 
     // Supervised warm-up (fresh runs only).
     if s.state.step == 0 && opts.resume.is_none() {
         if let Some(w) = s.recipe.warmup.clone() {
             let loss = warmup(&mut s, &w)?;
+            if let Some(sig) = signals::pending() {
+                // Nothing of RL exists yet: a checkpoint would only hold a partial warm-up.
+                progress.println(format!(
+                    "interrupted by {} during the supervised warm-up: no checkpoint written; \
+                     start the run again",
+                    sig.name()
+                ));
+                return Ok(RunOutcome {
+                    run_dir: s.run_dir.clone(),
+                    steps_completed: 0,
+                    warmup_accuracy: None,
+                    final_accuracy: None,
+                    reached_target: None,
+                    samples_generated: 0,
+                    skipped_steps: 0,
+                    wall_s: started.elapsed().as_secs_f64(),
+                    interrupted: Some(sig),
+                });
+            }
             let acc = evaluate(&s)?;
             s.state.warmup_accuracy = Some(acc);
             progress.println(format!(
@@ -155,6 +228,7 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
     }
     // The frozen reference policy is the policy as RL starts (or `ref_model_path`).
     s.ensure_reference()?;
+    hook.before_loop(&mut s, &progress)?;
 
     let mut run = RunLog {
         metrics,
@@ -163,13 +237,13 @@ pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
         target,
         total_steps,
         nan_steps,
-        sigint_steps,
+        signal_steps,
         final_accuracy: None,
         reached_target: None,
-        interrupted: false,
+        interrupted: None,
     };
     match s.recipe.train.mode {
-        TrainMode::Sync => run_sync(&mut s, &mut run)?,
+        TrainMode::Sync => run_sync(&mut s, &mut run, hook)?,
         TrainMode::Async => crate::async_mode::run_async(&mut s, &mut run)?,
     }
     let RunLog {
@@ -215,22 +289,22 @@ pub(crate) struct RunLog {
     pub(crate) total_steps: usize,
     /// Steps whose loss the NaN test hook replaces.
     pub(crate) nan_steps: Vec<usize>,
-    /// Steps at whose end the SIGINT test hook raises SIGINT.
-    pub(crate) sigint_steps: Vec<usize>,
+    /// Steps at whose end the signal test hooks raise a signal.
+    pub(crate) signal_steps: Vec<(usize, Interrupt)>,
     pub(crate) final_accuracy: Option<f64>,
     /// (step, samples, seconds) when eval first reached `target`.
     pub(crate) reached_target: Option<(usize, u64, f64)>,
-    /// Stopped by Ctrl-C (a checkpoint was written).
-    pub(crate) interrupted: bool,
+    /// Stopped by this signal (a checkpoint was written).
+    pub(crate) interrupted: Option<Interrupt>,
 }
 
 /// The sync layout: generate, score, train, publish — one after the other, on this thread.
-fn run_sync(s: &mut Session, run: &mut RunLog) -> Result<()> {
+fn run_sync(s: &mut Session, run: &mut RunLog, hook: &mut dyn StepHook) -> Result<()> {
     while s.state.step < run.total_steps {
         let step = s.state.step + 1;
         let t_step = Instant::now();
 
-        let scored = rollout_and_score(s, step)?;
+        let scored = rollout_and_score(s, hook.sample_stream(step))?;
         let (batch, rewards) = (scored.batch, scored.rewards);
         let (rollout_s, reward_s) = (scored.rollout_s, scored.reward_s);
 
@@ -244,6 +318,7 @@ fn run_sync(s: &mut Session, run: &mut RunLog) -> Result<()> {
         let t0 = Instant::now();
         publish_weights(s, &stats);
         let sync_s = t0.elapsed().as_secs_f64();
+        let extras = hook.after_step(s, step)?;
 
         let walls = StepWalls {
             rollout_s,
@@ -275,26 +350,48 @@ fn run_sync(s: &mut Session, run: &mut RunLog) -> Result<()> {
             extra.insert("env/episodes_failed".into(), json!(stats.episodes_failed));
             extra.insert("env/failures".into(), json!(stats.failures));
         }
-        if end_step(s, run, step, &batch, &rewards, &stats, &walls, extra)? {
+        extra.extend(extras.keys);
+        let done = StepDone {
+            step,
+            batch: &batch,
+            rewards: &rewards,
+            stats: &stats,
+            walls: &walls,
+        };
+        if end_step(s, run, &done, extra, extras.lines, hook)? {
             break;
         }
     }
     Ok(())
 }
 
-/// layout's own keys, e.g. staleness), eval, progress, the non-finite guard, checkpoint and
-/// Ctrl-C. Returns whether the run should stop now.
-#[allow(clippy::too_many_arguments)]
+/// What one step trained on and how it went, for [`end_step`].
+pub(crate) struct StepDone<'a> {
+    pub(crate) step: usize,
+    pub(crate) batch: &'a RolloutBatch,
+    pub(crate) rewards: &'a Rewards,
+    pub(crate) stats: &'a TrainStats,
+    pub(crate) walls: &'a StepWalls,
+}
+
+/// The end of every step, whichever layout ran it: state, the metrics line (plus the
+/// layout's own keys, e.g. staleness, and the hook's lines), eval, progress, the non-finite
+/// guard, checkpoint and SIGINT/SIGTERM. Returns whether the run should stop now.
 pub(crate) fn end_step(
     s: &mut Session,
     run: &mut RunLog,
-    step: usize,
-    batch: &RolloutBatch,
-    rewards: &Rewards,
-    stats: &TrainStats,
-    walls: &StepWalls,
+    done: &StepDone<'_>,
     extra: serde_json::Map<String, serde_json::Value>,
+    lines: Vec<serde_json::Value>,
+    hook: &mut dyn StepHook,
 ) -> Result<bool> {
+    let StepDone {
+        step,
+        batch,
+        rewards,
+        stats,
+        walls,
+    } = *done;
     let lengths: Vec<usize> = batch
         .samples
         .iter()
@@ -373,6 +470,9 @@ pub(crate) fn end_step(
         obj.extend(extra);
     }
     run.metrics.write(&line)?;
+    for l in &lines {
+        run.metrics.write(l)?;
+    }
     crate::rewards::record_samples(&s.run_dir, step, batch, rewards)?;
 
     let every = s.recipe.train.eval_every;
@@ -395,19 +495,22 @@ pub(crate) fn end_step(
         reward_mean: mean,
         eval_accuracy: eval_acc,
         tokens_per_s: gen_tokens as f64 / rollout_s.max(1e-9),
-        extra: stats.non_finite.then(|| "skipped: non-finite".to_string()),
+        extra: if stats.non_finite {
+            Some("skipped: non-finite".to_string())
+        } else {
+            hook.note()
+        },
     });
 
     let ck = s.recipe.train.checkpoint_every;
-    if run.sigint_steps.contains(&step) {
-        // SAFETY: raising a signal whose handler (installed by run_train) only stores an atomic.
-        unsafe {
-            libc::raise(libc::SIGINT);
-        }
+    for &(_, sig) in run.signal_steps.iter().filter(|(x, _)| *x == step) {
+        signals::raise(sig);
     }
-    let interrupted = INTERRUPTED.load(Ordering::SeqCst);
+    let interrupted = signals::pending();
     run.interrupted = interrupted;
-    let stop_early = s.recipe.train.stop_at_accuracy > 0.0 && eval_acc.is_some_and(|a| a >= target);
+    let stop_early = hook.allows_early_stop()
+        && s.recipe.train.stop_at_accuracy > 0.0
+        && eval_acc.is_some_and(|a| a >= target);
     if s.state.consecutive_skipped >= s.recipe.train.max_nonfinite_steps.max(1) {
         let last_good = checkpoint::find_checkpoint(&s.run_dir)
             .map(|p| p.display().to_string())
@@ -419,12 +522,18 @@ pub(crate) fn end_step(
             s.recipe.train.max_nonfinite_steps
         );
     }
-    if (ck > 0 && step.is_multiple_of(ck)) || step == total_steps || interrupted || stop_early {
+    if (ck > 0 && step.is_multiple_of(ck))
+        || step == total_steps
+        || interrupted.is_some()
+        || stop_early
+    {
         save(s)?;
+        hook.after_save(s)?;
     }
-    if interrupted {
+    if let Some(sig) = interrupted {
         run.progress.println(format!(
-            "interrupted: checkpoint written at step {step}; continue with --resume {}",
+            "interrupted by {}: checkpoint written at step {step}; continue with --resume {}",
+            sig.name(),
             s.run_dir.display()
         ));
         return Ok(true);

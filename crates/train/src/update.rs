@@ -74,7 +74,15 @@ pub fn warmup(s: &mut Session, w: &crate::recipe::WarmupSection) -> Result<f64> 
     let mut opt = AdamW::new(s.opt.vars.clone(), s.opt.params)?;
     let tmpl = &s.recipe.loss.hint.template;
     let mut last = f64::NAN;
+    let signal_at = crate::trainer::hook_steps(crate::trainer::WARMUP_SIGINT_HOOK_ENV);
     for step in 0..w.steps {
+        if signal_at.contains(&step) {
+            crate::signals::raise(crate::signals::Interrupt::Sigint);
+        }
+        if crate::signals::pending().is_some() {
+            // The caller reports it; the partial warm-up is not kept.
+            break;
+        }
         let mut pairs_owned = Vec::with_capacity(w.batch_size);
         for i in 0..w.batch_size {
             let r = mix_seed(seed, 2_000_000_000 + step as u64, i as u64);

@@ -71,7 +71,9 @@ async fn main() -> ExitCode {
         )
         .init();
     match run().await {
-        Ok(()) => ExitCode::SUCCESS,
+        // A replica stopped by SIGINT / SIGTERM (checkpoint written) exits 130 / 143.
+        Ok(()) => composer_train::signals::pending()
+            .map_or(ExitCode::SUCCESS, |sig| ExitCode::from(sig.exit_code())),
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
@@ -105,6 +107,7 @@ async fn run() -> Result<()> {
                 "bytes_up": out.bytes_up,
                 "bytes_down": out.bytes_down,
                 "run_dir": out.run_dir,
+                "interrupted": out.interrupted.map(|s| s.name()),
             })
         );
         return Ok(());
