@@ -424,3 +424,76 @@ fn eight_concurrent_episodes_complete() {
         assert_eq!(h.join().unwrap(), 1.0);
     }
 }
+
+#[test]
+fn grading_copy_takes_only_source_files() {
+    use composer_env::repo::grade::{glob_match, select_source_files};
+    let dir = tempfile::tempdir().unwrap();
+    for f in [
+        "textkit/strings.py",
+        "textkit/conftest.py",
+        "textkit/sitecustomize.py",
+        "textkit/x.pth",
+        "textkit/sub/deep.py",
+        "conftest.py",
+        "pyproject.toml",
+        "visible_tests/test_strings.py",
+    ] {
+        let p = dir.path().join(f);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, "x").unwrap();
+    }
+    std::os::unix::fs::symlink("/etc/passwd", dir.path().join("textkit/link.py")).unwrap();
+    let got = select_source_files(dir.path(), &["textkit/*.py".to_string()]).unwrap();
+    assert_eq!(got, ["textkit/strings.py"]);
+    let got = select_source_files(dir.path(), &["**/*.py".to_string()]).unwrap();
+    assert_eq!(
+        got,
+        [
+            "textkit/strings.py",
+            "textkit/sub/deep.py",
+            "visible_tests/test_strings.py"
+        ]
+    );
+    assert!(glob_match("a/**/b.py", "a/b.py") && glob_match("a/**/b.py", "a/x/y/b.py"));
+    assert!(!glob_match("a/*.py", "a/x/b.py") && glob_match("a/?.py", "a/b.py"));
+}
+
+#[test]
+fn task_files_with_errors_are_refused_with_the_file_and_key() {
+    let src = task_for("chunk");
+    let dir = tempfile::tempdir().unwrap();
+    let t = dir.path().join(src.id());
+    for sub in ["repo", "visible_tests", "hidden_tests"] {
+        std::fs::create_dir_all(t.join(sub)).unwrap();
+    }
+    let good = std::fs::read_to_string(src.dir.join("task.toml")).unwrap();
+    let cases = [
+        (
+            good.replace("max_turns = 60", "max_turns = 60\nmax_tunrs = 3"),
+            "max_tunrs",
+        ),
+        (
+            good.replace("reward = \"fraction\"", "reward = \"most\""),
+            "reward",
+        ),
+        (
+            good.replace(
+                "source_files = [\"textkit/*.py\"]",
+                "source_files = [\"../x.py\"]",
+            ),
+            "source_files",
+        ),
+        (
+            good.replacen(&format!("id = \"{}\"", src.id()), "id = \"other\"", 1),
+            "id",
+        ),
+    ];
+    for (text, key) in cases {
+        std::fs::write(t.join("task.toml"), text).unwrap();
+        let e = format!("{:#}", load_tasks(dir.path()).unwrap_err());
+        assert!(e.contains("task.toml") && e.contains(key), "{key}: {e}");
+    }
+    std::fs::write(t.join("task.toml"), good).unwrap();
+    assert_eq!(load_tasks(dir.path()).unwrap().len(), 1);
+}
