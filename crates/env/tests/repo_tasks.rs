@@ -497,3 +497,19 @@ fn task_files_with_errors_are_refused_with_the_file_and_key() {
     std::fs::write(t.join("task.toml"), good).unwrap();
     assert_eq!(load_tasks(dir.path()).unwrap().len(), 1);
 }
+
+#[test]
+fn episodes_can_move_between_threads() {
+    fn assert_send<T: Send + 'static>() {}
+    assert_send::<RepoEpisode>();
+    let task = task_for("flatten");
+    let ep = episode(&task);
+    let mut ep = std::thread::spawn(move || ep).join().unwrap();
+    assert_eq!(ep.turns(), 0);
+    assert!(call(
+        &mut ep,
+        "read_file",
+        json!({"path": "visible_tests/runtests.py"})
+    )
+    .is_ok());
+}
