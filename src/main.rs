@@ -43,6 +43,16 @@ enum Command {
     Plan(PlanArgs),
     /// Serve a built-in environment over the OpenEnv protocol (HTTP + WebSocket /ws).
     ServeEnv(ServeEnvArgs),
+    /// Build repository tasks from a Python repository with a test suite (one per function
+    /// whose body can be removed and whose tests notice; see crates/env/REPO_TASKS.md).
+    MakeTasks {
+        /// The Python repository (its modules and `test_*.py` files).
+        #[arg(long)]
+        repo: PathBuf,
+        /// Output task directory (one `<id>/` per task).
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Benchmarks: model throughput, or the channel comparison of the embedded default.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -458,6 +468,16 @@ fn run(cli: Cli) -> Result<()> {
                         lp.as_f64().unwrap_or(f64::NAN)
                     );
                 }
+            }
+            Ok(())
+        }
+        Command::MakeTasks { repo, out } => {
+            let report = composer_env::repo::make_tasks(&repo, &out)?;
+            for id in &report.created {
+                println!("created {id}");
+            }
+            for (what, why) in &report.skipped {
+                println!("skipped {what}: {why}");
             }
             Ok(())
         }

@@ -9,6 +9,7 @@
 //! - [`EnvPool`]: bounded concurrent episodes over several servers/factories, with latency
 //!   percentiles (the τ_V wall) and failure counts by cause; sessions are reused across
 //!   episodes.
+//! - [`repo`]: repository feature-deletion tasks (tools, episodes, grading, task making).
 //! - [`run_episode`]: token-faithful multi-turn episodes driven by a [`TurnPolicy`].
 
 // `!(x > 0.0)` is used on purpose in validation: it also rejects NaN.
@@ -19,6 +20,7 @@ mod client;
 mod env;
 mod episode;
 mod pool;
+pub mod repo;
 mod schema;
 mod server;
 

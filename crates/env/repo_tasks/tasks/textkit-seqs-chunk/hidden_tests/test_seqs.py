@@ -1,0 +1,12 @@
+from textkit.seqs import chunk, dedupe, flatten, run_lengths
+
+def test_chunk():
+    assert chunk([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]
+
+def test_chunk_bad_size():
+    try:
+        chunk([1], 0)
+    except ValueError:
+        return
+    assert False, "expected ValueError"
+

@@ -1,0 +1,60 @@
+# composer-env make-tasks scanner: prints JSON describing the repository in the working
+# directory: top-level functions of non-test modules (with their body's line range) and the
+# test functions of test modules (with their line range and the names they reference).
+import ast
+import json
+import os
+
+
+def is_test_file(rel):
+    base = os.path.basename(rel)
+    return base.startswith("test_") or "/tests/" in "/" + rel
+
+
+def main():
+    functions, tests, headers = [], [], {}
+    for dirpath, dirnames, filenames in os.walk("."):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for fn in sorted(filenames):
+            if not fn.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, fn), ".").replace(os.sep, "/")
+            src = open(rel, encoding="utf-8").read()
+            tree = ast.parse(src, rel)
+            if is_test_file(rel):
+                header = []
+                for node in tree.body:
+                    start = (node.decorator_list[0].lineno if getattr(node, "decorator_list", None)
+                             else node.lineno)
+                    if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
+                        refs = set()
+                        for sub in ast.walk(node):
+                            if isinstance(sub, ast.Name):
+                                refs.add(sub.id)
+                            elif isinstance(sub, ast.Attribute):
+                                refs.add(sub.attr)
+                        tests.append({"file": rel, "name": node.name, "start": start,
+                                      "end": node.end_lineno, "refs": sorted(refs)})
+                    else:
+                        header.append([start, node.end_lineno])
+                headers[rel] = header
+                continue
+            for node in tree.body:
+                if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                    continue
+                body = node.body
+                doc = ast.get_docstring(node)
+                if doc is not None and len(body) > 1:
+                    body = body[1:]
+                elif doc is not None:
+                    continue
+                if body[0].lineno <= node.lineno or body[0].col_offset == 0:
+                    continue
+                indent = body[0].col_offset
+                functions.append({"file": rel, "name": node.name, "doc": doc or "",
+                                  "body_start": body[0].lineno, "body_end": body[-1].end_lineno,
+                                  "indent": indent})
+    print(json.dumps({"functions": functions, "tests": tests, "headers": headers}))
+
+
+main()

@@ -1,0 +1,294 @@
+//! Building repository tasks from a Python repository with a test suite: one task per
+//! top-level public function whose body can be removed and whose tests notice.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use composer_sandbox::{Sandbox, SandboxLimits};
+use serde::Deserialize;
+
+use super::grade::{repo_modules, run_hidden_tests, walk_files};
+use super::task::{GradeSpec, Removed, RepoRewardMode, TaskFile, TaskLimits};
+
+const SCAN_PY: &str = include_str!("make_tasks.py");
+/// The visible-test runner written into every task's `visible_tests/`.
+pub const RUNTESTS_PY: &str = include_str!("runtests.py");
+const BUDGET: Duration = Duration::from_secs(120);
+
+#[derive(Deserialize)]
+struct Scan {
+    functions: Vec<Func>,
+    tests: Vec<TestFn>,
+    headers: std::collections::BTreeMap<String, Vec<(usize, usize)>>,
+}
+
+#[derive(Deserialize)]
+struct Func {
+    file: String,
+    name: String,
+    doc: String,
+    body_start: usize,
+    body_end: usize,
+    indent: usize,
+}
+
+#[derive(Deserialize, Clone)]
+struct TestFn {
+    file: String,
+    name: String,
+    start: usize,
+    end: usize,
+    refs: Vec<String>,
+}
+
+impl TestFn {
+    fn key(&self) -> String {
+        let stem = self.file.rsplit('/').next().unwrap_or(&self.file);
+        format!("{}::{}", stem.trim_end_matches(".py"), self.name)
+    }
+}
+
+/// What [`make_tasks`] did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MakeTasksReport {
+    /// Ids of the tasks written.
+    pub created: Vec<String>,
+    /// `(function, reason)` of the candidates left out.
+    pub skipped: Vec<(String, String)>,
+}
+
+fn sandbox_with(files: &[(String, Vec<u8>)]) -> Result<Sandbox> {
+    let sb = Sandbox::new(SandboxLimits {
+        wall_time: BUDGET,
+        cpu_time_s: BUDGET.as_secs(),
+        max_output_bytes: 16 << 20,
+        ..SandboxLimits::default()
+    })?;
+    for (rel, bytes) in files {
+        sb.write_file(rel, bytes)?;
+    }
+    Ok(sb)
+}
+
+fn lines_of(text: &str, ranges: &[(usize, usize)]) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = String::new();
+    for &(s, e) in ranges {
+        for l in lines.iter().take(e).skip(s.saturating_sub(1)) {
+            out.push_str(l);
+            out.push('\n');
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// Test modules holding `tests` (each with its file's header), as `(file name, source)`.
+fn test_modules(repo: &Path, scan: &Scan, tests: &[&TestFn]) -> Result<Vec<(String, String)>> {
+    let files: BTreeSet<&str> = tests.iter().map(|t| t.file.as_str()).collect();
+    let mut out = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(repo.join(file))
+            .with_context(|| format!("reading {}", repo.join(file).display()))?;
+        let mut ranges = scan.headers.get(file).cloned().unwrap_or_default();
+        ranges.extend(
+            tests
+                .iter()
+                .filter(|t| t.file == file)
+                .map(|t| (t.start, t.end)),
+        );
+        let name = file.rsplit('/').next().unwrap_or(file).to_string();
+        out.push((name, lines_of(&text, &ranges)));
+    }
+    Ok(out)
+}
+
+/// Builds tasks from the Python repository `repo_dir` into `out_dir/<id>/`: for each public
+/// top-level function of a non-test module, its body is replaced with
+/// `raise NotImplementedError`; the test functions that reference it and pass on the original
+/// but fail on the broken copy become the hidden tests, the first of them also the visible
+/// test. Functions without such tests are skipped (listed in the report).
+pub fn make_tasks(repo_dir: &Path, out_dir: &Path) -> Result<MakeTasksReport> {
+    let all = walk_files(repo_dir)?;
+    let mut files = Vec::new();
+    for rel in all.iter().filter(|p| {
+        !p.split('/')
+            .any(|s| s.starts_with('.') || s == "__pycache__")
+    }) {
+        files.push((rel.clone(), std::fs::read(repo_dir.join(rel))?));
+    }
+    let scanner = sandbox_with(&files)?;
+    let run = scanner.run(&["python3", "-I", "-S", "-B", "-c", SCAN_PY], b"", BUDGET);
+    let scan: Scan = serde_json::from_str(&run.stdout).with_context(|| {
+        format!(
+            "scanning {} failed ({:?}): {}",
+            repo_dir.display(),
+            run.outcome,
+            run.stderr
+        )
+    })?;
+    drop(scanner);
+    // The task's repo/: everything but the test modules.
+    let base: Vec<(String, Vec<u8>)> = files
+        .into_iter()
+        .filter(|(rel, _)| !scan.headers.contains_key(rel))
+        .collect();
+    let modules = repo_modules(repo_dir)?;
+    let modules: Vec<String> = modules
+        .into_iter()
+        .filter(|m| {
+            base.iter()
+                .any(|(r, _)| r == &format!("{m}.py") || r.starts_with(&format!("{m}/")))
+        })
+        .collect();
+    // Which tests pass on the original at all.
+    let all_tests: Vec<&TestFn> = scan.tests.iter().collect();
+    let original = sandbox_with(&base)?;
+    let verdicts = run_hidden_tests(
+        &original,
+        &modules,
+        &test_modules(repo_dir, &scan, &all_tests)?,
+        BUDGET,
+    )?;
+    let passing: BTreeSet<String> = verdicts.into_iter().filter(|v| v.1).map(|v| v.0).collect();
+    drop(original);
+
+    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let mut report = MakeTasksReport::default();
+    for f in &scan.functions {
+        let label = format!("{}:{}", f.file, f.name);
+        let tests: Vec<&TestFn> = scan
+            .tests
+            .iter()
+            .filter(|t| t.refs.contains(&f.name) && passing.contains(&t.key()))
+            .collect();
+        if tests.is_empty() {
+            report.skipped.push((
+                label,
+                "no test references it and passes on the original".into(),
+            ));
+            continue;
+        }
+        let Some((_, orig)) = base.iter().find(|(r, _)| r == &f.file) else {
+            continue;
+        };
+        let text = String::from_utf8_lossy(orig);
+        let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+        if f.body_end > lines.len() || f.body_start == 0 || f.body_start > f.body_end {
+            report.skipped.push((label, "bad line range".into()));
+            continue;
+        }
+        lines.splice(
+            f.body_start - 1..f.body_end,
+            [format!("{}raise NotImplementedError", " ".repeat(f.indent))],
+        );
+        let broken_text = lines.join("\n") + "\n";
+        let broken: Vec<(String, Vec<u8>)> = base
+            .iter()
+            .map(|(r, b)| {
+                if r == &f.file {
+                    (r.clone(), broken_text.clone().into_bytes())
+                } else {
+                    (r.clone(), b.clone())
+                }
+            })
+            .collect();
+        let sb = sandbox_with(&broken)?;
+        let v = run_hidden_tests(
+            &sb,
+            &modules,
+            &test_modules(repo_dir, &scan, &tests)?,
+            BUDGET,
+        )?;
+        let failing: BTreeSet<String> = v.into_iter().filter(|v| !v.1).map(|v| v.0).collect();
+        let kept: Vec<&TestFn> = tests
+            .into_iter()
+            .filter(|t| failing.contains(&t.key()))
+            .collect();
+        if kept.is_empty() {
+            report
+                .skipped
+                .push((label, "no test fails when its body is removed".into()));
+            continue;
+        }
+        let id = format!(
+            "{}-{}",
+            f.file.trim_end_matches(".py").replace('/', "-"),
+            f.name
+        );
+        write_task(repo_dir, out_dir, &id, f, &scan, &kept, &broken)?;
+        report.created.push(id);
+    }
+    if report.created.is_empty() {
+        bail!("no task could be made from {}", repo_dir.display());
+    }
+    Ok(report)
+}
+
+fn write_task(
+    repo_dir: &Path,
+    out_dir: &Path,
+    id: &str,
+    f: &Func,
+    scan: &Scan,
+    kept: &[&TestFn],
+    broken: &[(String, Vec<u8>)],
+) -> Result<()> {
+    let dir = out_dir.join(id);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).with_context(|| format!("replacing {}", dir.display()))?;
+    }
+    let put = |rel: &str, bytes: &[u8]| -> Result<()> {
+        let p = dir.join(rel);
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(&p, bytes).with_context(|| format!("writing {}", p.display()))
+    };
+    for (rel, bytes) in broken {
+        put(&format!("repo/{rel}"), bytes)?;
+    }
+    for (name, src) in test_modules(repo_dir, scan, kept)? {
+        put(&format!("hidden_tests/{name}"), src.as_bytes())?;
+    }
+    for (name, src) in test_modules(repo_dir, scan, &kept[..1])? {
+        put(&format!("visible_tests/{name}"), src.as_bytes())?;
+    }
+    put("visible_tests/runtests.py", RUNTESTS_PY.as_bytes())?;
+    let glob = match f.file.rsplit_once('/') {
+        Some((d, _)) => format!("{d}/*.py"),
+        None => "*.py".to_string(),
+    };
+    let doc = if f.doc.is_empty() {
+        "(no docstring)".to_string()
+    } else {
+        f.doc.clone()
+    };
+    let spec = TaskFile {
+        id: id.to_string(),
+        title: format!("Implement `{}` in {}", f.name, f.file),
+        statement: format!(
+            "`{name}` in `{file}` is not implemented: its body was removed and it raises \
+             NotImplementedError. Implement it as documented:\n\n{doc}\n\nRun the visible tests \
+             with `python3 visible_tests/runtests.py`; hidden tests exercise `{name}` further. \
+             Only files matching `{glob}` are graded.\n",
+            name = f.name,
+            file = f.file,
+        ),
+        visible_test_command: "python3 visible_tests/runtests.py".into(),
+        limits: TaskLimits::default(),
+        grade: GradeSpec {
+            source_files: vec![glob],
+            reward: RepoRewardMode::Fraction,
+        },
+        removed: vec![Removed {
+            file: f.file.clone(),
+            kind: "body".into(),
+            symbols: vec![f.name.clone()],
+        }],
+    };
+    let text = toml::to_string(&spec).context("serialising task.toml")?;
+    put("task.toml", text.as_bytes())
+}
