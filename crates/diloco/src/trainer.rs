@@ -20,7 +20,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Var;
 use composer_loss::compute_advantages;
-use composer_telemetry::{MetricsWriter, StepSnapshot, TrainProgress};
+use composer_telemetry::{keys, MetricsWriter, StepSnapshot, TrainProgress};
 use composer_train::trainer::{
     evaluate, open_session, publish_weights, reward_batch, rollout_batch, save, train_on_batch,
     warmup, Session, TrainOptions,
@@ -167,7 +167,7 @@ pub fn run_replica(opts: &ReplicaOptions) -> Result<ReplicaOutcome> {
             let loss = warmup(&mut s, &w)?;
             let acc = evaluate(&s)?;
             s.state.warmup_accuracy = Some(acc);
-            metrics.write(&json!({"step": 0, "kind": "eval", "eval/accuracy": acc, "policy_version": 0, "warmup/loss": loss}))?;
+            metrics.write(&json!({(keys::STEP): 0, (keys::KIND): keys::KIND_EVAL, (keys::EVAL_ACCURACY): acc, (keys::POLICY_VERSION): 0, (keys::WARMUP_LOSS): loss}))?;
         }
     }
 
@@ -231,30 +231,30 @@ pub fn run_replica(opts: &ReplicaOptions) -> Result<ReplicaOutcome> {
         s.state.samples_generated += batch.samples.len() as u64;
         let n = rewards.total.len().max(1) as f64;
         metrics.write(&json!({
-            "step": step,
-            "kind": "train",
-            "policy_version": s.state.policy_version,
-            "reward/mean": rewards.total.iter().sum::<f64>() / n,
-            "loss/rlvr": stats.loss_rlvr,
-            "grad_norm": stats.grad_norm,
-            "lr": stats.lr,
-            "samples": s.state.samples_generated,
-            "time/step_s": t_step.elapsed().as_secs_f64(),
-            "diloco/replica": opts.replica_id,
+            (keys::STEP): step,
+            (keys::KIND): keys::KIND_TRAIN,
+            (keys::POLICY_VERSION): s.state.policy_version,
+            (keys::REWARD_MEAN): rewards.total.iter().sum::<f64>() / n,
+            (keys::LOSS_RLVR): stats.loss_rlvr,
+            (keys::GRAD_NORM): stats.grad_norm,
+            (keys::LR): stats.lr,
+            (keys::SAMPLES): s.state.samples_generated,
+            (keys::TIME_STEP): t_step.elapsed().as_secs_f64(),
+            (keys::DILOCO_REPLICA): opts.replica_id,
         }))?;
 
         if let Some(report) = rt.block_on(diloco.after_inner_step(&vars))? {
             metrics.write(&json!({
-                "step": step,
-                "kind": "diloco",
-                "diloco/round": report.round,
-                "diloco/fragment": report.fragment,
-                "diloco/replicas": report.replicas_in_quorum,
-                "diloco/bytes": report.bytes_up + report.bytes_down,
-                "diloco/bytes_up": report.bytes_up,
-                "diloco/bytes_down": report.bytes_down,
-                "diloco/rejected": report.rejected_keys,
-                "time/outer_sync_s": report.outer_sync_s,
+                (keys::STEP): step,
+                (keys::KIND): keys::KIND_DILOCO,
+                (keys::DILOCO_ROUND): report.round,
+                (keys::DILOCO_FRAGMENT): report.fragment,
+                (keys::DILOCO_REPLICAS): report.replicas_in_quorum,
+                (keys::DILOCO_BYTES): report.bytes_up + report.bytes_down,
+                (keys::DILOCO_BYTES_UP): report.bytes_up,
+                (keys::DILOCO_BYTES_DOWN): report.bytes_down,
+                (keys::DILOCO_REJECTED): report.rejected_keys,
+                (keys::TIME_OUTER_SYNC): report.outer_sync_s,
             }))?;
             round_note = format!(
                 "diloco r{} f{} quorum {}/{} {:.1} MB{}",
@@ -273,7 +273,7 @@ pub fn run_replica(opts: &ReplicaOptions) -> Result<ReplicaOutcome> {
             let acc = evaluate(&s)?;
             final_accuracy = Some(acc);
             eval_acc = Some(acc);
-            metrics.write(&json!({"step": step, "kind": "eval", "policy_version": s.state.policy_version, "eval/accuracy": acc, "samples": s.state.samples_generated}))?;
+            metrics.write(&json!({(keys::STEP): step, (keys::KIND): keys::KIND_EVAL, (keys::POLICY_VERSION): s.state.policy_version, (keys::EVAL_ACCURACY): acc, (keys::SAMPLES): s.state.samples_generated}))?;
         }
         progress.update(&StepSnapshot {
             step: step as u64,

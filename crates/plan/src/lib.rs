@@ -38,6 +38,7 @@
 
 // `!(x > 0.0)` is used on purpose in validation: it also rejects NaN.
 #![allow(clippy::neg_cmp_op_on_partial_ord)]
+#![deny(missing_docs)]
 
 pub mod cli;
 pub mod display;
