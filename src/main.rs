@@ -41,6 +41,12 @@ enum Command {
     },
     /// Estimate the four walls (rollout, verifier, trainer, weight sync) and recommend a layout.
     Plan(PlanArgs),
+    /// List every metrics.jsonl key with its unit and meaning (the source of docs/METRICS.md).
+    MetricsKeys {
+        /// Print the Markdown table of docs/METRICS.md instead of plain lines.
+        #[arg(long)]
+        markdown: bool,
+    },
     /// Serve a built-in environment over the OpenEnv protocol (HTTP + WebSocket /ws).
     ServeEnv(ServeEnvArgs),
     /// Build repository tasks from a Python repository with a test suite (one per function
@@ -486,7 +492,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Plan(a) => {
-            let opts = composer_telemetry::plan::PlanOptions {
+            let opts = composer_plan::PlanOptions {
                 from_run: a.from_run,
                 params: a.params,
                 mean_output: a.mean_output,
@@ -508,7 +514,18 @@ fn run(cli: Cli) -> Result<()> {
                 weight_copies: a.weight_copies,
                 json: a.json,
             };
-            println!("{}", composer_telemetry::plan::plan_cli(&opts)?);
+            println!("{}", composer_plan::plan_cli(&opts)?);
+            Ok(())
+        }
+        Command::MetricsKeys { markdown } => {
+            use composer_telemetry::metric_keys;
+            if markdown {
+                print!("{}", metric_keys::markdown());
+            } else {
+                for k in metric_keys::ALL {
+                    println!("{:<28} {:<9} {}", k.name, k.unit.as_str(), k.description);
+                }
+            }
             Ok(())
         }
         Command::ServeEnv(a) => {

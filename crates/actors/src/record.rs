@@ -6,39 +6,16 @@ use serde_json::{json, Map, Value};
 
 use crate::version::PolicyVersion;
 
-/// Metric keys written by [`StepRecord::metrics`] (the same strings as
-/// `composer_telemetry::metrics::keys`).
+/// Metric keys written by [`StepRecord::metrics`]: re-exported from the typed schema in
+/// `composer_telemetry::metric_keys`, so the writer here and the readers there cannot drift.
 pub mod keys {
-    /// Version published at the end of the step.
-    pub const POLICY_VERSION: &str = "policy_version";
-    /// τ_R: seconds generating the step's batches.
-    pub const TIME_ROLLOUT: &str = "time/rollout_s";
-    /// τ_V: seconds scoring the step's batches.
-    pub const TIME_REWARD: &str = "time/reward_s";
-    /// τ_T: seconds in `Trainer::train`.
-    pub const TIME_TRAIN: &str = "time/train_s";
-    /// τ_S: seconds in `Trainer::publish` plus the slot swap.
-    pub const TIME_SYNC: &str = "time/sync_s";
-    /// Wall seconds of the step (since the previous step ended).
-    pub const TIME_STEP: &str = "time/step_s";
-    /// Seconds the generator waited (for weights within the bound, or for queue room).
-    pub const IDLE_GENERATOR: &str = "idle/generator_s";
-    /// Seconds the rewarder waited (for a batch, or for queue room).
-    pub const IDLE_REWARDER: &str = "idle/rewarder_s";
-    /// Seconds the trainer waited for a scored batch.
-    pub const IDLE_TRAINER: &str = "idle/trainer_s";
-    /// Mean policy-version lag of the consumed items.
-    pub const STALENESS_MEAN: &str = "staleness/mean";
-    /// Max policy-version lag of the consumed items.
-    pub const STALENESS_MAX: &str = "staleness/max";
-    /// Items dropped for exceeding the bound while assembling this step.
-    pub const STALENESS_DROPPED: &str = "staleness/dropped";
-    /// Per consumed item, its lag.
-    pub const STALENESS_VALUES: &str = "staleness/values";
-    /// The bound k in force (0 in sync mode).
-    pub const STALENESS_BOUND: &str = "staleness/bound";
-    /// Number of items trained on in this step.
-    pub const CONSUMED: &str = "actors/consumed";
+    pub use composer_telemetry::keys::{
+        IDLE_GENERATOR, IDLE_REWARDER, IDLE_TRAINER, POLICY_VERSION, STALENESS_BOUND,
+        STALENESS_DROPPED, STALENESS_MAX, STALENESS_MEAN, STALENESS_VALUES, TIME_REWARD,
+        TIME_ROLLOUT, TIME_STEP, TIME_SYNC, TIME_TRAIN,
+    };
+    /// Number of items trained on in this step (`actors/consumed`).
+    pub const CONSUMED: &str = composer_telemetry::keys::ACTORS_CONSUMED;
 }
 
 /// Where the step's time went, in seconds.

@@ -940,10 +940,8 @@ impl DilocoReplica {
         meta.insert("round".into(), self.round.to_string());
         meta.insert("replica".into(), self.replica_id.clone());
         let bytes = encode(&all, Compression::F32, meta)?;
-        let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
-        std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
-        Ok(())
+        composer_fsutil::write_atomic(path, &bytes)
+            .with_context(|| format!("writing diloco state {}", path.display()))
     }
 
     /// Restores the outer state saved by [`save_state`](Self::save_state), then adopts any newer

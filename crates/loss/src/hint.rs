@@ -15,39 +15,14 @@
 //! `is_clip`)) (SDPO default cap 2.0) and averaged over the active tokens of the samples that
 //! received a hint (`has_hint`). Teacher log-probs never receive gradients.
 //! Reference: SDPO's `compute_self_distillation_loss` (verl `core_algos.py` fork).
+use crate::divergence::{add_tail, renorm};
+pub use crate::divergence::{divergence_per_token, HintDivergence, HintSupport};
+pub use crate::inputs::HintInputs;
 use crate::inputs::LossInputs;
-use crate::util::{const2, host2, host3, logsumexp_last};
+use crate::util::{const2, host2};
 use crate::{LossError, Result};
-use candle_core::{DType, Tensor, Var, D};
+use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
-
-/// Divergence of the hint channel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HintDivergence {
-    /// KL(S‖T).
-    ReverseKl,
-    /// KL(T‖S).
-    ForwardKl,
-    /// Generalised Jensen–Shannon with mixing `alpha` (SDPO default 0.5).
-    #[default]
-    Jsd,
-    /// sg(log π_S − log π_T)·log π_S on the sampled token only.
-    SampledToken,
-}
-
-/// Support of the distributions compared per token.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HintSupport {
-    /// Student's top-K ids plus one tail bucket log(1 − Σ_K p) (SDPO `distillation_add_tail`).
-    #[default]
-    TopkTail,
-    /// Student's top-K ids, each side renormalised to sum to one.
-    TopkRenormalized,
-    /// The given log-probs are whole (small-vocabulary) distributions; used as they are.
-    Full,
-}
 
 /// Knobs of the hint channel. Defaults follow SDPO's `self_distillation` config.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -74,23 +49,6 @@ impl Default for HintConfig {
     }
 }
 
-/// Per-token inputs of the hint channel (same `B`, `T` as the RLVR batch: the student's own
-/// completions re-scored by the hinted teacher).
-#[derive(Debug, Clone)]
-pub struct HintInputs {
-    /// `[B, T, K]` student log-probs at its top-K ids, **with gradient** (or `[B, T, V]` full
-    /// distributions with `support = full`). Not needed for `sampled_token`.
-    pub student_topk_logprobs: Option<Tensor>,
-    /// `[B, T, K]` teacher log-probs at the *same* ids (or `[B, T, V]`).
-    pub teacher_topk_logprobs: Option<Tensor>,
-    /// `[B, T, K]` the top-K token ids (u32), informational (the teacher was scored at them).
-    pub topk_ids: Option<Tensor>,
-    /// `[B, T]` teacher log-prob of the sampled token; needed for `sampled_token`.
-    pub teacher_token_logprobs: Option<Tensor>,
-    /// Per sample: whether it received a hint (samples without one are excluded).
-    pub has_hint: Vec<bool>,
-}
-
 /// Metrics of the hint channel.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct HintMetrics {
@@ -106,61 +64,6 @@ pub struct HintMetrics {
     pub is_weight_mean: f64,
     /// Fraction of hinted tokens whose IS weight hit the cap.
     pub is_capped_fraction: f64,
-}
-
-/// SDPO's `add_tail`: append log(1 − Σ exp(x)) with the sum clamped below 1.
-fn add_tail(x: &Tensor) -> Result<Tensor> {
-    let ls = logsumexp_last(x)?; // [B, T, 1]
-    let ls_h = host3(&ls)?;
-    // Where log Σp > −1e-7 the clamp is active: the value becomes the constant −1e-7.
-    let clamp_rows: Vec<Vec<f64>> = ls_h
-        .iter()
-        .map(|r| {
-            r.iter()
-                .map(|v| if v[0] > -1e-7 { 1.0 } else { 0.0 })
-                .collect()
-        })
-        .collect();
-    let c = const2(&clamp_rows, x)?.unsqueeze(D::Minus1)?;
-    let one_minus_c = (c.ones_like()? - &c)?;
-    let ls = ((ls * one_minus_c)? + (c * -1e-7)?)?;
-    let tail = (ls.exp()?.neg()? + 1.0)?.log()?;
-    Ok(Tensor::cat(&[x, &tail], D::Minus1)?)
-}
-
-fn renorm(x: &Tensor) -> Result<Tensor> {
-    Ok(x.broadcast_sub(&logsumexp_last(x)?)?)
-}
-
-/// `kl_div(input, target, log_target=True)` summed over the last dim: Σ e^target (target − input).
-fn kl_sum(input: &Tensor, target: &Tensor) -> Result<Tensor> {
-    Ok((target.exp()? * (target - input)?)?.sum(D::Minus1)?)
-}
-
-/// Per-token divergence `[B, T]` between student and teacher log-prob rows `[B, T, K']`
-/// (already on the chosen support): forward KL Σ p_T(log p_T − log p_S), reverse KL
-/// Σ p_S(log p_S − log p_T), JSD (1−α)·KL(S‖M) + α·KL(T‖M) with M = (1−α)S + αT.
-/// `teacher` must be detached.
-pub fn divergence_per_token(
-    student: &Tensor,
-    teacher: &Tensor,
-    divergence: HintDivergence,
-    alpha: f64,
-) -> Result<Tensor> {
-    match divergence {
-        HintDivergence::ForwardKl => kl_sum(student, teacher),
-        HintDivergence::ReverseKl => kl_sum(teacher, student),
-        HintDivergence::Jsd => {
-            let mix = ((student.exp()? * (1.0 - alpha))? + (teacher.exp()? * alpha)?)?.log()?;
-            let kl_t = kl_sum(&mix, teacher)?;
-            let kl_s = kl_sum(&mix, student)?;
-            Ok(((kl_s * (1.0 - alpha))? + (kl_t * alpha)?)?)
-        }
-        HintDivergence::SampledToken => Err(LossError::Config {
-            key: "divergence",
-            message: "sampled_token has no distribution form".into(),
-        }),
-    }
 }
 
 /// The hint self-distillation loss of one micro-batch: `(scalar, metrics)`,

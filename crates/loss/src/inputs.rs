@@ -1,7 +1,9 @@
-//! The one input struct of the loss ([`LossInputs`]) and the gradient-accumulation
-//! normaliser ([`LossScale`]).
-use crate::hint::HintInputs;
-use crate::replay::ReplayInputs;
+//! The input structs of the loss: [`LossInputs`] with the per-channel inputs it carries
+//! ([`HintInputs`], [`ReplayInputs`] = [`DpoInputs`] + [`TeacherKlInputs`]), and the
+//! gradient-accumulation normaliser ([`LossScale`]).
+//!
+//! A leaf module: it imports nothing from the loss functions, so the channels (`rlvr`, `hint`,
+//! `replay`) depend on it and never the other way round.
 use crate::util::{check_float, check_shape, host1, host2};
 use crate::{LossError, Result};
 use candle_core::Tensor;
@@ -171,4 +173,61 @@ impl LossScale {
             num_micro_batches: micro_batches.len().max(1) as f64,
         })
     }
+}
+
+/// Per-token inputs of the hint channel (same `B`, `T` as the RLVR batch: the student's own
+/// completions re-scored by the hinted teacher).
+#[derive(Debug, Clone)]
+pub struct HintInputs {
+    /// `[B, T, K]` student log-probs at its top-K ids, **with gradient** (or `[B, T, V]` full
+    /// distributions with `support = full`). Not needed for `sampled_token`.
+    pub student_topk_logprobs: Option<Tensor>,
+    /// `[B, T, K]` teacher log-probs at the *same* ids (or `[B, T, V]`).
+    pub teacher_topk_logprobs: Option<Tensor>,
+    /// `[B, T, K]` the top-K token ids (u32), informational (the teacher was scored at them).
+    pub topk_ids: Option<Tensor>,
+    /// `[B, T]` teacher log-prob of the sampled token; needed for `sampled_token`.
+    pub teacher_token_logprobs: Option<Tensor>,
+    /// Per sample: whether it received a hint (samples without one are excluded).
+    pub has_hint: Vec<bool>,
+}
+
+/// Sequence-level inputs of DPO for P pairs. Build the sums with [`crate::replay::sequence_logprobs`].
+#[derive(Debug, Clone)]
+pub struct DpoInputs {
+    /// `[P]` Σ_t log π(chosen), **with gradient**.
+    pub policy_chosen_logps: Tensor,
+    /// `[P]` Σ_t log π(rejected), **with gradient**.
+    pub policy_rejected_logps: Tensor,
+    /// `[P]` reference sums on the chosen (frozen reference model, or the teacher's recorded
+    /// token log-probs, see `Trace::recorded_token_logprobs`).
+    pub ref_chosen_logps: Tensor,
+    /// `[P]` reference sums on the rejected (frozen reference, or the sampler's log-probs).
+    pub ref_rejected_logps: Tensor,
+    /// Completion lengths of the chosen (for `ipo`).
+    pub chosen_lengths: Vec<usize>,
+    /// Completion lengths of the rejected (for `ipo`).
+    pub rejected_lengths: Vec<usize>,
+}
+
+/// Inputs of the teacher-KL replay loss on a batch of teacher traces.
+#[derive(Debug, Clone)]
+pub struct TeacherKlInputs {
+    /// `[B, T, K]` the student's log-probs at the teacher's recorded top-K ids, **with gradient**.
+    pub student_topk_logprobs: Tensor,
+    /// `[B, T, K]` the teacher's recorded log-probs (see `traces::collate_topk`).
+    pub teacher_topk_logprobs: Tensor,
+    /// `[B, T]` 0/1 mask of real completion positions.
+    pub loss_mask: Tensor,
+    /// Teacher name per trace (`len == B`), for the per-teacher weights.
+    pub teachers: Vec<String>,
+}
+
+/// Inputs of the replay channel; either part may be absent (then it contributes nothing).
+#[derive(Debug, Clone, Default)]
+pub struct ReplayInputs {
+    /// Preference pairs.
+    pub dpo: Option<DpoInputs>,
+    /// Teacher traces' top-K distributions.
+    pub teacher_kl: Option<TeacherKlInputs>,
 }

@@ -23,6 +23,7 @@
 
 pub mod advantages;
 pub mod composer;
+pub mod divergence;
 pub mod hint;
 pub mod inputs;
 pub mod replay;
@@ -38,13 +39,13 @@ pub use advantages::{
 };
 pub use composer::{composer_loss, ComposerConfig, ComposerMetrics};
 pub use hint::{
-    build_hint_prompts, ema_tensors, ema_update, hint_loss, HintConfig, HintDivergence, HintInputs,
+    build_hint_prompts, ema_tensors, ema_update, hint_loss, HintConfig, HintDivergence,
     HintMetrics, HintSupport, HintTemplate, RolloutForHint, DEFAULT_HINT_TEMPLATE,
 };
-pub use inputs::{LossInputs, LossScale};
+pub use inputs::{DpoInputs, HintInputs, LossInputs, LossScale, ReplayInputs, TeacherKlInputs};
 pub use replay::{
-    dpo_loss, replay_loss, sequence_logprobs, teacher_kl_loss, DpoConfig, DpoInputs, DpoLossType,
-    DpoMetrics, ReplayConfig, ReplayInputs, ReplayMetrics, TeacherKlInputs, TeacherKlMetrics,
+    dpo_loss, replay_loss, sequence_logprobs, teacher_kl_loss, DpoConfig, DpoLossType, DpoMetrics,
+    ReplayConfig, ReplayMetrics, TeacherKlMetrics,
 };
 pub use rlvr::{
     agg_loss, rlvr_loss, CispoClipMode, EntropyNormalization, ImportanceSamplingLevel, KlEstimator,

@@ -14,10 +14,11 @@
 //! Teacher KL: per token KL(T‖S) = Σ_k p_T,k (log p_T,k − log p_S,k) over the teacher's
 //! recorded top-K ids plus the tail bucket (or the renormalised top-K); per-sample weight w
 //! (by teacher name); loss = Σ_i w_i Σ_t m_it KL_it / Σ_i Σ_t m_it.
-use crate::hint::{divergence_per_token, HintDivergence, HintSupport};
+use crate::divergence::{add_tail, divergence_per_token, HintDivergence, HintSupport};
+pub use crate::inputs::{DpoInputs, ReplayInputs, TeacherKlInputs};
 use crate::util::{check_shape, const1, host1, host2, logsumexp_last};
 use crate::{LossError, Result};
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -51,24 +52,6 @@ impl Default for DpoConfig {
             beta: 0.1,
         }
     }
-}
-
-/// Sequence-level inputs of DPO for P pairs. Build the sums with [`sequence_logprobs`].
-#[derive(Debug, Clone)]
-pub struct DpoInputs {
-    /// `[P]` Σ_t log π(chosen), **with gradient**.
-    pub policy_chosen_logps: Tensor,
-    /// `[P]` Σ_t log π(rejected), **with gradient**.
-    pub policy_rejected_logps: Tensor,
-    /// `[P]` reference sums on the chosen (frozen reference model, or the teacher's recorded
-    /// token log-probs, see `Trace::recorded_token_logprobs`).
-    pub ref_chosen_logps: Tensor,
-    /// `[P]` reference sums on the rejected (frozen reference, or the sampler's log-probs).
-    pub ref_rejected_logps: Tensor,
-    /// Completion lengths of the chosen (for `ipo`).
-    pub chosen_lengths: Vec<usize>,
-    /// Completion lengths of the rejected (for `ipo`).
-    pub rejected_lengths: Vec<usize>,
 }
 
 /// DPO metrics (TRL's `rewards/*`).
@@ -181,19 +164,6 @@ pub fn dpo_loss(inputs: &DpoInputs, cfg: &DpoConfig) -> Result<(Tensor, DpoMetri
     Ok((loss, metrics))
 }
 
-/// Inputs of the teacher-KL replay loss on a batch of teacher traces.
-#[derive(Debug, Clone)]
-pub struct TeacherKlInputs {
-    /// `[B, T, K]` the student's log-probs at the teacher's recorded top-K ids, **with gradient**.
-    pub student_topk_logprobs: Tensor,
-    /// `[B, T, K]` the teacher's recorded log-probs (see `traces::collate_topk`).
-    pub teacher_topk_logprobs: Tensor,
-    /// `[B, T]` 0/1 mask of real completion positions.
-    pub loss_mask: Tensor,
-    /// Teacher name per trace (`len == B`), for the per-teacher weights.
-    pub teachers: Vec<String>,
-}
-
 /// Teacher-KL metrics.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct TeacherKlMetrics {
@@ -241,7 +211,7 @@ pub fn teacher_kl_loss(
     }
     let te = inputs.teacher_topk_logprobs.detach().to_dtype(s.dtype())?;
     let (s2, t2) = match support {
-        HintSupport::TopkTail => (tail(s)?, tail(&te)?),
+        HintSupport::TopkTail => (add_tail(s)?, add_tail(&te)?),
         HintSupport::TopkRenormalized => (
             s.broadcast_sub(&logsumexp_last(s)?)?,
             te.broadcast_sub(&logsumexp_last(&te)?)?,
@@ -285,24 +255,6 @@ pub fn teacher_kl_loss(
     Ok((loss, metrics))
 }
 
-fn tail(x: &Tensor) -> Result<Tensor> {
-    // Same tail bucket as the hint channel: log(1 − Σ_K p), Σ clamped below 1.
-    let ls = logsumexp_last(x)?;
-    let ls_h = crate::util::host3(&ls)?;
-    let rows: Vec<Vec<f64>> = ls_h
-        .iter()
-        .map(|r| {
-            r.iter()
-                .map(|v| if v[0] > -1e-7 { 1.0 } else { 0.0 })
-                .collect()
-        })
-        .collect();
-    let c = crate::util::const2(&rows, x)?.unsqueeze(D::Minus1)?;
-    let ls = ((ls * (c.ones_like()? - &c)?)? + (c * -1e-7)?)?;
-    let tail = (ls.exp()?.neg()? + 1.0)?.log()?;
-    Ok(Tensor::cat(&[x, &tail], D::Minus1)?)
-}
-
 /// Knobs of the replay channel.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -329,15 +281,6 @@ impl Default for ReplayConfig {
             teacher_weights: BTreeMap::new(),
         }
     }
-}
-
-/// Inputs of the replay channel; either part may be absent (then it contributes nothing).
-#[derive(Debug, Clone, Default)]
-pub struct ReplayInputs {
-    /// Preference pairs.
-    pub dpo: Option<DpoInputs>,
-    /// Teacher traces' top-K distributions.
-    pub teacher_kl: Option<TeacherKlInputs>,
 }
 
 /// Replay-channel metrics.

@@ -14,86 +14,8 @@ use serde_json::Value;
 
 /// The metric key contract shared by the trainer (writer) and the summary/report (readers).
 pub mod keys {
-    /// Record kind: [`KIND_TRAIN`] or [`KIND_EVAL`].
-    pub const KIND: &str = "kind";
-    /// `kind` of a per-step training line.
-    pub const KIND_TRAIN: &str = "train";
-    /// `kind` of an evaluation line.
-    pub const KIND_EVAL: &str = "eval";
-    /// Optimizer step (integer), present on every line.
-    pub const STEP: &str = "step";
-    /// Version of the policy the trainer produced at this step.
-    pub const POLICY_VERSION: &str = "policy_version";
-    /// Mean sequence reward of the step's batch.
-    pub const REWARD_MEAN: &str = "reward/mean";
-    /// Standard deviation of the step's rewards.
-    pub const REWARD_STD: &str = "reward/std";
-    /// Mean completion length in tokens.
-    pub const COMPLETION_MEAN_LENGTH: &str = "completions/mean_length";
-    /// Fraction of completions cut at the token limit.
-    pub const COMPLETION_CLIPPED_RATIO: &str = "completions/clipped_ratio";
-    /// Optional array of per-sample completion lengths (tokens).
-    pub const COMPLETION_LENGTHS: &str = "completions/lengths";
-    /// RLVR channel loss.
-    pub const LOSS_RLVR: &str = "loss/rlvr";
-    /// Hint self-distillation channel loss.
-    pub const LOSS_HINT: &str = "loss/hint";
-    /// Trace replay channel loss.
-    pub const LOSS_REPLAY: &str = "loss/replay";
-    /// KL to the reference (or sampler) policy.
-    pub const KL: &str = "kl";
-    /// Mean token entropy.
-    pub const ENTROPY: &str = "entropy";
-    /// Fraction of tokens clipped at 1 − ε_low.
-    pub const CLIP_RATIO_LOW: &str = "clip_ratio/low";
-    /// Fraction of tokens clipped at 1 + ε_high.
-    pub const CLIP_RATIO_HIGH: &str = "clip_ratio/high";
-    /// Gradient norm before clipping.
-    pub const GRAD_NORM: &str = "grad_norm";
-    /// Learning rate used for the step.
-    pub const LR: &str = "lr";
-    /// τ_R: seconds generating rollouts in this step.
-    pub const TIME_ROLLOUT: &str = "time/rollout_s";
-    /// τ_V: seconds in environments / verifiers / reward.
-    pub const TIME_REWARD: &str = "time/reward_s";
-    /// τ_T: seconds in trainer forward + backward + optimizer.
-    pub const TIME_TRAIN: &str = "time/train_s";
-    /// τ_S: seconds publishing weights to the generator.
-    pub const TIME_SYNC: &str = "time/sync_s";
-    /// Wall-clock seconds of the whole step.
-    pub const TIME_STEP: &str = "time/step_s";
-    /// Generated tokens per second.
-    pub const TOKENS_PER_S: &str = "tokens_per_s";
-    /// Optional array of per-call environment latencies (seconds).
-    pub const ENV_LATENCY: &str = "env/latency_s";
-    /// Tokens the trainer has trained on so far in the run: a running total (cumulative
-    /// counter, restored from the checkpoint on resume), NOT a per-step count. Readers must
-    /// take its increments, never sum it over steps (see `summary::trained_tokens_total`).
-    pub const TRAINED_TOKENS: &str = "trained_tokens";
-    /// Mean policy-version lag of the consumed trajectories (async mode).
-    pub const STALENESS_MEAN: &str = "staleness/mean";
-    /// Max policy-version lag of the consumed trajectories (async mode).
-    pub const STALENESS_MAX: &str = "staleness/max";
-    /// Trajectories dropped in this step for exceeding the staleness bound.
-    pub const STALENESS_DROPPED: &str = "staleness/dropped";
-    /// Array of per-trajectory policy-version lags (async mode).
-    pub const STALENESS_VALUES: &str = "staleness/values";
-    /// Seconds the generator waited (async mode).
-    pub const IDLE_GENERATOR: &str = "idle/generator_s";
-    /// Seconds the trainer waited for data (async mode).
-    pub const IDLE_TRAINER: &str = "idle/trainer_s";
-    /// Seconds the rewarder waited (async mode).
-    pub const IDLE_REWARDER: &str = "idle/rewarder_s";
-    /// DiLoCo outer round.
-    pub const DILOCO_ROUND: &str = "diloco/round";
-    /// DiLoCo replicas that joined the round.
-    pub const DILOCO_REPLICAS: &str = "diloco/replicas";
-    /// Bytes exchanged in the DiLoCo round.
-    pub const DILOCO_BYTES: &str = "diloco/bytes";
-    /// Seconds in the DiLoCo outer synchronisation.
-    pub const TIME_OUTER_SYNC: &str = "time/outer_sync_s";
-    /// Held-out accuracy on an eval line.
-    pub const EVAL_ACCURACY: &str = "eval/accuracy";
+    pub use crate::metric_keys::names::*;
+    pub use crate::metric_keys::{KIND_DILOCO, KIND_EVAL, KIND_TRAIN};
 }
 
 /// Appends metric records to a JSONL file, one object per line, flushed after each line.
@@ -146,28 +68,14 @@ impl MetricsWriter {
                 },
             )
             .map(|(raw, _)| raw);
-        let file_name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "metrics.jsonl".to_string());
-        let tmp = path.with_file_name(format!(".{file_name}.resume.tmp"));
-        {
-            let file = File::create(&tmp)
-                .with_context(|| format!("creating temporary file {}", tmp.display()))?;
-            let mut out = BufWriter::new(file);
+        composer_fsutil::write_atomic_with(path, |out| {
             for raw in kept {
-                out.write_all(raw.as_bytes())
-                    .and_then(|_| out.write_all(b"\n"))
-                    .with_context(|| format!("writing {}", tmp.display()))?;
+                out.write_all(raw.as_bytes())?;
+                out.write_all(b"\n")?;
             }
-            let file = out
-                .into_inner()
-                .map_err(|e| anyhow::anyhow!("flushing {}: {}", tmp.display(), e.error()))?;
-            file.sync_all()
-                .with_context(|| format!("syncing {}", tmp.display()))?;
-        }
-        fs::rename(&tmp, path)
-            .with_context(|| format!("replacing {} with {}", path.display(), tmp.display()))?;
+            Ok(())
+        })
+        .with_context(|| format!("rewriting {}", path.display()))?;
         Self::open_append(path)
     }
 

@@ -671,9 +671,8 @@ pub fn write_report(run_dir: &Path) -> Result<PathBuf> {
     let summary = RunSummary::from_metrics(&records);
     let html = render_html(run_dir, &records, recipe.as_deref(), &summary)?;
     let out = run_dir.join("report.html");
-    let tmp = run_dir.join(".report.html.tmp");
-    fs::write(&tmp, html).with_context(|| format!("writing {}", tmp.display()))?;
-    fs::rename(&tmp, &out).with_context(|| format!("writing {}", out.display()))?;
+    composer_fsutil::write_atomic(&out, html.as_bytes())
+        .with_context(|| format!("writing {}", out.display()))?;
     Ok(out)
 }
 

@@ -1,0 +1,91 @@
+//! Per-token divergences between two log-prob distributions on a shared support, used by the
+//! hint channel (student vs hinted self) and the replay channel's teacher KL (student vs
+//! recorded teacher). A leaf module so both channels share one implementation without
+//! depending on each other.
+use crate::util::{const2, host3, logsumexp_last};
+use crate::{LossError, Result};
+use candle_core::{Tensor, D};
+use serde::{Deserialize, Serialize};
+
+/// Divergence of the hint channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HintDivergence {
+    /// KL(S‖T).
+    ReverseKl,
+    /// KL(T‖S).
+    ForwardKl,
+    /// Generalised Jensen–Shannon with mixing `alpha` (SDPO default 0.5).
+    #[default]
+    Jsd,
+    /// sg(log π_S − log π_T)·log π_S on the sampled token only.
+    SampledToken,
+}
+
+/// Support of the distributions compared per token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HintSupport {
+    /// Student's top-K ids plus one tail bucket log(1 − Σ_K p) (SDPO `distillation_add_tail`).
+    #[default]
+    TopkTail,
+    /// Student's top-K ids, each side renormalised to sum to one.
+    TopkRenormalized,
+    /// The given log-probs are whole (small-vocabulary) distributions; used as they are.
+    Full,
+}
+
+/// SDPO's `add_tail`: append log(1 − Σ exp(x)) with the sum clamped below 1.
+pub(crate) fn add_tail(x: &Tensor) -> Result<Tensor> {
+    let ls = logsumexp_last(x)?; // [B, T, 1]
+    let ls_h = host3(&ls)?;
+    // Where log Σp > −1e-7 the clamp is active: the value becomes the constant −1e-7.
+    let clamp_rows: Vec<Vec<f64>> = ls_h
+        .iter()
+        .map(|r| {
+            r.iter()
+                .map(|v| if v[0] > -1e-7 { 1.0 } else { 0.0 })
+                .collect()
+        })
+        .collect();
+    let c = const2(&clamp_rows, x)?.unsqueeze(D::Minus1)?;
+    let one_minus_c = (c.ones_like()? - &c)?;
+    let ls = ((ls * one_minus_c)? + (c * -1e-7)?)?;
+    let tail = (ls.exp()?.neg()? + 1.0)?.log()?;
+    Ok(Tensor::cat(&[x, &tail], D::Minus1)?)
+}
+
+pub(crate) fn renorm(x: &Tensor) -> Result<Tensor> {
+    Ok(x.broadcast_sub(&logsumexp_last(x)?)?)
+}
+
+/// `kl_div(input, target, log_target=True)` summed over the last dim: Σ e^target (target − input).
+fn kl_sum(input: &Tensor, target: &Tensor) -> Result<Tensor> {
+    Ok((target.exp()? * (target - input)?)?.sum(D::Minus1)?)
+}
+
+/// Per-token divergence `[B, T]` between student and teacher log-prob rows `[B, T, K']`
+/// (already on the chosen support): forward KL Σ p_T(log p_T − log p_S), reverse KL
+/// Σ p_S(log p_S − log p_T), JSD (1−α)·KL(S‖M) + α·KL(T‖M) with M = (1−α)S + αT.
+/// `teacher` must be detached.
+pub fn divergence_per_token(
+    student: &Tensor,
+    teacher: &Tensor,
+    divergence: HintDivergence,
+    alpha: f64,
+) -> Result<Tensor> {
+    match divergence {
+        HintDivergence::ForwardKl => kl_sum(student, teacher),
+        HintDivergence::ReverseKl => kl_sum(teacher, student),
+        HintDivergence::Jsd => {
+            let mix = ((student.exp()? * (1.0 - alpha))? + (teacher.exp()? * alpha)?)?.log()?;
+            let kl_t = kl_sum(&mix, teacher)?;
+            let kl_s = kl_sum(&mix, student)?;
+            Ok(((kl_s * (1.0 - alpha))? + (kl_t * alpha)?)?)
+        }
+        HintDivergence::SampledToken => Err(LossError::Config {
+            key: "divergence",
+            message: "sampled_token has no distribution form".into(),
+        }),
+    }
+}
