@@ -37,7 +37,7 @@ prompts_per_step = 8
 eval_every = 0
 checkpoint_every = 0
 TOML
-  "$BIN" train "$WORK/r$L.toml" --quiet --run-dir "$WORK/run$L" >/dev/null
+  "$BIN" train "$WORK/r$L.toml" --quiet --run-dir "$WORK/run$L" >/dev/null 2>&1
   python3 - "$WORK/run$L/metrics.jsonl" "$L" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"time/rollout_s"' in l]
