@@ -188,6 +188,8 @@ schema! {
     IDLE_GENERATOR = "idle/generator_s", Seconds, Scalar, Train, "seconds the generator waited (async mode)";
     IDLE_REWARDER = "idle/rewarder_s", Seconds, Scalar, Train, "seconds the rewarder waited (async mode)";
     IDLE_TRAINER = "idle/trainer_s", Seconds, Scalar, Train, "seconds the trainer waited for a scored batch (async mode)";
+    DYNAMIC_SAMPLING_DROPPED_GROUPS = "dynamic_sampling/dropped_groups", Count, Scalar, Train, "groups dropped this step by dynamic sampling (all rewards equal)";
+    DYNAMIC_SAMPLING_ROUNDS = "dynamic_sampling/rounds", Count, Scalar, Train, "generation rounds dynamic sampling needed to fill the step's batch";
     ACTORS_CONSUMED = "actors/consumed", Count, Scalar, Train, "items trained on this step (async mode)";
     EVAL_ACCURACY = "eval/accuracy", Ratio, Scalar, Eval, "held-out accuracy";
     WARMUP_LOSS = "warmup/loss", Nats, Scalar, Eval, "loss of the supervised warm-up (the step-0 eval line)";

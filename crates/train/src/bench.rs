@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 
 use anyhow::Result;
+use composer_telemetry::keys;
 
 use crate::recipe::EMBEDDED_DEFAULT_RECIPE;
 use crate::trainer::{run_train, TrainOptions};
@@ -232,7 +233,7 @@ pub fn bench_async(opts: &AsyncBenchOptions) -> Result<String> {
         let lines = composer_telemetry::read_metrics(&run_dir.join("metrics.jsonl"))?;
         let train: Vec<_> = lines
             .iter()
-            .filter(|l| l.get("kind").and_then(|k| k.as_str()) == Some("train"))
+            .filter(|l| l.get(keys::KIND).and_then(|k| k.as_str()) == Some(keys::KIND_TRAIN))
             .collect();
         let mean_of = |key: &str| {
             let v: Vec<f64> = train
@@ -243,7 +244,7 @@ pub fn bench_async(opts: &AsyncBenchOptions) -> Result<String> {
         };
         let dropped: f64 = train
             .iter()
-            .filter_map(|l| l.get("staleness/dropped").and_then(|x| x.as_f64()))
+            .filter_map(|l| l.get(keys::STALENESS_DROPPED).and_then(|x| x.as_f64()))
             .sum();
         let (steps, samples, secs) = match out.reached_target {
             Some((a, b, c)) => (a.to_string(), b.to_string(), format!("{c:.1}")),
@@ -255,8 +256,8 @@ pub fn bench_async(opts: &AsyncBenchOptions) -> Result<String> {
         };
         s.push_str(&format!(
             "| {name} | {steps} | {samples} | {secs} | {:.2} | {:.2} | {dropped:.0} | {} |\n",
-            mean_of("time/step_s"),
-            mean_of("staleness/mean"),
+            mean_of(keys::TIME_STEP),
+            mean_of(keys::STALENESS_MEAN),
             out.final_accuracy
                 .map(|a| format!("{:.1}%", a * 100.0))
                 .unwrap_or_else(|| "-".into())

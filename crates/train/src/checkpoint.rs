@@ -13,8 +13,6 @@
 //! a complete `checkpoint.old/`, which [`find_checkpoint`] falls back to.
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -85,21 +83,6 @@ pub struct CheckpointData<'a> {
     pub recipe_text: &'a str,
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    f.write_all(bytes)
-        .with_context(|| format!("writing {}", path.display()))?;
-    f.sync_all()
-        .with_context(|| format!("syncing {}", path.display()))?;
-    Ok(())
-}
-
-fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .with_context(|| format!("syncing directory {}", dir.display()))
-}
-
 /// Write a checkpoint atomically into `run_dir/checkpoint`. On a failed write (disk full...)
 /// the last good checkpoint is untouched and the partial `checkpoint.tmp` is removed, so it
 /// does not keep the disk full.
@@ -131,7 +114,7 @@ fn write_checkpoint_tmp(tmp: &Path, data: &CheckpointData) -> Result<()> {
             Some(HashMap::from([("format".to_string(), "pt".to_string())])),
         )?)
     };
-    write_synced(&tmp.join("model.safetensors"), &st(&data.weights)?)?;
+    composer_fsutil::write_atomic(&tmp.join("model.safetensors"), &st(&data.weights)?)?;
     if std::env::var(ABORT_HOOK_ENV)
         .ok()
         .and_then(|s| s.parse::<usize>().ok())
@@ -146,11 +129,14 @@ fn write_checkpoint_tmp(tmp: &Path, data: &CheckpointData) -> Result<()> {
     match data.source_dir {
         Some(src) => copy_model_files(src, tmp, &data.config)?,
         None => {
-            write_synced(
+            composer_fsutil::write_atomic(
                 &tmp.join("config.json"),
                 serde_json::to_string_pretty(&data.config)?.as_bytes(),
             )?;
-            write_synced(&tmp.join("tokenizer.json"), data.tokenizer_json.as_bytes())?;
+            composer_fsutil::write_atomic(
+                &tmp.join("tokenizer.json"),
+                data.tokenizer_json.as_bytes(),
+            )?;
             let tok_cfg = serde_json::json!({
                 "tokenizer_class": "PreTrainedTokenizerFast",
                 "eos_token": crate::tokenizer::EOS_TOKEN,
@@ -159,23 +145,26 @@ fn write_checkpoint_tmp(tmp: &Path, data: &CheckpointData) -> Result<()> {
                 "model_max_length": data.config["max_position_embeddings"],
                 "chat_template": CHATML_TEMPLATE,
             });
-            write_synced(
+            composer_fsutil::write_atomic(
                 &tmp.join("tokenizer_config.json"),
                 serde_json::to_string_pretty(&tok_cfg)?.as_bytes(),
             )?;
-            write_synced(&tmp.join("chat_template.jinja"), CHATML_TEMPLATE.as_bytes())?;
+            composer_fsutil::write_atomic(
+                &tmp.join("chat_template.jinja"),
+                CHATML_TEMPLATE.as_bytes(),
+            )?;
         }
     }
     if let Some(r) = &data.reference {
-        write_synced(&tmp.join(REFERENCE_FILE), &st(r)?)?;
+        composer_fsutil::write_atomic(&tmp.join(REFERENCE_FILE), &st(r)?)?;
     }
-    write_synced(&tmp.join("optimizer.safetensors"), &st(&data.optimizer)?)?;
-    write_synced(
+    composer_fsutil::write_atomic(&tmp.join("optimizer.safetensors"), &st(&data.optimizer)?)?;
+    composer_fsutil::write_atomic(
         &tmp.join("trainer_state.json"),
         serde_json::to_string_pretty(data.state)?.as_bytes(),
     )?;
-    write_synced(&tmp.join("recipe.toml"), data.recipe_text.as_bytes())?;
-    sync_dir(tmp)
+    composer_fsutil::write_atomic(&tmp.join("recipe.toml"), data.recipe_text.as_bytes())?;
+    Ok(composer_fsutil::sync_dir(tmp)?)
 }
 
 /// Swaps the complete `tmp` in as `run_dir/checkpoint` (the previous one as
@@ -192,7 +181,7 @@ fn publish_checkpoint(run_dir: &Path, tmp: &Path) -> Result<PathBuf> {
     }
     std::fs::rename(tmp, &final_dir)
         .with_context(|| format!("renaming into {}", final_dir.display()))?;
-    sync_dir(run_dir)?;
+    composer_fsutil::sync_dir(run_dir)?;
     if old.exists() {
         std::fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
     }
@@ -214,7 +203,7 @@ fn copy_model_files(src: &Path, dst: &Path, fallback_config: &serde_json::Value)
         }
         let bytes = std::fs::read(entry.path())
             .with_context(|| format!("reading {}", entry.path().display()))?;
-        write_synced(&dst.join(&name), &bytes)?;
+        composer_fsutil::write_atomic(&dst.join(&name), &bytes)?;
     }
     let cfg_path = src.join("config.json");
     let config = if cfg_path.is_file() {
@@ -239,10 +228,11 @@ fn copy_model_files(src: &Path, dst: &Path, fallback_config: &serde_json::Value)
     } else {
         fallback_config.clone()
     };
-    write_synced(
+    composer_fsutil::write_atomic(
         &dst.join("config.json"),
         serde_json::to_string_pretty(&config)?.as_bytes(),
-    )
+    )?;
+    Ok(())
 }
 
 /// The newest complete checkpoint directory of a run (`checkpoint/`, else `checkpoint.old/`).

@@ -89,18 +89,26 @@ pub fn scripted_trace(
     }
 }
 
-/// Write traces with the trace store's writer, atomically (temp file + rename).
+/// Write traces in the trace store's format, atomically and durably (`composer_fsutil`).
 pub fn write_traces(path: &Path, traces: &[TeacherTrace]) -> Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let tmp = path.with_extension("jsonl.tmp");
-    let mut w = composer_loss::TraceWriter::create(&tmp).map_err(|e| anyhow::anyhow!("{e}"))?;
-    for t in traces {
-        w.write(t).map_err(|e| anyhow::anyhow!("{e}"))?;
-    }
-    w.flush().map_err(|e| anyhow::anyhow!("{e}"))?;
-    drop(w);
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming into {}", path.display()))?;
+    // Same lines as `composer_loss::TraceWriter` (validated, one JSON object per line),
+    // written through the workspace's crash-safe writer.
+    composer_fsutil::write_atomic_with(path, |w| {
+        use std::io::Write as _;
+        for t in traces {
+            t.validate().map_err(|m| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("invalid trace: {m}"),
+                )
+            })?;
+            serde_json::to_writer(&mut *w, t).map_err(std::io::Error::other)?;
+            w.write_all(b"\n")?;
+        }
+        Ok(())
+    })?;
     Ok(())
 }

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use composer_actors::record::StepWalls;
-use composer_telemetry::{MetricsWriter, StepSnapshot, TrainProgress};
+use composer_telemetry::{keys, MetricsWriter, StepSnapshot, TrainProgress};
 use serde_json::json;
 
 use crate::checkpoint;
@@ -158,7 +158,7 @@ pub fn run_train_with(opts: &TrainOptions, hook: &mut dyn StepHook) -> Result<Ru
     let mut s = open_session(opts)?;
     // Also forgets a signal of an earlier run in this process (library use, tests).
     signals::install();
-    std::fs::write(s.run_dir.join("recipe.toml"), &s.recipe_text)
+    composer_fsutil::write_atomic(&s.run_dir.join("recipe.toml"), s.recipe_text.as_bytes())
         .with_context(|| format!("writing {}", s.run_dir.join("recipe.toml").display()))?;
     let metrics_path = s.run_dir.join("metrics.jsonl");
     let mut metrics = if opts.resume.is_some() {
@@ -223,7 +223,7 @@ pub fn run_train_with(opts: &TrainOptions, hook: &mut dyn StepHook) -> Result<Ru
                 w.steps,
                 acc * 100.0
             ));
-            metrics.write(&json!({"step": 0, "kind": "eval", "eval/accuracy": acc, "policy_version": 0, "warmup/loss": loss}))?;
+            metrics.write(&json!({(keys::STEP): 0, (keys::KIND): keys::KIND_EVAL, (keys::EVAL_ACCURACY): acc, (keys::POLICY_VERSION): 0, (keys::WARMUP_LOSS): loss}))?;
         }
     }
     // The frozen reference policy is the policy as RL starts (or `ref_model_path`).
@@ -329,26 +329,29 @@ fn run_sync(s: &mut Session, run: &mut RunLog, hook: &mut dyn StepHook) -> Resul
         };
         // Sync rollouts are always on-policy: staleness 0, logged for the same checks.
         let mut extra = serde_json::Map::new();
-        extra.insert("staleness/mean".into(), json!(0.0));
-        extra.insert("staleness/max".into(), json!(0));
-        extra.insert("staleness/dropped".into(), json!(0));
+        extra.insert(keys::STALENESS_MEAN.into(), json!(0.0));
+        extra.insert(keys::STALENESS_MAX.into(), json!(0));
+        extra.insert(keys::STALENESS_DROPPED.into(), json!(0));
         if s.recipe.loss.advantage.dynamic_sampling {
             extra.insert(
-                "dynamic_sampling/dropped_groups".into(),
+                keys::DYNAMIC_SAMPLING_DROPPED_GROUPS.into(),
                 json!(scored.dropped_groups),
             );
-            extra.insert("dynamic_sampling/rounds".into(), json!(scored.rounds));
+            extra.insert(keys::DYNAMIC_SAMPLING_ROUNDS.into(), json!(scored.rounds));
         }
         if let Some(env) = &s.env_rollout {
             // τ_V of environment rollouts: cumulative call latency and failures by cause.
             let stats = env.stats();
-            extra.insert("env/step_p50_s".into(), json!(stats.step.p50_s));
-            extra.insert("env/step_p95_s".into(), json!(stats.step.p95_s));
-            extra.insert("env/reset_p50_s".into(), json!(stats.reset.p50_s));
-            extra.insert("env/reset_p95_s".into(), json!(stats.reset.p95_s));
-            extra.insert("env/episodes_ok".into(), json!(stats.episodes_ok));
-            extra.insert("env/episodes_failed".into(), json!(stats.episodes_failed));
-            extra.insert("env/failures".into(), json!(stats.failures));
+            extra.insert(keys::ENV_STEP_P50.into(), json!(stats.step.p50_s));
+            extra.insert(keys::ENV_STEP_P95.into(), json!(stats.step.p95_s));
+            extra.insert(keys::ENV_RESET_P50.into(), json!(stats.reset.p50_s));
+            extra.insert(keys::ENV_RESET_P95.into(), json!(stats.reset.p95_s));
+            extra.insert(keys::ENV_EPISODES_OK.into(), json!(stats.episodes_ok));
+            extra.insert(
+                keys::ENV_EPISODES_FAILED.into(),
+                json!(stats.episodes_failed),
+            );
+            extra.insert(keys::ENV_FAILURES.into(), json!(stats.failures));
         }
         extra.extend(extras.keys);
         let done = StepDone {
@@ -431,40 +434,40 @@ pub(crate) fn end_step(
         / n)
         .sqrt();
     let mut line = json!({
-        "step": step,
-        "kind": "train",
-        "policy_version": s.state.policy_version,
-        "reward/mean": mean,
-        "reward/std": std,
-        "completions/mean_length": gen_tokens as f64 / n,
-        "completions/clipped_ratio": batch.samples.iter().filter(|x| x.truncated).count() as f64 / n,
-        "completions/lengths": lengths,
-        "loss/rlvr": stats.loss_rlvr,
-        "loss/hint": stats.loss_hint,
-        "loss/replay": stats.loss_replay,
-        "loss/replay_dpo": stats.loss_dpo,
-        "loss/replay_kl": stats.loss_teacher_kl,
-        "kl": stats.kl,
-        "entropy": stats.entropy,
-        "clip_ratio/low": stats.clip_low,
-        "clip_ratio/high": stats.clip_high,
-        "grad_norm": stats.grad_norm,
-        "lr": stats.lr,
-        "hint/samples": stats.hinted,
-        "replay/dpo_pairs": stats.dpo_pairs,
-        "time/rollout_s": rollout_s,
-        "time/reward_s": reward_s,
-        "time/train_s": train_s,
-        "time/sync_s": sync_s,
-        "time/step_s": step_s,
-        "tokens_per_s": gen_tokens as f64 / rollout_s.max(1e-9),
-        "trained_tokens": s.state.trained_tokens,
-        "samples": s.state.samples_generated,
-        "skipped_steps": s.state.skipped_steps,
-        "env/latency_s": rewards.latency_s,
+        (keys::STEP): step,
+        (keys::KIND): keys::KIND_TRAIN,
+        (keys::POLICY_VERSION): s.state.policy_version,
+        (keys::REWARD_MEAN): mean,
+        (keys::REWARD_STD): std,
+        (keys::COMPLETION_MEAN_LENGTH): gen_tokens as f64 / n,
+        (keys::COMPLETION_CLIPPED_RATIO): batch.samples.iter().filter(|x| x.truncated).count() as f64 / n,
+        (keys::COMPLETION_LENGTHS): lengths,
+        (keys::LOSS_RLVR): stats.loss_rlvr,
+        (keys::LOSS_HINT): stats.loss_hint,
+        (keys::LOSS_REPLAY): stats.loss_replay,
+        (keys::LOSS_REPLAY_DPO): stats.loss_dpo,
+        (keys::LOSS_REPLAY_KL): stats.loss_teacher_kl,
+        (keys::KL): stats.kl,
+        (keys::ENTROPY): stats.entropy,
+        (keys::CLIP_RATIO_LOW): stats.clip_low,
+        (keys::CLIP_RATIO_HIGH): stats.clip_high,
+        (keys::GRAD_NORM): stats.grad_norm,
+        (keys::LR): stats.lr,
+        (keys::HINT_SAMPLES): stats.hinted,
+        (keys::REPLAY_DPO_PAIRS): stats.dpo_pairs,
+        (keys::TIME_ROLLOUT): rollout_s,
+        (keys::TIME_REWARD): reward_s,
+        (keys::TIME_TRAIN): train_s,
+        (keys::TIME_SYNC): sync_s,
+        (keys::TIME_STEP): step_s,
+        (keys::TOKENS_PER_S): gen_tokens as f64 / rollout_s.max(1e-9),
+        (keys::TRAINED_TOKENS): s.state.trained_tokens,
+        (keys::SAMPLES): s.state.samples_generated,
+        (keys::SKIPPED_STEPS): s.state.skipped_steps,
+        (keys::ENV_LATENCY): rewards.latency_s,
     });
     if stats.non_finite {
-        line["skipped"] = json!(true);
+        line[keys::SKIPPED] = json!(true);
     }
     if let Some(obj) = line.as_object_mut() {
         obj.extend(extra);
@@ -481,7 +484,7 @@ pub(crate) fn end_step(
         let acc = evaluate(s)?;
         eval_acc = Some(acc);
         run.final_accuracy = Some(acc);
-        run.metrics.write(&json!({"step": step, "kind": "eval", "policy_version": s.state.policy_version, "eval/accuracy": acc, "samples": s.state.samples_generated}))?;
+        run.metrics.write(&json!({(keys::STEP): step, (keys::KIND): keys::KIND_EVAL, (keys::POLICY_VERSION): s.state.policy_version, (keys::EVAL_ACCURACY): acc, (keys::SAMPLES): s.state.samples_generated}))?;
         if acc >= target && run.reached_target.is_none() {
             run.reached_target = Some((
                 step,
