@@ -14,11 +14,11 @@ pub mod codec;
 pub mod config;
 pub mod outer;
 pub mod replica;
+pub mod replica_hook;
 pub mod store;
 pub mod toy;
-pub mod trainer;
 
 pub use config::{Compression, DilocoConfig};
 pub use replica::{ClosedRound, DilocoReplica, FragmentId, Member, Phase, Rejected, RoundReport};
+pub use replica_hook::{run_replica, split_recipe, ReplicaOptions, ReplicaOutcome};
 pub use store::{open_store, Keys, RetryingStore};
-pub use trainer::{run_replica, split_recipe, ReplicaOptions, ReplicaOutcome};
