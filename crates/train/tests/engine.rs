@@ -10,14 +10,8 @@ use composer_train::{run_train, TrainOptions};
 use serde_json::Value;
 
 mod common;
+use common::hf_fixture as fixture;
 use common::{tiny_model_and_task, train_metrics};
-
-fn fixture(name: &str) -> PathBuf {
-    let shared = std::env::var("COMPOSER_SHARED")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
-    shared.join("fixtures/hf-tiny").join(name)
-}
 
 fn reference(name: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(fixture(name).join("reference.json")).unwrap())

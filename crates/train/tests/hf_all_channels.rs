@@ -4,21 +4,15 @@
 //! `record-traces`) and DAPO dynamic sampling, for 5 steps. Every step's samples are recorded
 //! in the run dir, and the prompt ids there equal the ids of transformers' rendering.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use composer_train::record_traces::{record_traces, RecordTracesOptions};
 use composer_train::{run_train, TrainOptions};
 use serde_json::{json, Value};
 
 mod common;
+use common::hf_fixture as fixture;
 use common::train_metrics;
-
-fn fixture(name: &str) -> PathBuf {
-    let shared = std::env::var("COMPOSER_SHARED")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
-    shared.join("fixtures/hf-tiny").join(name)
-}
 
 /// The rows' user messages; the first is the fixture's `chat_template_example`.
 const QUESTIONS: [&str; 4] = [

@@ -69,3 +69,13 @@ pub fn train_metrics(run_dir: &std::path::Path) -> Vec<serde_json::Value> {
         .filter(|l| l["kind"] == "train")
         .collect()
 }
+
+/// A tiny HF checkpoint from `../shared/fixtures/hf-tiny` (or `$COMPOSER_SHARED/fixtures`).
+pub fn hf_fixture(name: &str) -> std::path::PathBuf {
+    let shared = std::env::var("COMPOSER_SHARED")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared")
+        });
+    shared.join("fixtures/hf-tiny").join(name)
+}
