@@ -35,6 +35,44 @@ pub enum HintSupport {
     Full,
 }
 
+/// How a distillation loss (hint channel, replay teacher KL) averages its per-token terms over
+/// one micro-batch of `B` rows with mask m.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum DistillationAgg {
+    /// Σ_i (Σ_t m_it ℓ_it / max(1, Σ_t m_it)) / B: each row's token mean, averaged over all `B`
+    /// rows (rows with no active token count as 0). TRL 1.16 `SDPOTrainer` (default).
+    #[default]
+    #[serde(rename = "seq-mean-token-mean")]
+    SeqMeanTokenMean,
+    /// Σ_it m_it ℓ_it / max(1, Σ_it m_it). The verl-fork SDPO (`loss_agg_mode = token-mean`).
+    #[serde(rename = "token-mean")]
+    TokenMean,
+}
+
+impl DistillationAgg {
+    /// Per-token weights `[B][T]` whose dot product with the per-token loss is the aggregate;
+    /// `mask` is the (already hint/weight-applied) host mask.
+    pub(crate) fn weights(self, mask: &[Vec<f64>]) -> Vec<Vec<f64>> {
+        match self {
+            DistillationAgg::TokenMean => {
+                let n: f64 = mask.iter().flatten().sum::<f64>().max(1.0);
+                mask.iter()
+                    .map(|r| r.iter().map(|m| m / n).collect())
+                    .collect()
+            }
+            DistillationAgg::SeqMeanTokenMean => {
+                let b = mask.len().max(1) as f64;
+                mask.iter()
+                    .map(|r| {
+                        let n = r.iter().sum::<f64>().max(1.0);
+                        r.iter().map(|m| m / n / b).collect()
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
 /// SDPO's `add_tail`: append log(1 − Σ exp(x)) with the sum clamped below 1.
 pub(crate) fn add_tail(x: &Tensor) -> Result<Tensor> {
     let ls = logsumexp_last(x)?; // [B, T, 1]

@@ -13,10 +13,13 @@
 //!
 //! Each per-token loss is multiplied by the IS weight sg(min(exp(log π_S(y) − log π_old(y)),
 //! `is_clip`)) (SDPO default cap 2.0) and averaged over the active tokens of the samples that
-//! received a hint (`has_hint`). Teacher log-probs never receive gradients.
-//! Reference: SDPO's `compute_self_distillation_loss` (verl `core_algos.py` fork).
+//! received a hint (`has_hint`), by `loss_agg_mode` (per-row token mean averaged over the
+//! micro-batch, TRL's default; or one token mean). Teacher log-probs never receive gradients.
+//! Reference: TRL 1.16 `SDPOTrainer._compute_self_distillation_loss` (upstream-parity fixtures in
+//! `tests/fixtures/upstream/trl_sdpo.json`); the verl-fork SDPO `compute_self_distillation_loss`
+//! is the `token-mean` option.
 use crate::divergence::{add_tail, renorm};
-pub use crate::divergence::{divergence_per_token, HintDivergence, HintSupport};
+pub use crate::divergence::{divergence_per_token, DistillationAgg, HintDivergence, HintSupport};
 pub use crate::inputs::HintInputs;
 use crate::inputs::LossInputs;
 use crate::util::{const2, host2};
@@ -24,7 +27,9 @@ use crate::{LossError, Result};
 use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
-/// Knobs of the hint channel. Defaults follow SDPO's `self_distillation` config.
+/// Knobs of the hint channel. Defaults follow SDPO's `self_distillation` config (TRL 1.16's
+/// `SDPOConfig` defaults differ: `distillation_alpha = 1.0` i.e. reverse KL, `distillation_mode =
+/// sampled_token`, no tail bucket; its aggregation is the default here).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HintConfig {
@@ -36,6 +41,9 @@ pub struct HintConfig {
     pub support: HintSupport,
     /// IS-weight cap (SDPO `is_clip`); `None` disables the weight. Default 2.0.
     pub is_clip: Option<f64>,
+    /// Aggregation over the micro-batch: `seq-mean-token-mean` (TRL 1.16 SDPO, default) or
+    /// `token-mean` (verl-fork SDPO).
+    pub loss_agg_mode: DistillationAgg,
 }
 
 impl Default for HintConfig {
@@ -45,6 +53,7 @@ impl Default for HintConfig {
             alpha: 0.5,
             support: HintSupport::TopkTail,
             is_clip: Some(2.0),
+            loss_agg_mode: DistillationAgg::default(),
         }
     }
 }
@@ -66,16 +75,16 @@ pub struct HintMetrics {
     pub is_capped_fraction: f64,
 }
 
-/// The hint self-distillation loss of one micro-batch: `(scalar, metrics)`,
-/// `L = Σ_it h_i m_it · sg(min(π_S/π_old, cap)) · D_it / Σ_it h_i m_it` with D the per-token
-/// divergence of `cfg.divergence` and h_i = `has_hint[i]` (SDPO
-/// `compute_self_distillation_loss`, token-mean).
+/// The hint self-distillation loss of one micro-batch: `(scalar, metrics)`, the
+/// `cfg.loss_agg_mode` aggregate of `h_i m_it · sg(min(π_S/π_old, cap)) · D_it` with D the
+/// per-token divergence of `cfg.divergence` and h_i = `has_hint[i]`: `seq-mean-token-mean`
+/// Σ_i (Σ_t h_i m_it ℓ_it / max(1, Σ_t h_i m_it)) / B (TRL 1.16 SDPO), `token-mean`
+/// Σ_it h_i m_it ℓ_it / Σ_it h_i m_it (verl-fork SDPO).
 ///
 /// Reads `inputs.hint` (required), `inputs.trainer_logprobs` (student log-prob of the sampled
 /// token, for `sampled_token` and the IS weight), `inputs.old_logprobs` (IS weight; `None` →
-/// weight 1) and `inputs.loss_mask`. The mean is over the active tokens of hinted samples
-/// (local micro-batch, as SDPO's `token-mean` with `batch_num_tokens = mask.sum()`); with no
-/// hinted token the loss is an exact zero that still depends on the graph.
+/// weight 1) and `inputs.loss_mask`, over the local micro-batch; with no hinted token the loss
+/// is an exact zero that still depends on the graph.
 pub fn hint_loss(inputs: &LossInputs, cfg: &HintConfig) -> Result<(Tensor, HintMetrics)> {
     let (b, t) = inputs.validate()?;
     let hint = inputs.hint.as_ref().ok_or_else(|| LossError::Missing {
@@ -101,7 +110,7 @@ pub fn hint_loss(inputs: &LossInputs, cfg: &HintConfig) -> Result<(Tensor, HintM
             row.iter_mut().for_each(|x| *x = 0.0);
         }
     }
-    let mask_t = const2(&m, lp)?;
+    let agg_t = const2(&cfg.loss_agg_mode.weights(&m), lp)?;
     let n_tok: f64 = m.iter().flatten().sum();
 
     let per_token = match cfg.divergence {
@@ -193,7 +202,7 @@ pub fn hint_loss(inputs: &LossInputs, cfg: &HintConfig) -> Result<(Tensor, HintM
         }
         None => (per_token, 1.0, 0.0),
     };
-    let loss = ((per_token * &mask_t)?.sum_all()? / n_tok.max(1.0))?;
+    let loss = (per_token * &agg_t)?.sum_all()?;
     let metrics = HintMetrics {
         loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
         hinted_samples: hint.has_hint.iter().filter(|h| **h).count() as f64,

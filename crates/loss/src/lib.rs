@@ -39,8 +39,8 @@ pub use advantages::{
 };
 pub use composer::{composer_loss, ComposerConfig, ComposerMetrics};
 pub use hint::{
-    build_hint_prompts, ema_tensors, ema_update, hint_loss, HintConfig, HintDivergence,
-    HintMetrics, HintSupport, HintTemplate, RolloutForHint, DEFAULT_HINT_TEMPLATE,
+    build_hint_prompts, ema_tensors, ema_update, hint_loss, DistillationAgg, HintConfig,
+    HintDivergence, HintMetrics, HintSupport, HintTemplate, RolloutForHint, DEFAULT_HINT_TEMPLATE,
 };
 pub use inputs::{DpoInputs, HintInputs, LossInputs, LossScale, ReplayInputs, TeacherKlInputs};
 pub use replay::{

@@ -13,8 +13,12 @@
 //!
 //! Teacher KL: per token KL(T‖S) = Σ_k p_T,k (log p_T,k − log p_S,k) over the teacher's
 //! recorded top-K ids plus the tail bucket (or the renormalised top-K); per-sample weight w
-//! (by teacher name); loss = Σ_i w_i Σ_t m_it KL_it / Σ_i Σ_t m_it.
-use crate::divergence::{add_tail, divergence_per_token, HintDivergence, HintSupport};
+//! (by teacher name); aggregated per `kl_loss_agg_mode`: Σ_i w_i (Σ_t m_it KL_it / max(1, Σ_t
+//! m_it)) / B (TRL 1.16 SDPO's teacher-server path, default) or Σ_i w_i Σ_t m_it KL_it /
+//! Σ_it m_it (`token-mean`).
+use crate::divergence::{
+    add_tail, divergence_per_token, DistillationAgg, HintDivergence, HintSupport,
+};
 pub use crate::inputs::{DpoInputs, ReplayInputs, TeacherKlInputs};
 use crate::util::{check_shape, const1, host1, host2, logsumexp_last};
 use crate::{LossError, Result};
@@ -177,8 +181,10 @@ pub struct TeacherKlMetrics {
     pub per_teacher_kl: BTreeMap<String, f64>,
 }
 
-/// Token-level forward KL from the teachers' recorded top-K distributions:
-/// `L = Σ_i w_i Σ_t m_it Σ_k p_T,itk (log p_T,itk − log p_S,itk) / Σ_it m_it`, over the
+/// Token-level forward KL from the teachers' recorded top-K distributions, per token
+/// `KL_it = Σ_k p_T,itk (log p_T,itk − log p_S,itk)`, aggregated by `agg` with per-row weights
+/// w_i (`token-mean`: Σ_i w_i Σ_t m_it KL_it / Σ_it m_it; `seq-mean-token-mean`:
+/// Σ_i w_i (Σ_t m_it KL_it / max(1, Σ_t m_it)) / B, TRL 1.16 SDPO), over the
 /// teacher's top-K plus the tail bucket log(1 − Σ_K p) (`topk_tail`) or the renormalised
 /// top-K (`topk_renormalized`); `teacher_weights` maps names to w_i (absent names weigh 1).
 /// Teacher log-probs are detached.
@@ -186,6 +192,7 @@ pub fn teacher_kl_loss(
     inputs: &TeacherKlInputs,
     support: HintSupport,
     teacher_weights: &BTreeMap<String, f64>,
+    agg: DistillationAgg,
 ) -> Result<(Tensor, TeacherKlMetrics)> {
     let s = &inputs.student_topk_logprobs;
     let dims = s.dims().to_vec();
@@ -225,13 +232,14 @@ pub fn teacher_kl_loss(
         .iter()
         .map(|n| teacher_weights.get(n).copied().unwrap_or(1.0))
         .collect();
-    let wm: Vec<Vec<f64>> = m
+    let wm: Vec<Vec<f64>> = agg
+        .weights(&m)
         .iter()
         .zip(&w)
         .map(|(r, wi)| r.iter().map(|x| x * wi).collect())
         .collect();
     let n_tok: f64 = m.iter().flatten().sum();
-    let loss = ((&kl * crate::util::const2(&wm, &kl)?)?.sum_all()? / n_tok.max(1.0))?;
+    let loss = (&kl * crate::util::const2(&wm, &kl)?)?.sum_all()?;
     let kl_h = host2(&kl)?;
     let mut per: BTreeMap<String, (f64, f64)> = BTreeMap::new();
     let mut tot = 0.0;
@@ -269,6 +277,9 @@ pub struct ReplayConfig {
     pub support: HintSupport,
     /// Per-teacher weights by name (absent: 1.0).
     pub teacher_weights: BTreeMap<String, f64>,
+    /// Aggregation of the teacher KL: `seq-mean-token-mean` (TRL 1.16 SDPO, default) or
+    /// `token-mean`.
+    pub kl_loss_agg_mode: DistillationAgg,
 }
 
 impl Default for ReplayConfig {
@@ -279,6 +290,7 @@ impl Default for ReplayConfig {
             kl_coef: 1.0,
             support: HintSupport::TopkTail,
             teacher_weights: BTreeMap::new(),
+            kl_loss_agg_mode: DistillationAgg::default(),
         }
     }
 }
@@ -304,7 +316,7 @@ pub fn replay_loss(inputs: &ReplayInputs, cfg: &ReplayConfig) -> Result<(Tensor,
         metrics.dpo = Some(m);
     }
     if let Some(k) = &inputs.teacher_kl {
-        let (l, m) = teacher_kl_loss(k, cfg.support, &cfg.teacher_weights)?;
+        let (l, m) = teacher_kl_loss(k, cfg.support, &cfg.teacher_weights, cfg.kl_loss_agg_mode)?;
         let l = (l * cfg.kl_coef)?;
         total = Some(match total {
             Some(t) => {

@@ -207,6 +207,7 @@ fn replay_and_advantage_bad_inputs() {
             &k,
             HintSupport::TopkTail,
             &Default::default(),
+            DistillationAgg::default(),
         )),
         "teachers",
     );

@@ -643,6 +643,12 @@ fn hint_divergences() {
                     alpha,
                     support,
                     is_clip,
+                    // Both aggregations, on alternating caps.
+                    loss_agg_mode: if is_clip == Some(1.2) {
+                        DistillationAgg::TokenMean
+                    } else {
+                        DistillationAgg::SeqMeanTokenMean
+                    },
                 };
                 let name = format!("hint {divergence:?} α={alpha} {support:?} cap={is_clip:?}");
                 let (g_lp, g_st) = check_hint(&name, &d, &cfg);
@@ -830,11 +836,18 @@ fn replay_teacher_kl_and_channel() {
     let weights: BTreeMap<String, f64> = [("alpha".to_string(), 1.0), ("beta".to_string(), 0.5)]
         .into_iter()
         .collect();
-    for support in [HintSupport::TopkTail, HintSupport::TopkRenormalized] {
-        let name = format!("teacher kl {support:?}");
+    for (support, agg) in [
+        (HintSupport::TopkTail, DistillationAgg::SeqMeanTokenMean),
+        (
+            HintSupport::TopkRenormalized,
+            DistillationAgg::SeqMeanTokenMean,
+        ),
+        (HintSupport::TopkTail, DistillationAgg::TokenMean),
+    ] {
+        let name = format!("teacher kl {support:?} {agg:?}");
         let (st, te) = (var(&d.student, &s3), var(&d.teacher, &s3));
         let x = teacher_kl_from(&d, st.as_tensor().clone(), te.as_tensor().clone());
-        let grads = teacher_kl_loss(&x, support, &weights)
+        let grads = teacher_kl_loss(&x, support, &weights, agg)
             .unwrap()
             .0
             .backward()
@@ -843,7 +856,7 @@ fn replay_teacher_kl_and_channel() {
         let g = grad_or_zero(&grads, &st, B * T * K);
         fd_check(&name, &d.student, &g, |xs| {
             let x = teacher_kl_from(&d, tensor(xs, &s3), tensor(&d.teacher, &s3));
-            flat(&teacher_kl_loss(&x, support, &weights).unwrap().0)[0]
+            flat(&teacher_kl_loss(&x, support, &weights, agg).unwrap().0)[0]
         });
     }
 

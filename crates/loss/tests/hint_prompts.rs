@@ -181,6 +181,7 @@ fn excluded_samples_have_no_hint_loss() {
     let cfg = HintConfig {
         divergence: HintDivergence::SampledToken,
         is_clip: None,
+        loss_agg_mode: DistillationAgg::TokenMean,
         ..Default::default()
     };
     let (loss, m) = hint_loss(&x, &cfg).unwrap();

@@ -53,7 +53,9 @@ fn hint_divergences_match_sdpo() {
                     serde_json::from_value(case["config"]["teacher_weights"].clone()).unwrap();
                 let support: HintSupport =
                     serde_json::from_value(case["config"]["support"].clone()).unwrap();
-                let (loss, m) = teacher_kl_loss(&k, support, &w).unwrap();
+                // The numpy reference re-derives the verl-fork SDPO: token-mean.
+                let (loss, m) =
+                    teacher_kl_loss(&k, support, &w, DistillationAgg::TokenMean).unwrap();
                 assert_close(
                     &format!("{name} loss"),
                     flat(&loss)[0],
@@ -70,8 +72,11 @@ fn hint_divergences_match_sdpo() {
                 );
                 continue;
             }
-            let cfg: HintConfig = serde_json::from_value(case["config"].clone())
+            let mut cfg: HintConfig = serde_json::from_value(case["config"].clone())
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
+            // The numpy reference re-derives the verl-fork SDPO, whose aggregation is token-mean
+            // (TRL 1.16's default is checked in upstream_parity.rs).
+            cfg.loss_agg_mode = DistillationAgg::TokenMean;
             let lp = var2(&inp["trainer_logprobs"], dt);
             let topk = var3(&inp["student_topk_logprobs"], dt);
             let mut x = LossInputs::new(
