@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use composer_loss::hint::HintTemplate;
-use composer_loss::{AdvantageConfig, HintConfig, RlvrConfig};
+use composer_loss::{AdvantageConfig, DistillationAgg, DpoLossType, HintConfig, RlvrConfig};
 use serde::de::DeserializeOwned;
 
 use crate::model::TinyConfig;
@@ -428,6 +428,13 @@ pub struct ReplayLossConfig {
     /// Weight of the token-KL term.
     #[serde(default = "one")]
     pub kl_weight: f64,
+    /// DPO variant (TRL DPOTrainer `loss_type`): `sigmoid` (default), `hinge`, `ipo`.
+    #[serde(default)]
+    pub dpo_loss_type: DpoLossType,
+    /// Aggregation of the token-KL term: `seq-mean-token-mean` (TRL 1.16 SDPO, default) or
+    /// `token-mean`.
+    #[serde(default)]
+    pub kl_loss_agg_mode: DistillationAgg,
 }
 
 impl Default for ReplayLossConfig {
@@ -436,6 +443,8 @@ impl Default for ReplayLossConfig {
             dpo_weight: 1.0,
             dpo_beta: d_dpo_beta(),
             kl_weight: 1.0,
+            dpo_loss_type: DpoLossType::default(),
+            kl_loss_agg_mode: DistillationAgg::default(),
         }
     }
 }

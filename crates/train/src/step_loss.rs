@@ -210,11 +210,12 @@ pub fn micro_loss(
         replay: ReplayConfig {
             dpo: DpoConfig {
                 beta: rc.dpo_beta,
-                ..Default::default()
+                loss_type: rc.dpo_loss_type,
             },
             dpo_coef: rc.dpo_weight,
             kl_coef: rc.kl_weight,
             teacher_weights: s.teacher_weights.clone(),
+            kl_loss_agg_mode: rc.kl_loss_agg_mode,
             ..Default::default()
         },
     };

@@ -166,3 +166,33 @@ fn task_and_dataset_both_set_is_refused() {
 fn zero_eval_size_is_refused() {
     assert_refused("data", "eval_size = 0", "[data] eval_size", &[">= 1"]);
 }
+
+/// The replay channel's new keys parse (TRL's names and values) and a wrong value names the key.
+#[test]
+fn replay_dpo_loss_type_and_kl_aggregation_keys() {
+    let text = with_key(
+        "loss.replay",
+        "dpo_loss_type = \"ipo\"\nkl_loss_agg_mode = \"token-mean\"",
+    );
+    let r = parse_recipe(&text, Path::new("ok.toml")).unwrap();
+    assert_eq!(r.loss.replay.dpo_loss_type, composer_loss::DpoLossType::Ipo);
+    assert_eq!(
+        r.loss.replay.kl_loss_agg_mode,
+        composer_loss::DistillationAgg::TokenMean
+    );
+    let err = format!(
+        "{:#}",
+        parse_recipe(
+            &with_key("loss.replay", "dpo_loss_type = \"sigmoidd\""),
+            Path::new("recipes/bad.toml")
+        )
+        .unwrap_err()
+    );
+    assert!(err.contains("dpo_loss_type"), "{err}");
+    let hint = with_key("loss.hint", "loss_agg_mode = \"token-mean\"");
+    let r = parse_recipe(&hint, Path::new("ok.toml")).unwrap();
+    assert_eq!(
+        r.loss.hint.config.loss_agg_mode,
+        composer_loss::DistillationAgg::TokenMean
+    );
+}
