@@ -166,3 +166,19 @@ fn task_and_dataset_both_set_is_refused() {
 fn zero_eval_size_is_refused() {
     assert_refused("data", "eval_size = 0", "[data] eval_size", &[">= 1"]);
 }
+
+#[test]
+fn token_budget_below_one_completion_is_refused() {
+    // The default recipe's max_completion_length is 5.
+    assert_refused(
+        "train",
+        "max_tokens_per_microbatch = 4",
+        "[train] max_tokens_per_microbatch",
+        &["= 4", ">= `[rollout] max_completion_length` (5)"],
+    );
+    parse_recipe(
+        &with_key("train", "max_tokens_per_microbatch = 5"),
+        Path::new("ok.toml"),
+    )
+    .unwrap();
+}
