@@ -55,10 +55,9 @@ fn fused_head_matches_the_unfused_composition_in_values_and_gradients() {
         let hid = Var::from_tensor(&randn((n, h), 1)).unwrap();
         let w = Var::from_tensor(&randn((v, h), 2)).unwrap();
         // Repeated ids in a row, and ids that are also in the row's top-K.
-        let ids: Vec<u32> = (0..n * k_ids)
+        let mut ids: Vec<u32> = (0..n * k_ids)
             .map(|i| ((i * 7 + i / 5) % v) as u32)
             .collect();
-        let mut ids = ids;
         ids[1] = ids[0];
         let ids = Tensor::from_vec(ids, (n, k_ids), &dev).unwrap();
         let (wa, we, wt) = (
