@@ -263,7 +263,8 @@ struct ServeEnvArgs {
 enum BenchCommand {
     /// Training forward+backward and decode throughput (tokens/s) at batch 1, 16, 64.
     Model {
-        /// `small` (CPU-sized) or `qwen2.5-0.5b` (random weights of that shape).
+        /// `small` (CPU-sized), `qwen2.5-0.5b` (random weights of that shape) or `qwen-vocab`
+        /// (hidden 64, 2 layers, Qwen's 151,936-token vocabulary: the LM head's memory).
         #[arg(long, default_value = "small")]
         shape: String,
         #[arg(long, default_value = "cpu")]
@@ -560,7 +561,10 @@ fn run(cli: Cli) -> Result<()> {
             let mut cfg = match shape.as_str() {
                 "small" => composer_model::bench::BenchConfig::small_cpu(),
                 "qwen2.5-0.5b" => composer_model::bench::BenchConfig::qwen2_5_0_5b(device.clone()),
-                other => anyhow::bail!("--shape {other:?} is not one of: small, qwen2.5-0.5b"),
+                "qwen-vocab" => composer_model::bench::BenchConfig::qwen_vocab_cpu(),
+                other => anyhow::bail!(
+                    "--shape {other:?} is not one of: small, qwen2.5-0.5b, qwen-vocab"
+                ),
             };
             cfg.device = device;
             if let Some(b) = batch {

@@ -2,8 +2,8 @@
 //! batch sizes for a model shape with random weights. Numbers are printed, never asserted.
 //! `tools/bench_torch.py` measures the same with transformers for a side-by-side.
 
+use crate::chunked_logprobs::HeadOptions;
 use crate::config::ModelConfig;
-use crate::logprobs::token_logprobs;
 use crate::rollout::{generate, GenerationRequest, SamplingParams};
 use crate::transformer::Transformer;
 use anyhow::Result;
@@ -60,6 +60,32 @@ impl BenchConfig {
         }
     }
 
+    /// Issue 16's CPU memory shape: a Qwen2 of hidden size 64, 2 layers and Qwen's
+    /// 151,936-token vocabulary, one training step of 64 × 256 tokens (the fused head keeps
+    /// the peak RSS far below the 10 GB that the f32 logits alone would take).
+    pub fn qwen_vocab_cpu() -> Self {
+        let mut model = ModelConfig::tiny_qwen2(151_936);
+        model.hidden_size = 64;
+        model.intermediate_size = 160;
+        model.num_hidden_layers = 2;
+        model.num_attention_heads = 4;
+        model.num_key_value_heads = 2;
+        model.head_dim = 16;
+        model.max_position_embeddings = 512;
+        BenchConfig {
+            model,
+            device: Device::Cpu,
+            decode_dtype: DType::F32,
+            train_dtype: DType::F32,
+            batch_sizes: vec![64],
+            train_seq_len: 257,
+            prompt_len: 8,
+            decode_tokens: 4,
+            train_iters: 1,
+            skip_train: false,
+        }
+    }
+
     /// A small shape that runs in seconds on a CPU.
     pub fn small_cpu() -> Self {
         let mut model = ModelConfig::tiny_qwen2(512);
@@ -94,6 +120,9 @@ pub struct BenchRow {
     pub train_tokens_per_s: Option<f64>,
     /// Decode tokens per second (prefill excluded).
     pub decode_tokens_per_s: f64,
+    /// Peak RSS of the process (MB) right after this row's training steps (Linux; the
+    /// high-water mark of everything before, too).
+    pub peak_rss_after_train_mb: Option<f64>,
 }
 
 /// All rows plus the shape measured.
@@ -109,22 +138,40 @@ pub struct BenchReport {
     /// Dtype of decoding.
     #[serde(serialize_with = "dtype_name")]
     pub decode_dtype: DType,
+    /// Peak RSS (MB) after the model was built, before any training step (Linux).
+    pub peak_rss_before_train_mb: Option<f64>,
     /// Rows by batch size.
     pub rows: Vec<BenchRow>,
+}
+
+/// Peak resident set size of this process in bytes (`VmHWM` of `/proc/self/status`), where
+/// the platform has it.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+fn peak_rss_mb() -> Option<f64> {
+    peak_rss_bytes().map(|b| b as f64 / 1e6)
 }
 
 impl BenchReport {
     /// A plain-text table.
     pub fn table(&self) -> String {
+        let mb = |x: Option<f64>| x.map(|m| format!("{m:.0}")).unwrap_or_else(|| "-".into());
         let mut s = format!(
-            "composer-model bench: {:.1}M params on {} (train {:?}, decode {:?})\n{:>6} {:>16} {:>16}\n",
+            "composer-model bench: {:.1}M params on {} (train {:?}, decode {:?}); peak RSS before training {} MB\n{:>6} {:>16} {:>16} {:>22}\n",
             self.num_parameters as f64 / 1e6,
             self.device,
             self.train_dtype,
             self.decode_dtype,
+            mb(self.peak_rss_before_train_mb),
             "batch",
             "train tok/s",
-            "decode tok/s"
+            "decode tok/s",
+            "peak RSS after train MB"
         );
         for r in &self.rows {
             let train = r
@@ -132,8 +179,11 @@ impl BenchReport {
                 .map(|t| format!("{t:.0}"))
                 .unwrap_or_else(|| "-".into());
             s.push_str(&format!(
-                "{:>6} {:>16} {:>16.0}\n",
-                r.batch, train, r.decode_tokens_per_s
+                "{:>6} {:>16} {:>16.0} {:>22}\n",
+                r.batch,
+                train,
+                r.decode_tokens_per_s,
+                mb(r.peak_rss_after_train_mb)
             ));
         }
         s
@@ -166,6 +216,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
     }
     let train_model = Transformer::from_varmap(&cfg.model, &train_vars, &cfg.device)?;
     let vocab = cfg.model.vocab_size as u32;
+    let peak_rss_before_train_mb = peak_rss_mb();
     let mut rows = Vec::new();
     for &b in &cfg.batch_sizes {
         let train_tokens_per_s = if cfg.skip_train {
@@ -174,12 +225,16 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
             let t = cfg.train_seq_len;
             let ids: Vec<u32> = (0..b * t).map(|i| (i as u32 * 7919 + 13) % vocab).collect();
             let input = Tensor::from_vec(ids, (b, t), &cfg.device)?;
-            let targets = input.narrow(1, 1, t - 1)?;
+            let targets = input.narrow(1, 1, t - 1)?.reshape((b * (t - 1), 1))?;
+            // The trainer's path: differentiable hidden states, then the fused chunked head.
             let step = || -> Result<()> {
-                let logits = train_model
-                    .forward_train(&input, None)?
-                    .narrow(1, 0, t - 1)?;
-                let loss = token_logprobs(&logits, &targets)?
+                let hidden = train_model
+                    .forward_hidden(&input, None, None, true)?
+                    .narrow(1, 0, t - 1)?
+                    .reshape((b * (t - 1), cfg.model.hidden_size))?;
+                let loss = train_model
+                    .head_logprobs(&hidden, &targets, &HeadOptions::default())?
+                    .at_ids
                     .to_dtype(DType::F32)?
                     .mean_all()?
                     .neg()?;
@@ -195,6 +250,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
             sync(&cfg.device)?;
             Some((b * t * cfg.train_iters) as f64 / start.elapsed().as_secs_f64())
         };
+        let peak_rss_after_train_mb = peak_rss_mb();
         let requests: Vec<GenerationRequest> = (0..b)
             .map(|i| GenerationRequest {
                 prompt_ids: (0..cfg.prompt_len)
@@ -228,6 +284,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
             batch: b,
             train_tokens_per_s,
             decode_tokens_per_s,
+            peak_rss_after_train_mb,
         });
     }
     Ok(BenchReport {
@@ -235,6 +292,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         device: format!("{:?}", cfg.device),
         train_dtype: cfg.train_dtype,
         decode_dtype: cfg.decode_dtype,
+        peak_rss_before_train_mb,
         rows,
     })
 }

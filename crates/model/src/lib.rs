@@ -3,6 +3,8 @@
 //! - [`config`]: `ModelConfig` from/to Hugging Face `config.json` (Llama, Qwen2, Qwen3).
 //! - [`transformer`]: the decoder (fused inference path + differentiable training path,
 //!   caller-owned [`KvCache`]), load/save of HF checkpoints, `VarMap` master weights.
+//! - [`chunked_logprobs`]: the LM head fused with log-softmax, gathers, entropy and top-K,
+//!   chunked over tokens forward and backward (the training path: no `[N, vocab]` logits).
 //! - [`checkpoint`]: safetensors single-file and sharded I/O.
 //! - [`tokenizer`]: `tokenizer.json` wrapper and the Jinja chat template.
 //! - [`logprobs`]: per-token log-probs, entropy and top-K from logits (f32, differentiable).
@@ -16,6 +18,7 @@
 
 pub mod bench;
 pub mod checkpoint;
+pub mod chunked_logprobs;
 pub mod config;
 pub mod device;
 pub mod logprobs;
@@ -25,6 +28,7 @@ pub mod score;
 pub mod tokenizer;
 pub mod transformer;
 
+pub use chunked_logprobs::{head_logprobs, HeadLogprobs, HeadOptions};
 pub use config::{ModelConfig, ModelType};
 pub use device::device_from_str;
 pub use logprobs::{log_softmax, logsumexp, token_entropy, token_logprobs, topk_logprobs};

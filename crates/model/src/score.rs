@@ -1,11 +1,12 @@
 //! Teacher-forced scoring: per-token log-probs of given token sequences, in batches.
 
-use crate::logprobs;
+use crate::chunked_logprobs::HeadOptions;
 use crate::transformer::Transformer;
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 
-/// Upper bound on the f32 logits one scoring batch materialises (rows × len × vocab).
+/// Upper bound on rows × len × vocab of one scoring batch: it bounds the head's work per
+/// forward (the fused head itself holds only one chunk of logits).
 const MAX_LOGITS_PER_BATCH: usize = 64 << 20;
 
 /// Next-token log-probs by teacher forcing: for each sequence `s`, entry `t` is
@@ -67,14 +68,24 @@ pub fn score_with_temperature(
         let dev = model.device();
         let input = Tensor::from_vec(ids, (batch.len(), t), dev)?;
         let targets = Tensor::from_vec(targets, (batch.len(), t - 1), dev)?;
-        let logits = model.forward(&input, None)?.narrow(1, 0, t - 1)?;
-        let logits = if temperature != 1.0 {
-            (logits / temperature)?
-        } else {
-            logits
+        // The fused head: no [rows, len, vocab] logits beyond one chunk.
+        let hidden = model
+            .forward_hidden(&input, None, None, false)?
+            .narrow(1, 0, t - 1)?
+            .reshape((batch.len() * (t - 1), model.cfg.hidden_size))?;
+        let opts = HeadOptions {
+            temperature,
+            ..HeadOptions::default()
         };
-        let lp = logprobs::token_logprobs(&logits, &targets)?
+        let lp = model
+            .head_logprobs(
+                &hidden,
+                &targets.reshape((batch.len() * (t - 1), 1))?,
+                &opts,
+            )?
+            .at_ids
             .to_dtype(DType::F32)?
+            .reshape((batch.len(), t - 1))?
             .to_vec2::<f32>()?;
         for (row, &i) in batch.iter().enumerate() {
             out[i] = lp[row][..seqs[i].len() - 1].to_vec();

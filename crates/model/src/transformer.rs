@@ -809,6 +809,19 @@ impl Transformer {
         Ok(lin.forward(hidden)?.to_dtype(out_dtype)?)
     }
 
+    /// The fused, chunked LM head on final hidden states `[N, hidden]`: log-probs at `ids`
+    /// `[N, K]`, entropy and optional top-K, without materialising `[N, vocab]` logits
+    /// (see [`crate::chunked_logprobs`]). Differentiable w.r.t. the hidden states and
+    /// `lm_head` (the embedding when tied).
+    pub fn head_logprobs(
+        &self,
+        hidden: &Tensor,
+        ids: &Tensor,
+        opts: &crate::chunked_logprobs::HeadOptions,
+    ) -> Result<crate::chunked_logprobs::HeadLogprobs> {
+        crate::chunked_logprobs::head_logprobs(hidden, &self.lm_head, ids, opts)
+    }
+
     /// Final hidden states `[B, T, hidden]` (after `model.norm`). `left_pad` is used when no
     /// cache is given; with a cache, the cache's padding applies.
     pub fn forward_hidden(

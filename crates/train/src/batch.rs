@@ -55,35 +55,103 @@ pub fn token_batch(pairs: &[(&[u32], &[u32])], pad: u32, device: &Device) -> Res
     })
 }
 
-/// Per-token log-probs of the targets `[B, L]` and the full log-softmax `[B, L, V]` of
-/// `model`, at temperature `t` (logits divided by t, as TRL's trainer does). Differentiable.
-pub fn token_logprobs(
+/// Per-token quantities of one teacher-forcing batch, all `[B, L, ..]` and differentiable,
+/// computed at completion-target positions only (every other entry is 0).
+pub struct TokenStats {
+    /// `[B, L]` log-probs of the targets.
+    pub logprobs: Tensor,
+    /// `[B, L]` entropy of each position's distribution.
+    pub entropy: Tensor,
+    /// `[B, L, K]` log-probs at the `extra_ids` passed in (None when none were).
+    pub at_ids: Option<Tensor>,
+    /// `[B, L, k]` u32 ids of each position's `top_k` most likely tokens (None when 0).
+    pub topk_ids: Option<Tensor>,
+    /// `[B, L, k]` log-probs at `topk_ids`.
+    pub topk_logprobs: Option<Tensor>,
+}
+
+/// Log-probs of the targets, entropies, optionally log-probs at `extra_ids` `[B, L, K]`
+/// (u32) and each position's own top-`top_k`, of `model` at temperature `t` (logits divided
+/// by t, as TRL's trainer does). The LM head runs fused and chunked
+/// ([`composer_model::head_logprobs`]) over the completion-target positions, so no
+/// `[B, L, V]` logits exist and prompt positions cost no head FLOPs.
+pub fn token_stats(
     model: &PolicyModel,
     batch: &TokenBatch,
     temperature: f64,
-) -> Result<(Tensor, Tensor)> {
-    let logits = model.forward(&batch.input)?;
-    let logits = if temperature > 0.0 && temperature != 1.0 {
-        (logits / temperature)?
-    } else {
-        logits
+    extra_ids: Option<&Tensor>,
+    top_k: usize,
+) -> Result<TokenStats> {
+    let (b, l) = batch.input.dims2()?;
+    let dev = batch.input.device();
+    let hidden = model.hidden(&batch.input)?;
+    let hsz = hidden.dim(D::Minus1)?;
+    // The rows the head runs on, and for every (b, l) slot its row (or the zero row N).
+    let rows: Vec<u32> = batch
+        .completion_positions
+        .iter()
+        .flatten()
+        .map(|&p| p as u32)
+        .collect();
+    let n = rows.len();
+    let mut slot_to_row = vec![n as u32; b * l];
+    for (j, &p) in rows.iter().enumerate() {
+        slot_to_row[p as usize] = j as u32;
+    }
+    let rows = Tensor::from_vec(rows, n, dev)?;
+    let slot_to_row = Tensor::from_vec(slot_to_row, b * l, dev)?;
+    let hidden = hidden.reshape((b * l, hsz))?.index_select(&rows, 0)?;
+    let targets = batch.targets.reshape((b * l, 1))?.index_select(&rows, 0)?;
+    let k_extra = match extra_ids {
+        Some(x) => x.dim(D::Minus1)?,
+        None => 0,
     };
-    let ls = composer_model::log_softmax(&logits)?;
-    let lp = ls.gather(&batch.targets.unsqueeze(2)?, 2)?.squeeze(2)?;
-    Ok((lp, ls))
-}
-
-/// Per-token entropy `[B, L]` of log-probs `[B, L, V]`.
-pub fn entropies(ls: &Tensor) -> Result<Tensor> {
-    Ok((ls.exp()? * ls)?.sum(D::Minus1)?.neg()?)
-}
-
-/// The `k` most likely token ids per position `[B, L, K]` (u32) of log-probs `[B, L, V]`,
-/// selected on the tensor's device.
-pub fn topk_ids(ls: &Tensor, k: usize) -> Result<Tensor> {
-    let v = ls.dim(D::Minus1)?;
-    let order = ls.detach().contiguous()?.arg_sort_last_dim(false)?;
-    Ok(order.narrow(D::Minus1, 0, k.min(v))?.contiguous()?)
+    let ids = match extra_ids {
+        Some(x) => Tensor::cat(
+            &[
+                &targets,
+                &x.reshape((b * l, k_extra))?.index_select(&rows, 0)?,
+            ],
+            1,
+        )?,
+        None => targets,
+    };
+    let temperature = if temperature > 0.0 { temperature } else { 1.0 };
+    let out = model.transformer.head_logprobs(
+        &hidden,
+        &ids,
+        &composer_model::HeadOptions {
+            temperature,
+            top_k,
+            ..Default::default()
+        },
+    )?;
+    // Back to [B, L, ..]: row N of the padded values is zero (positions not computed).
+    let spread = |x: &Tensor| -> Result<Tensor> {
+        let x = if x.rank() == 1 {
+            x.unsqueeze(1)?
+        } else {
+            x.clone()
+        };
+        let w = x.dim(1)?;
+        let zero = Tensor::zeros((1, w), x.dtype(), dev)?;
+        Ok(Tensor::cat(&[&x, &zero], 0)?
+            .index_select(&slot_to_row, 0)?
+            .reshape((b, l, w))?)
+    };
+    let logprobs = spread(&out.at_ids.narrow(1, 0, 1)?)?.squeeze(2)?;
+    let entropy = spread(&out.entropy)?.squeeze(2)?;
+    let at_ids = match extra_ids {
+        Some(_) => Some(spread(&out.at_ids.narrow(1, 1, k_extra)?)?),
+        None => None,
+    };
+    Ok(TokenStats {
+        logprobs,
+        entropy,
+        at_ids,
+        topk_ids: out.topk_ids.as_ref().map(&spread).transpose()?,
+        topk_logprobs: out.topk_logprobs.as_ref().map(&spread).transpose()?,
+    })
 }
 
 /// Sum of masked values divided by the mask's sum (0 when the mask is empty).
@@ -101,19 +169,6 @@ pub fn scalar(t: &Tensor) -> Result<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn topk_ids_are_the_k_largest_in_order_and_stay_on_the_device() {
-        let v: Vec<f32> = vec![0.1, 2.0, -1.0, 0.5, 3.0, 1.5, -2.0, 0.0];
-        let t = Tensor::from_vec(v, (1, 2, 4), &Device::Cpu).unwrap();
-        let ids = topk_ids(&t, 2).unwrap();
-        assert_eq!(ids.dims(), &[1, 2, 2]);
-        assert!(ids.device().same_device(t.device()));
-        assert_eq!(
-            ids.to_vec3::<u32>().unwrap(),
-            vec![vec![vec![1, 3], vec![0, 1]]]
-        );
-    }
 
     #[test]
     fn token_batch_masks_completion_targets_only() {

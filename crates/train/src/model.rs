@@ -161,9 +161,10 @@ impl PolicyModel {
         self.transformer.device()
     }
 
-    /// Differentiable logits `[B, T, V]` for right-padded ids `[B, T]`.
-    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        self.transformer.forward_train(ids, None)
+    /// Differentiable final hidden states `[B, T, hidden]` for right-padded ids `[B, T]`;
+    /// the LM head runs fused with the log-probs ([`crate::batch::token_stats`]).
+    pub fn hidden(&self, ids: &Tensor) -> Result<Tensor> {
+        self.transformer.forward_hidden(ids, None, None, true)
     }
 
     /// An independent copy of the weights (one copy of every tensor): what the trainer

@@ -142,12 +142,29 @@ fn teacher_topk(
         .collect();
     let n = seq.len();
     let ids = Tensor::from_vec(seq, (1, n), policy.model.device())?;
-    let logits = policy.model.forward(&ids, None)?;
-    let at = logits
+    // The fused head at the completion positions: no [len, vocab] logits beyond one chunk.
+    let hidden = policy
+        .model
+        .forward_hidden(&ids, None, None, false)?
         .narrow(1, prompt.len() - 1, completion.len())?
         .squeeze(0)?;
-    let (top_ids, top_lp) = composer_model::topk_logprobs(&at, k)?;
-    Ok((top_ids.to_vec2::<u32>()?, top_lp.to_vec2::<f32>()?))
+    let none = Tensor::zeros((completion.len(), 0), DType::U32, ids.device())?;
+    let out = policy.model.head_logprobs(
+        &hidden,
+        &none,
+        &composer_model::HeadOptions {
+            top_k: k,
+            ..Default::default()
+        },
+    )?;
+    let top_ids = out.topk_ids.context("top-K ids of the teacher")?;
+    let top_lp = out
+        .topk_logprobs
+        .context("top-K log-probs of the teacher")?;
+    Ok((
+        top_ids.to_vec2::<u32>()?,
+        top_lp.to_dtype(DType::F32)?.to_vec2::<f32>()?,
+    ))
 }
 
 fn teacher_name(dir: &Path) -> String {

@@ -70,10 +70,22 @@ pub fn micro_loss(
     let samples: Vec<&Rollout> = idx.iter().map(|&i| &batch.samples[i]).collect();
     let tb = rollout_batch_tensors(s, &samples)?;
     let (b, l) = tb.input.dims2()?;
-    let (lp, ls) = batch::token_logprobs(&s.model, &tb, temp)?;
     if freeze_only {
-        return Ok((None, Some(lp.detach())));
+        let st = batch::token_stats(&s.model, &tb, temp, None, 0)?;
+        return Ok((None, Some(st.logprobs.detach())));
     }
+    // The hint channel reads the student's own top-K at each completion position.
+    let alpha = s.recipe.loss.hint_weight;
+    let has_hint: Vec<bool> = idx.iter().map(|&i| hint_ids[i].is_some()).collect();
+    let hinted = has_hint.iter().filter(|h| **h).count();
+    let hint_on = alpha > 0.0 && hinted > 0;
+    let top_k = if hint_on {
+        s.recipe.loss.hint.top_k.min(s.model.vocab_size())
+    } else {
+        0
+    };
+    let st = batch::token_stats(&s.model, &tb, temp, None, top_k)?;
+    let lp = st.logprobs.clone();
 
     // RLVR inputs.
     let mut sampler = vec![0f32; b * l];
@@ -85,7 +97,7 @@ pub fn micro_loss(
     let sampler = Tensor::from_vec(sampler, (b, l), &dev)?;
     let adv: Vec<f32> = idx.iter().map(|&i| advantages[i] as f32).collect();
     let adv = Tensor::from_vec(adv, b, &dev)?;
-    let entropies = batch::entropies(&ls)?;
+    let entropies = st.entropy.clone();
     let mut inputs = LossInputs::new(lp.clone(), adv, tb.mask.clone());
     inputs.old_logprobs = frozen.and_then(|f| f.old_logprobs.clone());
     inputs.sampler_logprobs = Some(sampler);
@@ -126,7 +138,7 @@ pub fn micro_loss(
         None
     };
     let ref_lp = match reference {
-        Some(r) => Some(batch::token_logprobs(r, &tb, temp)?.0.detach()),
+        Some(r) => Some(batch::token_stats(r, &tb, temp, None, 0)?.logprobs.detach()),
         None => None,
     };
     if s.recipe.loss.rlvr.beta != 0.0 {
@@ -134,12 +146,9 @@ pub fn micro_loss(
     }
 
     // Hint: the same weights score the student's completion after the hinted prompt.
-    let alpha = s.recipe.loss.hint_weight;
-    let has_hint: Vec<bool> = idx.iter().map(|&i| hint_ids[i].is_some()).collect();
-    let hinted = has_hint.iter().filter(|h| **h).count();
-    if alpha > 0.0 && hinted > 0 {
+    if hint_on {
         inputs.hint = Some(hint_inputs(
-            s, idx, &samples, hint_ids, &tb, &ls, temp, has_hint,
+            s, idx, &samples, hint_ids, &tb, &st, temp, has_hint,
         )?);
     }
 
@@ -156,15 +165,37 @@ pub fn micro_loss(
             })
             .collect();
         let ttb = batch::token_batch(&trace_pairs, s.eos, &dev)?;
-        let (tlp, tls) = batch::token_logprobs(&s.model, &ttb, 1.0)?;
         let mut replay = ReplayInputs::default();
-        if s.recipe.loss.replay.kl_weight > 0.0 {
-            replay.teacher_kl = Some(teacher_kl_inputs(s, &trace_ids, &ttb, &tls)?);
+        // The student's log-probs at the teachers' recorded top-K ids come out of the same
+        // fused pass as the trace tokens' log-probs.
+        let recorded = if s.recipe.loss.replay.kl_weight > 0.0 {
+            Some(recorded_topk(s, &trace_ids, &ttb)?)
+        } else {
+            None
+        };
+        let tst = batch::token_stats(
+            &s.model,
+            &ttb,
+            1.0,
+            recorded.as_ref().map(|(ids, _)| ids),
+            0,
+        )?;
+        let tlp = tst.logprobs;
+        if let (Some((_, teacher_lps)), Some(student)) = (recorded, tst.at_ids) {
+            replay.teacher_kl = Some(TeacherKlInputs {
+                student_topk_logprobs: student,
+                teacher_topk_logprobs: teacher_lps,
+                loss_mask: ttb.mask.clone(),
+                teachers: trace_ids
+                    .iter()
+                    .map(|&t| s.traces[t].teacher.clone())
+                    .collect(),
+            });
         }
         if dpo_on {
             let reference = reference.context("DPO needs the reference policy")?;
             let ref_lp = ref_lp.as_ref().context("DPO needs reference log-probs")?;
-            let (ref_tlp, _) = batch::token_logprobs(reference, &ttb, 1.0)?;
+            let ref_tlp = batch::token_stats(reference, &ttb, 1.0, None, 0)?.logprobs;
             let pc = Tensor::from_vec(
                 pairs.iter().map(|p| p.0 as u32).collect::<Vec<_>>(),
                 pairs.len(),
@@ -290,7 +321,8 @@ fn traces_of(s: &Session, idx: &[usize], batch: &RolloutBatch) -> Vec<usize> {
 }
 
 /// Hint channel inputs: the same weights score the completion after the hinted prompt
-/// (detached teacher); the student's top-K ids are selected on the device.
+/// (detached teacher) at the targets and at the student's top-K ids (selected on the device
+/// in the student's fused pass `st`).
 #[allow(clippy::too_many_arguments)]
 fn hint_inputs(
     s: &Session,
@@ -298,13 +330,17 @@ fn hint_inputs(
     samples: &[&Rollout],
     hint_ids: &[Option<Vec<u32>>],
     tb: &TokenBatch,
-    ls: &Tensor,
+    st: &batch::TokenStats,
     temp: f64,
     has_hint: Vec<bool>,
 ) -> Result<HintInputs> {
     let dev = s.model.device();
     let (b, l) = tb.input.dims2()?;
-    let k = s.recipe.loss.hint.top_k.min(s.model.vocab_size());
+    let topk = st
+        .topk_ids
+        .clone()
+        .context("the hint channel needs the student's top-K ids")?;
+    let k = topk.dim(2)?;
     let tpairs: Vec<(&[u32], &[u32])> = idx
         .iter()
         .zip(samples)
@@ -316,44 +352,46 @@ fn hint_inputs(
         })
         .collect();
     let ttb = batch::token_batch(&tpairs, s.eos, dev)?;
-    let (_, tls) = batch::token_logprobs(&s.model, &ttb, temp)?;
-    let tls = tls.detach();
-    let (_, lt, v) = tls.dims3()?;
-    // Map each student position to the teacher position predicting the same token.
-    let mut map = vec![0u32; b * l];
+    let (bt, lt) = ttb.input.dims2()?;
+    // Each student position ↔ the teacher position predicting the same token.
+    let mut to_teacher = vec![0u32; b * l];
+    let mut to_student = vec![0u32; bt * lt];
     for r in 0..b {
         for (kk, &pos) in tb.completion_positions[r].iter().enumerate() {
-            map[pos] = ttb.completion_positions[r][kk] as u32;
+            let tpos = ttb.completion_positions[r][kk];
+            to_teacher[pos] = tpos as u32;
+            to_student[tpos] = pos as u32;
         }
     }
-    let map = Tensor::from_vec(map, b * l, dev)?;
-    let teacher_full = tls
-        .reshape((b * lt, v))?
-        .index_select(&map, 0)?
-        .reshape((b, l, v))?;
-    let topk = batch::topk_ids(ls, k)?;
+    let to_teacher = Tensor::from_vec(to_teacher, b * l, dev)?;
+    let to_student = Tensor::from_vec(to_student, bt * lt, dev)?;
+    let teacher_ids = topk
+        .reshape((b * l, k))?
+        .index_select(&to_student, 0)?
+        .reshape((bt, lt, k))?;
+    let tst = batch::token_stats(&s.model, &ttb, temp, Some(&teacher_ids), 0)?;
+    let at_student = |x: &Tensor, w: usize| -> Result<Tensor> {
+        Ok(x.detach()
+            .reshape((bt * lt, w))?
+            .index_select(&to_teacher, 0)?
+            .reshape((b, l, w))?)
+    };
+    let teacher_topk = tst
+        .at_ids
+        .context("teacher log-probs at the student's top-K")?;
     Ok(HintInputs {
-        student_topk_logprobs: Some(ls.gather(&topk, 2)?),
-        teacher_topk_logprobs: Some(teacher_full.gather(&topk, 2)?),
+        student_topk_logprobs: st.topk_logprobs.clone(),
+        teacher_topk_logprobs: Some(at_student(&teacher_topk, k)?),
         topk_ids: Some(topk),
-        teacher_token_logprobs: Some(
-            teacher_full
-                .gather(&tb.targets.unsqueeze(2)?, 2)?
-                .squeeze(2)?,
-        ),
+        teacher_token_logprobs: Some(at_student(&tst.logprobs, 1)?.squeeze(2)?),
         has_hint,
     })
 }
 
-/// The student's log-probs at the teachers' recorded top-K ids of each trace position, and
-/// the recorded log-probs (positions with fewer than K recorded ids are padded with a
-/// log-prob of −1e4, i.e. no mass).
-fn teacher_kl_inputs(
-    s: &Session,
-    trace_ids: &[usize],
-    ttb: &TokenBatch,
-    tls: &Tensor,
-) -> Result<TeacherKlInputs> {
+/// The teachers' recorded top-K ids `[Bt, Lt, K]` of each trace position and their recorded
+/// log-probs (positions with fewer than K recorded ids are padded with a log-prob of −1e4,
+/// i.e. no mass).
+fn recorded_topk(s: &Session, trace_ids: &[usize], ttb: &TokenBatch) -> Result<(Tensor, Tensor)> {
     let (bt, lt) = ttb.input.dims2()?;
     let kmax = trace_ids
         .iter()
@@ -377,14 +415,8 @@ fn teacher_kl_inputs(
         }
     }
     let dev = s.model.device();
-    let ids = Tensor::from_vec(ids, (bt, lt, kmax), dev)?;
-    Ok(TeacherKlInputs {
-        student_topk_logprobs: tls.gather(&ids, 2)?,
-        teacher_topk_logprobs: Tensor::from_vec(tlps, (bt, lt, kmax), dev)?,
-        loss_mask: ttb.mask.clone(),
-        teachers: trace_ids
-            .iter()
-            .map(|&t| s.traces[t].teacher.clone())
-            .collect(),
-    })
+    Ok((
+        Tensor::from_vec(ids, (bt, lt, kmax), dev)?,
+        Tensor::from_vec(tlps, (bt, lt, kmax), dev)?,
+    ))
 }

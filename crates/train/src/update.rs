@@ -114,7 +114,7 @@ pub fn warmup(s: &mut Session, w: &crate::recipe::WarmupSection) -> Result<f64> 
             .map(|(p, c)| (p.as_slice(), c.as_slice()))
             .collect();
         let tb = batch::token_batch(&pairs, s.eos, s.model.device())?;
-        let (lp, _) = batch::token_logprobs(&s.model, &tb, 1.0)?;
+        let lp = batch::token_stats(&s.model, &tb, 1.0, None, 0)?.logprobs;
         let loss = batch::masked_mean(&lp.neg()?, &tb.mask)?;
         last = scalar(&loss)?;
         let mut grads = collect_grads(&opt, &loss)?;
@@ -141,7 +141,8 @@ fn collect_grads(opt: &AdamW, loss: &Tensor) -> Result<HashMap<String, Tensor>> 
 }
 
 /// μ passes over the batch; each pass splits it into `mini_batches` optimizer steps (by prompt
-/// group), each accumulating gradients over `gradient_accumulation_steps` micro-batches.
+/// group), each accumulating gradients over `gradient_accumulation_steps` micro-batches (split
+/// further to `max_tokens_per_microbatch` tokens each when set).
 pub fn train_on_batch(
     s: &mut Session,
     step: usize,
@@ -195,15 +196,26 @@ pub fn train_on_batch(
         }
     }
 
-    // Mini-batches and micro-batches as lists of sample indices (whole groups).
+    // Mini-batches and micro-batches as lists of sample indices (whole groups), each
+    // micro-batch split further by the token budget when one is set.
     let groups_per_mb = n_groups.div_ceil(tr.mini_batches);
+    let row_len = |i: usize| {
+        let smp = &batch.samples[i];
+        (smp.prompt_ids.len() + smp.completion_ids.len()).saturating_sub(1)
+    };
     let mini: Vec<Vec<Vec<usize>>> = (0..n_groups)
         .collect::<Vec<_>>()
         .chunks(groups_per_mb.max(1))
         .map(|gs| {
             let per_micro = gs.len().div_ceil(tr.gradient_accumulation_steps).max(1);
             gs.chunks(per_micro)
-                .map(|c| c.iter().flat_map(|&gi| gi * g..(gi + 1) * g).collect())
+                .flat_map(|c| {
+                    let micro: Vec<usize> = c.iter().flat_map(|&gi| gi * g..(gi + 1) * g).collect();
+                    match tr.max_tokens_per_microbatch {
+                        Some(budget) => split_by_tokens(&micro, &row_len, budget),
+                        None => vec![micro],
+                    }
+                })
                 .collect()
         })
         .collect();
@@ -321,6 +333,32 @@ pub fn train_on_batch(
         s.sync_reference(step)?;
     }
     Ok(stats)
+}
+
+/// Splits `samples` in order into micro-batches whose padded size (rows × the longest row's
+/// `row_len`) stays within `budget` tokens; a row longer than the budget forms its own.
+pub fn split_by_tokens(
+    samples: &[usize],
+    row_len: &dyn Fn(usize) -> usize,
+    budget: usize,
+) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    let mut cur: Vec<usize> = Vec::new();
+    let mut longest = 0;
+    for &i in samples {
+        let len = row_len(i);
+        let wide = longest.max(len);
+        if !cur.is_empty() && (cur.len() + 1) * wide > budget {
+            out.push(std::mem::take(&mut cur));
+            longest = 0;
+        }
+        longest = longest.max(len);
+        cur.push(i);
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
 }
 
 /// The RLVR normaliser of one optimizer step made of the micro-batches `micro` (lists of

@@ -86,6 +86,21 @@ pub fn validate_ranges(r: &Recipe, origin: &Path) -> Result<()> {
         );
     }
 
+    // A budget below one completion could never hold a row of the batch.
+    if let Some(budget) = r.train.max_tokens_per_microbatch {
+        if budget < ro.max_completion_length {
+            out_of_range(
+                "[train] max_tokens_per_microbatch",
+                budget.to_string(),
+                &format!(
+                    "an integer >= `[rollout] max_completion_length` ({}): a micro-batch must \
+                     hold at least one completion",
+                    ro.max_completion_length
+                ),
+            )?;
+        }
+    }
+
     let d = &r.data;
     // With `[env]` the env's reward replaces the verifiers, so an empty list is fine there.
     if d.verifiers.is_empty() && r.env.is_none() {

@@ -140,7 +140,7 @@ fn multi_turn_episode_is_token_faithful() {
     use candle_core::Device;
     use composer_env::{run_episode, EchoEnv, EpisodeConfig, EpisodeEnd, ResetOptions};
     use composer_model::SamplingParams;
-    use composer_train::batch::{token_batch, token_logprobs};
+    use composer_train::batch::{token_batch, token_stats};
     use composer_train::env_rollout::{with_turn_sampler, ModelTurnPolicy};
     use composer_train::model::{PolicyModel, TinyConfig};
     use composer_train::tokenizer::{build_char_tokenizer, encode, token_id, EOS_TOKEN};
@@ -211,7 +211,7 @@ fn multi_turn_episode_is_token_faithful() {
     // Teacher-forced log-probs of the whole sequence (temperature 1 = the sampling one).
     let (p, c) = ep.token_ids.split_at(ep.prompt_len);
     let tb = token_batch(&[(p, c)], eos, &Device::Cpu).unwrap();
-    let (lp, _) = token_logprobs(&model, &tb, 1.0).unwrap();
+    let lp = token_stats(&model, &tb, 1.0, None, 0).unwrap().logprobs;
     let lp: Vec<f32> = lp.flatten_all().unwrap().to_vec1().unwrap();
     let mut checked = 0;
     for (k, &pos) in tb.completion_positions[0].iter().enumerate() {

@@ -197,3 +197,19 @@ fn replay_dpo_loss_type_and_kl_aggregation_keys() {
         composer_loss::DistillationAgg::TokenMean
     );
 }
+
+#[test]
+fn token_budget_below_one_completion_is_refused() {
+    // The default recipe's max_completion_length is 5.
+    assert_refused(
+        "train",
+        "max_tokens_per_microbatch = 4",
+        "[train] max_tokens_per_microbatch",
+        &["= 4", ">= `[rollout] max_completion_length` (5)"],
+    );
+    parse_recipe(
+        &with_key("train", "max_tokens_per_microbatch = 5"),
+        Path::new("ok.toml"),
+    )
+    .unwrap();
+}

@@ -1,0 +1,311 @@
+//! The LM head fused with log-softmax, token gathers, entropy and top-K, chunked over tokens
+//! so that no `[N, vocab]` tensor larger than one chunk exists, forward or backward.
+//!
+//! [`head_logprobs`] takes final hidden states `[N, H]` and the LM-head weight `[V, H]` (the
+//! embedding itself when tied) and returns, per token row, the log-probs at given ids (the
+//! targets, a teacher's recorded top-K), the entropy, and optionally the row's own top-K ids
+//! with their log-probs, all of `log softmax(h·Wᵀ / T)`. The values are computed chunk by
+//! chunk without a graph; a [`CustomOp3`] attaches them to `hidden` and `weight` and its
+//! backward recomputes each chunk's logits to form
+//! `∂z = Σₖ Gₖ(δ_{idₖ} − p) − E·p·(log p + H)` (G: gradients of the gathered log-probs,
+//! E: of the entropy H), then `∂h = ∂z·W / T` and `∂W += ∂zᵀ·h / T`.
+//!
+//! Work precision is f32 (f64 for f64 inputs, for gradient checks); the returned log-probs
+//! are in that precision and the gradients are cast back to the inputs' dtypes.
+
+use anyhow::{bail, Context, Result};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, D};
+
+/// Upper bound on the elements of one chunk's `[rows, vocab]` logits (64 MiB in f32); the
+/// backward holds a few tensors of this size at once.
+pub const DEFAULT_CHUNK_ELEMENTS: usize = 1 << 24;
+
+/// What [`head_logprobs`] computes besides the gathered log-probs and the entropy.
+#[derive(Debug, Clone, Copy)]
+pub struct HeadOptions {
+    /// Logits are divided by this (the sampler's temperature); must be > 0.
+    pub temperature: f64,
+    /// Also select each row's `top_k` most likely ids (0 = none).
+    pub top_k: usize,
+    /// Upper bound on one chunk's `rows × vocab` elements.
+    pub chunk_elements: usize,
+}
+
+impl Default for HeadOptions {
+    fn default() -> Self {
+        HeadOptions {
+            temperature: 1.0,
+            top_k: 0,
+            chunk_elements: DEFAULT_CHUNK_ELEMENTS,
+        }
+    }
+}
+
+/// Per-row results of [`head_logprobs`]; every float tensor is differentiable with respect to
+/// the hidden states and the LM-head weight.
+#[derive(Debug, Clone)]
+pub struct HeadLogprobs {
+    /// `[N, K]` log-probs at the requested ids.
+    pub at_ids: Tensor,
+    /// `[N]` entropy of each row's distribution.
+    pub entropy: Tensor,
+    /// `[N, top_k]` u32 ids of each row's most likely tokens, most likely first (not
+    /// differentiable: a selection). `None` when `top_k == 0`.
+    pub topk_ids: Option<Tensor>,
+    /// `[N, top_k]` log-probs at `topk_ids`.
+    pub topk_logprobs: Option<Tensor>,
+}
+
+fn work_dtype(t: &Tensor) -> DType {
+    if t.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// Rows per chunk for a vocabulary of `v` under `chunk_elements`.
+fn chunk_rows(v: usize, chunk_elements: usize) -> usize {
+    (chunk_elements / v.max(1)).max(1)
+}
+
+/// `log softmax(h·Wᵀ / T)` of one chunk, `[c, V]` in the work dtype, without a graph.
+fn chunk_logsoftmax(h: &Tensor, w: &Tensor, temperature: f64) -> Result<Tensor> {
+    let z = h.matmul(&w.t()?)?;
+    let z = if temperature != 1.0 {
+        (z / temperature)?
+    } else {
+        z
+    };
+    let max = z.max_keepdim(D::Minus1)?;
+    let shifted = z.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    Ok(shifted.broadcast_sub(&lse)?)
+}
+
+/// The `k` largest entries of each row of `[c, V]` log-probs, as `[c, k]` u32 ids in
+/// decreasing order. On the CPU a size-k scan per row; elsewhere the device's sort.
+fn topk_rows(logp: &Tensor, k: usize) -> Result<Tensor> {
+    if !matches!(logp.device(), Device::Cpu) {
+        let order = logp.arg_sort_last_dim(false)?;
+        return Ok(order.narrow(D::Minus1, 0, k)?.contiguous()?);
+    }
+    let rows: Vec<Vec<f32>> = logp.to_dtype(DType::F32)?.to_vec2()?;
+    let mut out = Vec::with_capacity(rows.len() * k);
+    for row in &rows {
+        // `best` stays sorted in decreasing order; a value enters only if it beats the k-th.
+        let mut best: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
+        for (i, &x) in row.iter().enumerate() {
+            if best.len() == k && !(x > best[k - 1].0) {
+                continue;
+            }
+            let at = best.partition_point(|&(y, _)| y >= x);
+            best.insert(at, (x, i as u32));
+            best.truncate(k);
+        }
+        out.extend(best.iter().map(|&(_, i)| i));
+    }
+    Ok(Tensor::from_vec(out, (rows.len(), k), logp.device())?)
+}
+
+/// Log-probs at `ids` `[N, K]` (u32), entropy and optionally the own top-K of
+/// `log softmax(hidden·weightᵀ / T)`, with `hidden` `[N, H]` and `weight` `[V, H]`, chunked
+/// over rows (see the module doc). Gradients reach `hidden` and `weight`.
+pub fn head_logprobs(
+    hidden: &Tensor,
+    weight: &Tensor,
+    ids: &Tensor,
+    opts: &HeadOptions,
+) -> Result<HeadLogprobs> {
+    let (n, h) = hidden
+        .dims2()
+        .context("head_logprobs: hidden states must be [tokens, hidden]")?;
+    let (v, hw) = weight
+        .dims2()
+        .context("head_logprobs: the LM-head weight must be [vocab, hidden]")?;
+    if h != hw {
+        bail!("head_logprobs: hidden size {h} but the LM-head weight is [{v}, {hw}]");
+    }
+    let (ni, k_ids) = ids
+        .dims2()
+        .context("head_logprobs: ids must be [tokens, K]")?;
+    if ni != n || ids.dtype() != DType::U32 {
+        bail!(
+            "head_logprobs: ids must be u32 [{n}, K], got {:?} {:?}",
+            ids.dtype(),
+            ids.dims()
+        );
+    }
+    if opts.temperature.is_nan() || opts.temperature <= 0.0 {
+        bail!(
+            "head_logprobs: temperature must be > 0, got {}",
+            opts.temperature
+        );
+    }
+    if n > 0 && k_ids > 0 {
+        let max_id = ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+        if max_id as usize >= v {
+            bail!("head_logprobs: token id {max_id} is outside the vocabulary ({v})");
+        }
+    }
+    let top_k = opts.top_k.min(v);
+    let dt = work_dtype(hidden);
+    let w = weight.detach().to_dtype(dt)?;
+    let hid = hidden.detach().to_dtype(dt)?;
+    let rows = chunk_rows(v, opts.chunk_elements);
+    let mut values = Vec::new();
+    let mut all_ids = Vec::new();
+    let mut start = 0;
+    while start < n {
+        let c = rows.min(n - start);
+        let logp = chunk_logsoftmax(&hid.narrow(0, start, c)?, &w, opts.temperature)?;
+        let entropy = (logp.exp()? * &logp)?.sum_keepdim(D::Minus1)?.neg()?;
+        let mut chunk_ids = ids.narrow(0, start, c)?.contiguous()?;
+        if top_k > 0 {
+            chunk_ids = Tensor::cat(&[&chunk_ids, &topk_rows(&logp, top_k)?], 1)?;
+        }
+        let gathered = if chunk_ids.dim(1)? > 0 {
+            logp.gather(&chunk_ids, D::Minus1)?
+        } else {
+            Tensor::zeros((c, 0), dt, logp.device())?
+        };
+        values.push(Tensor::cat(&[&gathered, &entropy], 1)?);
+        all_ids.push(chunk_ids);
+        start += c;
+    }
+    let width = k_ids + top_k;
+    let (values, all_ids) = if n == 0 {
+        (
+            Tensor::zeros((0, width + 1), dt, hidden.device())?,
+            Tensor::zeros((0, width), DType::U32, hidden.device())?,
+        )
+    } else {
+        // `cat` allocates a fresh contiguous buffer, which the op's forward copies as is.
+        (Tensor::cat(&values, 0)?, Tensor::cat(&all_ids, 0)?)
+    };
+    let op = FusedHead {
+        ids: all_ids.clone(),
+        temperature: opts.temperature,
+        chunk_rows: rows,
+    };
+    let out = hidden.apply_op3(weight, &values.detach(), op)?;
+    Ok(HeadLogprobs {
+        at_ids: out.narrow(1, 0, k_ids)?,
+        entropy: out.narrow(1, width, 1)?.squeeze(1)?,
+        topk_ids: (top_k > 0)
+            .then(|| all_ids.narrow(1, k_ids, top_k))
+            .transpose()?,
+        topk_logprobs: (top_k > 0)
+            .then(|| out.narrow(1, k_ids, top_k))
+            .transpose()?,
+    })
+}
+
+/// The op that attaches precomputed head values to `(hidden, weight)`: its forward returns
+/// its third argument (the values, computed without a graph), its backward recomputes the
+/// logits chunk by chunk.
+struct FusedHead {
+    /// `[N, W]` ids whose log-probs are the first `W` output columns (the last is entropy).
+    ids: Tensor,
+    temperature: f64,
+    chunk_rows: usize,
+}
+
+/// The values tensor must be a whole contiguous buffer (it is fresh from `cat`).
+fn check_whole(l: &Layout, len: usize) -> candle_core::Result<()> {
+    if !l.is_contiguous() || l.start_offset() != 0 || l.shape().elem_count() != len {
+        candle_core::bail!("fused LM head: the values tensor must be a fresh contiguous buffer")
+    }
+    Ok(())
+}
+
+impl CustomOp3 for FusedHead {
+    fn name(&self) -> &'static str {
+        "fused-lm-head-logprobs"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        values: &CpuStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let len = match values {
+            CpuStorage::F32(v) => v.len(),
+            CpuStorage::F64(v) => v.len(),
+            _ => candle_core::bail!("fused LM head: values must be f32 or f64"),
+        };
+        check_whole(l, len)?;
+        Ok((values.try_clone(l)?, l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        values: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        check_whole(l, l.shape().elem_count())?;
+        Ok((values.try_clone(l)?, l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        _values: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (n, width) = self.ids.dims2()?;
+        let dt = work_dtype(hidden);
+        let w = weight.detach().to_dtype(dt)?;
+        let hid = hidden.detach().to_dtype(dt)?;
+        let grad = grad_res.detach().to_dtype(dt)?;
+        let entropy = res.detach().narrow(1, width, 1)?.to_dtype(dt)?;
+        let mut dw = w.zeros_like()?;
+        let mut dh = Vec::new();
+        let mut start = 0;
+        while start < n {
+            let c = self.chunk_rows.min(n - start);
+            let h_c = hid.narrow(0, start, c)?;
+            let logp = chunk_logsoftmax(&h_c, &w, self.temperature)
+                .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+            let p = logp.exp()?;
+            let g = grad.narrow(0, start, c)?;
+            let g_ids = g.narrow(1, 0, width)?;
+            let g_ent = g.narrow(1, width, 1)?;
+            // −p·(Σₖ Gₖ + E·(log p + H)), then + Gₖ at each gathered id.
+            let coef = logp
+                .broadcast_add(&entropy.narrow(0, start, c)?)?
+                .broadcast_mul(&g_ent)?
+                .broadcast_add(&g_ids.sum_keepdim(1)?)?;
+            let mut dz = (p * coef)?.neg()?;
+            if width > 0 {
+                dz = dz.scatter_add(&self.ids.narrow(0, start, c)?, &g_ids.contiguous()?, 1)?;
+            }
+            let dz = (dz / self.temperature)?;
+            dh.push(dz.matmul(&w)?);
+            dw = (dw + dz.t()?.matmul(&h_c)?)?;
+            start += c;
+        }
+        let dh = if n == 0 {
+            hid.zeros_like()?
+        } else {
+            Tensor::cat(&dh, 0)?
+        };
+        Ok((
+            Some(dh.to_dtype(hidden.dtype())?),
+            Some(dw.to_dtype(weight.dtype())?),
+            None,
+        ))
+    }
+}
