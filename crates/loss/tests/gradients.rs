@@ -668,6 +668,8 @@ fn hint_sampled_token_form() {
         let cfg = HintConfig {
             divergence: HintDivergence::SampledToken,
             is_clip,
+            // The closed form below is the token mean over every hinted token.
+            loss_agg_mode: composer_loss::DistillationAgg::TokenMean,
             ..Default::default()
         };
         let (g_lp, g_st) = check_hint(&format!("sampled token cap={is_clip:?}"), &d, &cfg);

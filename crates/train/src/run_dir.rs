@@ -16,6 +16,23 @@ pub const LOCK_FILE: &str = ".lock";
 /// Files or directories whose presence means a directory already holds a run.
 const RUN_MARKERS: [&str; 3] = ["metrics.jsonl", "checkpoint", "checkpoint.old"];
 
+/// Everything a run writes into its run directory (the trainer, the report, a DiLoCo
+/// replica): what `--overwrite` removes, so nothing of the old run can be resumed or mixed
+/// into the new one.
+pub const RUN_ARTEFACTS: [&str; 11] = [
+    "metrics.jsonl",
+    "checkpoint",
+    "checkpoint.old",
+    "checkpoint.tmp",
+    "recipe.toml",
+    "recipe.trainer.toml",
+    "report.html",
+    ".report.html.tmp",
+    "samples",
+    "traces",
+    "diloco-state.safetensors",
+];
+
 /// The held lock of a run directory; dropping it releases the lock.
 #[derive(Debug)]
 pub struct RunDirLock {
@@ -39,11 +56,15 @@ impl Drop for RunDirLock {
 
 /// Takes `run_dir` for this process: creates it, takes its lock (refusing when another
 /// process, or another session of this one, holds it, naming the owner's pid), and on a fresh
-/// run (`resume == false`) refuses a directory that already holds a run unless `overwrite`.
+/// run (`resume == false`) refuses a directory that already holds a run unless `overwrite`,
+/// which removes the old run's [`RUN_ARTEFACTS`] (under the lock, so never a live run's).
 pub fn claim(run_dir: &Path, resume: bool, overwrite: bool) -> Result<RunDirLock> {
     std::fs::create_dir_all(run_dir)
         .with_context(|| format!("creating run dir {}", run_dir.display()))?;
     let lock = lock(run_dir)?;
+    if overwrite && !resume {
+        remove_run(run_dir)?;
+    }
     if !resume && !overwrite {
         if let Some(found) = RUN_MARKERS
             .iter()
@@ -60,6 +81,23 @@ pub fn claim(run_dir: &Path, resume: bool, overwrite: bool) -> Result<RunDirLock
         }
     }
     Ok(lock)
+}
+
+/// Removes every artefact of an earlier run from `run_dir` (other files are left alone: the
+/// directory may hold the user's own).
+fn remove_run(run_dir: &Path) -> Result<()> {
+    for name in RUN_ARTEFACTS {
+        let p = run_dir.join(name);
+        let removed = match std::fs::symlink_metadata(&p) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => Err(e),
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&p),
+            Ok(_) => std::fs::remove_file(&p),
+        };
+        removed
+            .with_context(|| format!("--overwrite: removing the earlier run's {}", p.display()))?;
+    }
+    Ok(())
 }
 
 /// Takes the exclusive lock `run_dir/.lock` and writes this process's pid into it.

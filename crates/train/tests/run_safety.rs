@@ -118,6 +118,40 @@ fn fresh_run_into_a_used_run_dir_is_refused_before_the_model_loads() {
     assert!(e.contains("nonexistent"), "{e}");
 }
 
+/// `--overwrite` removes everything of the earlier run (so none of it can be resumed or
+/// mixed into the new run's metrics) and leaves the user's own files alone.
+#[test]
+fn overwrite_removes_the_earlier_runs_checkpoints_and_artefacts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = write(tmp.path(), "missing.toml", MISSING_MODEL);
+    let run = tmp.path().join("run");
+    for dir in ["checkpoint", "checkpoint.old", "samples"] {
+        std::fs::create_dir_all(run.join(dir)).unwrap();
+        std::fs::write(run.join(dir).join("x"), "old").unwrap();
+    }
+    for file in ["metrics.jsonl", "recipe.toml", "report.html"] {
+        std::fs::write(run.join(file), "old").unwrap();
+    }
+    std::fs::write(run.join("notes.txt"), "mine").unwrap();
+    // The run fails on the missing model, after the run dir was claimed and cleared.
+    let e = error_of("overwrite", || fresh(&recipe, &run, true));
+    assert!(e.contains("nonexistent"), "{e}");
+    for gone in [
+        "checkpoint",
+        "checkpoint.old",
+        "samples",
+        "metrics.jsonl",
+        "recipe.toml",
+        "report.html",
+    ] {
+        assert!(!run.join(gone).exists(), "{gone} survived --overwrite");
+    }
+    assert_eq!(
+        std::fs::read_to_string(run.join("notes.txt")).unwrap(),
+        "mine"
+    );
+}
+
 #[test]
 fn a_run_dir_in_use_is_refused_naming_the_owner_pid() {
     let tmp = tempfile::tempdir().unwrap();
