@@ -236,7 +236,7 @@ impl Env for RepoEnv {
                         ))
                     }
                 };
-                self.call_tool(&name.to_string(), arguments).await
+                self.call_tool(name, arguments).await
             }
             _ => {
                 return Err(invalid(
