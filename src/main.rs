@@ -134,19 +134,36 @@ struct GenerateArgs {
     /// `cpu` or `cuda:N` (with the `cuda` feature).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Batch-invariant decoding: log-probs equal `score --deterministic`'s bitwise (slower).
+    #[arg(long)]
+    deterministic: bool,
 }
 
 #[derive(Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["text", "ids", "batch"])))]
 struct ScoreArgs {
     /// Checkpoint directory.
     #[arg(long)]
     model: PathBuf,
     /// Text to score (tokenized without special tokens).
     #[arg(long)]
-    text: String,
+    text: Option<String>,
+    /// Exact token ids to score, e.g. `--ids 1,2,3` (commas or spaces).
+    #[arg(long, allow_hyphen_values = true)]
+    ids: Option<String>,
+    /// JSON Lines file of `{"prompt_ids":[...],"completion_ids":[...]}` rows: prints
+    /// `{"rows":[{"prompt_len","completion_logprobs"}]}` (JSON, whatever --json says).
+    #[arg(long, value_name = "FILE")]
+    batch: Option<PathBuf>,
+    /// Score under log softmax(logits / T), the sampler's distribution at temperature T.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f64,
     /// Print `{"input_ids":[...],"next_token_logprobs":[...]}` as JSON.
     #[arg(long)]
     json: bool,
+    /// Batch-invariant scoring: equal bitwise to `generate --deterministic`'s log-probs.
+    #[arg(long)]
+    deterministic: bool,
     #[arg(long, default_value = "cpu")]
     device: String,
 }
@@ -332,6 +349,9 @@ enum BenchCommand {
 }
 
 fn main() -> ExitCode {
+    // Before any thread starts: candle re-derives the thread count on every matmul unless
+    // RAYON_NUM_THREADS is set (a user's own value is kept).
+    composer_model::configure_cpu_threads();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -421,6 +441,7 @@ fn run(cli: Cli) -> Result<()> {
                 seed: a.seed,
                 num_samples: a.num_samples,
                 device: a.device,
+                deterministic: a.deterministic,
             })?;
             if json {
                 println!("{}", serde_json::to_string(&out)?);
@@ -462,8 +483,21 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Score(a) => {
-            let out = composer_model::score_cli(&a.model, &a.text, &a.device)?;
-            if a.json {
+            let input = match (a.text, a.ids, a.batch) {
+                (Some(t), _, _) => composer_model::ScoreInput::Text(t),
+                (_, Some(ids), _) => composer_model::ScoreInput::Ids(ids),
+                (_, _, Some(f)) => composer_model::ScoreInput::Batch(f),
+                (None, None, None) => anyhow::bail!("score needs --text, --ids or --batch"),
+            };
+            let batch = matches!(input, composer_model::ScoreInput::Batch(_));
+            let out = composer_model::score_cli(&composer_model::ScoreOptions {
+                model_dir: a.model,
+                input,
+                temperature: a.temperature,
+                device: a.device,
+                deterministic: a.deterministic,
+            })?;
+            if a.json || batch {
                 println!("{}", serde_json::to_string(&out)?);
             } else {
                 let ids = out["input_ids"].as_array().cloned().unwrap_or_default();

@@ -5,12 +5,16 @@
 //!   caller-owned [`KvCache`]), load/save of HF checkpoints, `VarMap` master weights.
 //! - [`chunked_logprobs`]: the LM head fused with log-softmax, gathers, entropy and top-K,
 //!   chunked over tokens forward and backward (the training path: no `[N, vocab]` logits).
+//! - [`kv_cache`]: the KV cache, grown in blocks and written in place.
 //! - [`checkpoint`]: safetensors single-file and sharded I/O.
 //! - [`tokenizer`]: `tokenizer.json` wrapper and the Jinja chat template.
 //! - [`logprobs`]: per-token log-probs, entropy and top-K from logits (f32, differentiable).
 //! - [`rollout`]: batched KV-cached sampling returning token ids + sampler log-probs.
 //! - [`score`]: teacher-forced scoring.
+//! - [`deterministic`]: batch-invariant sampling and scoring (log-probs equal bitwise).
+//! - [`score_cli`]: `composer-rl score` on text, exact ids or a JSON Lines batch.
 //! - [`policy`]: model + tokenizer + chat template bundle and the CLI entry points.
+//! - [`threads`]: the CPU thread count of candle's matmuls, fixed once at start-up.
 //! - [`bench`]: training and decoding throughput benchmark.
 
 // `!(x > 0.0)` is used on purpose in validation: it also rejects NaN.
@@ -20,20 +24,27 @@ pub mod bench;
 pub mod checkpoint;
 pub mod chunked_logprobs;
 pub mod config;
+pub mod deterministic;
 pub mod device;
+pub mod kv_cache;
 pub mod logprobs;
 pub mod policy;
 pub mod rollout;
 pub mod score;
+pub mod score_cli;
+pub mod threads;
 pub mod tokenizer;
 pub mod transformer;
 
 pub use chunked_logprobs::{head_logprobs, HeadLogprobs, HeadOptions};
 pub use config::{ModelConfig, ModelType};
+pub use deterministic::{generate_deterministic, score_deterministic};
 pub use device::device_from_str;
 pub use logprobs::{log_softmax, logsumexp, token_entropy, token_logprobs, topk_logprobs};
-pub use policy::{generate_cli, score_cli, GenerateOptions, Policy};
+pub use policy::{generate_cli, GenerateOptions, Policy};
 pub use rollout::{generate, FinishReason, GenerationRequest, Sample, SamplingParams};
 pub use score::{score, score_with_temperature};
+pub use score_cli::{score_cli, ScoreInput, ScoreOptions};
+pub use threads::configure_cpu_threads;
 pub use tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 pub use transformer::{KvCache, Transformer};

@@ -1,10 +1,10 @@
 //! `Policy`: model + tokenizer + chat template + generation defaults, loaded from and saved
-//! to one Hugging Face model directory; and the `generate` / `score` CLI entry points.
+//! to one Hugging Face model directory; and the `generate` CLI entry point.
 
 use crate::config::ModelConfig;
+use crate::deterministic::generate_deterministic;
 use crate::device::device_from_str;
 use crate::rollout::{generate, FinishReason, GenerationRequest, SamplingParams};
-use crate::score::score;
 use crate::tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 use crate::transformer::Transformer;
 use anyhow::{bail, Context, Result};
@@ -147,6 +147,9 @@ pub struct GenerateOptions {
     pub num_samples: usize,
     /// Device string (`cpu`, `cuda:0`).
     pub device: String,
+    /// Batch-invariant decoding ([`crate::generate_deterministic`]): log-probs equal
+    /// `score --deterministic`'s bitwise.
+    pub deterministic: bool,
 }
 
 impl Default for GenerateOptions {
@@ -162,11 +165,13 @@ impl Default for GenerateOptions {
             seed: 0,
             num_samples: 1,
             device: "cpu".into(),
+            deterministic: false,
         }
     }
 }
 
-fn dtype_for(device: &Device) -> DType {
+/// Activation dtype of the CLI entry points: bf16 on a GPU, f32 on the CPU.
+pub(crate) fn dtype_for(device: &Device) -> DType {
     if device.is_cuda() {
         DType::BF16
     } else {
@@ -195,7 +200,11 @@ pub fn generate_cli(opts: &GenerateOptions) -> Result<Value> {
         num_samples: opts.num_samples,
         seed: opts.seed,
     };
-    let out = generate(&policy.model, &[req], &params)?;
+    let out = if opts.deterministic {
+        generate_deterministic(&policy.model, &[req], &params)?
+    } else {
+        generate(&policy.model, &[req], &params)?
+    };
     let mut samples = Vec::new();
     for s in out.into_iter().flatten() {
         samples.push(json!({
@@ -207,16 +216,4 @@ pub fn generate_cli(opts: &GenerateOptions) -> Result<Value> {
         }));
     }
     Ok(json!({ "samples": samples }))
-}
-
-/// `composer-rl score`: `{"input_ids":[...],"next_token_logprobs":[...]}` where entry t is
-/// `log p(input_ids[t+1] | input_ids[..=t])` (text tokenized without special tokens).
-pub fn score_cli(model_dir: &Path, text: &str, device: &str) -> Result<Value> {
-    let device = device_from_str(device)?;
-    let policy = Policy::load(model_dir, &device, dtype_for(&device))?;
-    let ids = policy.tokenizer.encode(text)?;
-    let lp = score(&policy.model, std::slice::from_ref(&ids))?;
-    Ok(
-        json!({ "input_ids": ids, "next_token_logprobs": lp.into_iter().next().unwrap_or_default() }),
-    )
 }

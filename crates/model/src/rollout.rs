@@ -83,7 +83,8 @@ pub struct Sample {
     pub finish_reason: FinishReason,
 }
 
-struct Active {
+/// One sample being decoded: its RNG stream, tokens and log-probs so far.
+pub(crate) struct Active {
     request: usize,
     sample: usize,
     rng: ChaCha8Rng,
@@ -92,12 +93,57 @@ struct Active {
     prompt_len: usize,
 }
 
-/// Samples completions for every request; returns, per request, its samples in order.
-pub fn generate(
+impl Active {
+    /// Sample `sample` of request `request`: ChaCha8 seeded by the request's seed, stream
+    /// `sample`.
+    pub(crate) fn new(request: usize, r: &GenerationRequest, sample: usize) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(r.seed);
+        rng.set_stream(sample as u64);
+        Active {
+            request,
+            sample,
+            rng,
+            ids: Vec::new(),
+            logprobs: Vec::new(),
+            prompt_len: r.prompt_ids.len(),
+        }
+    }
+
+    /// Records `token` and its log-prob; returns the finished sample when `token` is a stop
+    /// id or a length limit is reached.
+    pub(crate) fn push(
+        &mut self,
+        token: u32,
+        logprob: f32,
+        stop_ids: &[u32],
+        max_new_tokens: usize,
+        max_pos: usize,
+    ) -> Option<Sample> {
+        self.ids.push(token);
+        self.logprobs.push(logprob);
+        let stop = stop_ids.contains(&token);
+        let at_limit =
+            self.ids.len() >= max_new_tokens || self.prompt_len + self.ids.len() >= max_pos;
+        (stop || at_limit).then(|| Sample {
+            prompt_len: self.prompt_len,
+            completion_ids: std::mem::take(&mut self.ids),
+            sampler_logprobs: std::mem::take(&mut self.logprobs),
+            finish_reason: if stop {
+                FinishReason::Stop
+            } else {
+                FinishReason::Length
+            },
+        })
+    }
+}
+
+/// Checks the sampling knobs and every request against the model before any work; returns the
+/// stop ids.
+pub(crate) fn check_requests(
     model: &Transformer,
     requests: &[GenerationRequest],
     params: &SamplingParams,
-) -> Result<Vec<Vec<Sample>>> {
+) -> Result<Vec<u32>> {
     if params.temperature < 0.0 || !params.temperature.is_finite() {
         bail!("temperature must be >= 0, got {}", params.temperature);
     }
@@ -120,27 +166,47 @@ pub fn generate(
             bail!("request {i}: token id {bad} is outside the vocabulary ({vocab})");
         }
     }
-    let stop_ids: Vec<u32> = params
+    Ok(params
         .stop_token_ids
         .clone()
-        .unwrap_or_else(|| model.cfg.eos_token_ids.clone());
+        .unwrap_or_else(|| model.cfg.eos_token_ids.clone()))
+}
+
+/// Empty samples for `max_new_tokens = 0` (nothing asked, every sample ends at its limit).
+pub(crate) fn empty_samples(requests: &[GenerationRequest]) -> Vec<Vec<Sample>> {
+    requests
+        .iter()
+        .map(|r| {
+            (0..r.num_samples)
+                .map(|_| Sample {
+                    prompt_len: r.prompt_ids.len(),
+                    completion_ids: Vec::new(),
+                    sampler_logprobs: Vec::new(),
+                    finish_reason: FinishReason::Length,
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Samples completions for every request; returns, per request, its samples in order.
+/// [`crate::generate_deterministic`] is the batch-invariant variant.
+pub fn generate(
+    model: &Transformer,
+    requests: &[GenerationRequest],
+    params: &SamplingParams,
+) -> Result<Vec<Vec<Sample>>> {
+    let stop_ids = check_requests(model, requests, params)?;
+    let max_pos = model.cfg.max_position_embeddings;
+    // A zero token budget asks for nothing: every sample is empty and ends at its length limit
+    // (the decode loop below always samples at least one token before checking the limit).
+    if params.max_new_tokens == 0 {
+        return Ok(empty_samples(requests));
+    }
     let mut results: Vec<Vec<Sample>> = requests
         .iter()
         .map(|r| Vec::with_capacity(r.num_samples))
         .collect();
-    // A zero token budget asks for nothing: every sample is empty and ends at its length limit
-    // (the decode loop below always samples at least one token before checking the limit).
-    if params.max_new_tokens == 0 {
-        for (r, out) in requests.iter().zip(results.iter_mut()) {
-            out.extend((0..r.num_samples).map(|_| Sample {
-                prompt_len: r.prompt_ids.len(),
-                completion_ids: Vec::new(),
-                sampler_logprobs: Vec::new(),
-                finish_reason: FinishReason::Length,
-            }));
-        }
-        return Ok(results);
-    }
     let live: Vec<usize> = (0..requests.len())
         .filter(|&i| requests[i].num_samples > 0)
         .collect();
@@ -166,6 +232,8 @@ pub fn generate(
     }
     let input = Tensor::from_vec(ids, (live.len(), max_len), &device)?;
     let mut prompt_cache = KvCache::new(model.cfg.num_hidden_layers, pads);
+    // Room for the longest possible completion up front: the cache never regrows mid-decode.
+    prompt_cache.reserve(max_len + params.max_new_tokens.min(max_pos));
     let hidden = model.forward_hidden(&input, None, Some(&mut prompt_cache), false)?;
     let last = hidden.narrow(1, max_len - 1, 1)?;
     let prompt_logits = model.logits(&last)?.squeeze(1)?; // [R, V]
@@ -176,17 +244,8 @@ pub fn generate(
     for (row, &i) in live.iter().enumerate() {
         let r = &requests[i];
         for s in 0..r.num_samples {
-            let mut rng = ChaCha8Rng::seed_from_u64(r.seed);
-            rng.set_stream(s as u64);
             rows.push(row);
-            active.push(Active {
-                request: i,
-                sample: s,
-                rng,
-                ids: Vec::new(),
-                logprobs: Vec::new(),
-                prompt_len: r.prompt_ids.len(),
-            });
+            active.push(Active::new(i, r, s));
         }
     }
     let row_idx = Tensor::new(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), &device)?;
@@ -202,22 +261,14 @@ pub fn generate(
         let mut still: Vec<Active> = Vec::with_capacity(active.len());
         for (row, mut a) in active.drain(..).enumerate() {
             let tok = tokens[row];
-            a.ids.push(tok);
-            a.logprobs.push(token_logprobs[row]);
-            let stop = stop_ids.contains(&tok);
-            let at_limit =
-                a.ids.len() >= params.max_new_tokens || a.prompt_len + a.ids.len() >= max_pos;
-            if stop || at_limit {
-                let sample = Sample {
-                    prompt_len: a.prompt_len,
-                    completion_ids: std::mem::take(&mut a.ids),
-                    sampler_logprobs: std::mem::take(&mut a.logprobs),
-                    finish_reason: if stop {
-                        FinishReason::Stop
-                    } else {
-                        FinishReason::Length
-                    },
-                };
+            let done = a.push(
+                tok,
+                token_logprobs[row],
+                &stop_ids,
+                params.max_new_tokens,
+                max_pos,
+            );
+            if let Some(sample) = done {
                 finished.push((a.request, a.sample, sample));
             } else {
                 next_tokens.push(tok);
@@ -244,6 +295,19 @@ pub fn generate(
     Ok(results)
 }
 
+/// The sampler's distribution `log softmax(logits / T)` in f32, `[rows, V]` (T = 1: no
+/// division). The deterministic scorer uses this same function, so its log-probs are the
+/// sampler's bit for bit.
+pub(crate) fn sampler_log_softmax(logits: &Tensor, temperature: f64) -> Result<Tensor> {
+    let logits = logits.to_dtype(DType::F32)?;
+    let scaled = if temperature == 1.0 {
+        logits
+    } else {
+        (&logits / temperature)?
+    };
+    Ok(logprobs::log_softmax(&scaled)?.contiguous()?)
+}
+
 /// Tokens per block of the two-stage inverse-CDF sampler.
 const SAMPLE_BLOCK: usize = 128;
 
@@ -253,20 +317,15 @@ const SAMPLE_BLOCK: usize = 128;
 /// plain sampling (no top-k / top-p) uses [`inverse_cdf_blocked`], so per step only
 /// O(rows · V / SAMPLE_BLOCK) numbers reach the host instead of the full `[rows, V]`
 /// distribution. Top-k / top-p need a sort, done on the host over the candidate set.
-fn next_tokens(
+pub(crate) fn next_tokens(
     logits: &Tensor,
     params: &SamplingParams,
     active: &mut [Active],
 ) -> Result<(Vec<u32>, Vec<f32>)> {
     let greedy = params.temperature == 0.0;
     // Sampler distribution: log softmax(logits / T) in f32 (T = 1 for greedy).
-    let logits = logits.to_dtype(DType::F32)?;
-    let scaled = if greedy || params.temperature == 1.0 {
-        logits
-    } else {
-        (&logits / params.temperature)?
-    };
-    let logp = logprobs::log_softmax(&scaled)?.contiguous()?;
+    let temperature = if greedy { 1.0 } else { params.temperature };
+    let logp = sampler_log_softmax(logits, temperature)?;
     let tokens: Vec<u32> = if greedy {
         logp.argmax(D::Minus1)?.to_vec1::<u32>()?
     } else if params.top_k == 0 && params.top_p >= 1.0 {

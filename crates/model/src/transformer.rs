@@ -18,6 +18,8 @@
 
 use crate::checkpoint::{self, LoadedCheckpoint};
 use crate::config::ModelConfig;
+pub use crate::kv_cache::KvCache;
+use crate::kv_cache::LayerKv;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::VarMap;
@@ -192,7 +194,7 @@ impl Attention {
         &self,
         x: &Tensor,
         ctx: &Ctx,
-        cache: Option<&mut Option<(Tensor, Tensor)>>,
+        cache: Option<(&mut LayerKv, usize)>,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -213,14 +215,7 @@ impl Attention {
         let q = apply_rope(&q, &ctx.cos, &ctx.sin, ctx.path)?;
         let k = apply_rope(&k, &ctx.cos, &ctx.sin, ctx.path)?;
         let (k, v) = match cache {
-            Some(slot) => {
-                let (k, v) = match slot.take() {
-                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
-                    None => (k, v),
-                };
-                *slot = Some((k.clone(), v.clone()));
-                (k, v)
-            }
+            Some((slot, reserved)) => slot.append(&k, &v, reserved)?,
             None => (k, v),
         };
         let tk = k.dim(2)?;
@@ -290,7 +285,7 @@ impl DecoderLayer {
         &self,
         x: &Tensor,
         ctx: &Ctx,
-        cache: Option<&mut Option<(Tensor, Tensor)>>,
+        cache: Option<(&mut LayerKv, usize)>,
     ) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x, ctx.path)?;
         let x = (x + self.self_attn.forward(&h, ctx, cache)?)?;
@@ -308,85 +303,6 @@ pub struct Model {
     pub layers: Vec<DecoderLayer>,
     /// `model.norm`.
     pub norm: RmsNorm,
-}
-
-/// Key/value cache for a batch of sequences, owned by the caller (one per rollout batch).
-///
-/// Sequences are left-padded: row `b` has `left_pad[b]` padding slots before its first
-/// token; padding keys are masked out and positions start at 0 at the first real token.
-#[derive(Debug, Clone)]
-pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
-    left_pad: Vec<usize>,
-    len: usize,
-}
-
-impl KvCache {
-    /// An empty cache for `batch` rows with the given left padding per row (the padding
-    /// of the first chunk fed to it).
-    pub fn new(num_layers: usize, left_pad: Vec<usize>) -> Self {
-        KvCache {
-            layers: vec![None; num_layers],
-            left_pad,
-            len: 0,
-        }
-    }
-    /// Slots stored per row (padding included).
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    /// True when nothing has been fed yet.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    /// Number of rows.
-    pub fn batch_size(&self) -> usize {
-        self.left_pad.len()
-    }
-    /// Left padding per row.
-    pub fn left_pad(&self) -> &[usize] {
-        &self.left_pad
-    }
-    /// Number of real (non-padding) tokens stored for row `b`.
-    pub fn seq_len(&self, b: usize) -> usize {
-        self.len - self.left_pad[b]
-    }
-    /// A cache holding only `rows` (in that order; repeats allowed), e.g. to expand a
-    /// prompt's cache to n samples or to drop finished samples. Padding columns common to
-    /// all kept rows are trimmed.
-    pub fn select_rows(&self, rows: &[usize]) -> Result<KvCache> {
-        let left_pad: Vec<usize> = rows.iter().map(|&r| self.left_pad[r]).collect();
-        let trim = left_pad.iter().copied().min().unwrap_or(0);
-        let dev_rows = match self.layers.iter().flatten().next() {
-            Some((k, _)) => Some(Tensor::new(
-                rows.iter().map(|&r| r as u32).collect::<Vec<u32>>(),
-                k.device(),
-            )?),
-            None => None,
-        };
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for l in &self.layers {
-            layers.push(match (l, &dev_rows) {
-                (Some((k, v)), Some(idx)) => {
-                    let sel = |t: &Tensor| -> Result<Tensor> {
-                        let t = t.index_select(idx, 0)?;
-                        Ok(if trim > 0 {
-                            t.narrow(2, trim, self.len - trim)?.contiguous()?
-                        } else {
-                            t
-                        })
-                    };
-                    Some((sel(k)?, sel(v)?))
-                }
-                _ => None,
-            });
-        }
-        Ok(KvCache {
-            layers,
-            left_pad: left_pad.iter().map(|p| p - trim).collect(),
-            len: self.len - trim,
-        })
-    }
 }
 
 /// A decoder-only causal LM: `model.*` plus `lm_head`, its config and RoPE tables.
@@ -427,6 +343,8 @@ impl Transformer {
         get: &mut ParamGetter<'_>,
     ) -> Result<Self> {
         cfg.validate()?;
+        // Library users get the fixed thread count too (the binary sets it in `main`).
+        crate::threads::ensure_cpu_threads_configured();
         let (h, hd, nh, nkv) = (
             cfg.hidden_size,
             cfg.head_dim,
@@ -898,7 +816,7 @@ impl Transformer {
                 .index_select(&ids, 0)?
                 .reshape((b, t, self.cfg.hidden_size))?;
         for (i, layer) in self.model.layers.iter().enumerate() {
-            let slot = cache.as_mut().map(|c| &mut c.layers[i]);
+            let slot = cache.as_mut().map(|c| c.layer_mut(i));
             x = layer.forward(&x, &ctx, slot)?;
         }
         if let Some(c) = cache {

@@ -1,0 +1,194 @@
+//! Deterministic mode: the sampler's log-probs equal the scorer's recomputed log-probs
+//! bitwise (max |Δ| == 0, f32, CPU) on the transformers-written fixtures and on a built-in
+//! random model, whatever else is in the batch. And the in-place, block-grown KV cache: the
+//! same logits whether it grows block by block or was reserved up front.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::{fixture, FIXTURES};
+use composer_model::{
+    generate, generate_deterministic, score_deterministic, GenerationRequest, KvCache, ModelConfig,
+    SamplingParams, Transformer,
+};
+
+fn params(temperature: f64, max_new_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        temperature,
+        top_p: 1.0,
+        top_k: 0,
+        max_new_tokens,
+        stop_token_ids: Some(vec![]),
+    }
+}
+
+fn requests() -> Vec<GenerationRequest> {
+    vec![
+        GenerationRequest {
+            prompt_ids: vec![380, 361, 10, 67, 14, 265],
+            num_samples: 3,
+            seed: 11,
+        },
+        GenerationRequest {
+            prompt_ids: vec![5, 17],
+            num_samples: 2,
+            seed: 4,
+        },
+    ]
+}
+
+/// Samples deterministically and rescores every completion; returns max |sampler − scorer|
+/// (and checks the lengths and that something was sampled).
+fn max_sampler_scorer_gap(
+    model: &Transformer,
+    temperature: f64,
+    reqs: &[GenerationRequest],
+) -> f32 {
+    let out = generate_deterministic(model, reqs, &params(temperature, 24)).unwrap();
+    let score_t = if temperature == 0.0 { 1.0 } else { temperature };
+    let mut gap = 0f32;
+    let mut tokens = 0;
+    for (r, samples) in reqs.iter().zip(&out) {
+        assert_eq!(samples.len(), r.num_samples);
+        let seqs: Vec<Vec<u32>> = samples
+            .iter()
+            .map(|s| [r.prompt_ids.as_slice(), &s.completion_ids].concat())
+            .collect();
+        let scored = score_deterministic(model, &seqs, score_t).unwrap();
+        for (s, lp) in samples.iter().zip(&scored) {
+            let completion = &lp[r.prompt_ids.len() - 1..];
+            assert_eq!(completion.len(), s.sampler_logprobs.len());
+            for (a, b) in completion.iter().zip(&s.sampler_logprobs) {
+                gap = gap.max((a - b).abs());
+            }
+            tokens += completion.len();
+        }
+    }
+    assert!(tokens > 0);
+    gap
+}
+
+#[test]
+fn deterministic_sampler_logprobs_equal_the_scorer_bitwise() {
+    for name in FIXTURES {
+        let model = Transformer::load(&fixture(name), &Device::Cpu, DType::F32).unwrap();
+        for t in [0.0, 0.7, 1.0] {
+            assert_eq!(
+                max_sampler_scorer_gap(&model, t, &requests()),
+                0.0,
+                "{name} T={t}"
+            );
+        }
+    }
+    let (builtin, _) =
+        Transformer::random_init(&ModelConfig::tiny_qwen2(512), 3, &Device::Cpu).unwrap();
+    for t in [0.0, 1.0] {
+        assert_eq!(
+            max_sampler_scorer_gap(&builtin, t, &requests()),
+            0.0,
+            "built-in T={t}"
+        );
+    }
+}
+
+#[test]
+fn deterministic_samples_do_not_depend_on_the_rest_of_the_batch() {
+    let model = Transformer::load(&fixture("qwen2-tiny"), &Device::Cpu, DType::F32).unwrap();
+    let reqs = requests();
+    let together = generate_deterministic(&model, &reqs, &params(0.9, 16)).unwrap();
+    for (i, r) in reqs.iter().enumerate() {
+        let alone =
+            generate_deterministic(&model, std::slice::from_ref(r), &params(0.9, 16)).unwrap();
+        assert_eq!(alone[0], together[i], "request {i}");
+    }
+    // Bad input is refused as by the batched sampler.
+    let bad = GenerationRequest {
+        prompt_ids: vec![1, 384],
+        num_samples: 1,
+        seed: 0,
+    };
+    let e = generate_deterministic(&model, &[bad], &params(1.0, 4)).unwrap_err();
+    assert!(e.to_string().contains("384"), "{e}");
+    let e = score_deterministic(&model, &[vec![1, 2]], 0.0).unwrap_err();
+    assert!(e.to_string().contains("temperature"), "{e}");
+}
+
+/// Feeds `prompt` then `steps` greedy tokens through `cache`; returns every step's logits.
+fn decode_logits(
+    model: &Transformer,
+    mut cache: KvCache,
+    prompt: &[u32],
+    steps: usize,
+) -> Vec<Vec<f32>> {
+    let dev = Device::Cpu;
+    let mut out = Vec::new();
+    let input = Tensor::new(prompt, &dev).unwrap().unsqueeze(0).unwrap();
+    let mut logits = model.forward(&input, Some(&mut cache)).unwrap();
+    for _ in 0..steps {
+        let last = logits
+            .narrow(1, logits.dim(1).unwrap() - 1, 1)
+            .unwrap()
+            .flatten_all()
+            .unwrap();
+        let row = last.to_vec1::<f32>().unwrap();
+        let next = last.argmax(0).unwrap().to_scalar::<u32>().unwrap();
+        out.push(row);
+        let input = Tensor::new(&[[next]], &dev).unwrap();
+        logits = model.forward(&input, Some(&mut cache)).unwrap();
+    }
+    out
+}
+
+#[test]
+fn kv_cache_grown_in_blocks_equals_a_reserved_one_bitwise() {
+    for name in FIXTURES {
+        let model = Transformer::load(&fixture(name), &Device::Cpu, DType::F32).unwrap();
+        let layers = model.cfg.num_hidden_layers;
+        let prompt = [380u32, 361, 10, 67, 14, 265];
+        // 150 steps cross two block boundaries (64-slot blocks).
+        let grown = decode_logits(&model, KvCache::new(layers, vec![0]), &prompt, 150);
+        let mut reserved = KvCache::new(layers, vec![0]);
+        reserved.reserve(prompt.len() + 150);
+        let pre = decode_logits(&model, reserved, &prompt, 150);
+        assert_eq!(grown, pre, "{name}");
+    }
+}
+
+#[test]
+fn kv_cache_capacity_grows_by_blocks_and_clones_do_not_share_buffers() {
+    let model = Transformer::load(&fixture("llama-tiny"), &Device::Cpu, DType::F32).unwrap();
+    let dev = Device::Cpu;
+    let mut cache = KvCache::new(model.cfg.num_hidden_layers, vec![0, 2]);
+    let input = Tensor::new(&[[1u32, 2, 3], [0, 0, 4]], &dev).unwrap();
+    model.forward(&input, Some(&mut cache)).unwrap();
+    assert_eq!(
+        (cache.len(), cache.capacity()),
+        (3, composer_model::kv_cache::KV_BLOCK)
+    );
+    // A clone continued with one token must not change what the original computes next.
+    let mut copy = cache.clone();
+    let step = Tensor::new(&[[7u32], [8]], &dev).unwrap();
+    let from_copy = model.forward(&step, Some(&mut copy)).unwrap();
+    let other = Tensor::new(&[[9u32], [10]], &dev).unwrap();
+    model.forward(&other, Some(&mut copy)).unwrap();
+    let from_original = model.forward(&step, Some(&mut cache)).unwrap();
+    let a = from_copy.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let b = from_original
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    assert_eq!(a, b);
+    // Rows: expansion keeps the free capacity; a bad row is an error, not a panic.
+    let rows = cache.select_rows(&[1, 1, 0]).unwrap();
+    assert_eq!(rows.batch_size(), 3);
+    assert_eq!(rows.len(), cache.len());
+    assert!(cache
+        .select_rows(&[2])
+        .unwrap_err()
+        .to_string()
+        .contains("row 2"));
+    // The batched sampler still runs through the in-place cache past a block boundary.
+    let out = generate(&model, &requests(), &params(0.8, 80)).unwrap();
+    assert!(out.iter().flatten().all(|s| s.completion_ids.len() == 80));
+}

@@ -1,0 +1,207 @@
+//! `composer-rl score --ids` and `--batch` on the real binary and the transformers-written
+//! tiny checkpoints: exact ids score as transformers does, a sampler's completions score to
+//! its own log-probs on the very ids it sampled, and bad ids / files fail naming the culprit.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn fixture(name: &str) -> PathBuf {
+    let shared = match std::env::var("COMPOSER_SHARED") {
+        Ok(p) if !p.is_empty() => PathBuf::from(p),
+        _ => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared")),
+    };
+    shared.join("fixtures/hf-tiny").join(name)
+}
+
+fn composer_rl(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_composer-rl"))
+        .args(args)
+        .output()
+        .expect("running composer-rl")
+}
+
+fn run_json(args: &[&str]) -> Value {
+    let out = composer_rl(args);
+    assert!(
+        out.status.success(),
+        "composer-rl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("stdout is JSON")
+}
+
+/// Runs the binary, expects failure, returns stderr.
+fn run_err(args: &[&str]) -> String {
+    let out = composer_rl(args);
+    assert!(!out.status.success(), "composer-rl {args:?} succeeded");
+    assert!(out.stdout.is_empty(), "{args:?} printed to stdout");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn nums(v: &Value) -> Vec<f64> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_f64().expect("number"))
+        .collect()
+}
+
+#[test]
+fn score_ids_matches_transformers_and_the_text_path() {
+    for name in ["llama-tiny", "qwen2-tiny", "qwen3-tiny"] {
+        let dir = fixture(name);
+        let dir = dir.to_str().unwrap();
+        let text = std::fs::read_to_string(fixture(name).join("reference.json")).unwrap();
+        let reference: Value = serde_json::from_str(&text).unwrap();
+        let case = &reference["cases"][0];
+        let ids: Vec<String> = case["input_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_string())
+            .collect();
+        let by_ids = run_json(&["score", "--model", dir, "--ids", &ids.join(","), "--json"]);
+        let by_text = run_json(&[
+            "score",
+            "--model",
+            dir,
+            "--text",
+            case["text"].as_str().unwrap(),
+            "--json",
+        ]);
+        assert_eq!(by_ids, by_text, "{name}: --ids and --text on the same ids");
+        let ours = nums(&by_ids["next_token_logprobs"]);
+        let theirs = nums(&case["next_token_logprobs"]);
+        assert_eq!(ours.len(), theirs.len());
+        for (t, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+            assert!((a - b).abs() <= 1e-4, "{name} position {t}: {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn batch_scores_a_samplers_own_ids_to_its_logprobs() {
+    let dir = fixture("qwen2-tiny");
+    let dir = dir.to_str().unwrap();
+    let prompt = "def add(a, b):";
+    let prompt_ids =
+        run_json(&["score", "--model", dir, "--text", prompt, "--json"])["input_ids"].clone();
+    let generated = run_json(&[
+        "generate",
+        "--model",
+        dir,
+        "--prompt",
+        prompt,
+        "--num-samples",
+        "3",
+        "--seed",
+        "5",
+        "--temperature",
+        "0.7",
+        "--max-new-tokens",
+        "24",
+        "--json",
+    ]);
+    let samples = generated["samples"].as_array().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let batch = tmp.path().join("rows.jsonl");
+    let lines: Vec<String> = samples
+        .iter()
+        .map(|s| {
+            serde_json::json!({"prompt_ids": prompt_ids, "completion_ids": s["completion_ids"]})
+                .to_string()
+        })
+        .collect();
+    // A blank line between rows is allowed.
+    std::fs::write(&batch, lines.join("\n\n") + "\n").unwrap();
+    let scored = run_json(&[
+        "score",
+        "--model",
+        dir,
+        "--batch",
+        batch.to_str().unwrap(),
+        "--temperature",
+        "0.7",
+    ]);
+    let rows = scored["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), samples.len());
+    let n_prompt = prompt_ids.as_array().unwrap().len() as u64;
+    for (i, (row, s)) in rows.iter().zip(samples).enumerate() {
+        assert_eq!(row["prompt_len"].as_u64(), Some(n_prompt));
+        let scorer = nums(&row["completion_logprobs"]);
+        let sampler = nums(&s["logprobs"]);
+        assert_eq!(scorer.len(), sampler.len(), "sample {i}");
+        assert!(!scorer.is_empty());
+        for (t, (a, b)) in scorer.iter().zip(&sampler).enumerate() {
+            // f32, KV-cached decode vs one forward: equal to rounding (bitwise needs the
+            // deterministic mode).
+            assert!(
+                (a - b).abs() <= 1e-4,
+                "sample {i} token {t}: scorer {a} vs sampler {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_ids_and_batch_files_fail_naming_the_culprit() {
+    let dir = fixture("qwen2-tiny");
+    let dir = dir.to_str().unwrap();
+    // vocab_size of the fixtures is 384.
+    let e = run_err(&["score", "--model", dir, "--ids", "1,2,384"]);
+    assert!(
+        e.contains("--ids") && e.contains("384") && e.contains("position 2") && e.contains("vocab"),
+        "{e}"
+    );
+    let e = run_err(&["score", "--model", dir, "--ids", ""]);
+    assert!(e.contains("--ids is empty"), "{e}");
+    let e = run_err(&["score", "--model", dir, "--ids", "1,two"]);
+    assert!(e.contains("`two`"), "{e}");
+    // Exactly one input.
+    let e = run_err(&["score", "--model", dir, "--ids", "1,2", "--text", "hi"]);
+    assert!(e.contains("cannot be used with"), "{e}");
+
+    let tmp = tempfile::tempdir().unwrap();
+    let cases: [(&str, &str); 5] = [
+        (
+            "{\"prompt_ids\":[1,2],\"completion_ids\":[3]}\nnot json\n",
+            "line 2: not JSON",
+        ),
+        ("{\"prompt_ids\":[1]}\n", "line 1: missing `completion_ids`"),
+        (
+            "{\"prompt_ids\":[],\"completion_ids\":[3]}\n",
+            "line 1: `prompt_ids` is empty",
+        ),
+        (
+            "{\"prompt_ids\":[1,-4],\"completion_ids\":[]}\n",
+            "`prompt_ids`[1] = -4",
+        ),
+        ("\n\n", "has no rows"),
+    ];
+    for (i, (body, want)) in cases.iter().enumerate() {
+        let f = tmp.path().join(format!("bad{i}.jsonl"));
+        std::fs::write(&f, body).unwrap();
+        let e = run_err(&["score", "--model", dir, "--batch", f.to_str().unwrap()]);
+        assert!(
+            e.contains(want) && e.contains(&format!("bad{i}.jsonl")),
+            "case {i}: {e}"
+        );
+    }
+    let f = tmp.path().join("vocab.jsonl");
+    std::fs::write(&f, "{\"prompt_ids\":[1],\"completion_ids\":[2]}\n{\"prompt_ids\":[1],\"completion_ids\":[999]}\n").unwrap();
+    let e = run_err(&["score", "--model", dir, "--batch", f.to_str().unwrap()]);
+    assert!(
+        e.contains("row 1") && e.contains("999") && e.contains("vocab"),
+        "{e}"
+    );
+    let e = run_err(&[
+        "score",
+        "--model",
+        dir,
+        "--batch",
+        "/nonexistent/rows.jsonl",
+    ]);
+    assert!(e.contains("/nonexistent/rows.jsonl"), "{e}");
+}
