@@ -248,13 +248,17 @@ struct PlanArgs {
 
 #[derive(Args)]
 struct ServeEnvArgs {
-    /// Built-in environment: `code` (sandboxed Python tasks) or `echo`.
+    /// Environment: `code` (sandboxed Python tasks), `echo`, or `repo` (repository tasks
+    /// with MCP tools, from `--tasks`; see REPO_ENV.md).
     env: String,
+    /// Task directory of `repo` (`<id>/task.toml`, `repo/`, `visible_tests/`, `hidden_tests/`).
+    #[arg(long)]
+    tasks: Option<PathBuf>,
     #[arg(long, default_value_t = 8000)]
     port: u16,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
-    /// Concurrent WebSocket sessions before CAPACITY_REACHED.
+    /// Concurrent sessions (WebSocket and HTTP `/mcp`-made) before CAPACITY_REACHED.
     #[arg(long, default_value_t = 4)]
     max_sessions: usize,
 }
@@ -529,7 +533,20 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::ServeEnv(a) => {
-            let factory = composer_env::builtin_env_factory(&a.env)?;
+            let factory = match (a.env.as_str(), &a.tasks) {
+                ("repo", Some(dir)) => composer_env::repo::RepoEnv::factory(
+                    dir,
+                    composer_env::repo::EpisodeBudget::default(),
+                )
+                .with_context(|| {
+                    format!("loading repository tasks from --tasks {}", dir.display())
+                })?,
+                ("repo", None) => anyhow::bail!("serve-env repo needs --tasks DIR"),
+                (other, Some(_)) => {
+                    anyhow::bail!("--tasks is for `serve-env repo`, not `serve-env {other}`")
+                }
+                (other, None) => composer_env::builtin_env_factory(other)?,
+            };
             let addr: SocketAddr = format!("{}:{}", a.host, a.port).parse().with_context(|| {
                 format!(
                     "--host {} --port {} is not a socket address",

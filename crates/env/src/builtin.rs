@@ -10,11 +10,13 @@ use serde_json::{json, Map, Value};
 
 use crate::env::{render_observation, Action, Env, EnvError, EnvFactory, ResetOptions, StepResult};
 
-fn new_episode_id() -> String {
+/// A fresh random id (episodes, server sessions).
+pub(crate) fn new_episode_id() -> String {
     format!("{:032x}", rand::random::<u128>())
 }
 
-fn object(v: Value) -> Map<String, Value> {
+/// The map of a JSON object (empty for anything else).
+pub(crate) fn object(v: Value) -> Map<String, Value> {
     match v {
         Value::Object(m) => m,
         _ => Map::new(),

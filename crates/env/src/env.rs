@@ -272,6 +272,14 @@ pub trait Env: Send {
             }
         })
     }
+    /// The MCP tools this env serves (`{name, description, input_schema}` each), or `None`
+    /// when it speaks no MCP. An env that has tools takes the steps `{"type":"list_tools"}`
+    /// and `{"type":"call_tool","tool_name","arguments"}` and answers a call with the
+    /// observation `{tool_name, result, error}`; the server maps JSON-RPC `tools/list` and
+    /// `tools/call` onto these (see `REPO_ENV.md`).
+    fn mcp_tools(&self) -> Option<Vec<Value>> {
+        None
+    }
     /// Metadata served on `/metadata` (name, description, version...).
     fn metadata(&self) -> Value {
         serde_json::json!({"name": "Environment", "description": "Environment", "readme_content": null,

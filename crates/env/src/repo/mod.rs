@@ -5,14 +5,17 @@
 //!   `hidden_tests/`) and [`load_tasks`].
 //! - [`tools`]: [`RepoEpisode`] with the seven tools of `REPO_ENV.md` ([`tool_specs`],
 //!   [`RepoEpisode::call_tool`]); a server wraps it per session.
+//! - [`env`]: [`RepoEnv`], the tasks as an [`crate::Env`] with MCP tools (`serve-env repo`).
 //! - [`grade`]: grading the candidate cannot reach (see that module for the design).
 //! - [`make_tasks`]: builds tasks from a Python repository with a test suite.
 
+pub mod env;
 pub mod grade;
 pub mod make_tasks;
 pub mod task;
 pub mod tools;
 
+pub use env::RepoEnv;
 pub use grade::{grade_working_copy, RepoGrade};
 pub use make_tasks::{make_tasks, MakeTasksReport};
 pub use task::{load_task, load_tasks, RepoRewardMode, RepoTask, TaskFile};

@@ -1,16 +1,20 @@
-//! An OpenEnv-protocol server (as openenv-core 0.3.0 speaks it, see PROTOCOL.md) for any
-//! [`EnvFactory`]: stateless HTTP `/reset` `/step` `/state`, `/health` `/metadata` `/schema`,
-//! and stateful episodes over WebSocket `/ws` (one env per connection).
+//! An OpenEnv-protocol server (as openenv-core 0.3.0 / openenv 0.10 speak it, see
+//! PROTOCOL.md) for any [`EnvFactory`]: stateless HTTP `/reset` `/step` `/state`, `/health`
+//! `/metadata` `/schema`, stateful episodes over WebSocket `/ws` (one env per session), and
+//! for envs with MCP tools ([`Env::mcp_tools`]) JSON-RPC on `POST /mcp` and in `{"type":"mcp"}`
+//! messages, with HTTP-made sessions that a WebSocket `/ws?session_id=ID` attaches to.
+
+mod mcp;
+mod sessions;
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use anyhow::Context;
 use axum::body::Bytes;
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -19,13 +23,15 @@ use serde_json::{json, Map, Value};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::env::{Env, EnvError, EnvFactory, ResetOptions};
+use crate::env::{EnvError, EnvFactory, ResetOptions, StepResult};
 use crate::schema::validate_action;
+use sessions::{close_env, SessionError, SessionStore, SharedEnv};
 
 /// Server settings.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
-    /// Most concurrent WebSocket sessions; more are refused with `CAPACITY_REACHED`.
+    /// Most concurrent sessions (WebSocket and HTTP-made); more are refused with
+    /// `CAPACITY_REACHED` (JSON-RPC: a `-32000` error).
     pub max_sessions: usize,
     /// Largest accepted WebSocket message.
     pub max_message_bytes: usize,
@@ -44,8 +50,10 @@ impl Default for ServeConfig {
 struct AppState {
     factory: EnvFactory,
     config: ServeConfig,
-    active: Arc<AtomicUsize>,
+    sessions: Arc<SessionStore>,
     shutdown: watch::Receiver<bool>,
+    /// The env's MCP tools (`None`: it speaks no MCP).
+    mcp_tools: Arc<Option<Vec<Value>>>,
     schema: Arc<Value>,
     action_schema: Arc<Option<Value>>,
     metadata: Arc<Value>,
@@ -103,13 +111,15 @@ pub async fn serve_env_until(
         "state": probe.state_schema(),
     });
     let metadata = probe.metadata();
+    let mcp_tools = probe.mcp_tools();
     drop(probe);
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let state = AppState {
         factory,
+        sessions: Arc::new(SessionStore::new(config.max_sessions)),
         config,
-        active: Arc::new(AtomicUsize::new(0)),
         shutdown: shutdown_rx,
+        mcp_tools: Arc::new(mcp_tools),
         schema: Arc::new(schema),
         action_schema: Arc::new(action_schema),
         metadata: Arc::new(metadata),
@@ -130,15 +140,35 @@ pub async fn serve_env_until(
         .route("/reset", post(http_reset))
         .route("/step", post(http_step))
         .route("/state", get(http_state))
+        .route("/mcp", post(mcp::http_mcp))
         .route("/ws", get(ws_upgrade))
-        .with_state(state);
-    axum::serve(listener, app)
+        .with_state(state.clone());
+    let served = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             shutdown.await;
             let _ = shutdown_tx.send(true);
         })
         .await
-        .context("serving the OpenEnv protocol")
+        .context("serving the OpenEnv protocol");
+    // HTTP-made sessions nobody closed: end their episodes (sandboxes) too.
+    for env in state.sessions.drain() {
+        close_env(env).await;
+    }
+    served
+}
+
+/// The wire form of a result; openenv 0.10 also sends a non-empty observation `metadata`
+/// as a top-level sibling.
+fn wire(r: &StepResult) -> Value {
+    let mut v = r.to_wire();
+    if let Some(meta) = r
+        .observation
+        .get("metadata")
+        .filter(|m| m.as_object().is_some_and(|o| !o.is_empty()))
+    {
+        v["metadata"] = meta.clone();
+    }
+    v
 }
 
 fn detail(issues: Value) -> Response {
@@ -238,7 +268,7 @@ async fn http_reset(State(state): State<AppState>, body: Bytes) -> Response {
     let result = env.reset(opts).await;
     let _ = env.close().await;
     match result {
-        Ok(r) => Json(r.to_wire()).into_response(),
+        Ok(r) => Json(wire(&r)).into_response(),
         Err(e) => internal_error(e),
     }
 }
@@ -264,7 +294,7 @@ async fn http_step(State(state): State<AppState>, body: Bytes) -> Response {
     let result = env.step(action.clone()).await;
     let _ = env.close().await;
     match result {
-        Ok(r) => Json(r.to_wire()).into_response(),
+        Ok(r) => Json(wire(&r)).into_response(),
         Err(EnvError::InvalidAction { message, errors }) => detail(if errors.is_null() {
             json!([{"type": "value_error", "loc": ["action"], "msg": message, "input": action}])
         } else {
@@ -287,11 +317,21 @@ async fn http_state(State(state): State<AppState>) -> Response {
     }
 }
 
-async fn ws_upgrade(State(state): State<AppState>, ws: WebSocketUpgrade) -> Response {
+/// The `/ws` query: `session_id` attaches to an HTTP-made session.
+#[derive(serde::Deserialize)]
+struct WsQuery {
+    session_id: Option<String>,
+}
+
+async fn ws_upgrade(
+    State(state): State<AppState>,
+    Query(query): Query<WsQuery>,
+    ws: WebSocketUpgrade,
+) -> Response {
     let max = state.config.max_message_bytes;
     ws.max_message_size(max)
         .max_frame_size(max)
-        .on_upgrade(move |socket| ws_session(socket, state))
+        .on_upgrade(move |socket| ws_session(socket, state, query.session_id))
 }
 
 fn error_frame(code: &str, message: &str, extra: Value) -> Message {
@@ -309,15 +349,6 @@ fn close_frame(code: u16, reason: &str) -> Message {
     }))
 }
 
-/// Decrements the active-session count when a session ends, however it ends.
-struct SessionSlot(Arc<AtomicUsize>);
-
-impl Drop for SessionSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 /// What to do after handling one client message.
 enum Next {
     Reply(Message),
@@ -325,28 +356,49 @@ enum Next {
     Close(Option<Message>),
 }
 
-async fn ws_session(mut socket: WebSocket, state: AppState) {
-    let max = state.config.max_sessions;
-    let before = state.active.fetch_add(1, Ordering::SeqCst);
-    let _slot = SessionSlot(state.active.clone());
-    if before >= max {
-        let frame = error_frame(
-            "CAPACITY_REACHED",
-            &format!("Server at capacity ({before}/{max} sessions). Try again later."),
-            json!({"active_sessions": before, "max_sessions": max}),
-        );
-        let _ = socket.send(frame).await;
-        let _ = socket.send(close_frame(1000, "")).await;
-        return;
+/// Makes the WebSocket's own session, or attaches to the HTTP-made one named in the query.
+async fn open_ws_session(
+    state: &AppState,
+    attach_to: Option<String>,
+) -> Result<(String, SharedEnv), Message> {
+    if let Some(id) = attach_to {
+        return match state.sessions.attach(&id) {
+            Ok(env) => Ok((id, env)),
+            Err(e) => Err(error_frame("SESSION_ERROR", &e.to_string(), json!({}))),
+        };
     }
-    let mut env = match (state.factory)() {
-        Ok(env) => env,
-        Err(e) => {
-            let frame = error_frame(
-                "FACTORY_ERROR",
-                &format!("{e:#}"),
-                json!({"factory_name": "composer-env"}),
-            );
+    let capacity = |e: SessionError| {
+        let (active, max) = match e {
+            SessionError::Capacity { active, max } => (active, max),
+            _ => (state.sessions.active(), state.sessions.max()),
+        };
+        error_frame(
+            "CAPACITY_REACHED",
+            &e.to_string(),
+            json!({"active_sessions": active, "max_sessions": max}),
+        )
+    };
+    state.sessions.check_room().map_err(capacity)?;
+    let env = (state.factory)().map_err(|e| {
+        error_frame(
+            "FACTORY_ERROR",
+            &format!("{e:#}"),
+            json!({"factory_name": "composer-env"}),
+        )
+    })?;
+    match state.sessions.insert(env, true) {
+        Ok(session) => Ok(session),
+        Err((e, mut env)) => {
+            let _ = env.close().await;
+            Err(capacity(e))
+        }
+    }
+}
+
+async fn ws_session(mut socket: WebSocket, state: AppState, attach_to: Option<String>) {
+    let (session_id, env) = match open_ws_session(&state, attach_to).await {
+        Ok(s) => s,
+        Err(frame) => {
             let _ = socket.send(frame).await;
             let _ = socket.send(close_frame(1000, "")).await;
             return;
@@ -368,7 +420,7 @@ async fn ws_session(mut socket: WebSocket, state: AppState) {
                 Next::Close(Some(error_frame("SESSION_ERROR", "'text'", json!({}))))
             }
             Some(Ok(Message::Text(text))) => {
-                handle_message(&state, env.as_mut(), text.as_str()).await
+                handle_message(&state, (session_id.as_str(), &env), text.as_str()).await
             }
         };
         match next {
@@ -386,7 +438,9 @@ async fn ws_session(mut socket: WebSocket, state: AppState) {
             }
         }
     }
-    let _ = env.close().await;
+    if let Some(env) = state.sessions.detach(&session_id) {
+        close_env(env).await;
+    }
 }
 
 fn env_error_frame(e: &EnvError) -> Message {
@@ -398,7 +452,8 @@ fn env_error_frame(e: &EnvError) -> Message {
     }
 }
 
-async fn handle_message(state: &AppState, env: &mut dyn Env, text: &str) -> Next {
+async fn handle_message(state: &AppState, session: (&str, &SharedEnv), text: &str) -> Next {
+    let env = session.1;
     let value: Value = match serde_json::from_str(text) {
         Ok(v) => v,
         Err(e) => {
@@ -451,9 +506,9 @@ async fn handle_message(state: &AppState, env: &mut dyn Env, text: &str) -> Next
                 Ok(o) => o,
                 Err(errors) => return invalid(errors),
             };
-            match env.reset(opts).await {
+            match env.lock().await.reset(opts).await {
                 Ok(r) => Next::Reply(Message::text(
-                    json!({"type": "observation", "data": r.to_wire()}).to_string(),
+                    json!({"type": "observation", "data": wire(&r)}).to_string(),
                 )),
                 Err(e) => Next::Reply(env_error_frame(&e)),
             }
@@ -467,14 +522,14 @@ async fn handle_message(state: &AppState, env: &mut dyn Env, text: &str) -> Next
             if let Some(errors) = validation_issues(state, &data) {
                 return invalid(errors);
             }
-            match env.step(data).await {
+            match env.lock().await.step(data).await {
                 Ok(r) => Next::Reply(Message::text(
-                    json!({"type": "observation", "data": r.to_wire()}).to_string(),
+                    json!({"type": "observation", "data": wire(&r)}).to_string(),
                 )),
                 Err(e) => Next::Reply(env_error_frame(&e)),
             }
         }
-        "state" => match env.state().await {
+        "state" => match env.lock().await.state().await {
             Ok(s) => Next::Reply(Message::text(
                 json!({"type": "state", "data": s}).to_string(),
             )),
@@ -482,11 +537,9 @@ async fn handle_message(state: &AppState, env: &mut dyn Env, text: &str) -> Next
         },
         "close" => Next::Close(None),
         "mcp" => {
-            let id = data.get("id").cloned().unwrap_or(Value::Null);
+            let response = mcp::handle_rpc(state, &data, Some(session)).await;
             Next::Reply(Message::text(
-                json!({"type": "mcp", "data": {"jsonrpc": "2.0", "id": id,
-                    "error": {"code": -32603, "message": "Environment does not support MCP", "data": null}}})
-                .to_string(),
+                json!({"type": "mcp", "data": response}).to_string(),
             ))
         }
         other => Next::Reply(error_frame(

@@ -1,0 +1,293 @@
+//! [`RepoEnv`]: repository tasks as an [`Env`] with MCP tools, what `composer-rl serve-env
+//! repo` serves (REPO_ENV.md): `reset` starts a [`RepoEpisode`] of a task, steps are
+//! `{"type":"list_tools"}` and `{"type":"call_tool","tool_name","arguments"}`, and `submit`
+//! ends the episode with the graded reward.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use serde_json::{json, Map, Value};
+
+use super::task::{load_tasks, RepoTask};
+use super::tools::{tool_specs, EpisodeBudget, RepoEpisode, ToolError, ToolErrorKind, ToolOutput};
+use super::{pick_task, RepoGrade};
+use crate::builtin::{new_episode_id, object};
+use crate::env::{render_observation, Action, Env, EnvError, EnvFactory, ResetOptions, StepResult};
+
+/// One session's env over a shared task set: at most one [`RepoEpisode`] at a time.
+pub struct RepoEnv {
+    tasks: Arc<Vec<RepoTask>>,
+    budget: EpisodeBudget,
+    episode: Option<RepoEpisode>,
+    episode_id: Option<String>,
+    step_count: u64,
+}
+
+/// The tools as `{name, description, input_schema}` objects.
+fn tool_list() -> Vec<Value> {
+    tool_specs()
+        .into_iter()
+        .map(|t| json!({"name": t.name, "description": t.description, "input_schema": t.input_schema}))
+        .collect()
+}
+
+/// An MCP `CallToolResult` holding `text`.
+fn call_tool_result(text: &str, is_error: bool) -> Value {
+    json!({
+        "content": [{"type": "text", "text": text}],
+        "structured_content": {"result": text},
+        "data": text,
+        "is_error": is_error,
+    })
+}
+
+fn grade_json(g: &RepoGrade) -> Value {
+    json!({
+        "passed": g.passed,
+        "total": g.total,
+        "reward": g.reward,
+        "failed": g.failed.iter().map(|(name, error)| json!({"test": name, "error": error})).collect::<Vec<_>>(),
+        "error": g.error,
+    })
+}
+
+fn invalid(loc: &str, msg: String, input: &Value) -> EnvError {
+    EnvError::InvalidAction {
+        errors: json!([{"type": "value_error", "loc": [loc], "msg": msg, "input": input}]),
+        message: msg,
+    }
+}
+
+impl RepoEnv {
+    /// A factory of envs over the tasks in `tasks_dir` (loaded once, here: a bad task
+    /// directory is an error now, naming the task at fault).
+    pub fn factory(tasks_dir: &Path, budget: EpisodeBudget) -> anyhow::Result<EnvFactory> {
+        let tasks = load_tasks(tasks_dir)?;
+        anyhow::ensure!(
+            !tasks.is_empty(),
+            "no tasks in {} (expected <id>/task.toml directories)",
+            tasks_dir.display()
+        );
+        let tasks = Arc::new(tasks);
+        Ok(Arc::new(move || {
+            Ok(Box::new(RepoEnv {
+                tasks: Arc::clone(&tasks),
+                budget: budget.clone(),
+                episode: None,
+                episode_id: None,
+                step_count: 0,
+            }) as Box<dyn Env>)
+        }))
+    }
+
+    fn reward(&self) -> f64 {
+        self.episode
+            .as_ref()
+            .and_then(|e| e.grade())
+            .map_or(0.0, |g| g.reward)
+    }
+
+    fn result(&self, observation: Value, done: bool) -> StepResult {
+        let observation = object(observation);
+        StepResult {
+            text: render_observation(&observation),
+            feedback: None,
+            reward: Some(self.reward()),
+            done,
+            observation,
+        }
+    }
+
+    /// The observation of one tool call: `{tool_name, result, error, metadata}`.
+    fn tool_observation(&self, name: &str, out: Result<ToolOutput, ToolError>) -> StepResult {
+        let mut metadata = json!({"turns": self.episode.as_ref().map_or(0, |e| e.turns())});
+        let (text, error) = match &out {
+            Ok(o) => (o.text.clone(), Value::Null),
+            Err(e) => (
+                format!("error ({}): {}", kind_name(e.error_type), e.message),
+                json!({"error_type": kind_name(e.error_type), "message": e.message}),
+            ),
+        };
+        if let Ok(ToolOutput { grade: Some(g), .. }) = &out {
+            metadata["grade"] = grade_json(g);
+        }
+        let done = self.episode.as_ref().is_some_and(RepoEpisode::done);
+        let mut r = self.result(
+            json!({
+                "tool_name": name,
+                "result": call_tool_result(&text, out.is_err()),
+                "error": error,
+                "metadata": metadata,
+            }),
+            done,
+        );
+        r.text = text;
+        if let Ok(ToolOutput { grade: Some(g), .. }) = &out {
+            r.feedback = Some(g.feedback());
+        }
+        r
+    }
+
+    async fn call_tool(&mut self, name: &str, arguments: Value) -> StepResult {
+        let Some(mut episode) = self.episode.take() else {
+            let e = ToolError {
+                error_type: ToolErrorKind::ExecutionError,
+                message: "no episode: send reset first".into(),
+            };
+            return self.tool_observation(name, Err(e));
+        };
+        // Tools run commands and grading (seconds): off the async workers.
+        let tool = name.to_string();
+        let joined = tokio::task::spawn_blocking(move || {
+            let out = episode.call_tool(&tool, &arguments);
+            (episode, out)
+        })
+        .await;
+        match joined {
+            Ok((episode, out)) => {
+                self.episode = Some(episode);
+                self.tool_observation(name, out)
+            }
+            Err(e) => {
+                let e = ToolError {
+                    error_type: ToolErrorKind::ExecutionError,
+                    message: format!("the tool call failed: {e}; the episode is lost, reset"),
+                };
+                self.tool_observation(name, Err(e))
+            }
+        }
+    }
+
+    /// Ends the current episode (its sandbox is removed off the async workers).
+    async fn end_episode(&mut self) {
+        if let Some(ep) = self.episode.take() {
+            let _ = tokio::task::spawn_blocking(move || drop(ep)).await;
+        }
+    }
+}
+
+fn kind_name(k: ToolErrorKind) -> &'static str {
+    match k {
+        ToolErrorKind::ToolNotFound => "tool_not_found",
+        ToolErrorKind::InvalidArgs => "invalid_args",
+        ToolErrorKind::ExecutionError => "execution_error",
+        ToolErrorKind::Timeout => "timeout",
+    }
+}
+
+#[async_trait]
+impl Env for RepoEnv {
+    async fn reset(&mut self, opts: ResetOptions) -> Result<StepResult, EnvError> {
+        let task = pick_task(&self.tasks, opts.task_id.as_deref(), opts.seed)
+            .map_err(|e| invalid("task_id", e.to_string(), &json!(opts.task_id)))?
+            .clone();
+        self.end_episode().await;
+        let budget = self.budget.clone();
+        let started = tokio::task::spawn_blocking(move || RepoEpisode::new(&task, budget))
+            .await
+            .map_err(|e| EnvError::Server {
+                code: "EXECUTION_ERROR".into(),
+                message: format!("starting the episode panicked: {e}"),
+            })?
+            .map_err(|e| EnvError::Server {
+                code: "EXECUTION_ERROR".into(),
+                message: format!("starting the episode: {e:#}"),
+            })?;
+        let spec = &started.task().spec;
+        let observation = json!({
+            "task_id": spec.id,
+            "title": spec.title,
+            "statement": spec.statement,
+            "prompt": spec.statement,
+            "visible_test_command": spec.visible_test_command,
+            "max_turns": spec.limits.max_turns,
+            "metadata": {"task_id": spec.id, "statement": spec.statement},
+        });
+        self.episode = Some(started);
+        self.episode_id = Some(opts.episode_id.unwrap_or_else(new_episode_id));
+        self.step_count = 0;
+        Ok(self.result(observation, false))
+    }
+
+    async fn step(&mut self, action: Action) -> Result<StepResult, EnvError> {
+        let kind = action.get("type").and_then(Value::as_str).unwrap_or("");
+        let r = match kind {
+            "list_tools" => {
+                let done = self.episode.as_ref().is_some_and(RepoEpisode::done);
+                self.result(json!({"tools": tool_list()}), done)
+            }
+            "call_tool" => {
+                let Some(name) = action.get("tool_name").and_then(Value::as_str) else {
+                    return Err(invalid(
+                        "tool_name",
+                        "call_tool needs a string `tool_name`".into(),
+                        &action,
+                    ));
+                };
+                let arguments = match action.get("arguments") {
+                    None | Some(Value::Null) => Value::Object(Map::new()),
+                    Some(a @ Value::Object(_)) => a.clone(),
+                    Some(other) => {
+                        return Err(invalid(
+                            "arguments",
+                            "`arguments` must be a JSON object".into(),
+                            other,
+                        ))
+                    }
+                };
+                self.call_tool(&name.to_string(), arguments).await
+            }
+            _ => {
+                return Err(invalid(
+                    "type",
+                    "the action `type` must be \"list_tools\" or \"call_tool\"".into(),
+                    &action,
+                ))
+            }
+        };
+        self.step_count += 1;
+        Ok(r)
+    }
+
+    async fn state(&mut self) -> Result<Value, EnvError> {
+        let ep = self.episode.as_ref();
+        Ok(json!({
+            "episode_id": self.episode_id,
+            "step_count": self.step_count,
+            "task_id": ep.map(|e| e.task().id().to_string()),
+            "turns": ep.map_or(0, |e| e.turns()),
+            "done": ep.is_some_and(RepoEpisode::done),
+            "reward": ep.and_then(|e| e.grade()).map(|g| g.reward),
+        }))
+    }
+
+    async fn close(&mut self) -> Result<(), EnvError> {
+        self.end_episode().await;
+        Ok(())
+    }
+
+    fn action_schema(&self) -> Option<Value> {
+        Some(json!({
+            "type": "object",
+            "title": "RepoAction",
+            "properties": {
+                "type": {"enum": ["list_tools", "call_tool"]},
+                "tool_name": {"type": "string"},
+                "arguments": {"type": "object"},
+                "metadata": {"type": "object"},
+            },
+            "required": ["type"],
+            "additionalProperties": false,
+        }))
+    }
+
+    fn mcp_tools(&self) -> Option<Vec<Value>> {
+        Some(tool_list())
+    }
+
+    fn metadata(&self) -> Value {
+        json!({"name": "RepoEnv", "description": "Repository feature-deletion tasks: restore the deleted code with tools; hidden tests grade it (REPO_ENV.md)",
+            "readme_content": null, "version": "1.0.0", "author": null, "documentation_url": null})
+    }
+}
