@@ -115,10 +115,9 @@ impl ToolCallOutcome {
             {
                 error_type = Some("tool_error".into());
             }
+            // With `error` set the result repeats it (openenv puts the message in both).
             if text.is_empty() {
                 text = result_text;
-            } else if !result_text.is_empty() {
-                text = format!("{text}\n{result_text}");
             }
         }
         if text.is_empty() && error_type.is_none() && !obs.contains_key("result") {
