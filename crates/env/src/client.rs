@@ -278,6 +278,17 @@ impl OpenEnvClient {
             client: self.clone(),
             conn: None,
             episode_deadline: None,
+            mcp_tools: false,
+        }
+    }
+
+    /// A new session for an MCP-tool server, driven with [`RemoteEnv::list_tools`] and
+    /// [`RemoteEnv::call_tool`] (see [`crate::ToolEnv`]); its `reset` does not refuse a
+    /// server whose `/schema` shows only tool actions.
+    pub fn tool_session(&self) -> RemoteEnv {
+        RemoteEnv {
+            mcp_tools: true,
+            ..self.session()
         }
     }
 
@@ -350,6 +361,8 @@ pub struct RemoteEnv {
     client: OpenEnvClient,
     conn: Option<Connection>,
     episode_deadline: Option<Instant>,
+    /// Made by [`OpenEnvClient::tool_session`]: tool actions are expected.
+    mcp_tools: bool,
 }
 
 /// Maps a server error frame's `data` to an [`EnvError`].
@@ -579,7 +592,7 @@ impl RemoteEnv {
     }
 
     /// Sends one message and waits for its reply within the call / episode timeout.
-    async fn call(&mut self, msg: Value, during: &str) -> Result<Value, EnvError> {
+    pub(crate) async fn call(&mut self, msg: Value, during: &str) -> Result<Value, EnvError> {
         self.call_text(msg.to_string(), during).await
     }
 
@@ -641,7 +654,7 @@ impl RemoteEnv {
         result
     }
 
-    fn expect_type(reply: Value, ty: &str) -> Result<Value, EnvError> {
+    pub(crate) fn expect_type(reply: Value, ty: &str) -> Result<Value, EnvError> {
         if reply.get("type").and_then(Value::as_str) != Some(ty) {
             return Err(EnvError::Protocol(format!(
                 "expected a `{ty}` reply, got {reply:.300}"
@@ -665,10 +678,10 @@ impl Env for RemoteEnv {
         // An MCP-tools-only server takes `call_tool` / `list_tools` actions, never the plain
         // actions our episodes send: refuse it before opening a session rather than fail
         // every step with a validation error.
-        if let Some(what) = self.client.mcp_tool_interface() {
+        if let Some(what) = self.client.mcp_tool_interface().filter(|_| !self.mcp_tools) {
             return Err(EnvError::Protocol(format!(
                 "OpenEnv server {} speaks only MCP tools ({what} on /schema); MCP tool servers \
-                 are not supported by `[env] kind = \"openenv\"`, which sends plain actions",
+                 are played with `[env] kind = \"openenv_tools\"`, not `\"openenv\"` (plain actions)",
                 self.client.base_url()
             )));
         }

@@ -251,6 +251,12 @@ pub trait Env: Send {
     async fn close(&mut self) -> Result<(), EnvError>;
     /// JSON Schema of actions, when known (remote envs: read from `/schema`).
     fn action_schema(&self) -> Option<Value>;
+    /// Whether the env takes the model's whole turn as it is, instead of an action parsed
+    /// from it: then [`crate::run_episode`] sends `{"text": <the turn's text>, "stopped":
+    /// <it ended at a stop token>}` (e.g. an env that parses tool calls itself).
+    fn takes_turn_text(&self) -> bool {
+        false
+    }
     /// JSON Schema of observations (served on `/schema`).
     fn observation_schema(&self) -> Value {
         serde_json::json!({"type": "object", "additionalProperties": true})

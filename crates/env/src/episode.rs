@@ -327,7 +327,15 @@ pub async fn run_episode<P: TurnPolicy + ?Sized>(
             done: false,
             feedback: None,
         };
-        match parse_action(&turn.action_text, schema.as_ref()) {
+        let parsed = if env.takes_turn_text() {
+            Ok(serde_json::json!({
+                "text": turn.action_text,
+                "stopped": turn.finish_reason == TurnEnd::Stop,
+            }))
+        } else {
+            parse_action(&turn.action_text, schema.as_ref())
+        };
+        match parsed {
             Err(reason) => {
                 turn.observation_text = format!("Invalid action: {reason}");
                 turn.invalid_action = Some(reason);

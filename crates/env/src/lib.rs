@@ -11,6 +11,7 @@
 //!   episodes.
 //! - [`repo`]: repository feature-deletion tasks (tools, episodes, grading, task making).
 //! - [`run_episode`]: token-faithful multi-turn episodes driven by a [`TurnPolicy`].
+//! - [`ToolEnv`]: episodes through MCP tools (OpenEnv's `list_tools` / `call_tool`).
 
 // `!(x > 0.0)` is used on purpose in validation: it also rejects NaN.
 #![allow(clippy::neg_cmp_op_on_partial_ord)]
@@ -23,6 +24,7 @@ mod pool;
 pub mod repo;
 mod schema;
 mod server;
+mod tools_client;
 
 pub use builtin::{builtin_env_factory, CodeEnv, CodeEnvConfig, EchoEnv, TaskSelection};
 pub use client::{OpenEnvClient, OpenEnvClientConfig, RemoteEnv};
@@ -39,3 +41,4 @@ pub use pool::{
 };
 pub use schema::{validate_action, ValidationIssue};
 pub use server::{serve_env, serve_env_until, ServeConfig};
+pub use tools_client::{parse_tool_listing, ToolCallOutcome, ToolDef, ToolEnv};

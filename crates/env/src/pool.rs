@@ -686,6 +686,10 @@ impl Env for PooledEnv {
         self.env.action_schema()
     }
 
+    fn takes_turn_text(&self) -> bool {
+        self.env.takes_turn_text()
+    }
+
     fn observation_schema(&self) -> Value {
         self.env.observation_schema()
     }

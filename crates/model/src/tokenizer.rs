@@ -236,6 +236,7 @@ impl ChatTemplate {
             },
         );
         env.set_unknown_method_callback(pycompat_method);
+        env.add_filter("tojson", python_tojson);
         env.add_template_owned("chat", self.source.clone())
             .map_err(|e| anyhow!("parsing chat template: {e}"))?;
         Ok(env)
@@ -244,12 +245,28 @@ impl ChatTemplate {
     /// Renders the prompt for `messages`; `add_generation_prompt` appends the assistant
     /// turn header, as transformers' `apply_chat_template` does.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Renders `messages` with tool definitions, as transformers'
+    /// `apply_chat_template(messages, tools=tools)`: `tools` is the template's `tools`
+    /// variable (None renders as Python's `None`), each entry a JSON object such as
+    /// `{"type": "function", "function": {"name", "description", "parameters"}}`.
+    /// `tojson` is transformers' (Python `json.dumps` with `", "` / `": "` separators, no
+    /// ASCII escaping); object keys come out sorted (serde_json maps are ordered by key).
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let env = self.env()?;
         let tmpl = env
             .get_template("chat")
             .map_err(|e| anyhow!("chat template: {e}"))?;
         tmpl.render(minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone(),
             eos_token => self.eos_token.clone(),
@@ -260,6 +277,111 @@ impl ChatTemplate {
     /// Writes `chat_template.jinja` into `dir`.
     pub fn save(&self, dir: &Path) -> Result<()> {
         crate::checkpoint::write_atomic(&dir.join("chat_template.jinja"), self.source.as_bytes())
+    }
+}
+
+/// transformers' `tojson` filter: `json.dumps(value, ensure_ascii=False)` (separators
+/// `", "` and `": "`), or indented with `indent=N` (separators `","` and `": "`), as the
+/// renderer of `apply_chat_template` defines it (minijinja's own `tojson` is compact and
+/// HTML-escapes, which would change what the model sees).
+fn python_tojson(
+    value: &minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    use minijinja::{Error, ErrorKind};
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let json: Value = serde_json::to_value(value)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = Vec::new();
+    let fmt = PythonJsonFormatter {
+        indent,
+        depth: 0,
+        has_items: false,
+    };
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, fmt);
+    serde::Serialize::serialize(&json, &mut ser)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let text = String::from_utf8(out)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    // Safe: the template author asked for JSON text, not HTML (no auto-escaping is on).
+    Ok(minijinja::Value::from_safe_string(text))
+}
+
+/// A serde_json formatter that writes what Python's `json.dumps` writes.
+struct PythonJsonFormatter {
+    indent: Option<usize>,
+    depth: usize,
+    has_items: bool,
+}
+
+impl PythonJsonFormatter {
+    fn newline<W: ?Sized + std::io::Write>(&self, w: &mut W) -> std::io::Result<()> {
+        if let Some(n) = self.indent {
+            w.write_all(b"\n")?;
+            w.write_all(" ".repeat(n * self.depth).as_bytes())?;
+        }
+        Ok(())
+    }
+    fn separator<W: ?Sized + std::io::Write>(&self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if !first {
+            let sep: &[u8] = if self.indent.is_some() { b"," } else { b", " };
+            w.write_all(sep)?;
+        }
+        self.newline(w)
+    }
+    fn open<W: ?Sized + std::io::Write>(&mut self, w: &mut W, b: &[u8]) -> std::io::Result<()> {
+        self.depth += 1;
+        self.has_items = false;
+        w.write_all(b)
+    }
+    fn close<W: ?Sized + std::io::Write>(&mut self, w: &mut W, b: &[u8]) -> std::io::Result<()> {
+        self.depth -= 1;
+        if self.has_items {
+            self.newline(w)?;
+        }
+        self.has_items = true;
+        w.write_all(b)
+    }
+}
+
+impl serde_json::ser::Formatter for PythonJsonFormatter {
+    fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open(w, b"[")
+    }
+    fn end_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"]")
+    }
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        self.separator(w, first)
+    }
+    fn end_array_value<W: ?Sized + std::io::Write>(&mut self, _w: &mut W) -> std::io::Result<()> {
+        self.has_items = true;
+        Ok(())
+    }
+    fn begin_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open(w, b"{")
+    }
+    fn end_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"}")
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        self.separator(w, first)
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
+    }
+    fn end_object_value<W: ?Sized + std::io::Write>(&mut self, _w: &mut W) -> std::io::Result<()> {
+        self.has_items = true;
+        Ok(())
     }
 }
 

@@ -180,6 +180,14 @@ schema! {
     ENV_EPISODES_OK = "env/episodes_ok", Count, Scalar, Train, "episodes finished without an env failure so far";
     ENV_EPISODES_FAILED = "env/episodes_failed", Count, Scalar, Train, "episodes that failed (env error or timeout) so far";
     ENV_FAILURES = "env/failures", Count, Scalar, Train, "env failures so far, by cause (an object of counts)";
+    ENV_TURNS = "env/turns", Count, Array, Train, "per tool episode of the step, its model turns";
+    ENV_TOOL_CALLS = "env/tool_calls", Count, Scalar, Train, "tool calls the step's episodes sent, by tool (an object of counts)";
+    ENV_MALFORMED_CALLS = "env/malformed_calls", Count, Array, Train, "per tool episode, its malformed tool calls (bad JSON, unknown tool, bad arguments)";
+    ENV_TURNS_WITHOUT_CALL = "env/turns_without_call", Count, Array, Train, "per tool episode, its model turns that held no tool call";
+    ENV_TESTS_PASSED = "env/tests_passed", Count, Array, Train, "per graded tool episode, hidden tests passed";
+    ENV_TESTS_TOTAL = "env/tests_total", Count, Array, Train, "per graded tool episode, hidden tests run";
+    ENV_SANDBOX_S = "env/sandbox_s", Seconds, Array, Train, "per tool episode, wall time of its tool calls (the sandbox), grading included";
+    ENV_VERIFIER_S = "env/verifier_s", Seconds, Array, Train, "per graded tool episode, wall time of the grading call (submit): the verifier wall";
     STALENESS_MEAN = "staleness/mean", Step, Scalar, Train, "mean policy-version lag of the consumed trajectories";
     STALENESS_MAX = "staleness/max", Step, Scalar, Train, "max policy-version lag of the consumed trajectories";
     STALENESS_DROPPED = "staleness/dropped", Count, Scalar, Train, "trajectories dropped this step for exceeding the staleness bound";

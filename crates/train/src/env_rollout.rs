@@ -274,14 +274,26 @@ fn env_runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 impl EnvRollout {
-    /// The engine of `recipe`'s `[env]` section, or None when the recipe has none.
-    pub fn from_recipe(recipe: &Recipe) -> Result<Option<EnvRollout>> {
-        recipe.env.as_ref().map(EnvRollout::new).transpose()
+    /// The engine of `recipe`'s `[env]` section, or None when the recipe has none;
+    /// `chat_template` is the checkpoint's (tool episodes render with it).
+    pub fn from_recipe(
+        recipe: &Recipe,
+        chat_template: Option<&composer_model::ChatTemplate>,
+    ) -> Result<Option<EnvRollout>> {
+        recipe
+            .env
+            .as_ref()
+            .map(|section| EnvRollout::new(section, chat_template))
+            .transpose()
     }
 
     /// Builds the pool: a built-in env factory, or a connection to an OpenEnv server (waits
-    /// for its `/health` with retries and reads its `/schema`).
-    pub fn new(section: &EnvSection) -> Result<EnvRollout> {
+    /// for its `/health` with retries and reads its `/schema`); for `openenv_tools`, tool
+    /// sessions rendered with `chat_template` (or `[env] chat_template`).
+    pub fn new(
+        section: &EnvSection,
+        chat_template: Option<&composer_model::ChatTemplate>,
+    ) -> Result<EnvRollout> {
         let runtime = env_runtime()?;
         let servers = match section.kind.as_str() {
             "builtin" => {
@@ -297,7 +309,11 @@ impl EnvRollout {
                 .with_context(|| format!("key `[env] name`: built-in env `{name}`"))?;
                 vec![(format!("builtin:{name}"), factory)]
             }
-            "openenv" => {
+            "openenv" | "openenv_tools" => {
+                // Tool episodes: the chat format is checked before any server is contacted.
+                let tool_chat = (section.kind == "openenv_tools")
+                    .then(|| crate::tool_env::tool_chat_for(section, chat_template))
+                    .transpose()?;
                 let url = match (&section.url, &section.url_env) {
                     (Some(u), _) => u.clone(),
                     (None, Some(var)) => std::env::var(var).with_context(|| {
@@ -316,14 +332,22 @@ impl EnvRollout {
                 for one in url.split(',').map(str::trim).filter(|u| !u.is_empty()) {
                     let client = block_on(&runtime, OpenEnvClient::connect(one, config.clone()))
                         .with_context(|| format!("key `[env] url`: OpenEnv server {one}"))?;
-                    servers.push((one.to_string(), client.factory()));
+                    servers.push((one.to_string(), client));
                 }
                 if servers.is_empty() {
                     bail!("key `[env] url`: no server URL in {url:?}");
                 }
-                servers
+                match tool_chat {
+                    Some(chat) => crate::tool_env::tool_server_factories(servers, chat),
+                    None => servers
+                        .into_iter()
+                        .map(|(name, client)| (name, client.factory()))
+                        .collect(),
+                }
             }
-            other => bail!("key `[env] kind`: unknown value {other:?} (known: builtin, openenv)"),
+            other => bail!(
+                "key `[env] kind`: unknown value {other:?} (known: builtin, openenv, openenv_tools)"
+            ),
         };
         Ok(Self::assemble_engine(section, runtime, servers))
     }

@@ -28,6 +28,8 @@ pub mod signals;
 pub mod step_loss;
 pub mod task;
 pub mod tokenizer;
+pub mod tool_calls;
+pub mod tool_env;
 pub mod trainer;
 pub mod update;
 pub mod validate;

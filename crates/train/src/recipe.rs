@@ -83,7 +83,9 @@ struct RawRecipe {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EnvSection {
-    /// `"builtin"` (an env of composer-env, in process) or `"openenv"` (a remote server).
+    /// `"builtin"` (an env of composer-env, in process), `"openenv"` (a remote server taking
+    /// text actions) or `"openenv_tools"` (a remote MCP-tool server, played as a chat with
+    /// tools in the chat template's format: see `tool_env`).
     pub kind: String,
     /// Built-in env name: `"code"` (sandboxed Python tasks) or `"echo"`.
     #[serde(default)]
@@ -134,6 +136,13 @@ pub struct EnvSection {
     /// Template of later observations, appended after each model turn (masked out of the loss).
     #[serde(default = "d_env_template")]
     pub observation_template: String,
+    /// `openenv_tools`: a Jinja chat template file to render tools and tool results with,
+    /// in place of the checkpoint's own (which must otherwise support tools).
+    #[serde(default)]
+    pub chat_template: Option<std::path::PathBuf>,
+    /// `openenv_tools`: a system message before the task (None: the template's default).
+    #[serde(default)]
+    pub system_prompt: Option<String>,
 }
 
 fn d_env_max_tokens() -> usize {
@@ -1049,12 +1058,38 @@ fn validate_env(e: &EnvSection, r: &Recipe) -> Result<()> {
             }
             None => bail!("key `[env] name`: kind = \"builtin\" needs `name` (code or echo)"),
         },
-        "openenv" => {
+        "openenv" | "openenv_tools" => {
             if e.url.is_none() && e.url_env.is_none() {
-                bail!("key `[env] url`: kind = \"openenv\" needs `url` (http://HOST:PORT) or `url_env`");
+                bail!(
+                    "key `[env] url`: kind = {:?} needs `url` (http://HOST:PORT) or `url_env`",
+                    e.kind
+                );
             }
         }
-        other => bail!("key `[env] kind`: unknown value {other:?} (known: builtin, openenv)"),
+        other => bail!(
+            "key `[env] kind`: unknown value {other:?} (known: builtin, openenv, openenv_tools)"
+        ),
+    }
+    if e.kind == "openenv_tools" {
+        // The chat template renders every observation; text templates would corrupt it.
+        for (key, t) in [
+            ("prompt_template", &e.prompt_template),
+            ("observation_template", &e.observation_template),
+        ] {
+            if t != "{observation}" {
+                bail!("key `[env] {key}`: kind = \"openenv_tools\" renders observations with the chat template; leave it at \"{{observation}}\"");
+            }
+        }
+    } else {
+        for key in ["chat_template", "system_prompt"] {
+            let set = match key {
+                "chat_template" => e.chat_template.is_some(),
+                _ => e.system_prompt.is_some(),
+            };
+            if set {
+                bail!("key `[env] {key}`: only used with kind = \"openenv_tools\"");
+            }
+        }
     }
     if e.max_turns < 1 {
         bail!("key `[env] max_turns`: must be >= 1");

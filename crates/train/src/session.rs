@@ -507,7 +507,7 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
         n
     };
     let reward = RewardFn::from_specs(&recipe.data.verifiers)?;
-    let env_rollout = crate::env_rollout::EnvRollout::from_recipe(&recipe)?;
+    let env_rollout = crate::env_rollout::EnvRollout::from_recipe(&recipe, chat_template.as_ref())?;
     Ok(Session {
         run_lock,
         env_rollout,

@@ -352,6 +352,9 @@ fn run_sync(s: &mut Session, run: &mut RunLog, hook: &mut dyn StepHook) -> Resul
                 json!(stats.episodes_failed),
             );
             extra.insert(keys::ENV_FAILURES.into(), json!(stats.failures));
+            if let Some(b) = env.last_batch() {
+                extra.extend(crate::tool_env::step_metrics(&b.episodes));
+            }
         }
         extra.extend(extras.keys);
         let done = StepDone {

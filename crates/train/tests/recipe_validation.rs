@@ -213,3 +213,39 @@ fn token_budget_below_one_completion_is_refused() {
     )
     .unwrap();
 }
+
+#[test]
+fn repo_agent_recipe_parses_and_tool_keys_are_checked() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../recipes/repo_agent.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let r = parse_recipe(&text, &path).unwrap();
+    let env = r.env.as_ref().unwrap();
+    assert_eq!(env.kind, "openenv_tools");
+    assert!(env.chat_template.is_some() && env.system_prompt.is_some());
+    // Text templates would corrupt chat-rendered observations.
+    let bad = text.replace(
+        "kind = \"openenv_tools\"",
+        "kind = \"openenv_tools\"\nprompt_template = \"Task: {observation}\"",
+    );
+    let err = format!(
+        "{:#}",
+        parse_recipe(&bad, Path::new("recipes/bad.toml")).unwrap_err()
+    );
+    assert!(
+        err.contains("[env] prompt_template") && err.contains("openenv_tools"),
+        "{err}"
+    );
+    // Tool keys on a text-action server are refused by name.
+    let bad = text.replace("kind = \"openenv_tools\"", "kind = \"openenv\"");
+    let err = format!(
+        "{:#}",
+        parse_recipe(&bad, Path::new("recipes/bad.toml")).unwrap_err()
+    );
+    assert!(err.contains("[env] chat_template"), "{err}");
+    let bad = text.replace("kind = \"openenv_tools\"", "kind = \"mcp\"");
+    let err = format!(
+        "{:#}",
+        parse_recipe(&bad, Path::new("recipes/bad.toml")).unwrap_err()
+    );
+    assert!(err.contains("openenv_tools"), "{err}");
+}
