@@ -3,6 +3,7 @@
 //! - [`config`]: `ModelConfig` from/to Hugging Face `config.json` (Llama, Qwen2, Qwen3).
 //! - [`transformer`]: the decoder (fused inference path + differentiable training path,
 //!   caller-owned [`KvCache`]), load/save of HF checkpoints, `VarMap` master weights.
+//! - [`lora`]: LoRA adapters (PEFT semantics and `adapter_model.safetensors` format), merge.
 //! - [`checkpoint`]: safetensors single-file and sharded I/O.
 //! - [`tokenizer`]: `tokenizer.json` wrapper and the Jinja chat template.
 //! - [`logprobs`]: per-token log-probs, entropy and top-K from logits (f32, differentiable).
@@ -19,6 +20,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod device;
 pub mod logprobs;
+pub mod lora;
 pub mod policy;
 pub mod rollout;
 pub mod score;
@@ -27,6 +29,7 @@ pub mod transformer;
 
 pub use config::{ModelConfig, ModelType};
 pub use device::device_from_str;
+pub use lora::LoraConfig;
 pub use logprobs::{log_softmax, logsumexp, token_entropy, token_logprobs, topk_logprobs};
 pub use policy::{generate_cli, score_cli, GenerateOptions, Policy};
 pub use rollout::{generate, FinishReason, GenerationRequest, Sample, SamplingParams};
