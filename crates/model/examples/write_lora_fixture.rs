@@ -13,8 +13,10 @@ use rand::{Rng, SeedableRng};
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let (base, out) = (
-        args.get(1).context("usage: write_lora_fixture BASE_DIR OUT_DIR")?,
-        args.get(2).context("usage: write_lora_fixture BASE_DIR OUT_DIR")?,
+        args.get(1)
+            .context("usage: write_lora_fixture BASE_DIR OUT_DIR")?,
+        args.get(2)
+            .context("usage: write_lora_fixture BASE_DIR OUT_DIR")?,
     );
     let mut model = Transformer::load(base.as_ref(), &Device::Cpu, DType::F32)?;
     let cfg = LoraConfig::new(4, 8.0, 0.05, Some(&["all-linear".to_string()]))?;

@@ -29,8 +29,8 @@ pub mod transformer;
 
 pub use config::{ModelConfig, ModelType};
 pub use device::device_from_str;
-pub use lora::LoraConfig;
 pub use logprobs::{log_softmax, logsumexp, token_entropy, token_logprobs, topk_logprobs};
+pub use lora::LoraConfig;
 pub use policy::{generate_cli, score_cli, GenerateOptions, Policy};
 pub use rollout::{generate, FinishReason, GenerationRequest, Sample, SamplingParams};
 pub use score::{score, score_with_temperature};

@@ -68,7 +68,12 @@ impl LoraConfig {
     /// [`LINEAR_MODULES`] or the single entry `"all-linear"` (every projection of the
     /// decoder, not the LM head, as PEFT); None means PEFT's default for the family. Every
     /// bad value is an error naming its key.
-    pub fn new(r: usize, alpha: f64, dropout: f64, target_modules: Option<&[String]>) -> Result<Self> {
+    pub fn new(
+        r: usize,
+        alpha: f64,
+        dropout: f64,
+        target_modules: Option<&[String]>,
+    ) -> Result<Self> {
         if r == 0 {
             bail!("key `lora_r` = 0 is out of range; allowed: an integer >= 1 (the adapter rank)");
         }
@@ -79,7 +84,10 @@ impl LoraConfig {
             bail!("key `lora_dropout` = {dropout} is out of range; allowed: [0, 1)");
         }
         let target_modules = match target_modules {
-            None => DEFAULT_TARGET_MODULES.iter().map(|s| s.to_string()).collect(),
+            None => DEFAULT_TARGET_MODULES
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
             Some(t) => resolve_targets(t)?,
         };
         Ok(LoraConfig {
@@ -157,7 +165,10 @@ impl LoraConfig {
             unsupported("alpha_pattern", format!("{:?}", c.alpha_pattern))?;
         }
         if c.layers_to_transform.as_ref().is_some_and(|v| !v.is_null()) {
-            unsupported("layers_to_transform", format!("{:?}", c.layers_to_transform))?;
+            unsupported(
+                "layers_to_transform",
+                format!("{:?}", c.layers_to_transform),
+            )?;
         }
         if c.modules_to_save.as_ref().is_some_and(|v| !v.is_null()) {
             unsupported("modules_to_save", format!("{:?}", c.modules_to_save))?;
@@ -279,7 +290,13 @@ impl LoraDropout {
                 .lock()
                 .map_err(|_| anyhow::anyhow!("LoRA dropout RNG lock poisoned"))?;
             (0..n)
-                .map(|_| if rng.random::<f64>() < keep { scale } else { 0.0 })
+                .map(|_| {
+                    if rng.random::<f64>() < keep {
+                        scale
+                    } else {
+                        0.0
+                    }
+                })
                 .collect()
         };
         let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
@@ -366,7 +383,12 @@ impl Transformer {
     /// Freezes the base weights and attaches the adapters whose tensors are the variables of
     /// `varmap` (PEFT names); a missing or mis-shaped tensor, or one no target uses, is an
     /// error naming it. Dropout draws start from `dropout_seed`.
-    pub fn attach_lora(&mut self, cfg: &LoraConfig, varmap: &VarMap, dropout_seed: u64) -> Result<()> {
+    pub fn attach_lora(
+        &mut self,
+        cfg: &LoraConfig,
+        varmap: &VarMap,
+        dropout_seed: u64,
+    ) -> Result<()> {
         let data = varmap
             .data()
             .lock()
@@ -409,12 +431,7 @@ impl Transformer {
         if used != data.len() {
             let mut extra: Vec<&String> = data
                 .keys()
-                .filter(|k| {
-                    !self
-                        .lora_tensors()
-                        .iter()
-                        .any(|(n, _)| n == *k)
-                })
+                .filter(|k| !self.lora_tensors().iter().any(|(n, _)| n == *k))
                 .collect();
             extra.sort();
             bail!(

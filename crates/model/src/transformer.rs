@@ -211,9 +211,18 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = self.q_proj.forward_with(x, ctx.train)?.reshape((b, t, nh, hd))?;
-        let k = self.k_proj.forward_with(x, ctx.train)?.reshape((b, t, nkv, hd))?;
-        let v = self.v_proj.forward_with(x, ctx.train)?.reshape((b, t, nkv, hd))?;
+        let q = self
+            .q_proj
+            .forward_with(x, ctx.train)?
+            .reshape((b, t, nh, hd))?;
+        let k = self
+            .k_proj
+            .forward_with(x, ctx.train)?
+            .reshape((b, t, nkv, hd))?;
+        let v = self
+            .v_proj
+            .forward_with(x, ctx.train)?
+            .reshape((b, t, nkv, hd))?;
         let q = match &self.q_norm {
             Some(n) => n.forward(&q, ctx.path)?,
             None => q,

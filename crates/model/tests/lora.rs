@@ -48,11 +48,20 @@ fn flat(t: &Tensor) -> Vec<f32> {
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 fn all_linear(r: usize, dropout: f64) -> LoraConfig {
-    LoraConfig::new(r, 2.0 * r as f64, dropout, Some(&["all-linear".to_string()])).unwrap()
+    LoraConfig::new(
+        r,
+        2.0 * r as f64,
+        dropout,
+        Some(&["all-linear".to_string()]),
+    )
+    .unwrap()
 }
 
 /// Sets every `lora_B` variable to seeded uniform values in ±`scale` (B starts at zero).
@@ -77,13 +86,20 @@ fn randomize_b(varmap: &VarMap, seed: u64, scale: f64) {
 #[test]
 fn peft_loads_our_adapter_with_equal_logits() {
     let r = reference();
-    assert!(r["peft_version"].is_string(), "reference names its peft version");
+    assert!(
+        r["peft_version"].is_string(),
+        "reference names its peft version"
+    );
     let device = Device::Cpu;
     let mut model = Transformer::load(&fixture("qwen2-tiny"), &device, DType::F32).unwrap();
     let ids = ids_of(&r, &device);
     let base = flat(&model.forward(&ids, None).unwrap());
     let (cfg, _) = model.load_lora(&lora_fixture()).unwrap();
-    assert_eq!(cfg.target_modules.len(), 7, "the fixture adapts every projection");
+    assert_eq!(
+        cfg.target_modules.len(),
+        7,
+        "the fixture adapts every projection"
+    );
     let ours = flat(&model.forward(&ids, None).unwrap());
     let want = as_f32s(&r["adapted_logits"]);
     // The adapter matters: PEFT's adapted logits are far from the base ones.
@@ -91,10 +107,16 @@ fn peft_loads_our_adapter_with_equal_logits() {
     assert!(moved > 1e-2, "adapter barely changes the logits ({moved})");
     assert!(max_abs_diff(&base, &as_f32s(&r["base_logits"])) < 1e-4);
     let d = max_abs_diff(&ours, &want);
-    assert!(d < 1e-4, "max |ours - peft| = {d} (adapter moves logits by {moved})");
+    assert!(
+        d < 1e-4,
+        "max |ours - peft| = {d} (adapter moves logits by {moved})"
+    );
     // The differentiable training path computes the same adapted logits without dropout.
     let mut eval_model = Transformer::load(&fixture("qwen2-tiny"), &device, DType::F32).unwrap();
-    let no_dropout = LoraConfig { dropout: 0.0, ..cfg };
+    let no_dropout = LoraConfig {
+        dropout: 0.0,
+        ..cfg
+    };
     let (_, vm) = eval_model.load_lora(&lora_fixture()).unwrap();
     eval_model.attach_lora(&no_dropout, &vm, 0).unwrap();
     let train_path = flat(&eval_model.forward_train(&ids, None).unwrap());
@@ -140,9 +162,12 @@ fn saved_adapter_round_trips_to_identical_logits() {
     assert_eq!(conf["peft_type"], "LORA");
     assert_eq!(conf["r"], 3);
     assert_eq!(conf["lora_alpha"], 6.0);
-    assert_eq!(conf["target_modules"], serde_json::json!(["q_proj", "down_proj"]));
-    let saved = candle_core::safetensors::load(dir.path().join(ADAPTER_WEIGHTS_FILE), &device)
-        .unwrap();
+    assert_eq!(
+        conf["target_modules"],
+        serde_json::json!(["q_proj", "down_proj"])
+    );
+    let saved =
+        candle_core::safetensors::load(dir.path().join(ADAPTER_WEIGHTS_FILE), &device).unwrap();
     let layers = model.cfg.num_hidden_layers;
     assert_eq!(saved.len(), layers * 2 * 2);
     let a = &saved["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"];
@@ -163,9 +188,14 @@ fn saved_adapter_round_trips_to_identical_logits() {
 
 /// Mean next-token NLL of `seq` through the training forward.
 fn nll(model: &Transformer, seq: &[u32]) -> Tensor {
-    let ids = Tensor::new(seq, model.device()).unwrap().unsqueeze(0).unwrap();
+    let ids = Tensor::new(seq, model.device())
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
     let n = seq.len() - 1;
-    let logits = model.forward_train(&ids.narrow(1, 0, n).unwrap(), None).unwrap();
+    let logits = model
+        .forward_train(&ids.narrow(1, 0, n).unwrap(), None)
+        .unwrap();
     token_logprobs(&logits, &ids.narrow(1, 1, n).unwrap())
         .unwrap()
         .mean_all()
@@ -185,7 +215,9 @@ fn every_adapter_tensor_gets_a_gradient_and_the_base_none() {
     let grads = nll(&model, &SEQ).backward().unwrap();
     for (k, v) in vm.data().lock().unwrap().iter() {
         if k.contains("lora_B") {
-            let g = grads.get(v.as_tensor()).unwrap_or_else(|| panic!("no gradient for {k}"));
+            let g = grads
+                .get(v.as_tensor())
+                .unwrap_or_else(|| panic!("no gradient for {k}"));
             assert!(flat(g).iter().any(|x| *x != 0.0), "zero gradient for {k}");
         }
     }
@@ -194,12 +226,20 @@ fn every_adapter_tensor_gets_a_gradient_and_the_base_none() {
     let data = vm.data().lock().unwrap();
     assert_eq!(data.len(), 2 * 7 * model.cfg.num_hidden_layers);
     for (k, v) in data.iter() {
-        let g = grads.get(v.as_tensor()).unwrap_or_else(|| panic!("no gradient for {k}"));
+        let g = grads
+            .get(v.as_tensor())
+            .unwrap_or_else(|| panic!("no gradient for {k}"));
         let norm: f32 = flat(g).iter().map(|x| x * x).sum();
-        assert!(norm > 0.0 && norm.is_finite(), "zero/non-finite gradient for {k}");
+        assert!(
+            norm > 0.0 && norm.is_finite(),
+            "zero/non-finite gradient for {k}"
+        );
     }
     for (k, v) in base_vars.data().lock().unwrap().iter() {
-        assert!(grads.get(v.as_tensor()).is_none(), "frozen base weight {k} got a gradient");
+        assert!(
+            grads.get(v.as_tensor()).is_none(),
+            "frozen base weight {k} got a gradient"
+        );
     }
 }
 
@@ -213,16 +253,29 @@ fn adapter_gradients_match_central_differences() {
     let get = |n: &str| -> Var { vm.data().lock().unwrap()[n].clone() };
     let eps = 1e-6;
     for (name, idx) in [
-        ("base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight", 37),
-        ("base_model.model.model.layers.1.mlp.up_proj.lora_B.weight", 21),
+        (
+            "base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight",
+            37,
+        ),
+        (
+            "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight",
+            21,
+        ),
     ] {
         let v = get(name);
-        let analytic: Vec<f64> = grads.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let analytic: Vec<f64> = grads
+            .get(v.as_tensor())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let mut w: Vec<f64> = v.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
         let w0 = w[idx];
         let mut at = |x: f64| {
             w[idx] = x;
-            v.set(&Tensor::from_vec(w.clone(), v.shape(), v.device()).unwrap()).unwrap();
+            v.set(&Tensor::from_vec(w.clone(), v.shape(), v.device()).unwrap())
+                .unwrap();
             nll(&model, &SEQ).to_scalar::<f64>().unwrap()
         };
         let numeric = (at(w0 + eps) - at(w0 - eps)) / (2.0 * eps);
@@ -230,7 +283,11 @@ fn adapter_gradients_match_central_differences() {
         let scale = analytic[idx].abs().max(numeric.abs());
         assert!(scale > 1e-7, "{name}: gradient too small to check");
         let rel = (analytic[idx] - numeric).abs() / scale;
-        assert!(rel < 1e-6, "{name}[{idx}]: {} vs {numeric} (rel {rel:e})", analytic[idx]);
+        assert!(
+            rel < 1e-6,
+            "{name}[{idx}]: {} vs {numeric} (rel {rel:e})",
+            analytic[idx]
+        );
     }
 }
 
@@ -244,8 +301,11 @@ fn lora_training_changes_only_adapter_weights_and_lowers_the_loss() {
         .map(|(n, t)| (n.clone(), flat(t)))
         .collect();
     let vm = model.add_lora(&all_linear(4, 0.05), 5).unwrap();
-    let adapter_before: Vec<(String, Vec<f32>)> =
-        model.lora_tensors().iter().map(|(n, t)| (n.clone(), flat(t))).collect();
+    let adapter_before: Vec<(String, Vec<f32>)> = model
+        .lora_tensors()
+        .iter()
+        .map(|(n, t)| (n.clone(), flat(t)))
+        .collect();
     // The optimizer holds only the adapter variables.
     let mut opt = candle_nn::AdamW::new(
         vm.all_vars(),
@@ -262,7 +322,10 @@ fn lora_training_changes_only_adapter_weights_and_lowers_the_loss() {
     }
     model.reseed_lora_dropout(100).unwrap();
     let last = nll(&model, &SEQ).to_scalar::<f32>().unwrap();
-    assert!(last < 0.7 * first, "loss {first} → {last}: LoRA did not learn");
+    assert!(
+        last < 0.7 * first,
+        "loss {first} → {last}: LoRA did not learn"
+    );
     for ((n, before), (_, t)) in base_before.iter().zip(model.named_tensors()) {
         assert_eq!(before, &flat(&t), "base weight {n} changed");
     }
@@ -307,12 +370,19 @@ fn bad_lora_settings_are_errors_naming_the_key() {
     assert!(err(4, f64::NAN, 0.0, None).contains("lora_alpha"));
     assert!(err(4, 8.0, 1.0, None).contains("lora_dropout"));
     let e = err(4, 8.0, 0.0, Some(&["qproj".into()]));
-    assert!(e.contains("lora_target_modules") && e.contains("qproj"), "{e}");
+    assert!(
+        e.contains("lora_target_modules") && e.contains("qproj"),
+        "{e}"
+    );
     let e = err(4, 8.0, 0.0, Some(&["all-linear".into(), "q_proj".into()]));
     assert!(e.contains("all-linear"), "{e}");
     assert!(err(4, 8.0, 0.0, Some(&[])).contains("lora_target_modules"));
     let d = LoraConfig::new(8, 16.0, 0.05, None).unwrap();
-    assert_eq!(d.target_modules, vec!["q_proj", "v_proj"], "PEFT's default targets");
+    assert_eq!(
+        d.target_modules,
+        vec!["q_proj", "v_proj"],
+        "PEFT's default targets"
+    );
     assert_eq!(d.scaling(), 2.0);
 }
 
@@ -330,11 +400,15 @@ fn bad_adapter_files_are_errors_naming_the_file_and_key() {
     let dir = tempfile::tempdir().unwrap();
     copy_adapter(dir.path());
     let cp = dir.path().join(ADAPTER_CONFIG_FILE);
-    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cp).unwrap()).unwrap();
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cp).unwrap()).unwrap();
     c["use_dora"] = serde_json::json!(true);
     std::fs::write(&cp, c.to_string()).unwrap();
     let e = format!("{:#}", base().load_lora(dir.path()).unwrap_err());
-    assert!(e.contains("use_dora") && e.contains(ADAPTER_CONFIG_FILE), "{e}");
+    assert!(
+        e.contains("use_dora") && e.contains(ADAPTER_CONFIG_FILE),
+        "{e}"
+    );
     // A rank that does not match the tensors.
     c["use_dora"] = serde_json::json!(false);
     c["r"] = serde_json::json!(5);
@@ -361,8 +435,14 @@ fn export_writes_the_adapter_or_merged_weights_with_the_tokenizer() {
     let vm = model.add_lora(&all_linear(2, 0.0), 21).unwrap();
     randomize_b(&vm, 22, 0.1);
     let ck = tempfile::tempdir().unwrap();
-    model.save_lora(ck.path(), &base_dir.to_string_lossy()).unwrap();
-    std::fs::copy(base_dir.join("tokenizer.json"), ck.path().join("tokenizer.json")).unwrap();
+    model
+        .save_lora(ck.path(), &base_dir.to_string_lossy())
+        .unwrap();
+    std::fs::copy(
+        base_dir.join("tokenizer.json"),
+        ck.path().join("tokenizer.json"),
+    )
+    .unwrap();
     std::fs::write(ck.path().join("optimizer.safetensors"), b"not exported").unwrap();
 
     let merged = tempfile::tempdir().unwrap();
@@ -383,6 +463,9 @@ fn export_writes_the_adapter_or_merged_weights_with_the_tokenizer() {
         assert!(adapter.path().join(f).is_file(), "{f}");
     }
     // A full checkpoint is not a LoRA checkpoint.
-    let e = format!("{:#}", export_adapter(merged.path(), adapter.path(), true).unwrap_err());
+    let e = format!(
+        "{:#}",
+        export_adapter(merged.path(), adapter.path(), true).unwrap_err()
+    );
     assert!(e.contains(ADAPTER_CONFIG_FILE), "{e}");
 }
