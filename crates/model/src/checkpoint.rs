@@ -145,6 +145,11 @@ fn serialize(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
     )?)
 }
 
+/// Writes `tensors` as one safetensors file at `path` (atomically, current dtypes).
+pub fn save_file(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    write_atomic(path, &serialize(tensors)?)
+}
+
 /// Saves tensors into `dir` as `model.safetensors` (`num_shards <= 1`) or as
 /// `num_shards` files `model-0000i-of-0000n.safetensors` plus the index, the layout
 /// transformers' `save_pretrained` writes. Tensors are written in their current dtype.

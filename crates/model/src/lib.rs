@@ -6,6 +6,7 @@
 //! - [`chunked_logprobs`]: the LM head fused with log-softmax, gathers, entropy and top-K,
 //!   chunked over tokens forward and backward (the training path: no `[N, vocab]` logits).
 //! - [`kv_cache`]: the KV cache, grown in blocks and written in place.
+//! - [`lora`]: LoRA adapters (PEFT semantics and `adapter_model.safetensors` format), merge.
 //! - [`checkpoint`]: safetensors single-file and sharded I/O.
 //! - [`tokenizer`]: `tokenizer.json` wrapper and the Jinja chat template.
 //! - [`logprobs`]: per-token log-probs, entropy and top-K from logits (f32, differentiable).
@@ -28,6 +29,7 @@ pub mod deterministic;
 pub mod device;
 pub mod kv_cache;
 pub mod logprobs;
+pub mod lora;
 pub mod policy;
 pub mod rollout;
 pub mod score;
@@ -41,6 +43,7 @@ pub use config::{ModelConfig, ModelType};
 pub use deterministic::{generate_deterministic, score_deterministic};
 pub use device::device_from_str;
 pub use logprobs::{log_softmax, logsumexp, token_entropy, token_logprobs, topk_logprobs};
+pub use lora::LoraConfig;
 pub use policy::{generate_cli, GenerateOptions, Policy};
 pub use rollout::{generate, FinishReason, GenerationRequest, Sample, SamplingParams};
 pub use score::{score, score_with_temperature};

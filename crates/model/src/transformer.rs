@@ -20,6 +20,7 @@ use crate::checkpoint::{self, LoadedCheckpoint};
 use crate::config::ModelConfig;
 pub use crate::kv_cache::KvCache;
 use crate::kv_cache::LayerKv;
+use crate::lora::{LoraAdapter, LoraConfig};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::VarMap;
@@ -45,16 +46,28 @@ pub struct Linear {
     pub weight: Tensor,
     /// `[out_features]`, if the projection has a bias.
     pub bias: Option<Tensor>,
+    /// LoRA adapter (`lora_A` / `lora_B` of PEFT), if this projection is adapted.
+    pub lora: Option<LoraAdapter>,
 }
 
 impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_with(x, false)
+    }
+
+    /// `forward`, with the adapter's dropout active when `train`.
+    fn forward_with(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let in_f = *dims.last().context("linear input has no dims")?;
         let rows: usize = dims[..dims.len() - 1].iter().product();
-        let y = x.reshape((rows, in_f))?.matmul(&self.weight.t()?)?;
+        let x2 = x.reshape((rows, in_f))?;
+        let y = x2.matmul(&self.weight.t()?)?;
         let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        let y = match &self.lora {
+            Some(a) => (y + a.delta(&x2, train)?)?,
             None => y,
         };
         let mut out_dims = dims;
@@ -158,6 +171,8 @@ struct Ctx<'a> {
     /// Additive mask broadcastable to `[B, kv_heads, n_rep, T, T_past + T]`, or None.
     mask: Option<Tensor>,
     path: OpPath,
+    /// A training forward (LoRA dropout on).
+    train: bool,
     _p: std::marker::PhantomData<&'a ()>,
 }
 
@@ -198,9 +213,18 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = self.q_proj.forward(x)?.reshape((b, t, nh, hd))?;
-        let k = self.k_proj.forward(x)?.reshape((b, t, nkv, hd))?;
-        let v = self.v_proj.forward(x)?.reshape((b, t, nkv, hd))?;
+        let q = self
+            .q_proj
+            .forward_with(x, ctx.train)?
+            .reshape((b, t, nh, hd))?;
+        let k = self
+            .k_proj
+            .forward_with(x, ctx.train)?
+            .reshape((b, t, nkv, hd))?;
+        let v = self
+            .v_proj
+            .forward_with(x, ctx.train)?
+            .reshape((b, t, nkv, hd))?;
         let q = match &self.q_norm {
             Some(n) => n.forward(&q, ctx.path)?,
             None => q,
@@ -245,7 +269,7 @@ impl Attention {
             .reshape((b, nh, t, hd))?
             .transpose(1, 2)?
             .reshape((b, t, nh * hd))?;
-        self.o_proj.forward(&out)
+        self.o_proj.forward_with(&out, ctx.train)
     }
 }
 
@@ -261,9 +285,10 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
-        self.down_proj.forward(&(g * self.up_proj.forward(x)?)?)
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let g = candle_nn::ops::silu(&self.gate_proj.forward_with(x, train)?)?;
+        self.down_proj
+            .forward_with(&(g * self.up_proj.forward_with(x, train)?)?, train)
     }
 }
 
@@ -290,7 +315,7 @@ impl DecoderLayer {
         let h = self.input_layernorm.forward(x, ctx.path)?;
         let x = (x + self.self_attn.forward(&h, ctx, cache)?)?;
         let h = self.post_attention_layernorm.forward(&x, ctx.path)?;
-        Ok((&x + self.mlp.forward(&h)?)?)
+        Ok((&x + self.mlp.forward(&h, ctx.train)?)?)
     }
 }
 
@@ -322,6 +347,8 @@ pub struct Transformer {
     dtype: DType,
     /// Number of shard files of the checkpoint this model was loaded from (saved the same way).
     pub source_shards: usize,
+    /// The LoRA adapters' config when adapters are attached ([`crate::lora`]).
+    pub lora: Option<LoraConfig>,
 }
 
 /// Where `build` gets each parameter from.
@@ -359,6 +386,7 @@ impl Transformer {
                 } else {
                     None
                 },
+                lora: None,
             })
         };
         let mut layer_linears = Vec::new();
@@ -460,6 +488,7 @@ impl Transformer {
             device: device.clone(),
             dtype,
             source_shards: 1,
+            lora: None,
         })
     }
 
@@ -563,6 +592,10 @@ impl Transformer {
             if let Some(b) = &l.bias {
                 l.bias = Some(f(b)?);
             }
+            if let Some(a) = &mut l.lora {
+                a.lora_a = f(&a.lora_a)?;
+                a.lora_b = f(&a.lora_b)?;
+            }
             Ok(())
         };
         for layer in &mut m.model.layers {
@@ -662,6 +695,13 @@ impl Transformer {
 
     /// As [`Transformer::save_pretrained`], with an explicit shard count (1 = single file).
     pub fn save_pretrained_sharded(&self, dir: &Path, num_shards: usize) -> Result<()> {
+        if self.lora.is_some() {
+            bail!(
+                "{}: the model has LoRA adapters; save them with `save_lora`, or merge them \
+                 first (`merge_lora`) to write full weights",
+                dir.display()
+            );
+        }
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let dtype_name = checkpoint::torch_dtype_name(self.dtype);
         let tensors: Vec<(String, Tensor)> = self
@@ -718,6 +758,7 @@ impl Transformer {
         let lin = Linear {
             weight: self.lm_head.clone(),
             bias: None,
+            lora: None,
         };
         let out_dtype = if self.dtype == DType::F64 {
             DType::F64
@@ -807,6 +848,7 @@ impl Transformer {
             sin,
             mask,
             path,
+            train: differentiable,
             _p: std::marker::PhantomData,
         };
         let ids = input_ids.flatten_all()?;
