@@ -222,7 +222,9 @@ async fn mcp_tool_server_is_refused_at_the_first_reset() {
     match env.reset(ResetOptions::default()).await {
         Err(e) => {
             let m = e.to_string();
-            assert!(m.contains("MCP tool servers are not supported"), "{m}");
+            // Refused for plain-action play, pointing at the tool-call client.
+            assert!(m.contains("speaks only MCP tools"), "{m}");
+            assert!(m.contains("kind = \"openenv_tools\""), "{m}");
             assert!(m.contains("CallToolAction"), "{m}");
             assert!(m.contains(&server.url()), "{m}");
         }
