@@ -20,7 +20,7 @@ use crate::rollout::{
     Sample, SamplingParams,
 };
 use crate::transformer::Transformer;
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::Tensor;
 
 /// One sequence fed token by token through the KV-cached forward.
@@ -96,22 +96,7 @@ pub fn score_deterministic(
     seqs: &[Vec<u32>],
     temperature: f64,
 ) -> Result<Vec<Vec<f32>>> {
-    if temperature.is_nan() || temperature <= 0.0 {
-        bail!("scoring temperature must be > 0, got {temperature}");
-    }
-    let max_pos = model.cfg.max_position_embeddings;
-    let vocab = model.cfg.vocab_size;
-    for (i, s) in seqs.iter().enumerate() {
-        if s.len() > max_pos {
-            bail!(
-                "sequence {i} has {} tokens, more than max_position_embeddings ({max_pos})",
-                s.len()
-            );
-        }
-        if let Some(&bad) = s.iter().find(|&&t| t as usize >= vocab) {
-            bail!("sequence {i}: token id {bad} is outside the vocabulary ({vocab})");
-        }
-    }
+    crate::score::check_score_inputs(model, seqs, temperature)?;
     let model = model.detached();
     let mut out = Vec::with_capacity(seqs.len());
     for s in seqs {

@@ -9,19 +9,13 @@ use candle_core::{DType, Tensor};
 /// forward (the fused head itself holds only one chunk of logits).
 const MAX_LOGITS_PER_BATCH: usize = 64 << 20;
 
-/// Next-token log-probs by teacher forcing: for each sequence `s`, entry `t` is
-/// `log p(s[t+1] | s[..=t])` (length `len - 1`; empty for sequences shorter than 2).
-pub fn score(model: &Transformer, seqs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
-    score_with_temperature(model, seqs, 1.0)
-}
-
-/// As [`score`] under `log softmax(logits / temperature)`, the sampler's distribution at
-/// temperature T (T must be > 0).
-pub fn score_with_temperature(
+/// The checks every scorer makes before any forward: temperature > 0, sequences within the
+/// model's positions, token ids inside its vocabulary (each error names the sequence).
+pub(crate) fn check_score_inputs(
     model: &Transformer,
     seqs: &[Vec<u32>],
     temperature: f64,
-) -> Result<Vec<Vec<f32>>> {
+) -> Result<()> {
     if temperature.is_nan() || temperature <= 0.0 {
         bail!("scoring temperature must be > 0, got {temperature}");
     }
@@ -38,6 +32,24 @@ pub fn score_with_temperature(
             bail!("sequence {i}: token id {bad} is outside the vocabulary ({vocab})");
         }
     }
+    Ok(())
+}
+
+/// Next-token log-probs by teacher forcing: for each sequence `s`, entry `t` is
+/// `log p(s[t+1] | s[..=t])` (length `len - 1`; empty for sequences shorter than 2).
+pub fn score(model: &Transformer, seqs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+    score_with_temperature(model, seqs, 1.0)
+}
+
+/// As [`score`] under `log softmax(logits / temperature)`, the sampler's distribution at
+/// temperature T (T must be > 0).
+pub fn score_with_temperature(
+    model: &Transformer,
+    seqs: &[Vec<u32>],
+    temperature: f64,
+) -> Result<Vec<Vec<f32>>> {
+    check_score_inputs(model, seqs, temperature)?;
+    let vocab = model.cfg.vocab_size;
     let model = model.detached();
     let mut out: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
     // Batch sequences of similar length together (sorted), right-padded: the causal mask
