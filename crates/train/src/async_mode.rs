@@ -15,10 +15,10 @@
 //! on timing): step t always samples with the weights of version `max(t − 1 − k, c)`, where c
 //! is the last `checkpoint_every` step before t (a barrier: right after a checkpoint the
 //! generator waits for the checkpointed weights). So a run is a function of (recipe, seed)
-//! as in sync mode, and a run resumed from a checkpoint continues bit-identically — the
-//! in-flight rollouts of older weights, which a checkpoint does not hold, are never needed.
-//! (A checkpoint written by Ctrl-C between `checkpoint_every` steps resumes correctly, just
-//! not bit-identically.) The trainer keeps the few snapshots still needed in a `History`.
+//! as in sync mode, and a run resumed from a checkpoint continues bit-identically: from a
+//! `checkpoint_every` boundary no later step needs older weights, and a checkpoint written
+//! between boundaries (Ctrl-C, SIGTERM) carries the older weights later steps sample with
+//! ([`crate::async_resume`]). The trainer keeps the few snapshots still needed in a `History`.
 //!
 //! Everything after the update (metrics, eval, checkpoint, Ctrl-C) is the same
 //! [`end_step`] the sync loop calls, with the controller's walls, idle times and staleness
@@ -37,12 +37,13 @@ use composer_actors::{
 };
 use tokenizers::Tokenizer;
 
+use crate::async_resume::{read_snapshots, sampling_step, steps_needed_after, write_snapshots};
 use crate::data::PromptRow;
 use crate::model::PolicyModel;
 use crate::recipe::Recipe;
 use crate::trainer::{
-    end_step, sample_rollouts, save, score_rollouts, step_advantages, train_on_batch, NoHook,
-    Rewards, RolloutBatch, RunLog, Session, StepDone, TrainStats,
+    end_step, sample_rollouts, save, score_rollouts, step_advantages, train_on_batch, Rewards,
+    RolloutBatch, RunLog, Session, StepDone, StepHook, TrainStats,
 };
 use crate::verifiers::RewardFn;
 
@@ -90,7 +91,7 @@ impl History {
         self.changed.notify_all();
     }
 
-    /// Waits for `version` (or the cancel), dropping every older snapshot.
+    /// Waits for `version` (or the cancel).
     fn take(
         &self,
         version: PolicyVersion,
@@ -99,7 +100,6 @@ impl History {
         let mut map = self.snapshots.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(w) = map.get(&version).cloned() {
-                map.retain(|v, _| *v >= version);
                 return Some(w);
             }
             if stopping() {
@@ -114,15 +114,18 @@ impl History {
     }
 }
 
-/// The step whose weights sample step `step` (see the module docs): `max(step − 1 − k, c)`,
-/// never before the run's (or resume's) first weights `first_step − 1`.
-fn sampling_step(step: usize, k: usize, checkpoint_every: usize, first_step: usize) -> usize {
-    let lagged = step.saturating_sub(1 + k);
-    let barrier = match checkpoint_every {
-        0 => 0,
-        ck => (step - 1) / ck * ck,
-    };
-    lagged.max(barrier).max(first_step - 1)
+impl History {
+    /// The snapshot of `version`, if still kept.
+    fn get(&self, version: PolicyVersion) -> Option<Arc<PolicyModel>> {
+        let map = self.snapshots.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(&version).cloned()
+    }
+
+    /// Drops every snapshot older than `version` (no untrained step samples with them).
+    fn retain_from(&self, version: PolicyVersion) {
+        let mut map = self.snapshots.lock().unwrap_or_else(|e| e.into_inner());
+        map.retain(|v, _| *v >= version);
+    }
 }
 
 /// Samples rollouts with the published weights of the step's pinned version.
@@ -135,6 +138,9 @@ struct RolloutActor {
     first_step: usize,
     /// Policy version of the weights at the start (after step `first_step − 1`).
     first_version: PolicyVersion,
+    /// The oldest step whose weights the run holds (`first_step − 1`, or older ones a
+    /// checkpoint carried).
+    floor_step: usize,
     history: Arc<History>,
 }
 
@@ -144,9 +150,9 @@ impl Generator<PolicyModel> for RolloutActor {
     fn generate(&mut self, ctx: &GenerateContext<'_, PolicyModel>) -> Result<Vec<StepRollout>> {
         let step = self.first_step + ctx.batch_index as usize;
         let k = self.recipe.train.max_staleness as usize;
-        let at = sampling_step(step, k, self.recipe.train.checkpoint_every, self.first_step);
+        let at = sampling_step(step, k, self.recipe.train.checkpoint_every, self.floor_step);
         // Every step publishes one version (skipped steps too).
-        let version = self.first_version + (at + 1 - self.first_step) as u64;
+        let version = self.first_version + at as u64 + 1 - self.first_step as u64;
         let Some(weights) = self.history.take(version, || ctx.is_stopping()) else {
             bail!("cancelled while waiting for the weights of version {version}");
         };
@@ -286,6 +292,8 @@ fn merge_steps(items: Vec<ScoredStep>) -> (RolloutBatch, Rewards) {
 /// Per-step bookkeeping on the trainer's thread.
 struct StepHooks<'a> {
     run: &'a mut RunLog,
+    /// Writes the older weights later steps need into a checkpoint between boundaries.
+    snapshots: SnapshotSaver,
     cancel: CancelToken,
     /// Set when [`end_step`] asked to stop (target reached, Ctrl-C): the controller is then
     /// cancelled, which is a normal end here.
@@ -308,7 +316,15 @@ impl<'s> Hooks<TrainActor<'s>, StepReport> for StepHooks<'_> {
             stats: &r.stats,
             walls: &walls,
         };
-        let stop = end_step(trainer.session, self.run, &done, extra, vec![], &mut NoHook)?;
+        let stop = end_step(
+            trainer.session,
+            self.run,
+            &done,
+            extra,
+            vec![],
+            &mut self.snapshots,
+        )?;
+        self.snapshots.forget_before(trainer.session);
         if stop {
             self.stopped_by_loop = true;
             self.cancel.cancel();
@@ -320,6 +336,7 @@ impl<'s> Hooks<TrainActor<'s>, StepReport> for StepHooks<'_> {
         // Ctrl-C while the trainer waited for data: keep the last completed step.
         if *end == RunEnd::Cancelled && !self.stopped_by_loop && trainer.session.state.step > 0 {
             save(trainer.session)?;
+            self.snapshots.after_save(trainer.session)?;
             let sig = crate::signals::pending().unwrap_or(crate::signals::Interrupt::Sigint);
             self.run.interrupted = Some(sig);
             self.run.progress.println(format!(
@@ -364,6 +381,7 @@ pub(crate) fn run_async(s: &mut Session, run: &mut RunLog) -> Result<()> {
     let cancel = controller.cancel_token();
     let history = Arc::new(History::default());
     history.insert(s.state.policy_version, initial_weights);
+    let floor_step = load_snapshots(s, &history)?;
     let mut generator = RolloutActor {
         recipe: s.recipe.clone(),
         train_rows: s.train_rows.clone(),
@@ -371,6 +389,7 @@ pub(crate) fn run_async(s: &mut Session, run: &mut RunLog) -> Result<()> {
         stop_ids: s.stop_ids.clone(),
         first_step: s.state.step + 1,
         first_version: s.state.policy_version,
+        floor_step,
         history: history.clone(),
     };
     // Ctrl-C sets a process-wide flag (the signal handler may only store an atomic); this
@@ -388,6 +407,12 @@ pub(crate) fn run_async(s: &mut Session, run: &mut RunLog) -> Result<()> {
             }
         })
     };
+    let snapshots = SnapshotSaver {
+        history: history.clone(),
+        k: k as usize,
+        checkpoint_every: s.recipe.train.checkpoint_every,
+        total_steps: run.total_steps,
+    };
     let mut trainer = TrainActor {
         session: s,
         nan_steps: run.nan_steps.clone(),
@@ -395,6 +420,7 @@ pub(crate) fn run_async(s: &mut Session, run: &mut RunLog) -> Result<()> {
     };
     let mut hooks = StepHooks {
         run,
+        snapshots,
         cancel,
         stopped_by_loop: false,
     };
@@ -410,5 +436,66 @@ pub(crate) fn run_async(s: &mut Session, run: &mut RunLog) -> Result<()> {
                 .unwrap_or_else(|_| "none yet (no checkpoint was written)".into());
             bail!("async run stopped: {e}; the last good checkpoint is {last_good}")
         }
+    }
+}
+
+/// The version of step `j`'s weights, given that step `m` published `version_m` (every step
+/// publishes one version).
+fn version_of(j: usize, m: usize, version_m: PolicyVersion) -> PolicyVersion {
+    (version_m + j as u64).saturating_sub(m as u64)
+}
+
+/// On a resumed run, puts the older weights its checkpoint carries into `history`; returns
+/// the oldest step whose weights the run now holds.
+fn load_snapshots(s: &Session, history: &History) -> Result<usize> {
+    let m = s.state.step;
+    let Ok(checkpoint) = crate::checkpoint::find_checkpoint(&s.run_dir) else {
+        return Ok(m);
+    };
+    let mut floor = m;
+    for (j, tensors, path) in read_snapshots(&checkpoint, m, s.model.device())? {
+        let weights = s.model.snapshot()?;
+        weights.set_weights(&tensors, &path)?;
+        history.insert(version_of(j, m, s.state.policy_version), Arc::new(weights));
+        floor = floor.min(j);
+    }
+    Ok(floor)
+}
+
+/// The async layout's [`StepHook`]: after a checkpoint between `checkpoint_every` steps,
+/// writes the older weights later steps sample with ([`crate::async_resume`]).
+struct SnapshotSaver {
+    history: Arc<History>,
+    k: usize,
+    checkpoint_every: usize,
+    total_steps: usize,
+}
+
+impl SnapshotSaver {
+    /// After step `s.state.step`: drops the snapshots no later step samples with.
+    fn forget_before(&self, s: &Session) {
+        let m = s.state.step;
+        let oldest = sampling_step(m + 1, self.k, self.checkpoint_every, 0).min(m);
+        self.history
+            .retain_from(version_of(oldest, m, s.state.policy_version));
+    }
+}
+
+impl StepHook for SnapshotSaver {
+    fn after_save(&mut self, s: &Session) -> Result<()> {
+        let m = s.state.step;
+        let needed = steps_needed_after(m, self.k, self.checkpoint_every);
+        if m >= self.total_steps || needed.is_empty() {
+            return Ok(());
+        }
+        let mut snapshots = Vec::new();
+        for j in needed {
+            // Older than a resume without them (see crate::async_resume): never sampled with.
+            let Some(w) = self.history.get(version_of(j, m, s.state.policy_version)) else {
+                continue;
+            };
+            snapshots.push((j, w.weights()?.into_iter().collect()));
+        }
+        write_snapshots(&s.run_dir.join("checkpoint"), m, &snapshots)
     }
 }

@@ -96,6 +96,19 @@ pub fn save_checkpoint(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf>
     publish_checkpoint(run_dir, &tmp)
 }
 
+/// `tensors` as safetensors bytes, sorted by name (so equal weights give equal files).
+pub fn safetensors_bytes(tensors: &HashMap<String, Tensor>) -> Result<Vec<u8>> {
+    let mut sorted: Vec<(&String, &Tensor)> = tensors.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(b.0));
+    Ok(safetensors::serialize(
+        sorted
+            .into_iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect::<Vec<_>>(),
+        Some(HashMap::from([("format".to_string(), "pt".to_string())])),
+    )?)
+}
+
 /// Writes every file of the checkpoint into `tmp` and syncs them.
 fn write_checkpoint_tmp(tmp: &Path, data: &CheckpointData) -> Result<()> {
     if tmp.exists() {
@@ -103,17 +116,7 @@ fn write_checkpoint_tmp(tmp: &Path, data: &CheckpointData) -> Result<()> {
             .with_context(|| format!("removing stale {}", tmp.display()))?;
     }
     std::fs::create_dir_all(tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    let st = |t: &HashMap<String, Tensor>| -> Result<Vec<u8>> {
-        let mut sorted: Vec<(&String, &Tensor)> = t.iter().collect();
-        sorted.sort_by(|a, b| a.0.cmp(b.0));
-        Ok(safetensors::serialize(
-            sorted
-                .into_iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect::<Vec<_>>(),
-            Some(HashMap::from([("format".to_string(), "pt".to_string())])),
-        )?)
-    };
+    let st = safetensors_bytes;
     composer_fsutil::write_atomic(&tmp.join("model.safetensors"), &st(&data.weights)?)?;
     if std::env::var(ABORT_HOOK_ENV)
         .ok()

@@ -21,8 +21,8 @@ use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
 use composer_env::{
     builtin_env_factory, CodeEnv, CodeEnvConfig, EnvPool, Episode, EpisodeConfig, EpisodeEnd,
-    OpenEnvClient, OpenEnvClientConfig, PoolConfig, PoolStats, ResetOptions, TurnEnd, TurnOutput,
-    TurnPolicy,
+    FailureKind, OpenEnvClient, OpenEnvClientConfig, PoolConfig, PoolStats, ResetOptions, TurnEnd,
+    TurnOutput, TurnPolicy,
 };
 use tokenizers::Tokenizer;
 
@@ -258,6 +258,18 @@ impl Drop for EnvRollout {
     }
 }
 
+/// Pause before a step whose every episode failed is played again.
+const STEP_REPLAY_PAUSE: Duration = Duration::from_millis(500);
+
+/// Most replays of such a step (a bound besides the pool's down budget); the step then
+/// errors.
+const MAX_STEP_REPLAYS: usize = 1000;
+
+/// An episode the trainer can learn from: no env failure, at least one model turn.
+fn episode_usable(ep: &Episode) -> bool {
+    !matches!(ep.end, EpisodeEnd::EnvFailed { .. }) && !ep.turns.is_empty() && ep.prompt_len > 0
+}
+
 /// How many recent batches are kept for pairing with their rewards (asynchronous actors may
 /// roll out ahead of scoring).
 const RECENT_BATCHES: usize = 4;
@@ -409,7 +421,9 @@ impl EnvRollout {
     /// each group from one reset seed, at most `[env] max_concurrent` at a time. A failed
     /// episode is retried `[env] episode_retries` times, then replaced by a copy of a
     /// successful peer of its group (or, when the whole group failed, the group becomes
-    /// copies of one sample: zero advantage). Errors only when every episode failed.
+    /// copies of one sample: zero advantage). When no episode reached its server the step is
+    /// played again until one does or every server is given up (`[env] server_down_budget_s`);
+    /// errors when every episode failed.
     pub fn rollout_batch(&self, s: &Session, step: usize) -> Result<RolloutBatch> {
         let seed = s.recipe.train.seed;
         let n_prompts = s.recipe.train.prompts_per_step;
@@ -431,43 +445,76 @@ impl EnvRollout {
         };
         let sec = &self.section;
         let runtime = self.runtime()?;
-        let played = with_turn_sampler(&s.model, params, s.state.policy_version, |sampler| {
-            block_on(runtime, async {
-                let episodes = (0..n_prompts * g).map(|i| {
-                    let reset = ResetOptions::seeded(reset_seeds[i / g]);
-                    let mut policy = ModelTurnPolicy::new(
-                        sampler.clone(),
-                        &s.tok,
-                        mix_seed(seed, step as u64, i as u64),
-                        &sec.prompt_template,
-                        &sec.observation_template,
-                    );
-                    async move {
-                        let t0 = Instant::now();
-                        let mut attempt = 0;
-                        loop {
-                            let ep = self
-                                .pool
-                                .run_episode(&mut policy, reset.clone(), &cfg)
-                                .await?;
-                            let failed = matches!(ep.end, EpisodeEnd::EnvFailed { .. });
-                            if failed && attempt < sec.episode_retries {
-                                attempt += 1;
-                                continue;
+        // A round whose every episode failed to reach its server (the server restarting, say)
+        // is played again, until a server answers or the pool gives every server up after
+        // `[env] server_down_budget_s` (then `run_episode` errors and so does the step).
+        let mut replays = 0usize;
+        let played = loop {
+            let played = with_turn_sampler(
+                &s.model,
+                params.clone(),
+                s.state.policy_version,
+                |sampler| {
+                    block_on(runtime, async {
+                        let episodes = (0..n_prompts * g).map(|i| {
+                            let reset = ResetOptions::seeded(reset_seeds[i / g]);
+                            let mut policy = ModelTurnPolicy::new(
+                                sampler.clone(),
+                                &s.tok,
+                                mix_seed(seed, step as u64, i as u64),
+                                &sec.prompt_template,
+                                &sec.observation_template,
+                            );
+                            async move {
+                                let t0 = Instant::now();
+                                let mut attempt = 0;
+                                loop {
+                                    let ep = self
+                                        .pool
+                                        .run_episode(&mut policy, reset.clone(), &cfg)
+                                        .await?;
+                                    let failed = matches!(ep.end, EpisodeEnd::EnvFailed { .. });
+                                    if failed && attempt < sec.episode_retries {
+                                        attempt += 1;
+                                        continue;
+                                    }
+                                    let env_s =
+                                        (t0.elapsed().as_secs_f64() - policy.generate_s).max(0.0);
+                                    return Ok::<_, anyhow::Error>((ep, env_s));
+                                }
                             }
-                            let env_s = (t0.elapsed().as_secs_f64() - policy.generate_s).max(0.0);
-                            return Ok::<_, anyhow::Error>((ep, env_s));
-                        }
+                        });
+                        let played = futures::future::join_all(episodes).await;
+                        // Every policy (and its sampler clone) is dropped here; the generation
+                        // thread ends once `sampler` goes too.
+                        drop(sampler);
+                        played
+                    })
+                },
+            )?;
+            let played: Vec<(Episode, f64)> = played.into_iter().collect::<Result<_>>()?;
+            let server_down = played.iter().all(|(ep, _)| {
+                matches!(
+                    ep.end,
+                    EpisodeEnd::EnvFailed {
+                        kind: FailureKind::Refused | FailureKind::Connection,
+                        ..
                     }
-                });
-                let played = futures::future::join_all(episodes).await;
-                // Every policy (and its sampler clone) is dropped here; the generation
-                // thread ends once `sampler` goes too.
-                drop(sampler);
-                played
-            })
-        })?;
-        let played: Vec<(Episode, f64)> = played.into_iter().collect::<Result<_>>()?;
+                )
+            });
+            if !server_down || replays >= MAX_STEP_REPLAYS {
+                break played;
+            }
+            replays += 1;
+            tracing::warn!(
+                "[env] step {step}: every episode failed (env failures so far: {:?}); playing \
+             the step again ({replays}) until a server answers or `[env] \
+             server_down_budget_s` = {} s runs out",
+                self.pool.stats().failures,
+                sec.server_down_budget_s
+            );
+            std::thread::sleep(STEP_REPLAY_PAUSE);
+        };
         self.assemble(s, step, prompts, played)
     }
 
@@ -481,11 +528,7 @@ impl EnvRollout {
         played: Vec<(Episode, f64)>,
     ) -> Result<RolloutBatch> {
         let g = s.recipe.rollout.num_generations;
-        let usable = |ep: &Episode| {
-            !matches!(ep.end, EpisodeEnd::EnvFailed { .. })
-                && !ep.turns.is_empty()
-                && ep.prompt_len > 0
-        };
+        let usable = episode_usable;
         let Some(any_ok) = played.iter().position(|(ep, _)| usable(ep)) else {
             let why = played
                 .iter()

@@ -9,6 +9,7 @@
 #![allow(clippy::neg_cmp_op_on_partial_ord)]
 
 pub mod async_mode;
+pub mod async_resume;
 pub mod batch;
 pub mod bench;
 pub mod checkpoint;

@@ -242,9 +242,22 @@ pub fn run_train_with(opts: &TrainOptions, hook: &mut dyn StepHook) -> Result<Ru
         reached_target: None,
         interrupted: None,
     };
-    match s.recipe.train.mode {
-        TrainMode::Sync => run_sync(&mut s, &mut run, hook)?,
-        TrainMode::Async => crate::async_mode::run_async(&mut s, &mut run)?,
+    let looped = match s.recipe.train.mode {
+        TrainMode::Sync => run_sync(&mut s, &mut run, hook),
+        TrainMode::Async => crate::async_mode::run_async(&mut s, &mut run),
+    };
+    // Every env server stayed down past `[env] server_down_budget_s`: the run cannot go on,
+    // but it ends like an interrupted one — a final checkpoint of the last completed step
+    // (the failed step's rollouts changed nothing yet), the summary and the report — and
+    // then fails. Any other error fails at once.
+    let env_lost = match looped {
+        Ok(()) => None,
+        Err(e) if s.env_rollout.as_ref().is_some_and(env_servers_gone) => Some(e),
+        Err(e) => return Err(e),
+    };
+    if env_lost.is_some() {
+        save(&s)?;
+        hook.after_save(&s)?;
     }
     let RunLog {
         progress,
@@ -263,8 +276,28 @@ pub fn run_train_with(opts: &TrainOptions, hook: &mut dyn StepHook) -> Result<Ru
         started.elapsed().as_secs_f64()
     );
     progress.finish(&summary);
-    if let Err(e) = composer_telemetry::write_report(&s.run_dir) {
+    let report = composer_telemetry::write_report(&s.run_dir);
+    if let Err(e) = &report {
         progress.println(format!("report not written: {e:#}"));
+    }
+    if let Some(e) = env_lost {
+        let budget = s
+            .recipe
+            .env
+            .as_ref()
+            .map_or(0.0, |e| e.server_down_budget_s);
+        bail!(
+            "{e:#}\nstopped after step {}: every env server stayed down longer than `[env] \
+             server_down_budget_s` = {budget} s; final checkpoint {}, report {}; continue with \
+             `--resume {}` once the server is back",
+            s.state.step,
+            checkpoint::find_checkpoint(&s.run_dir)?.display(),
+            report.map_or_else(
+                |e| format!("not written ({e:#})"),
+                |p| p.display().to_string()
+            ),
+            s.run_dir.display()
+        );
     }
     Ok(RunOutcome {
         run_dir: s.run_dir.clone(),
@@ -545,6 +578,12 @@ pub(crate) fn end_step(
         return Ok(true);
     }
     Ok(stop_early)
+}
+
+/// Whether every server of the env pool has been given up (down past its budget).
+fn env_servers_gone(env: &crate::env_rollout::EnvRollout) -> bool {
+    let servers = env.stats().servers;
+    !servers.is_empty() && servers.iter().all(|s| s.gone)
 }
 
 fn fmt_pct(x: Option<f64>) -> String {

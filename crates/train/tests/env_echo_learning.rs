@@ -347,10 +347,16 @@ fn failed_episodes_are_counted_and_replaced() {
     assert_eq!(hint[0].completion_text, batch.texts[8]);
     assert_eq!(hint[0].reward, rewards.total[8]);
 
-    s.env_rollout = Some(EnvRollout::with_factory(&section, "dead", flaky_factory(1)).unwrap());
+    // A server no episode reaches: the step is played again until the pool gives the server
+    // up after `server_down_budget_s`, then it is an error naming the budget and the cause.
+    let short = composer_train::recipe::EnvSection {
+        server_down_budget_s: 1.0,
+        ..section
+    };
+    s.env_rollout = Some(EnvRollout::with_factory(&short, "dead", flaky_factory(1)).unwrap());
     let err = format!("{:#}", rollout_batch(&s, 2).err().unwrap());
     assert!(
-        err.contains("every episode failed") && err.contains("1012"),
+        err.contains("server_down_budget") && err.contains("1012"),
         "{err}"
     );
 }
