@@ -4,7 +4,7 @@
 //!   the resumed run ends with the same weights, optimizer state and per-step numbers as an
 //!   uninterrupted run (sync and async: bit-exact; DiLoCo: see its test);
 //! - SIGTERM between `checkpoint_every` steps of an async run resumes bit-exactly too;
-//! - the OpenEnv server killed and restarted mid-run: the run survives and counts the
+//! - the OpenEnv server killed (SIGKILL) and restarted mid-run: the run survives and counts the
 //!   failures;
 //! - the OpenEnv server gone for good: the run stops after `[env] server_down_budget_s` with a
 //!   final checkpoint and the report, exits non-zero with a message naming the budget.
@@ -97,7 +97,7 @@ fn seeded_step(salt: u64, lo: usize, hi: usize) -> usize {
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^= z >> 31;
     let step = lo + (z % (hi - lo + 1) as u64) as usize;
-    eprintln!("FAULT_SEED={seed}: fault at step {step}");
+    eprintln!("FAULT_SEED={seed} (salt {salt}): fault at step {step}");
     step
 }
 
@@ -204,6 +204,14 @@ fn assert_same_run(resumed: &Path, reference: &Path) {
     assert_eq!(s1, s2, "trainer state");
     assert_eq!(m1.len(), m2.len(), "train lines");
     for (a, b) in m1.iter().zip(&m2) {
+        let differ: Vec<String> = a
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(k, v)| b.get(k.as_str()) != Some(v))
+            .map(|(k, v)| format!("{k}: {v} vs {}", b[k.as_str()]))
+            .collect();
+        assert!(differ.is_empty(), "step {}: {differ:?}", a["step"]);
         assert_eq!(a, b, "per-step numbers");
     }
     assert!(w1 == w2, "final weights differ");
@@ -226,7 +234,9 @@ fn kill_and_resume_matches(recipe_text: &str, salt: u64) {
     let tmp = tempfile::tempdir().unwrap();
     let recipe = write_recipe(tmp.path(), recipe_text);
     let run = tmp.path().join("run");
-    let at = seeded_step(salt, 2, 7);
+    // Step 3 at the earliest: the first checkpoint (step 2) is written after step 2's
+    // metrics line, so a kill right after that line may find no checkpoint to resume.
+    let at = seeded_step(salt, 3, 7);
     let child = spawn(
         &[recipe.to_str().unwrap(), "--run-dir", run.to_str().unwrap()],
         &[],
@@ -273,7 +283,7 @@ fn diloco_replica_killed_at_a_random_step_resumes_exactly() {
         spawn(&args, &[])
     };
     let run = tmp.path().join("run");
-    kill_at(replica(&run, "store", false), &run, seeded_step(3, 2, 7));
+    kill_at(replica(&run, "store", false), &run, seeded_step(3, 3, 7));
     let out = finish(replica(&run, "store", true));
     assert!(out.status.success(), "{}", text(&out));
     let reference = tmp.path().join("reference");
@@ -281,10 +291,19 @@ fn diloco_replica_killed_at_a_random_step_resumes_exactly() {
     assert!(out.status.success(), "{}", text(&out));
     assert_same_run(&run, &reference);
     assert_eq!(
-        std::fs::read(run.join("diloco-state.safetensors")).unwrap(),
-        std::fs::read(reference.join("diloco-state.safetensors")).unwrap(),
+        safetensors_content(&run.join("checkpoint/diloco-state.safetensors")),
+        safetensors_content(&reference.join("checkpoint/diloco-state.safetensors")),
         "outer state"
     );
+}
+
+/// A safetensors file's header (parsed: its metadata map is written in hash order) and
+/// tensor bytes.
+fn safetensors_content(path: &Path) -> (Value, Vec<u8>) {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    (header, bytes[8 + n..].to_vec())
 }
 
 /// SIGTERM between `checkpoint_every` steps of an async run (step 3 of a checkpoint every
@@ -392,7 +411,7 @@ fn env_server_killed_and_restarted_mid_run_is_survived_and_counted() {
         &[("FAULT_OPENENV_URL", url.as_str())],
     );
     wait_for_step(&mut child, &run, seeded_step(4, 1, 3));
-    server.stop();
+    server.kill();
     std::thread::sleep(Duration::from_secs(2));
     server.start();
     wait_healthy(&mut server);
@@ -410,7 +429,24 @@ fn env_server_killed_and_restarted_mid_run_is_survived_and_counted() {
         .iter()
         .map(|k| failures[*k].as_u64().unwrap_or(0))
         .sum();
-    assert!(counted > 0, "no failure counted: {failures}");
+    let env_keys: Vec<String> = lines
+        .iter()
+        .map(|l| {
+            let o = l.as_object().unwrap();
+            let env: serde_json::Map<String, Value> = o
+                .iter()
+                .filter(|(k, _)| k.starts_with("env/") || k.starts_with("time/"))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            Value::Object(env).to_string()
+        })
+        .collect();
+    assert!(
+        counted > 0,
+        "no failure counted: {failures}\n{}\n{}",
+        env_keys.join("\n"),
+        text(&out)
+    );
 }
 
 #[test]
@@ -430,7 +466,7 @@ fn env_server_gone_for_good_stops_with_a_checkpoint_and_the_report() {
     );
     // Step 3 is between checkpoints: only the final checkpoint can hold it.
     wait_for_step(&mut child, &run, 3);
-    server.stop();
+    server.kill();
     let out = finish(child);
     let log = text(&out);
     assert_eq!(out.status.code(), Some(1), "{log}");

@@ -70,6 +70,23 @@ impl<W> GenerateContext<'_, W> {
         self.slot.newer_than(than)
     }
 
+    /// Waits until `version` (or a newer one) is published; false if the run stops first.
+    /// A generator that keeps its own copies of older weights (async mode's pinned versions)
+    /// calls this before sampling with `version`: the trainer hands its copy out before the
+    /// controller publishes the version, and a trajectory may not claim an unpublished one.
+    pub fn wait_published(&self, version: PolicyVersion) -> bool {
+        while !self.is_stopping() {
+            if self
+                .slot
+                .wait_for(version, std::time::Duration::from_millis(20))
+                .is_some()
+            {
+                return true;
+            }
+        }
+        false
+    }
+
     /// Whether the run is stopping (Ctrl-C, another actor failed, last step done): a long
     /// rollout may return early (any result it returns is then discarded).
     pub fn is_cancelled(&self) -> bool {

@@ -397,8 +397,13 @@ impl DilocoReplica {
             .exists(&self.keys.closed(round, fragment))
             .await?
         {
+            // Only this round closed (e.g. this replica published it, was killed before its
+            // checkpoint, and is redoing it): apply it like the first time, from the store's
+            // record, so the redo ends bit-identical. Later rounds closed too: jump ahead.
             let before = self.round;
-            self.catch_up().await?;
+            if self.newest_closed_round().await? > Some(round) {
+                self.catch_up().await?;
+            }
             let caught_up = self.round != before;
             if caught_up {
                 tracing::warn!(
@@ -919,9 +924,15 @@ impl DilocoReplica {
         Ok(())
     }
 
-    /// Saves the outer state (round, global weights snapshot, momentum) to a safetensors file
-    /// for the trainer's checkpoint.
+    /// Saves the outer state (round, global weights snapshot, momentum) to a safetensors file.
     pub fn save_state(&self, path: &std::path::Path) -> Result<()> {
+        composer_fsutil::write_atomic(path, &self.state_bytes()?)
+            .with_context(|| format!("writing diloco state {}", path.display()))
+    }
+
+    /// The outer state as the bytes of a safetensors file, for the trainer's checkpoint
+    /// (which writes it atomically with the weights it belongs to).
+    pub fn state_bytes(&self) -> Result<Vec<u8>> {
         let mut all = Vec::new();
         for (name, shape) in &self.shapes {
             all.push(FlatTensor {
@@ -939,9 +950,7 @@ impl DilocoReplica {
         meta.insert("kind".into(), "replica-state".into());
         meta.insert("round".into(), self.round.to_string());
         meta.insert("replica".into(), self.replica_id.clone());
-        let bytes = encode(&all, Compression::F32, meta)?;
-        composer_fsutil::write_atomic(path, &bytes)
-            .with_context(|| format!("writing diloco state {}", path.display()))
+        encode(&all, Compression::F32, meta)
     }
 
     /// Restores the outer state saved by [`save_state`](Self::save_state), then adopts any newer
@@ -998,9 +1007,36 @@ impl DilocoReplica {
         self.round = round;
         self.local_step = 0;
         self.pending = None;
-        if self.catch_up().await? {
+        // A replica killed after publishing round r but before its checkpoint finds just r
+        // closed: it redoes r's steps (bit-identically) and adopts the stored result at r's
+        // publish, so its resume is exact. Further behind, it jumps to the newest round.
+        let behind = self
+            .newest_closed_round()
+            .await?
+            .map_or(0, |newest| (newest + 1).saturating_sub(self.round));
+        if behind > 1 && self.catch_up().await? {
             self.write_global_into(vars, None)?;
         }
         Ok(())
+    }
+
+    /// The newest round whose global weights the store holds.
+    async fn newest_closed_round(&self) -> Result<Option<u64>> {
+        let f_count = self.config.num_fragments as u64;
+        let mut rounds: Vec<u64> = self
+            .store
+            .list_dirs(self.keys.prefix())
+            .await?
+            .iter()
+            .filter_map(|d| d.strip_prefix("round-")?.parse().ok())
+            .collect();
+        rounds.sort_unstable_by(|a, b| b.cmp(a));
+        for r in rounds {
+            let fragment = (r % f_count) as usize;
+            if self.store.exists(&self.keys.global(r, fragment)).await? {
+                return Ok(Some(r));
+            }
+        }
+        Ok(None)
     }
 }

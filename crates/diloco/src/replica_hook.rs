@@ -102,9 +102,14 @@ fn model_vars(s: &Session) -> Result<Vec<(String, Var)>> {
     Ok(vars)
 }
 
-/// `RUN_DIR/diloco-state.safetensors`: the outer state saved with every trainer checkpoint.
-pub fn state_path(run_dir: &Path) -> PathBuf {
-    run_dir.join("diloco-state.safetensors")
+/// The outer state's file inside every trainer checkpoint (written atomically with it, so a
+/// resumed replica's weights, optimizer and outer state always belong to the same step).
+pub const STATE_FILE: &str = "diloco-state.safetensors";
+
+/// The outer state of the run's last complete checkpoint, if it has one.
+pub fn state_path(run_dir: &Path) -> Option<PathBuf> {
+    let checkpoint = composer_train::checkpoint::find_checkpoint(run_dir).ok()?;
+    Some(checkpoint.join(STATE_FILE)).filter(|p| p.is_file())
 }
 
 /// The DiLoCo side of a replica, around composer-train's step loop.
@@ -137,13 +142,27 @@ impl StepHook for ReplicaHook {
         std::fs::write(&recipe_file, &self.recipe_text)
             .with_context(|| format!("writing {}", recipe_file.display()))?;
         let vars = model_vars(s)?;
+        let state = state_path(&self.run_dir).filter(|_| self.resume);
+        // Joining writes the store's newest global weights into `vars`; a resumed replica
+        // continues from its checkpoint's own weights instead (load_state decides whether
+        // it is so far behind that it must jump to the store's newest round).
+        let checkpoint_weights = match &state {
+            Some(_) => Some(
+                vars.iter()
+                    .map(|(_, v)| v.as_tensor().copy())
+                    .collect::<candle_core::Result<Vec<_>>>()?,
+            ),
+            None => None,
+        };
         let (store_url, id, config) = (&self.store_url, self.replica_id, self.config.clone());
         let mut diloco = self.rt.block_on(async {
             let (store, prefix) = open_store(store_url).await?;
             DilocoReplica::join(store, prefix, &id.to_string(), config, &vars).await
         })?;
-        let state = state_path(&self.run_dir);
-        if self.resume && state.exists() {
+        if let (Some(state), Some(weights)) = (state, checkpoint_weights) {
+            for ((_, var), w) in vars.iter().zip(weights) {
+                var.set(&w)?;
+            }
             self.rt.block_on(diloco.load_state(&state, &vars))?;
         }
         // The vars now hold the global weights at the start of round `diloco.round()`, so the
@@ -205,9 +224,11 @@ impl StepHook for ReplicaHook {
         Ok(extras)
     }
 
-    fn after_save(&mut self, _s: &Session) -> Result<()> {
-        let path = state_path(&self.run_dir);
-        self.joined()?.0.save_state(&path)
+    fn checkpoint_files(&mut self, _s: &Session) -> Result<Vec<(String, Vec<u8>)>> {
+        Ok(vec![(
+            STATE_FILE.to_string(),
+            self.joined()?.0.state_bytes()?,
+        )])
     }
 
     fn note(&self) -> Option<String> {

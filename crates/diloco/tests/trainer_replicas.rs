@@ -128,7 +128,7 @@ fn assert_trained_together(finals: &[Value], dir: &Path) {
             assert!(r["time/outer_sync_s"].as_f64().unwrap() >= 0.0);
         }
         assert!(dir
-            .join(format!("run-{i}/diloco-state.safetensors"))
+            .join(format!("run-{i}/checkpoint/diloco-state.safetensors"))
             .exists());
     }
     // Different prompts per replica (the data split), hence different gradients.
@@ -240,7 +240,7 @@ fn a_replica_skips_a_non_finite_step_and_logs_the_walls() {
         }
         assert_eq!(t["diloco/replica"], 0);
     }
-    assert!(run_dir.join("diloco-state.safetensors").exists());
+    assert!(run_dir.join("checkpoint/diloco-state.safetensors").exists());
 }
 
 /// SIGTERM stops a replica like `composer-rl train`: checkpoint and outer state written, exit
@@ -275,7 +275,7 @@ fn sigterm_checkpoints_a_replica_which_then_resumes() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(composer_train::checkpoint::find_checkpoint(&run_dir).is_ok());
-    assert!(run_dir.join("diloco-state.safetensors").exists());
+    assert!(run_dir.join("checkpoint/diloco-state.safetensors").exists());
     let out = replica(true);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(

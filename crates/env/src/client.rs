@@ -279,6 +279,7 @@ impl OpenEnvClient {
             conn: None,
             episode_deadline: None,
             mcp_tools: false,
+            retried: Vec::new(),
         }
     }
 
@@ -363,6 +364,9 @@ pub struct RemoteEnv {
     episode_deadline: Option<Instant>,
     /// Made by [`OpenEnvClient::tool_session`]: tool actions are expected.
     mcp_tools: bool,
+    /// Connection failures retried past since the pool last asked
+    /// ([`Env::take_retried_failures`]).
+    retried: Vec<EnvError>,
 }
 
 /// Maps a server error frame's `data` to an [`EnvError`].
@@ -586,6 +590,7 @@ impl RemoteEnv {
                     return Err(e);
                 }
                 tracing::debug!("OpenEnv connect attempt {attempt} failed: {e}");
+                self.retried.push(e);
             }
             attempt += 1;
         }
@@ -674,6 +679,10 @@ impl RemoteEnv {
 
 #[async_trait]
 impl Env for RemoteEnv {
+    fn take_retried_failures(&mut self) -> Vec<EnvError> {
+        std::mem::take(&mut self.retried)
+    }
+
     async fn reset(&mut self, opts: ResetOptions) -> Result<StepResult, EnvError> {
         // An MCP-tools-only server takes `call_tool` / `list_tools` actions, never the plain
         // actions our episodes send: refuse it before opening a session rather than fail

@@ -280,6 +280,12 @@ pub trait Env: Send {
     fn mcp_tools(&self) -> Option<Vec<Value>> {
         None
     }
+    /// Failures this env retried past on its own since the last call (e.g. refused
+    /// connections while its server restarts): the pool counts and logs them even though
+    /// the call then succeeded, so an outage that was ridden out still shows in the metrics.
+    fn take_retried_failures(&mut self) -> Vec<EnvError> {
+        Vec::new()
+    }
     /// Metadata served on `/metadata` (name, description, version...).
     fn metadata(&self) -> Value {
         serde_json::json!({"name": "Environment", "description": "Environment", "readme_content": null,

@@ -613,8 +613,12 @@ impl PooledEnv {
         }
     }
 
-    fn record(&self, result: &Result<StepResult, EnvError>, elapsed: f64, is_step: bool) {
+    fn record(&mut self, result: &Result<StepResult, EnvError>, elapsed: f64, is_step: bool) {
+        let retried = self.env.take_retried_failures();
         if let Ok(mut r) = self.recorder.lock() {
+            for e in &retried {
+                r.failure(&self.server_name, e);
+            }
             match result {
                 Ok(_) if is_step => {
                     r.step_s.push(elapsed);

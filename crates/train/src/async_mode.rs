@@ -37,7 +37,7 @@ use composer_actors::{
 };
 use tokenizers::Tokenizer;
 
-use crate::async_resume::{read_snapshots, sampling_step, steps_needed_after, write_snapshots};
+use crate::async_resume::{read_snapshots, sampling_step, snapshot_files, steps_needed_after};
 use crate::data::PromptRow;
 use crate::model::PolicyModel;
 use crate::recipe::Recipe;
@@ -156,6 +156,9 @@ impl Generator<PolicyModel> for RolloutActor {
         let Some(weights) = self.history.take(version, || ctx.is_stopping()) else {
             bail!("cancelled while waiting for the weights of version {version}");
         };
+        if !ctx.wait_published(version) {
+            bail!("cancelled while waiting for version {version} to be published");
+        }
         let t0 = Instant::now();
         let batch = sample_rollouts(
             &weights,
@@ -335,8 +338,10 @@ impl<'s> Hooks<TrainActor<'s>, StepReport> for StepHooks<'_> {
     fn on_shutdown(&mut self, trainer: &mut TrainActor<'s>, end: &RunEnd) -> Result<()> {
         // Ctrl-C while the trainer waited for data: keep the last completed step.
         if *end == RunEnd::Cancelled && !self.stopped_by_loop && trainer.session.state.step > 0 {
-            save(trainer.session)?;
-            self.snapshots.after_save(trainer.session)?;
+            save(
+                trainer.session,
+                self.snapshots.checkpoint_files(trainer.session)?,
+            )?;
             let sig = crate::signals::pending().unwrap_or(crate::signals::Interrupt::Sigint);
             self.run.interrupted = Some(sig);
             self.run.progress.println(format!(
@@ -482,11 +487,11 @@ impl SnapshotSaver {
 }
 
 impl StepHook for SnapshotSaver {
-    fn after_save(&mut self, s: &Session) -> Result<()> {
+    fn checkpoint_files(&mut self, s: &Session) -> Result<Vec<(String, Vec<u8>)>> {
         let m = s.state.step;
         let needed = steps_needed_after(m, self.k, self.checkpoint_every);
         if m >= self.total_steps || needed.is_empty() {
-            return Ok(());
+            return Ok(vec![]);
         }
         let mut snapshots = Vec::new();
         for j in needed {
@@ -496,6 +501,6 @@ impl StepHook for SnapshotSaver {
             };
             snapshots.push((j, w.weights()?.into_iter().collect()));
         }
-        write_snapshots(&s.run_dir.join("checkpoint"), m, &snapshots)
+        snapshot_files(m, &snapshots)
     }
 }

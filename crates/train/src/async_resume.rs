@@ -6,9 +6,8 @@
 //! enough to continue (no later step samples with older weights), but one between boundaries
 //! is not: it also carries the weights of the steps before m that the steps after m sample
 //! with, as `checkpoint/async-weights/step-J-of-M.safetensors`, and a resumed run samples with
-//! them exactly as the uninterrupted run did. (Without them, e.g. a kill between the
-//! checkpoint's rename and these files, the run resumes correctly but not bit-identically:
-//! it samples with the oldest weights it has.)
+//! them exactly as the uninterrupted run did. They are written inside the checkpoint before
+//! it is published, so a checkpoint never lacks them.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -47,28 +46,19 @@ fn file_name(step: usize, of: usize) -> String {
     format!("step-{step}-of-{of}.safetensors")
 }
 
-/// Writes the weights of `snapshots` (step, weights) into `checkpoint/async-weights/` of the
-/// checkpoint of step `m` (complete, or not there at all: written aside, then renamed).
-pub fn write_snapshots(
-    checkpoint: &Path,
+/// The files of `snapshots` (step, weights) that the checkpoint of step `m` carries, under
+/// `async-weights/` (written inside the checkpoint, atomically with it).
+pub fn snapshot_files(
     m: usize,
     snapshots: &[(usize, HashMap<String, Tensor>)],
-) -> Result<()> {
-    let tmp = checkpoint.join(format!("{SNAPSHOT_DIR}.tmp"));
-    let dir = checkpoint.join(SNAPSHOT_DIR);
-    for d in [&tmp, &dir] {
-        if d.exists() {
-            std::fs::remove_dir_all(d).with_context(|| format!("removing {}", d.display()))?;
-        }
-    }
-    std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    for (step, weights) in snapshots {
-        let bytes = crate::checkpoint::safetensors_bytes(weights)?;
-        composer_fsutil::write_atomic(&tmp.join(file_name(*step, m)), &bytes)?;
-    }
-    composer_fsutil::sync_dir(&tmp)?;
-    std::fs::rename(&tmp, &dir).with_context(|| format!("renaming into {}", dir.display()))?;
-    Ok(composer_fsutil::sync_dir(checkpoint)?)
+) -> Result<Vec<(String, Vec<u8>)>> {
+    snapshots
+        .iter()
+        .map(|(step, weights)| {
+            let name = format!("{SNAPSHOT_DIR}/{}", file_name(*step, m));
+            Ok((name, crate::checkpoint::safetensors_bytes(weights)?))
+        })
+        .collect()
 }
 
 /// The weights a checkpoint of step `m` carries for later steps: (step, weights, file),
@@ -126,7 +116,11 @@ mod tests {
             "w".to_string(),
             Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap(),
         )]);
-        write_snapshots(dir.path(), 5, &[(3, w.clone()), (4, w)]).unwrap();
+        for (name, bytes) in snapshot_files(5, &[(3, w.clone()), (4, w)]).unwrap() {
+            let path = dir.path().join(name);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, bytes).unwrap();
+        }
         let read = read_snapshots(dir.path(), 5, &Device::Cpu).unwrap();
         let steps: Vec<usize> = read.iter().map(|(s, _, _)| *s).collect();
         assert_eq!(steps, vec![3, 4]);

@@ -81,6 +81,10 @@ pub struct CheckpointData<'a> {
     pub state: &'a TrainerState,
     /// The recipe text.
     pub recipe_text: &'a str,
+    /// Files a step hook keeps with the checkpoint (relative paths, e.g. a DiLoCo replica's
+    /// outer state): written before `trainer_state.json`, so a checkpoint is complete with
+    /// them or not there at all.
+    pub extra_files: Vec<(String, Vec<u8>)>,
 }
 
 /// Write a checkpoint atomically into `run_dir/checkpoint`. On a failed write (disk full...)
@@ -162,6 +166,25 @@ fn write_checkpoint_tmp(tmp: &Path, data: &CheckpointData) -> Result<()> {
         composer_fsutil::write_atomic(&tmp.join(REFERENCE_FILE), &st(r)?)?;
     }
     composer_fsutil::write_atomic(&tmp.join("optimizer.safetensors"), &st(&data.optimizer)?)?;
+    for (name, bytes) in &data.extra_files {
+        let rel = Path::new(name);
+        if rel.is_absolute()
+            || rel
+                .components()
+                .any(|c| c == std::path::Component::ParentDir)
+        {
+            bail!("checkpoint file {name:?} must be a relative path inside the checkpoint");
+        }
+        let path = tmp.join(rel);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)
+                .with_context(|| format!("creating {}", parent.display()))?;
+        }
+        composer_fsutil::write_atomic(&path, bytes)?;
+        if let Some(parent) = path.parent() {
+            composer_fsutil::sync_dir(parent)?;
+        }
+    }
     composer_fsutil::write_atomic(
         &tmp.join("trainer_state.json"),
         serde_json::to_string_pretty(data.state)?.as_bytes(),

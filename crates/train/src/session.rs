@@ -551,8 +551,8 @@ fn write_scripted_traces(path: &Path, rows: &[PromptRow], tok: &Tokenizer, eos: 
 
 /// Write the session's checkpoint: the weights in f32 and, for an HF model, every other file
 /// of the loaded directory byte-identical (tokenizer files, chat template, generation config;
-/// config.json with only its dtype changed).
-pub fn save(s: &Session) -> Result<PathBuf> {
+/// config.json with only its dtype changed), plus a step hook's `extra_files`.
+pub fn save(s: &Session, extra_files: Vec<(String, Vec<u8>)>) -> Result<PathBuf> {
     let weights = s.model.weights()?.into_iter().collect();
     let mut state = s.state.clone();
     state.optimizer_step = s.opt.step;
@@ -575,6 +575,7 @@ pub fn save(s: &Session) -> Result<PathBuf> {
             reference,
             state: &state,
             recipe_text: &s.recipe_text,
+            extra_files,
         },
     )
 }

@@ -77,9 +77,9 @@ pub trait StepHook {
     fn after_step(&mut self, _s: &mut Session, _step: usize) -> Result<StepExtras> {
         Ok(StepExtras::default())
     }
-    /// After every checkpoint of the loop.
-    fn after_save(&mut self, _s: &Session) -> Result<()> {
-        Ok(())
+    /// Files to keep inside every checkpoint of the loop (written with it, atomically).
+    fn checkpoint_files(&mut self, _s: &Session) -> Result<Vec<(String, Vec<u8>)>> {
+        Ok(vec![])
     }
     /// A note for the progress line.
     fn note(&self) -> Option<String> {
@@ -256,8 +256,7 @@ pub fn run_train_with(opts: &TrainOptions, hook: &mut dyn StepHook) -> Result<Ru
         Err(e) => return Err(e),
     };
     if env_lost.is_some() {
-        save(&s)?;
-        hook.after_save(&s)?;
+        save(&s, hook.checkpoint_files(&s)?)?;
     }
     let RunLog {
         progress,
@@ -566,8 +565,7 @@ pub(crate) fn end_step(
         || interrupted.is_some()
         || stop_early
     {
-        save(s)?;
-        hook.after_save(s)?;
+        save(s, hook.checkpoint_files(s)?)?;
     }
     if let Some(sig) = interrupted {
         run.progress.println(format!(

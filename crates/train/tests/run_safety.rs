@@ -304,6 +304,7 @@ fn save(run_dir: &Path, step: usize, floats: usize) -> anyhow::Result<PathBuf> {
             reference: None,
             state: &state,
             recipe_text: "",
+            extra_files: vec![],
         },
     )
 }

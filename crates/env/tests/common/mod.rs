@@ -252,6 +252,15 @@ impl PyServer {
         nix::unistd::Pid::from_raw(c.id() as i32)
     }
 
+    /// SIGKILL and wait for the exit: the server dies at once, open connections and all
+    /// (a crash, unlike [`PyServer::stop`]'s graceful shutdown, which may wait for them).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
     /// SIGTERM (open WebSockets get close code 1012) and wait for the exit.
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
