@@ -9,9 +9,9 @@ use anyhow::{bail, Context, Result};
 use composer_model::{ChatMessage, ChatTemplate};
 use tokenizers::Tokenizer;
 
-use crate::checkpoint::{self, CheckpointData, TrainerState};
+use crate::checkpoint::{self, CheckpointData, TrainerState, LORA_BASE_DIR};
 use crate::data::{self, Message, PromptRow};
-use crate::model::PolicyModel;
+use crate::model::{PolicyModel, LORA_SEED_STREAM};
 use crate::optim::{AdamW, AdamWParams};
 use crate::recipe::{self, Recipe};
 use crate::replay::{self, TeacherTrace};
@@ -29,6 +29,9 @@ pub struct Session {
     pub recipe_text: String,
     /// Run directory.
     pub run_dir: PathBuf,
+    /// With LoRA: the frozen base model's directory (`base_model_name_or_path` of the
+    /// checkpoints' `adapter_config.json`).
+    pub lora_base: Option<PathBuf>,
     /// Tokenizer.
     pub tok: Tokenizer,
     /// The chat template `messages` rows are rendered with (the checkpoint's own, or ChatML
@@ -268,6 +271,7 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
     };
     let run_lock = crate::run_dir::claim(&run_dir, opts.resume.is_some(), opts.overwrite)?;
     let seed = recipe.train.seed;
+    let lora = recipe.model.lora_config()?;
 
     // An HF checkpoint's tokenizer and chat template come first: `messages` rows are
     // rendered with the checkpoint's own template. (On resume: the checkpoint's copies.)
@@ -332,7 +336,14 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
     // tokenizer built for the data.
     let (tok, model, stop_ids) = match (hf_dir, hf_text, recipe.model.builtin_tiny.clone()) {
         (Some(dir), Some((htok, _)), _) => {
-            let model = PolicyModel::load_hf(&dir, &device)?;
+            // A LoRA checkpoint holds only the adapter: the frozen weights come from the
+            // recipe's model every time.
+            let weights_dir = match (&lora, &recipe.model.path) {
+                (Some(_), Some(p)) => p.clone(),
+                _ => dir.clone(),
+            };
+            let mut model = PolicyModel::load_hf(&weights_dir, &device)?;
+            model.source_dir = Some(dir.clone());
             // As `composer-rl generate`: config.json ∪ generation_config.json EOS ids, plus
             // the tokenizer's eos_token.
             let mut stops = model.config().eos_token_ids.clone();
@@ -377,15 +388,39 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
             let eos = chartok::token_id(&tok, chartok::EOS_TOKEN)?;
             let cfg = tiny.model_config(tok.get_vocab_size(true), eos)?;
             let model = PolicyModel::random_init(&cfg, mix_seed(seed, u64::MAX, 0), &device)?;
-            if let Some(c) = &resume_ckpt {
-                model
-                    .load_weights(&c.dir.join("model.safetensors"))
-                    .with_context(|| format!("resuming from {}", c.dir.display()))?;
-            }
             (tok, model, vec![eos])
         }
         _ => bail!("key `[model]`: set `path` or `builtin_tiny`"),
     };
+    let mut model = model;
+    // LoRA: the frozen base is a file PEFT can load (the recipe's HF directory, or the
+    // built-in model written once to RUN_DIR/base_model), then fresh adapters.
+    let lora_base = match &lora {
+        Some(cfg) => {
+            let base = match &recipe.model.path {
+                Some(p) => p.clone(),
+                None => {
+                    let b = run_dir.join(LORA_BASE_DIR);
+                    if !b.join("config.json").is_file() {
+                        model.transformer.save_pretrained(&b)?;
+                    }
+                    b
+                }
+            };
+            model.enable_lora(cfg, mix_seed(seed, LORA_SEED_STREAM, 0))?;
+            Some(std::path::absolute(&base).unwrap_or(base))
+        }
+        None => None,
+    };
+    if let Some(c) = &resume_ckpt {
+        model.check_adapter_config(&c.dir)?;
+        // An HF model without LoRA was loaded from the checkpoint directory itself.
+        if model.lora().is_some() || recipe.model.path.is_none() {
+            model
+                .load_weights(&model.weights_file(&c.dir))
+                .with_context(|| format!("resuming from {}", c.dir.display()))?;
+        }
+    }
     let eos = stop_ids[0];
     let vocab = model.vocab_size();
 
@@ -514,6 +549,7 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
         recipe,
         recipe_text,
         run_dir,
+        lora_base,
         tok,
         chat_template,
         eos,
@@ -572,6 +608,10 @@ pub fn save(s: &Session) -> Result<PathBuf> {
             tokenizer_json,
             optimizer: s.opt.state_tensors(),
             source_dir: s.model.source_dir.as_deref(),
+            adapter_config: s
+                .lora_base
+                .as_deref()
+                .and_then(|b| s.model.adapter_config(b)),
             reference,
             state: &state,
             recipe_text: &s.recipe_text,

@@ -19,6 +19,11 @@ pub fn validate_ranges(r: &Recipe, origin: &Path) -> Result<()> {
         bail!("recipe {file}: key `{key}` = {value} is out of range; allowed: {allowed}")
     };
 
+    // LoRA keys (TRL's ModelConfig): each error already names its `lora_*` key.
+    r.model
+        .lora_config()
+        .map_err(|e| anyhow::anyhow!("recipe {file}: [model] {e:#}"))?;
+
     let o = &r.optimizer;
     if !(o.lr >= 0.0) || !o.lr.is_finite() {
         out_of_range("[optimizer] lr", o.lr.to_string(), "a finite number >= 0")?;

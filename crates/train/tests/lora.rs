@@ -1,0 +1,170 @@
+//! `[model] use_peft = true`: only LoRA adapters train; checkpoints hold PEFT's adapter files
+//! and the adapters' optimizer state only; resume continues the same run; the `--merge`
+//! export equals the adapted model; bad `lora_*` keys are refused at parse time.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use composer_model::lora::{export_adapter, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
+use composer_model::Transformer;
+use composer_train::recipe::{parse_recipe, EMBEDDED_DEFAULT_RECIPE};
+use composer_train::{run_train, TrainOptions};
+
+mod common;
+use common::tiny_model_and_task;
+
+const LORA: &str = concat!(
+    tiny_model_and_task!(),
+    r#"
+[rollout]
+num_generations = 4
+max_completion_length = 3
+
+[train]
+steps = 4
+prompts_per_step = 4
+seed = 3
+eval_every = 2
+checkpoint_every = 2
+
+[optimizer]
+lr = 0.01
+"#
+);
+
+/// The tiny recipe with LoRA keys added to `[model]` (before `[model.builtin_tiny]`).
+fn lora_recipe(keys: &str) -> String {
+    format!("[model]\n{keys}\n{LORA}")
+}
+
+fn opts(recipe: &Path, run_dir: &Path, steps: Option<usize>) -> TrainOptions {
+    TrainOptions {
+        recipe_path: Some(recipe.to_path_buf()),
+        quiet: true,
+        run_dir_override: Some(run_dir.to_path_buf()),
+        max_steps_override: steps,
+        ..Default::default()
+    }
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+#[test]
+fn lora_run_stores_only_the_adapter_resumes_and_exports_merged_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = tmp.path().join("recipe.toml");
+    std::fs::write(
+        &recipe,
+        lora_recipe(
+            "use_peft = true\nlora_r = 4\nlora_alpha = 8.0\nlora_dropout = 0.1\nlora_target_modules = \"all-linear\"",
+        ),
+    )
+    .unwrap();
+
+    // A 4-step run, and a 2-step run resumed to 4: the same metrics (dropout included).
+    let a = tmp.path().join("a");
+    assert_eq!(run_train(&opts(&recipe, &a, None)).unwrap().steps_completed, 4);
+    let b = tmp.path().join("b");
+    run_train(&opts(&recipe, &b, Some(2))).unwrap();
+    let resumed = run_train(&TrainOptions {
+        resume: Some(b.clone()),
+        quiet: true,
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(resumed.steps_completed, 4);
+    let metrics = |d: &Path| -> Vec<serde_json::Value> {
+        composer_telemetry::read_metrics(&d.join("metrics.jsonl"))
+            .unwrap()
+            .into_iter()
+            .map(|mut r| {
+                r.as_object_mut()
+                    .unwrap()
+                    .retain(|k, _| k.starts_with("loss") || k.starts_with("reward"));
+                r
+            })
+            .collect()
+    };
+    assert_eq!(metrics(&a), metrics(&b), "resumed LoRA run differs");
+
+    // The checkpoint: PEFT's adapter files, no full weights; optimizer state for adapters only.
+    let ck = a.join("checkpoint");
+    assert!(ck.join(ADAPTER_CONFIG_FILE).is_file());
+    assert!(!ck.join("model.safetensors").exists(), "a LoRA checkpoint stores only the adapter");
+    let adapter = candle_core::safetensors::load(ck.join(ADAPTER_WEIGHTS_FILE), &Device::Cpu).unwrap();
+    assert_eq!(adapter.len(), 2 * 7, "A and B of 7 projections in 1 layer");
+    for name in adapter.keys() {
+        assert!(name.starts_with("base_model.model.model.layers.0.") && name.contains(".lora_"), "{name}");
+    }
+    let trained_b = adapter
+        .iter()
+        .filter(|(k, _)| k.contains("lora_B"))
+        .all(|(_, t)| flat(t).iter().any(|x| *x != 0.0));
+    assert!(trained_b, "every lora_B moved off zero");
+    let opt = candle_core::safetensors::load(ck.join("optimizer.safetensors"), &Device::Cpu).unwrap();
+    assert!(!opt.is_empty());
+    for name in opt.keys() {
+        assert!(name.contains(".lora_"), "optimizer state for a non-adapter tensor: {name}");
+    }
+    let conf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ck.join(ADAPTER_CONFIG_FILE)).unwrap()).unwrap();
+    let base_dir = Path::new(conf["base_model_name_or_path"].as_str().unwrap()).to_path_buf();
+    assert_eq!(base_dir, std::path::absolute(a.join("base_model")).unwrap());
+
+    // The frozen base: what a fresh run of the same seed starts from, untouched by training.
+    let c = tmp.path().join("c");
+    std::fs::write(&recipe, lora_recipe("use_peft = true\nlora_r = 4\nlora_alpha = 8.0\nlora_dropout = 0.1\nlora_target_modules = \"all-linear\"").replace("steps = 4", "steps = 1")).unwrap();
+    run_train(&opts(&recipe, &c, None)).unwrap();
+    let base_a = candle_core::safetensors::load(base_dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let base_c = candle_core::safetensors::load(c.join("base_model/model.safetensors"), &Device::Cpu).unwrap();
+    for (k, t) in &base_a {
+        assert_eq!(flat(t), flat(&base_c[k]), "base weight {k}");
+    }
+
+    // `composer-rl export --merge`: full weights whose logits are the adapted model's.
+    let merged_dir = tmp.path().join("merged");
+    export_adapter(&ck, &merged_dir, true).unwrap();
+    assert!(merged_dir.join("tokenizer.json").is_file());
+    let merged = Transformer::load(&merged_dir, &Device::Cpu, DType::F32).unwrap();
+    let mut adapted = Transformer::load(&base_dir, &Device::Cpu, DType::F32).unwrap();
+    adapted.load_lora(&ck).unwrap();
+    let ids = Tensor::new(&[[1u32, 2, 3, 4, 5]], &Device::Cpu).unwrap();
+    let (x, y) = (
+        flat(&merged.forward(&ids, None).unwrap().flatten_all().unwrap()),
+        flat(&adapted.forward(&ids, None).unwrap().flatten_all().unwrap()),
+    );
+    let d = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+    assert!(d < 1e-4, "merged vs adapted: {d}");
+    // Without --merge: the PEFT adapter directory.
+    let adapter_out = tmp.path().join("adapter");
+    export_adapter(&ck, &adapter_out, false).unwrap();
+    assert!(adapter_out.join(ADAPTER_WEIGHTS_FILE).is_file());
+    // A full checkpoint is no LoRA checkpoint.
+    let e = format!("{:#}", export_adapter(&merged_dir, &tmp.path().join("x"), true).unwrap_err());
+    assert!(e.contains(ADAPTER_CONFIG_FILE), "{e}");
+}
+
+#[test]
+fn bad_lora_keys_are_refused_naming_the_key() {
+    let refuse = |keys: &str| -> String {
+        let text = format!("[model]\n{keys}\n{EMBEDDED_DEFAULT_RECIPE}");
+        match parse_recipe(&text, Path::new("recipes/bad.toml")) {
+            Ok(_) => panic!("accepted: {keys}"),
+            Err(e) => e.to_string(),
+        }
+    };
+    for (keys, key) in [
+        ("use_peft = true\nlora_r = 0", "lora_r"),
+        ("use_peft = true\nlora_alpha = -2.0", "lora_alpha"),
+        ("use_peft = true\nlora_dropout = 1.5", "lora_dropout"),
+        ("use_peft = true\nlora_target_modules = [\"qkv\"]", "lora_target_modules"),
+    ] {
+        let e = refuse(keys);
+        assert!(e.contains("recipes/bad.toml") && e.contains(key), "{keys}: {e}");
+    }
+    // A misspelt key is refused by the schema.
+    let e = refuse("lora_rank = 8");
+    assert!(e.contains("lora_rank"), "{e}");
+}
