@@ -132,9 +132,7 @@ fn write_checkpoint_tmp(tmp: &Path, data: &CheckpointData) -> Result<()> {
                 serde_json::to_string_pretty(c)?.as_bytes(),
             )?;
         }
-        None => {
-            composer_fsutil::write_atomic(&tmp.join("model.safetensors"), &st(&data.weights)?)?
-        }
+        None => composer_fsutil::write_atomic(&tmp.join("model.safetensors"), &st(&data.weights)?)?,
     }
     if std::env::var(ABORT_HOOK_ENV)
         .ok()

@@ -151,11 +151,32 @@ impl PolicyModel {
         })
     }
 
-    /// Freezes the weights and makes fresh LoRA adapters (`A` from `seed`, `B` = 0) the only
-    /// trainable variables.
-    pub fn enable_lora(&mut self, cfg: &LoraConfig, seed: u64) -> Result<()> {
+    /// `[model] use_peft = true`: freezes the weights and makes fresh LoRA adapters (`A` from
+    /// `seed`, `B` = 0) the only trainable variables. Returns the absolute directory of the
+    /// frozen base (`base_model_name_or_path` of the checkpoints' adapter_config.json): the
+    /// recipe's HF directory `hf_path`, or for the built-in model (which exists only in
+    /// memory) `RUN_DIR/base_model`, written here so that PEFT and `export --merge` can load
+    /// the base the adapters belong to.
+    pub fn enable_lora(
+        &mut self,
+        cfg: &LoraConfig,
+        seed: u64,
+        hf_path: Option<&Path>,
+        run_dir: &Path,
+    ) -> Result<PathBuf> {
+        let base = match hf_path {
+            Some(p) => p.to_path_buf(),
+            None => {
+                // A function of the seed: rewriting it on resume writes the same bytes.
+                let b = run_dir.join(crate::checkpoint::LORA_BASE_DIR);
+                self.transformer
+                    .save_pretrained(&b)
+                    .with_context(|| format!("writing the LoRA base model {}", b.display()))?;
+                b
+            }
+        };
         self.varmap = self.transformer.add_lora(cfg, seed)?;
-        Ok(())
+        std::path::absolute(&base).with_context(|| format!("resolving {}", base.display()))
     }
 
     /// The LoRA config when adapters are trained.
@@ -197,10 +218,17 @@ impl PolicyModel {
             }
         }
         let transformer = match self.lora() {
-            // The frozen base is shared (never written); only the adapter is copied.
+            // The frozen base is shared (never written); only the adapter is copied. A copy
+            // is never trained, so it has no dropout (TRL's reference model has none either):
+            // its log-probs are a function of its weights alone, and a resumed run's
+            // reference scores exactly as the uninterrupted run's.
             Some(cfg) => {
+                let frozen = LoraConfig {
+                    dropout: 0.0,
+                    ..cfg.clone()
+                };
                 let mut t = self.transformer.clone();
-                t.attach_lora(cfg, &varmap, 0)?;
+                t.attach_lora(&frozen, &varmap, 0)?;
                 t
             }
             None => Transformer::from_varmap(self.config(), &varmap, self.device())?,
@@ -261,8 +289,7 @@ impl PolicyModel {
     /// PEFT's `adapter_config.json` of the adapters (None without LoRA), naming `base` as
     /// `base_model_name_or_path`.
     pub fn adapter_config(&self, base: &Path) -> Option<serde_json::Value> {
-        self.lora()
-            .map(|c| c.to_peft_json(&base.to_string_lossy()))
+        self.lora().map(|c| c.to_peft_json(&base.to_string_lossy()))
     }
 
     /// Checks that a checkpoint's adapter matches this model's LoRA config (rank, alpha,
@@ -273,7 +300,8 @@ impl PolicyModel {
         };
         let p = dir.join(ADAPTER_CONFIG_FILE);
         let saved = LoraConfig::from_peft_file(&p)?;
-        if (saved.r, saved.alpha, &saved.target_modules) != (cfg.r, cfg.alpha, &cfg.target_modules) {
+        if (saved.r, saved.alpha, &saved.target_modules) != (cfg.r, cfg.alpha, &cfg.target_modules)
+        {
             bail!(
                 "{}: adapter r = {}, lora_alpha = {}, target_modules = {:?} differ from the recipe's {}, {}, {:?}",
                 p.display(),

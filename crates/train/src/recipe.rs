@@ -236,10 +236,16 @@ impl ModelSection {
         if !self.use_peft {
             return Ok(None);
         }
-        let targets: Option<Vec<String>> = self.lora_target_modules.as_ref().map(|t| match t {
-            LoraTargets::List(l) => l.clone(),
-            LoraTargets::One(s) => vec![s.clone()],
-        });
+        let targets: Option<Vec<String>> = match &self.lora_target_modules {
+            None => None,
+            Some(LoraTargets::List(l)) => Some(l.clone()),
+            Some(LoraTargets::One(s)) if s == "all-linear" => Some(vec![s.clone()]),
+            // PEFT reads any other single string as a regex over full module names.
+            Some(LoraTargets::One(s)) => bail!(
+                "key `lora_target_modules` = {s:?}: a single string is PEFT's regex form, which \
+                 is not supported; give a list (e.g. [{s:?}]) or \"all-linear\""
+            ),
+        };
         Ok(Some(composer_model::LoraConfig::new(
             self.lora_r,
             self.lora_alpha,

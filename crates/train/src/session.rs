@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use composer_model::{ChatMessage, ChatTemplate};
 use tokenizers::Tokenizer;
 
-use crate::checkpoint::{self, CheckpointData, TrainerState, LORA_BASE_DIR};
+use crate::checkpoint::{self, CheckpointData, TrainerState};
 use crate::data::{self, Message, PromptRow};
 use crate::model::{PolicyModel, LORA_SEED_STREAM};
 use crate::optim::{AdamW, AdamWParams};
@@ -393,23 +393,13 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
         _ => bail!("key `[model]`: set `path` or `builtin_tiny`"),
     };
     let mut model = model;
-    // LoRA: the frozen base is a file PEFT can load (the recipe's HF directory, or the
-    // built-in model written once to RUN_DIR/base_model), then fresh adapters.
     let lora_base = match &lora {
-        Some(cfg) => {
-            let base = match &recipe.model.path {
-                Some(p) => p.clone(),
-                None => {
-                    let b = run_dir.join(LORA_BASE_DIR);
-                    if !b.join("config.json").is_file() {
-                        model.transformer.save_pretrained(&b)?;
-                    }
-                    b
-                }
-            };
-            model.enable_lora(cfg, mix_seed(seed, LORA_SEED_STREAM, 0))?;
-            Some(std::path::absolute(&base).unwrap_or(base))
-        }
+        Some(cfg) => Some(model.enable_lora(
+            cfg,
+            mix_seed(seed, LORA_SEED_STREAM, 0),
+            recipe.model.path.as_deref(),
+            &run_dir,
+        )?),
         None => None,
     };
     if let Some(c) = &resume_ckpt {
@@ -597,6 +587,12 @@ pub fn save(s: &Session) -> Result<PathBuf> {
         .to_string(true)
         .map_err(|e| anyhow::anyhow!("serialising tokenizer: {e}"))?;
     let reference = match &s.reference {
+        // A LoRA run's `ref_model_path` reference is a frozen file (`sync_ref_model` is
+        // refused with `use_peft`): resume loads it from there again, so it is not copied
+        // into every checkpoint (its names are the full model's, not the adapter's).
+        Some(_) if s.model.lora().is_some() && s.recipe.loss.reference.ref_model_path.is_some() => {
+            None
+        }
         Some(r) => Some(r.weights()?.into_iter().collect()),
         None => None,
     };

@@ -27,6 +27,14 @@ seed = 3
 eval_every = 2
 checkpoint_every = 2
 
+[loss]
+beta = 0.04
+
+[warmup]
+steps = 3
+batch_size = 4
+lr = 0.05
+
 [optimizer]
 lr = 0.01
 "#
@@ -65,7 +73,10 @@ fn lora_run_stores_only_the_adapter_resumes_and_exports_merged_weights() {
 
     // A 4-step run, and a 2-step run resumed to 4: the same metrics (dropout included).
     let a = tmp.path().join("a");
-    assert_eq!(run_train(&opts(&recipe, &a, None)).unwrap().steps_completed, 4);
+    assert_eq!(
+        run_train(&opts(&recipe, &a, None)).unwrap().steps_completed,
+        4
+    );
     let b = tmp.path().join("b");
     run_train(&opts(&recipe, &b, Some(2))).unwrap();
     let resumed = run_train(&TrainOptions {
@@ -82,34 +93,56 @@ fn lora_run_stores_only_the_adapter_resumes_and_exports_merged_weights() {
             .map(|mut r| {
                 r.as_object_mut()
                     .unwrap()
-                    .retain(|k, _| k.starts_with("loss") || k.starts_with("reward"));
+                    .retain(|k, _| k.starts_with("loss") || k.starts_with("reward") || k == "kl");
                 r
             })
             .collect()
     };
     assert_eq!(metrics(&a), metrics(&b), "resumed LoRA run differs");
+    // Bit-exact: the adapter, its optimizer state and the reference (a dropout-free copy of
+    // the adapter at RL start) are the uninterrupted run's bytes.
+    for f in [
+        ADAPTER_WEIGHTS_FILE,
+        "optimizer.safetensors",
+        "reference.safetensors",
+    ] {
+        let read = |d: &Path| std::fs::read(d.join("checkpoint").join(f)).unwrap();
+        assert!(read(&a) == read(&b), "{f} differs after resume");
+    }
 
     // The checkpoint: PEFT's adapter files, no full weights; optimizer state for adapters only.
     let ck = a.join("checkpoint");
     assert!(ck.join(ADAPTER_CONFIG_FILE).is_file());
-    assert!(!ck.join("model.safetensors").exists(), "a LoRA checkpoint stores only the adapter");
-    let adapter = candle_core::safetensors::load(ck.join(ADAPTER_WEIGHTS_FILE), &Device::Cpu).unwrap();
+    assert!(
+        !ck.join("model.safetensors").exists(),
+        "a LoRA checkpoint stores only the adapter"
+    );
+    let adapter =
+        candle_core::safetensors::load(ck.join(ADAPTER_WEIGHTS_FILE), &Device::Cpu).unwrap();
     assert_eq!(adapter.len(), 2 * 7, "A and B of 7 projections in 1 layer");
     for name in adapter.keys() {
-        assert!(name.starts_with("base_model.model.model.layers.0.") && name.contains(".lora_"), "{name}");
+        assert!(
+            name.starts_with("base_model.model.model.layers.0.") && name.contains(".lora_"),
+            "{name}"
+        );
     }
     let trained_b = adapter
         .iter()
         .filter(|(k, _)| k.contains("lora_B"))
         .all(|(_, t)| flat(t).iter().any(|x| *x != 0.0));
     assert!(trained_b, "every lora_B moved off zero");
-    let opt = candle_core::safetensors::load(ck.join("optimizer.safetensors"), &Device::Cpu).unwrap();
+    let opt =
+        candle_core::safetensors::load(ck.join("optimizer.safetensors"), &Device::Cpu).unwrap();
     assert!(!opt.is_empty());
     for name in opt.keys() {
-        assert!(name.contains(".lora_"), "optimizer state for a non-adapter tensor: {name}");
+        assert!(
+            name.contains(".lora_"),
+            "optimizer state for a non-adapter tensor: {name}"
+        );
     }
     let conf: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(ck.join(ADAPTER_CONFIG_FILE)).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(ck.join(ADAPTER_CONFIG_FILE)).unwrap())
+            .unwrap();
     let base_dir = Path::new(conf["base_model_name_or_path"].as_str().unwrap()).to_path_buf();
     assert_eq!(base_dir, std::path::absolute(a.join("base_model")).unwrap());
 
@@ -117,8 +150,11 @@ fn lora_run_stores_only_the_adapter_resumes_and_exports_merged_weights() {
     let c = tmp.path().join("c");
     std::fs::write(&recipe, lora_recipe("use_peft = true\nlora_r = 4\nlora_alpha = 8.0\nlora_dropout = 0.1\nlora_target_modules = \"all-linear\"").replace("steps = 4", "steps = 1")).unwrap();
     run_train(&opts(&recipe, &c, None)).unwrap();
-    let base_a = candle_core::safetensors::load(base_dir.join("model.safetensors"), &Device::Cpu).unwrap();
-    let base_c = candle_core::safetensors::load(c.join("base_model/model.safetensors"), &Device::Cpu).unwrap();
+    let base_a =
+        candle_core::safetensors::load(base_dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let base_c =
+        candle_core::safetensors::load(c.join("base_model/model.safetensors"), &Device::Cpu)
+            .unwrap();
     for (k, t) in &base_a {
         assert_eq!(flat(t), flat(&base_c[k]), "base weight {k}");
     }
@@ -135,14 +171,21 @@ fn lora_run_stores_only_the_adapter_resumes_and_exports_merged_weights() {
         flat(&merged.forward(&ids, None).unwrap().flatten_all().unwrap()),
         flat(&adapted.forward(&ids, None).unwrap().flatten_all().unwrap()),
     );
-    let d = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+    let d = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0f32, f32::max);
     assert!(d < 1e-4, "merged vs adapted: {d}");
     // Without --merge: the PEFT adapter directory.
     let adapter_out = tmp.path().join("adapter");
     export_adapter(&ck, &adapter_out, false).unwrap();
     assert!(adapter_out.join(ADAPTER_WEIGHTS_FILE).is_file());
     // A full checkpoint is no LoRA checkpoint.
-    let e = format!("{:#}", export_adapter(&merged_dir, &tmp.path().join("x"), true).unwrap_err());
+    let e = format!(
+        "{:#}",
+        export_adapter(&merged_dir, &tmp.path().join("x"), true).unwrap_err()
+    );
     assert!(e.contains(ADAPTER_CONFIG_FILE), "{e}");
 }
 
@@ -159,10 +202,16 @@ fn bad_lora_keys_are_refused_naming_the_key() {
         ("use_peft = true\nlora_r = 0", "lora_r"),
         ("use_peft = true\nlora_alpha = -2.0", "lora_alpha"),
         ("use_peft = true\nlora_dropout = 1.5", "lora_dropout"),
-        ("use_peft = true\nlora_target_modules = [\"qkv\"]", "lora_target_modules"),
+        (
+            "use_peft = true\nlora_target_modules = [\"qkv\"]",
+            "lora_target_modules",
+        ),
     ] {
         let e = refuse(keys);
-        assert!(e.contains("recipes/bad.toml") && e.contains(key), "{keys}: {e}");
+        assert!(
+            e.contains("recipes/bad.toml") && e.contains(key),
+            "{keys}: {e}"
+        );
     }
     // A misspelt key is refused by the schema.
     let e = refuse("lora_rank = 8");
