@@ -202,8 +202,30 @@ fn bad_lora_keys_are_refused_naming_the_key() {
         ("use_peft = true\nlora_r = 0", "lora_r"),
         ("use_peft = true\nlora_alpha = -2.0", "lora_alpha"),
         ("use_peft = true\nlora_dropout = 1.5", "lora_dropout"),
+        ("use_peft = true\nlora_r = -1", "lora_r"),
+        ("use_peft = true\nlora_alpha = 0.0", "lora_alpha"),
+        ("use_peft = true\nlora_alpha = nan", "lora_alpha"),
+        ("use_peft = true\nlora_dropout = 1.0", "lora_dropout"),
+        ("use_peft = true\nlora_dropout = -0.1", "lora_dropout"),
         (
             "use_peft = true\nlora_target_modules = [\"qkv\"]",
+            "lora_target_modules",
+        ),
+        (
+            "use_peft = true\nlora_target_modules = [\"lm_head\"]",
+            "lora_target_modules",
+        ),
+        (
+            "use_peft = true\nlora_target_modules = []",
+            "lora_target_modules",
+        ),
+        (
+            "use_peft = true\nlora_target_modules = [\"all-linear\", \"q_proj\"]",
+            "lora_target_modules",
+        ),
+        // A single string other than "all-linear" is PEFT's regex form.
+        (
+            "use_peft = true\nlora_target_modules = \"q_proj\"",
             "lora_target_modules",
         ),
     ] {
@@ -213,7 +235,75 @@ fn bad_lora_keys_are_refused_naming_the_key() {
             "{keys}: {e}"
         );
     }
+    // TRL refuses sync_ref_model with PEFT.
+    let text = format!("[model]\nuse_peft = true\n{EMBEDDED_DEFAULT_RECIPE}")
+        .replacen("[loss]\n", "[loss]\nsync_ref_model = true\n", 1);
+    let e = format!(
+        "{:#}",
+        parse_recipe(&text, Path::new("recipes/bad.toml")).unwrap_err()
+    );
+    assert!(
+        e.contains("recipes/bad.toml") && e.contains("sync_ref_model") && e.contains("use_peft"),
+        "{e}"
+    );
+    // The same keys with use_peft off are the plain trainer's recipe.
+    let text = text.replacen("use_peft = true", "use_peft = false", 1);
+    parse_recipe(&text, Path::new("recipes/ok.toml")).unwrap();
     // A misspelt key is refused by the schema.
     let e = refuse("lora_rank = 8");
     assert!(e.contains("lora_rank"), "{e}");
+}
+
+/// A recipe with `[model] path = dir` and `use_peft = true`.
+fn hf_lora_recipe(dir: &Path) -> String {
+    format!(
+        "[model]\npath = {dir:?}\nuse_peft = true\n\n[data]\ntask = \"arithmetic\"\n"
+    )
+}
+
+#[test]
+fn lora_on_a_model_it_cannot_apply_to_is_refused_before_loading() {
+    let tmp = tempfile::tempdir().unwrap();
+    let origin = Path::new("recipes/bad.toml");
+    // A family composer-model does not adapt (only its config.json is read).
+    let gpt2 = tmp.path().join("gpt2");
+    std::fs::create_dir_all(&gpt2).unwrap();
+    std::fs::write(
+        gpt2.join("config.json"),
+        r#"{"model_type": "gpt2", "vocab_size": 10, "n_embd": 8}"#,
+    )
+    .unwrap();
+    let e = format!(
+        "{:#}",
+        parse_recipe(&hf_lora_recipe(&gpt2), origin).unwrap_err()
+    );
+    assert!(
+        e.contains("recipes/bad.toml") && e.contains("use_peft") && e.contains("gpt2"),
+        "{e}"
+    );
+    // A missing directory.
+    let e = format!(
+        "{:#}",
+        parse_recipe(&hf_lora_recipe(&tmp.path().join("nope")), origin).unwrap_err()
+    );
+    assert!(e.contains("use_peft") && e.contains("nope"), "{e}");
+    // A PEFT adapter directory (e.g. a LoRA run's checkpoint) is no model to adapt.
+    let adapter = tmp.path().join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    std::fs::copy(
+        common::hf_fixture("qwen2-tiny").join("config.json"),
+        adapter.join("config.json"),
+    )
+    .unwrap();
+    std::fs::write(adapter.join(ADAPTER_CONFIG_FILE), "{}").unwrap();
+    let e = format!(
+        "{:#}",
+        parse_recipe(&hf_lora_recipe(&adapter), origin).unwrap_err()
+    );
+    assert!(
+        e.contains("[model] path") && e.contains(ADAPTER_CONFIG_FILE) && e.contains("--merge"),
+        "{e}"
+    );
+    // The real fixture is accepted.
+    parse_recipe(&hf_lora_recipe(&common::hf_fixture("qwen2-tiny")), origin).unwrap();
 }
