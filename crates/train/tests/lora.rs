@@ -236,8 +236,11 @@ fn bad_lora_keys_are_refused_naming_the_key() {
         );
     }
     // TRL refuses sync_ref_model with PEFT.
-    let text = format!("[model]\nuse_peft = true\n{EMBEDDED_DEFAULT_RECIPE}")
-        .replacen("[loss]\n", "[loss]\nsync_ref_model = true\n", 1);
+    let text = format!("[model]\nuse_peft = true\n{EMBEDDED_DEFAULT_RECIPE}").replacen(
+        "[loss]\n",
+        "[loss]\nsync_ref_model = true\n",
+        1,
+    );
     let e = format!(
         "{:#}",
         parse_recipe(&text, Path::new("recipes/bad.toml")).unwrap_err()
@@ -256,9 +259,7 @@ fn bad_lora_keys_are_refused_naming_the_key() {
 
 /// A recipe with `[model] path = dir` and `use_peft = true`.
 fn hf_lora_recipe(dir: &Path) -> String {
-    format!(
-        "[model]\npath = {dir:?}\nuse_peft = true\n\n[data]\ntask = \"arithmetic\"\n"
-    )
+    format!("[model]\npath = {dir:?}\nuse_peft = true\n\n[data]\ntask = \"arithmetic\"\n")
 }
 
 #[test]
@@ -306,4 +307,59 @@ fn lora_on_a_model_it_cannot_apply_to_is_refused_before_loading() {
     );
     // The real fixture is accepted.
     parse_recipe(&hf_lora_recipe(&common::hf_fixture("qwen2-tiny")), origin).unwrap();
+}
+
+/// Metric values that depend neither on timing nor on the layout's bookkeeping (as
+/// tests/async_mode.rs compares the layouts).
+fn stable_metrics(run_dir: &Path) -> Vec<serde_json::Value> {
+    common::train_metrics(run_dir)
+        .into_iter()
+        .map(|mut l| {
+            l.as_object_mut().unwrap().retain(|k, _| {
+                !["time/", "staleness/", "actors/", "idle/"]
+                    .iter()
+                    .any(|p| k.starts_with(p))
+                    && k != "tokens_per_s"
+                    && k != "env/latency_s"
+            });
+            l
+        })
+        .collect()
+}
+
+#[test]
+fn lora_async_generator_samples_the_adapted_snapshot() {
+    // With max_staleness = 0 the async layout is the sync run: its generator samples the
+    // published snapshots, so equal runs mean the snapshots carry the trained adapter.
+    let tmp = tempfile::tempdir().unwrap();
+    let keys = "use_peft = true\nlora_r = 4\nlora_alpha = 8.0\nlora_dropout = 0.1";
+    let sync = tmp.path().join("sync.toml");
+    std::fs::write(&sync, lora_recipe(keys)).unwrap();
+    let asynch = tmp.path().join("async.toml");
+    std::fs::write(
+        &asynch,
+        lora_recipe(keys).replacen(
+            "checkpoint_every = 2\n",
+            "checkpoint_every = 2\nmode = \"async\"\nmax_staleness = 0\n",
+            1,
+        ),
+    )
+    .unwrap();
+    let (s, a) = (tmp.path().join("s"), tmp.path().join("a"));
+    assert_eq!(
+        run_train(&opts(&sync, &s, None)).unwrap().steps_completed,
+        4
+    );
+    assert_eq!(
+        run_train(&opts(&asynch, &a, None)).unwrap().steps_completed,
+        4
+    );
+    let ms = stable_metrics(&s);
+    assert!(
+        ms.iter().any(|l| l["loss/rlvr"].as_f64() != Some(0.0)),
+        "the adapters never trained: {ms:?}"
+    );
+    assert_eq!(ms, stable_metrics(&a), "async (max_staleness 0) vs sync");
+    let read = |d: &Path| std::fs::read(d.join("checkpoint").join(ADAPTER_WEIGHTS_FILE)).unwrap();
+    assert!(read(&s) == read(&a), "adapters differ");
 }
