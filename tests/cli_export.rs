@@ -1,8 +1,9 @@
 //! `composer-rl export` of the real binary on a LoRA run's checkpoint (`use_peft = true`, the
 //! built-in model trained by `composer-rl train`): `--merge` writes full HF weights whose
 //! logits equal the base model with the adapter loaded by composer-model's PEFT loader;
-//! without `--merge` the PEFT adapter files come out byte-identical; a full checkpoint is
-//! refused naming the missing adapter_config.json.
+//! without `--merge` the PEFT adapter files come out byte-identical; `generate` on the adapter
+//! directory points at the export; a full checkpoint is refused naming the missing
+//! adapter_config.json.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -133,6 +134,15 @@ fn export_merges_a_lora_checkpoint_into_full_weights_with_the_adapted_logits() {
         );
     }
     assert!(!adapter.join("model.safetensors").exists());
+
+    // `generate` on the adapter directory points at the export.
+    let out = composer_rl(&["generate", "--model", s(&ck), "--prompt", "1+1="]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(ADAPTER_CONFIG_FILE) && err.contains("--merge"),
+        "{err}"
+    );
 
     // A full checkpoint has no adapter to export.
     let out = composer_rl(&["export", s(&merged), "--out", s(&tmp.path().join("x"))]);
