@@ -126,7 +126,9 @@ pub struct PolicyModel {
     pub source_dir: Option<PathBuf>,
 }
 
-/// The `mix_seed` index of the LoRA init and dropout streams (apart from sampling's).
+/// The `mix_seed` index of the LoRA streams (apart from sampling's): the adapters' init is
+/// `mix_seed(seed, LORA_SEED_STREAM, 0)`, the dropout masks of RL step `k` (1-based)
+/// `mix_seed(seed, k, LORA_SEED_STREAM)` and of the warm-up step 0's.
 pub const LORA_SEED_STREAM: u64 = u64::MAX - 7;
 
 impl PolicyModel {
@@ -152,7 +154,7 @@ impl PolicyModel {
     }
 
     /// `[model] use_peft = true`: freezes the weights and makes fresh LoRA adapters (`A` from
-    /// `seed`, `B` = 0) the only trainable variables. Returns the absolute directory of the
+    /// the recipe's `seed`, `B` = 0; see [`LORA_SEED_STREAM`]) the only trainable variables. Returns the absolute directory of the
     /// frozen base (`base_model_name_or_path` of the checkpoints' adapter_config.json): the
     /// recipe's HF directory `hf_path`, or for the built-in model (which exists only in
     /// memory) `RUN_DIR/base_model`, written here so that PEFT and `export --merge` can load
@@ -175,7 +177,12 @@ impl PolicyModel {
                 b
             }
         };
-        self.varmap = self.transformer.add_lora(cfg, seed)?;
+        let init_seed = crate::sampling::mix_seed(seed, LORA_SEED_STREAM, 0);
+        self.varmap = self.transformer.add_lora(cfg, init_seed)?;
+        // add_lora starts the dropout masks from the init seed: the warm-up's come from a
+        // stream of their own, not from A's values again.
+        self.transformer
+            .reseed_lora_dropout(crate::sampling::mix_seed(seed, 0, LORA_SEED_STREAM))?;
         std::path::absolute(&base).with_context(|| format!("resolving {}", base.display()))
     }
 

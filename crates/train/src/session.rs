@@ -11,7 +11,7 @@ use tokenizers::Tokenizer;
 
 use crate::checkpoint::{self, CheckpointData, TrainerState};
 use crate::data::{self, Message, PromptRow};
-use crate::model::{PolicyModel, LORA_SEED_STREAM};
+use crate::model::PolicyModel;
 use crate::optim::{AdamW, AdamWParams};
 use crate::recipe::{self, Recipe};
 use crate::replay::{self, TeacherTrace};
@@ -394,12 +394,7 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
     };
     let mut model = model;
     let lora_base = match &lora {
-        Some(cfg) => Some(model.enable_lora(
-            cfg,
-            mix_seed(seed, LORA_SEED_STREAM, 0),
-            recipe.model.path.as_deref(),
-            &run_dir,
-        )?),
+        Some(cfg) => Some(model.enable_lora(cfg, seed, recipe.model.path.as_deref(), &run_dir)?),
         None => None,
     };
     if let Some(c) = &resume_ckpt {
