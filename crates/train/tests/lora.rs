@@ -7,7 +7,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use composer_model::lora::{export_adapter, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
 use composer_model::Transformer;
-use composer_train::recipe::{parse_recipe, EMBEDDED_DEFAULT_RECIPE};
+use composer_train::recipe::{parse_recipe, EMBEDDED_DEFAULT_RECIPE, EXAMPLE_RECIPE};
 use composer_train::{run_train, TrainOptions};
 
 mod common;
@@ -252,6 +252,20 @@ fn bad_lora_keys_are_refused_naming_the_key() {
     // The same keys with use_peft off are the plain trainer's recipe.
     let text = text.replacen("use_peft = true", "use_peft = false", 1);
     parse_recipe(&text, Path::new("recipes/ok.toml")).unwrap();
+    // The example recipe's documented LoRA keys, uncommented, are a valid recipe.
+    let mut example = EXAMPLE_RECIPE.replacen("# use_peft = false", "use_peft = true", 1);
+    for key in [
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_target_modules",
+    ] {
+        example = example.replacen(&format!("# {key} = "), &format!("{key} = "), 1);
+    }
+    let r = parse_recipe(&example, Path::new("example.toml")).unwrap();
+    let cfg = r.model.lora_config().unwrap().expect("use_peft = true");
+    assert_eq!((cfg.r, cfg.alpha, cfg.dropout), (16, 32.0, 0.05));
+    assert_eq!(cfg.target_modules, ["q_proj", "v_proj"]);
     // A misspelt key is refused by the schema.
     let e = refuse("lora_rank = 8");
     assert!(e.contains("lora_rank"), "{e}");
