@@ -29,7 +29,8 @@ pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>
 /// The reference policy's weights inside a checkpoint.
 pub const REFERENCE_FILE: &str = "reference.safetensors";
 
-/// Where a LoRA run keeps its frozen built-in base model (HF format, written once).
+/// Where a LoRA run keeps its frozen built-in base model (HF format; a function of the
+/// seed, written by every session of the run).
 pub const LORA_BASE_DIR: &str = "base_model";
 
 /// Files the trainer writes itself (never copied from a loaded model directory).

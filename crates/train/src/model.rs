@@ -154,8 +154,8 @@ impl PolicyModel {
     }
 
     /// `[model] use_peft = true`: freezes the weights and makes fresh LoRA adapters (`A` from
-    /// the recipe's `seed`, `B` = 0; see [`LORA_SEED_STREAM`]) the only trainable variables. Returns the absolute directory of the
-    /// frozen base (`base_model_name_or_path` of the checkpoints' adapter_config.json): the
+    /// the recipe's `seed`, `B` = 0; see [`LORA_SEED_STREAM`]) the only trainable variables.
+    /// Returns the absolute directory of the frozen base (`base_model_name_or_path` of the checkpoints' adapter_config.json): the
     /// recipe's HF directory `hf_path`, or for the built-in model (which exists only in
     /// memory) `RUN_DIR/base_model`, written here so that PEFT and `export --merge` can load
     /// the base the adapters belong to.

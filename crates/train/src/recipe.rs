@@ -219,13 +219,14 @@ fn d_lora_dropout() -> f64 {
     0.05
 }
 
-/// `lora_target_modules`: a list of module names, or one string (`"all-linear"`).
+/// `lora_target_modules`: a list of module names, or the string `"all-linear"` (any other
+/// single string is refused: PEFT reads it as a regex).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum LoraTargets {
     /// `["q_proj", "v_proj"]`.
     List(Vec<String>),
-    /// `"all-linear"` (or one module name).
+    /// `"all-linear"`.
     One(String),
 }
 
