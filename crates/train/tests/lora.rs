@@ -1,6 +1,9 @@
-//! `[model] use_peft = true`: only LoRA adapters train; checkpoints hold PEFT's adapter files
-//! and the adapters' optimizer state only; resume continues the same run; the `--merge`
-//! export equals the adapted model; bad `lora_*` keys are refused at parse time.
+//! `[model] use_peft = true` on the built-in model: only LoRA adapters train; checkpoints hold
+//! PEFT's adapter files and the adapters' optimizer state only; a resumed run (with a warm-up,
+//! so the reference holds a non-zero adapter) ends with the uninterrupted run's bytes; the
+//! `--merge` export equals the adapted model; the async generator samples adapted snapshots;
+//! bad `lora_*` keys and models LoRA cannot apply to are refused at parse time.
+//! (The HF-checkpoint run is in lora_hf.rs.)
 
 use std::path::Path;
 
