@@ -34,6 +34,18 @@ enum Command {
     /// Sample a teacher checkpoint on a prompt dataset and write replay traces (token ids +
     /// the teacher's top-K log-probs, reward, passed) in the trace store's JSONL format.
     RecordTraces(RecordTracesArgs),
+    /// Export a LoRA checkpoint (adapter_config.json + adapter_model.safetensors): the PEFT
+    /// adapter, or with `--merge` its base model with the adapter folded in (full HF weights).
+    Export {
+        /// The checkpoint directory (e.g. RUN_DIR/checkpoint of a `use_peft = true` run).
+        checkpoint: PathBuf,
+        /// Output directory (tokenizer files are copied along).
+        #[arg(long)]
+        out: PathBuf,
+        /// Write full merged weights (config.json + model.safetensors) instead of the adapter.
+        #[arg(long)]
+        merge: bool,
+    },
     /// Write the self-contained HTML report of a run (RUN_DIR/report.html) and print its summary.
     Report {
         /// The run directory (holds metrics.jsonl and recipe.toml).
@@ -524,6 +536,15 @@ fn run(cli: Cli) -> Result<()> {
             for (what, why) in &report.skipped {
                 println!("skipped {what}: {why}");
             }
+            Ok(())
+        }
+        Command::Export {
+            checkpoint,
+            out,
+            merge,
+        } => {
+            composer_model::lora::export_adapter(&checkpoint, &out, merge)?;
+            println!("wrote {}", out.display());
             Ok(())
         }
         Command::Report { run_dir } => {

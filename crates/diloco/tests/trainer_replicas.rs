@@ -161,6 +161,45 @@ fn two_trainer_replicas_in_processes_sync_through_a_folder() {
         .exists());
 }
 
+/// `[model] use_peft = true`: the replicas train and average only the LoRA adapters (the
+/// store holds PEFT-named adapter tensors, nothing of the frozen base), and each replica's
+/// checkpoint is a PEFT adapter.
+#[test]
+fn lora_replicas_sync_only_the_adapters() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = tmp.path().join("recipe.toml");
+    let lora = "[model]\nuse_peft = true\nlora_r = 4\nlora_target_modules = \"all-linear\"\n";
+    std::fs::write(&recipe, format!("{lora}{RECIPE}")).unwrap();
+    let store = format!("file://{}", tmp.path().join("store").display());
+    let finals = run_both(&recipe, &store, tmp.path(), None);
+    assert_trained_together(&finals, tmp.path());
+    let read = |p: &str| decode(&std::fs::read(tmp.path().join("store").join(p)).unwrap()).unwrap();
+    let (init, last) = (
+        read("init.safetensors"),
+        read("round-000001/frag-0/global.safetensors"),
+    );
+    // 7 projections × (A, B) in the 1-layer model, and their outer momentum.
+    assert_eq!(last.tensors.len(), 28);
+    for t in &last.tensors {
+        let name = t.name.strip_prefix("momentum/").unwrap_or(&t.name);
+        assert!(
+            name.starts_with("base_model.model.model.layers.0.") && name.contains(".lora_"),
+            "{}",
+            t.name
+        );
+    }
+    let moved = init.tensors.iter().any(|t| {
+        let u = last.tensors.iter().find(|u| u.name == t.name).unwrap();
+        t.data != u.data
+    });
+    assert!(moved, "global adapters unchanged after two rounds");
+    for i in 0..2 {
+        let ck = tmp.path().join(format!("run-{i}/checkpoint"));
+        assert!(ck.join("adapter_model.safetensors").is_file());
+        assert!(!ck.join("model.safetensors").exists());
+    }
+}
+
 #[test]
 fn two_trainer_replicas_in_processes_sync_through_s3() {
     let Some(endpoint) = s3_endpoint() else {

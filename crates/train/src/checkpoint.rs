@@ -29,8 +29,13 @@ pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>
 /// The reference policy's weights inside a checkpoint.
 pub const REFERENCE_FILE: &str = "reference.safetensors";
 
+/// Where a LoRA run keeps its frozen built-in base model (HF format; a function of the
+/// seed, written by every session of the run).
+pub const LORA_BASE_DIR: &str = "base_model";
+
 /// Files the trainer writes itself (never copied from a loaded model directory).
-const OWN_FILES: [&str; 5] = [
+const OWN_FILES: [&str; 6] = [
+    composer_model::lora::ADAPTER_CONFIG_FILE,
     "config.json",
     "optimizer.safetensors",
     "trainer_state.json",
@@ -65,8 +70,11 @@ pub struct TrainerState {
 pub struct CheckpointData<'a> {
     /// HF config.json contents.
     pub config: serde_json::Value,
-    /// Model weights by HF name.
+    /// Model weights by HF name (with LoRA: the adapters, by PEFT name).
     pub weights: HashMap<String, Tensor>,
+    /// With LoRA: PEFT's adapter_config.json; `weights` are then written as PEFT's
+    /// adapter_model.safetensors instead of model.safetensors.
+    pub adapter_config: Option<serde_json::Value>,
     /// tokenizer.json contents.
     pub tokenizer_json: String,
     /// Optimizer moments.
@@ -121,7 +129,19 @@ fn write_checkpoint_tmp(tmp: &Path, data: &CheckpointData) -> Result<()> {
     }
     std::fs::create_dir_all(tmp).with_context(|| format!("creating {}", tmp.display()))?;
     let st = safetensors_bytes;
-    composer_fsutil::write_atomic(&tmp.join("model.safetensors"), &st(&data.weights)?)?;
+    match &data.adapter_config {
+        Some(c) => {
+            composer_fsutil::write_atomic(
+                &tmp.join(composer_model::lora::ADAPTER_WEIGHTS_FILE),
+                &st(&data.weights)?,
+            )?;
+            composer_fsutil::write_atomic(
+                &tmp.join(composer_model::lora::ADAPTER_CONFIG_FILE),
+                serde_json::to_string_pretty(c)?.as_bytes(),
+            )?;
+        }
+        None => composer_fsutil::write_atomic(&tmp.join("model.safetensors"), &st(&data.weights)?)?,
+    }
     if std::env::var(ABORT_HOOK_ENV)
         .ok()
         .and_then(|s| s.parse::<usize>().ok())

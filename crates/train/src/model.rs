@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
-use composer_model::{ModelConfig, ModelType, Transformer};
+use composer_model::lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
+use composer_model::{LoraConfig, ModelConfig, ModelType, Transformer};
 use serde::{Deserialize, Serialize};
 
 /// Shape of the built-in tiny model (`[model.builtin_tiny]` in a recipe): a Qwen2-shaped
@@ -117,12 +118,18 @@ impl TinyConfig {
 pub struct PolicyModel {
     /// The decoder; its tensors are the `varmap`'s variables.
     pub transformer: Transformer,
-    /// All trainable variables, by HF name.
+    /// All trainable variables, by HF name; with LoRA only the adapters (PEFT names), the
+    /// base weights being frozen tensors of `transformer`.
     pub varmap: VarMap,
     /// The HF checkpoint directory it was loaded from (tokenizer files, chat template and
     /// generation config are copied from it into checkpoints); None for the built-in model.
     pub source_dir: Option<PathBuf>,
 }
+
+/// The `mix_seed` index of the LoRA streams (apart from sampling's): the adapters' init is
+/// `mix_seed(seed, LORA_SEED_STREAM, 0)`, the dropout masks of RL step `k` (1-based)
+/// `mix_seed(seed, k, LORA_SEED_STREAM)` and of the warm-up step 0's.
+pub const LORA_SEED_STREAM: u64 = u64::MAX - 7;
 
 impl PolicyModel {
     /// A randomly initialised model of `cfg`, deterministic in `seed`.
@@ -144,6 +151,44 @@ impl PolicyModel {
             varmap,
             source_dir: Some(dir.to_path_buf()),
         })
+    }
+
+    /// `[model] use_peft = true`: freezes the weights and makes fresh LoRA adapters (`A` from
+    /// the recipe's `seed`, `B` = 0; see [`LORA_SEED_STREAM`]) the only trainable variables.
+    /// Returns the absolute directory of the frozen base (`base_model_name_or_path` of the checkpoints' adapter_config.json): the
+    /// recipe's HF directory `hf_path`, or for the built-in model (which exists only in
+    /// memory) `RUN_DIR/base_model`, written here so that PEFT and `export --merge` can load
+    /// the base the adapters belong to.
+    pub fn enable_lora(
+        &mut self,
+        cfg: &LoraConfig,
+        seed: u64,
+        hf_path: Option<&Path>,
+        run_dir: &Path,
+    ) -> Result<PathBuf> {
+        let base = match hf_path {
+            Some(p) => p.to_path_buf(),
+            None => {
+                // A function of the seed: rewriting it on resume writes the same bytes.
+                let b = run_dir.join(crate::checkpoint::LORA_BASE_DIR);
+                self.transformer
+                    .save_pretrained(&b)
+                    .with_context(|| format!("writing the LoRA base model {}", b.display()))?;
+                b
+            }
+        };
+        let init_seed = crate::sampling::mix_seed(seed, LORA_SEED_STREAM, 0);
+        self.varmap = self.transformer.add_lora(cfg, init_seed)?;
+        // add_lora starts the dropout masks from the init seed: the warm-up's come from a
+        // stream of their own, not from A's values again.
+        self.transformer
+            .reseed_lora_dropout(crate::sampling::mix_seed(seed, 0, LORA_SEED_STREAM))?;
+        std::path::absolute(&base).with_context(|| format!("resolving {}", base.display()))
+    }
+
+    /// The LoRA config when adapters are trained.
+    pub fn lora(&self) -> Option<&LoraConfig> {
+        self.transformer.lora.as_ref()
     }
 
     /// The model's config.
@@ -179,7 +224,22 @@ impl PolicyModel {
                 dst.insert(name.clone(), Var::from_tensor(&var.as_tensor().detach())?);
             }
         }
-        let transformer = Transformer::from_varmap(self.config(), &varmap, self.device())?;
+        let transformer = match self.lora() {
+            // The frozen base is shared (never written); only the adapter is copied. A copy
+            // is never trained, so it has no dropout (TRL's reference model has none either):
+            // its log-probs are a function of its weights alone, and a resumed run's
+            // reference scores exactly as the uninterrupted run's.
+            Some(cfg) => {
+                let frozen = LoraConfig {
+                    dropout: 0.0,
+                    ..cfg.clone()
+                };
+                let mut t = self.transformer.clone();
+                t.attach_lora(&frozen, &varmap, 0)?;
+                t
+            }
+            None => Transformer::from_varmap(self.config(), &varmap, self.device())?,
+        };
         Ok(PolicyModel {
             transformer,
             varmap,
@@ -219,6 +279,46 @@ impl PolicyModel {
                 );
             }
             var.set(&t.to_dtype(DType::F32)?.to_device(var.device())?)?;
+        }
+        Ok(())
+    }
+
+    /// The file of a checkpoint directory holding the trainable weights: PEFT's
+    /// `adapter_model.safetensors` with LoRA, else `model.safetensors`.
+    pub fn weights_file(&self, dir: &Path) -> PathBuf {
+        if self.lora().is_some() {
+            dir.join(ADAPTER_WEIGHTS_FILE)
+        } else {
+            dir.join("model.safetensors")
+        }
+    }
+
+    /// PEFT's `adapter_config.json` of the adapters (None without LoRA), naming `base` as
+    /// `base_model_name_or_path`.
+    pub fn adapter_config(&self, base: &Path) -> Option<serde_json::Value> {
+        self.lora().map(|c| c.to_peft_json(&base.to_string_lossy()))
+    }
+
+    /// Checks that a checkpoint's adapter matches this model's LoRA config (rank, alpha,
+    /// targets): resuming with other `lora_*` keys is an error naming the file.
+    pub fn check_adapter_config(&self, dir: &Path) -> Result<()> {
+        let Some(cfg) = self.lora() else {
+            return Ok(());
+        };
+        let p = dir.join(ADAPTER_CONFIG_FILE);
+        let saved = LoraConfig::from_peft_file(&p)?;
+        if (saved.r, saved.alpha, &saved.target_modules) != (cfg.r, cfg.alpha, &cfg.target_modules)
+        {
+            bail!(
+                "{}: adapter r = {}, lora_alpha = {}, target_modules = {:?} differ from the recipe's {}, {}, {:?}",
+                p.display(),
+                saved.r,
+                saved.alpha,
+                saved.target_modules,
+                cfg.r,
+                cfg.alpha,
+                cfg.target_modules
+            );
         }
         Ok(())
     }

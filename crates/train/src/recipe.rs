@@ -188,10 +188,72 @@ pub struct ModelSection {
     /// `--features cuda`).
     #[serde(default = "d_device")]
     pub device: String,
+    /// TRL `use_peft`: train LoRA adapters on the frozen model instead of every weight.
+    #[serde(default)]
+    pub use_peft: bool,
+    /// TRL `lora_r`: adapter rank.
+    #[serde(default = "d_lora_r")]
+    pub lora_r: usize,
+    /// TRL `lora_alpha`: the adapter update is scaled by `lora_alpha / lora_r`.
+    #[serde(default = "d_lora_alpha")]
+    pub lora_alpha: f64,
+    /// TRL `lora_dropout`: dropout on the adapters' input while training.
+    #[serde(default = "d_lora_dropout")]
+    pub lora_dropout: f64,
+    /// TRL `lora_target_modules`: projections to adapt (`q_proj`, ..., `down_proj`) or
+    /// `"all-linear"`; absent: PEFT's default for the family (`q_proj`, `v_proj`).
+    #[serde(default)]
+    pub lora_target_modules: Option<LoraTargets>,
 }
 
 fn d_device() -> String {
     "cpu".into()
+}
+fn d_lora_r() -> usize {
+    16
+}
+fn d_lora_alpha() -> f64 {
+    32.0
+}
+fn d_lora_dropout() -> f64 {
+    0.05
+}
+
+/// `lora_target_modules`: a list of module names, or the string `"all-linear"` (any other
+/// single string is refused: PEFT reads it as a regex).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum LoraTargets {
+    /// `["q_proj", "v_proj"]`.
+    List(Vec<String>),
+    /// `"all-linear"`.
+    One(String),
+}
+
+impl ModelSection {
+    /// The LoRA config of `use_peft = true` (None when off); a bad `lora_*` value is an
+    /// error naming its key.
+    pub fn lora_config(&self) -> Result<Option<composer_model::LoraConfig>> {
+        if !self.use_peft {
+            return Ok(None);
+        }
+        let targets: Option<Vec<String>> = match &self.lora_target_modules {
+            None => None,
+            Some(LoraTargets::List(l)) => Some(l.clone()),
+            Some(LoraTargets::One(s)) if s == "all-linear" => Some(vec![s.clone()]),
+            // PEFT reads any other single string as a regex over full module names.
+            Some(LoraTargets::One(s)) => bail!(
+                "key `lora_target_modules` = {s:?}: a single string is PEFT's regex form, which \
+                 is not supported; give a list (e.g. [{s:?}]) or \"all-linear\""
+            ),
+        };
+        Ok(Some(composer_model::LoraConfig::new(
+            self.lora_r,
+            self.lora_alpha,
+            self.lora_dropout,
+            targets.as_deref(),
+        )?))
+    }
 }
 
 /// `[data]`: a JSONL dataset or the built-in procedural task, plus the reward verifiers.

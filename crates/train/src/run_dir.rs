@@ -19,7 +19,7 @@ const RUN_MARKERS: [&str; 3] = ["metrics.jsonl", "checkpoint", "checkpoint.old"]
 /// Everything a run writes into its run directory (the trainer, the report, a DiLoCo
 /// replica): what `--overwrite` removes, so nothing of the old run can be resumed or mixed
 /// into the new one.
-pub const RUN_ARTEFACTS: [&str; 11] = [
+pub const RUN_ARTEFACTS: [&str; 12] = [
     "metrics.jsonl",
     "checkpoint",
     "checkpoint.old",
@@ -31,6 +31,7 @@ pub const RUN_ARTEFACTS: [&str; 11] = [
     "samples",
     "traces",
     "diloco-state.safetensors",
+    crate::checkpoint::LORA_BASE_DIR,
 ];
 
 /// The held lock of a run directory; dropping it releases the lock.

@@ -29,6 +29,9 @@ pub struct Session {
     pub recipe_text: String,
     /// Run directory.
     pub run_dir: PathBuf,
+    /// With LoRA: the frozen base model's directory (`base_model_name_or_path` of the
+    /// checkpoints' `adapter_config.json`).
+    pub lora_base: Option<PathBuf>,
     /// Tokenizer.
     pub tok: Tokenizer,
     /// The chat template `messages` rows are rendered with (the checkpoint's own, or ChatML
@@ -268,6 +271,7 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
     };
     let run_lock = crate::run_dir::claim(&run_dir, opts.resume.is_some(), opts.overwrite)?;
     let seed = recipe.train.seed;
+    let lora = recipe.model.lora_config()?;
 
     // An HF checkpoint's tokenizer and chat template come first: `messages` rows are
     // rendered with the checkpoint's own template. (On resume: the checkpoint's copies.)
@@ -332,7 +336,14 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
     // tokenizer built for the data.
     let (tok, model, stop_ids) = match (hf_dir, hf_text, recipe.model.builtin_tiny.clone()) {
         (Some(dir), Some((htok, _)), _) => {
-            let model = PolicyModel::load_hf(&dir, &device)?;
+            // A LoRA checkpoint holds only the adapter: the frozen weights come from the
+            // recipe's model every time.
+            let weights_dir = match (&lora, &recipe.model.path) {
+                (Some(_), Some(p)) => p.clone(),
+                _ => dir.clone(),
+            };
+            let mut model = PolicyModel::load_hf(&weights_dir, &device)?;
+            model.source_dir = Some(dir.clone());
             // As `composer-rl generate`: config.json ∪ generation_config.json EOS ids, plus
             // the tokenizer's eos_token.
             let mut stops = model.config().eos_token_ids.clone();
@@ -377,15 +388,24 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
             let eos = chartok::token_id(&tok, chartok::EOS_TOKEN)?;
             let cfg = tiny.model_config(tok.get_vocab_size(true), eos)?;
             let model = PolicyModel::random_init(&cfg, mix_seed(seed, u64::MAX, 0), &device)?;
-            if let Some(c) = &resume_ckpt {
-                model
-                    .load_weights(&c.dir.join("model.safetensors"))
-                    .with_context(|| format!("resuming from {}", c.dir.display()))?;
-            }
             (tok, model, vec![eos])
         }
         _ => bail!("key `[model]`: set `path` or `builtin_tiny`"),
     };
+    let mut model = model;
+    let lora_base = match &lora {
+        Some(cfg) => Some(model.enable_lora(cfg, seed, recipe.model.path.as_deref(), &run_dir)?),
+        None => None,
+    };
+    if let Some(c) = &resume_ckpt {
+        model.check_adapter_config(&c.dir)?;
+        // An HF model without LoRA was loaded from the checkpoint directory itself.
+        if model.lora().is_some() || recipe.model.path.is_none() {
+            model
+                .load_weights(&model.weights_file(&c.dir))
+                .with_context(|| format!("resuming from {}", c.dir.display()))?;
+        }
+    }
     let eos = stop_ids[0];
     let vocab = model.vocab_size();
 
@@ -514,6 +534,7 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
         recipe,
         recipe_text,
         run_dir,
+        lora_base,
         tok,
         chat_template,
         eos,
@@ -561,6 +582,12 @@ pub fn save(s: &Session, extra_files: Vec<(String, Vec<u8>)>) -> Result<PathBuf>
         .to_string(true)
         .map_err(|e| anyhow::anyhow!("serialising tokenizer: {e}"))?;
     let reference = match &s.reference {
+        // A LoRA run's `ref_model_path` reference is a frozen file (`sync_ref_model` is
+        // refused with `use_peft`): resume loads it from there again, so it is not copied
+        // into every checkpoint (its names are the full model's, not the adapter's).
+        Some(_) if s.model.lora().is_some() && s.recipe.loss.reference.ref_model_path.is_some() => {
+            None
+        }
         Some(r) => Some(r.weights()?.into_iter().collect()),
         None => None,
     };
@@ -572,6 +599,10 @@ pub fn save(s: &Session, extra_files: Vec<(String, Vec<u8>)>) -> Result<PathBuf>
             tokenizer_json,
             optimizer: s.opt.state_tensors(),
             source_dir: s.model.source_dir.as_deref(),
+            adapter_config: s
+                .lora_base
+                .as_deref()
+                .and_then(|b| s.model.adapter_config(b)),
             reference,
             state: &state,
             recipe_text: &s.recipe_text,

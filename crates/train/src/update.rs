@@ -155,6 +155,14 @@ pub fn train_on_batch(
     let n_groups = batch.prompts.len();
     let tr = s.recipe.train.clone();
     s.ensure_reference()?;
+    // LoRA dropout masks of this step: a function of (seed, step), like every other draw.
+    s.model
+        .transformer
+        .reseed_lora_dropout(crate::sampling::mix_seed(
+            tr.seed,
+            step as u64,
+            crate::model::LORA_SEED_STREAM,
+        ))?;
 
     // Hint prompts: for each sample, the teacher prompt with a successful peer's completion.
     let mut hint_ids: Vec<Option<Vec<u32>>> = vec![None; batch.samples.len()];

@@ -19,6 +19,8 @@ pub fn validate_ranges(r: &Recipe, origin: &Path) -> Result<()> {
         bail!("recipe {file}: key `{key}` = {value} is out of range; allowed: {allowed}")
     };
 
+    validate_lora(r, origin)?;
+
     let o = &r.optimizer;
     if !(o.lr >= 0.0) || !o.lr.is_finite() {
         out_of_range("[optimizer] lr", o.lr.to_string(), "a finite number >= 0")?;
@@ -132,4 +134,50 @@ fn estimator_name(e: AdvantageEstimator) -> String {
         .ok()
         .and_then(|v| v.as_str().map(str::to_string))
         .unwrap_or_else(|| format!("{e:?}"))
+}
+
+/// `[model] use_peft` and the `lora_*` keys (TRL's `ModelConfig`), checked before any model
+/// loads: the values (each error names its key), the model they apply to (an HF directory of a
+/// family composer-model adapts; not a PEFT adapter directory), and TRL's refusal of
+/// `sync_ref_model` with PEFT.
+fn validate_lora(r: &Recipe, origin: &Path) -> Result<()> {
+    let file = origin.display();
+    if let Some(p) = &r.model.path {
+        // Also without use_peft: such a directory holds no model weights to load.
+        if p.join(composer_model::lora::ADAPTER_CONFIG_FILE).is_file() {
+            bail!(
+                "recipe {file}: key `[model] path` = {}: a PEFT adapter directory ({}), not a \
+                 model; set `path` to its base model (the adapter's `base_model_name_or_path`), \
+                 or write full weights with `composer-rl export {} --out DIR --merge` and train \
+                 those",
+                p.display(),
+                composer_model::lora::ADAPTER_CONFIG_FILE,
+                p.display()
+            );
+        }
+    }
+    let lora = r
+        .model
+        .lora_config()
+        .map_err(|e| anyhow::anyhow!("recipe {file}: [model] {e:#}"))?;
+    if lora.is_none() {
+        return Ok(());
+    }
+    if let Some(p) = &r.model.path {
+        composer_model::ModelConfig::from_dir(p).map_err(|e| {
+            anyhow::anyhow!(
+                "recipe {file}: key `[model] use_peft` = true: LoRA cannot be applied to `[model] \
+                 path` = {}: {e:#}",
+                p.display()
+            )
+        })?;
+    }
+    if r.loss.reference.sync_ref_model {
+        bail!(
+            "recipe {file}: key `[loss] sync_ref_model` = true is not supported with `[model] \
+             use_peft` = true (as TRL's GRPOTrainer: a LoRA run's reference is the policy at the \
+             start of RL, or `ref_model_path`); set one of them to false"
+        );
+    }
+    Ok(())
 }

@@ -301,6 +301,7 @@ fn save(run_dir: &Path, step: usize, floats: usize) -> anyhow::Result<PathBuf> {
             tokenizer_json: "{}".into(),
             optimizer: HashMap::new(),
             source_dir: None,
+            adapter_config: None,
             reference: None,
             state: &state,
             recipe_text: "",
