@@ -195,6 +195,31 @@ fn sync(device: &Device) -> Result<()> {
     Ok(())
 }
 
+/// A deterministic `[b, t]` batch of token ids below `vocab`.
+pub fn bench_input(b: usize, t: usize, vocab: u32, device: &Device) -> Result<Tensor> {
+    let ids: Vec<u32> = (0..b * t).map(|i| (i as u32 * 7919 + 13) % vocab).collect();
+    Ok(Tensor::from_vec(ids, (b, t), device)?)
+}
+
+/// One training step as the trainer takes it: differentiable hidden states, the fused
+/// chunked head's next-token log-probs, backward of their negated mean.
+pub fn train_step(model: &Transformer, input: &Tensor) -> Result<()> {
+    let (b, t) = input.dims2()?;
+    let targets = input.narrow(1, 1, t - 1)?.reshape((b * (t - 1), 1))?;
+    let hidden = model
+        .forward_hidden(input, None, None, true)?
+        .narrow(1, 0, t - 1)?
+        .reshape((b * (t - 1), model.cfg.hidden_size))?;
+    let loss = model
+        .head_logprobs(&hidden, &targets, &HeadOptions::default())?
+        .at_ids
+        .to_dtype(DType::F32)?
+        .mean_all()?
+        .neg()?;
+    let _grads = loss.backward()?;
+    Ok(())
+}
+
 /// Runs the benchmark and returns the numbers (also see [`BenchReport::table`]).
 pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
     let (master_model, master_vars) = Transformer::random_init(&cfg.model, 0, &cfg.device)?;
@@ -223,24 +248,8 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
             None
         } else {
             let t = cfg.train_seq_len;
-            let ids: Vec<u32> = (0..b * t).map(|i| (i as u32 * 7919 + 13) % vocab).collect();
-            let input = Tensor::from_vec(ids, (b, t), &cfg.device)?;
-            let targets = input.narrow(1, 1, t - 1)?.reshape((b * (t - 1), 1))?;
-            // The trainer's path: differentiable hidden states, then the fused chunked head.
-            let step = || -> Result<()> {
-                let hidden = train_model
-                    .forward_hidden(&input, None, None, true)?
-                    .narrow(1, 0, t - 1)?
-                    .reshape((b * (t - 1), cfg.model.hidden_size))?;
-                let loss = train_model
-                    .head_logprobs(&hidden, &targets, &HeadOptions::default())?
-                    .at_ids
-                    .to_dtype(DType::F32)?
-                    .mean_all()?
-                    .neg()?;
-                let _grads = loss.backward()?;
-                Ok(())
-            };
+            let input = bench_input(b, t, vocab, &cfg.device)?;
+            let step = || train_step(&train_model, &input);
             step()?;
             sync(&cfg.device)?;
             let start = Instant::now();

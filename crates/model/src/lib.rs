@@ -5,6 +5,8 @@
 //!   caller-owned [`KvCache`]), load/save of HF checkpoints, `VarMap` master weights.
 //! - [`chunked_logprobs`]: the LM head fused with log-softmax, gathers, entropy and top-K,
 //!   chunked over tokens forward and backward (the training path: no `[N, vocab]` logits).
+//! - [`ops`]: training ops with a backward (RMSNorm, RoPE, SwiGLU, causal GQA attention over
+//!   variable-length packed rows), custom CPU kernels with candle compositions elsewhere.
 //! - [`kv_cache`]: the KV cache, grown in blocks and written in place.
 //! - [`lora`]: LoRA adapters (PEFT semantics and `adapter_model.safetensors` format), merge.
 //! - [`checkpoint`]: safetensors single-file and sharded I/O.
@@ -30,6 +32,7 @@ pub mod device;
 pub mod kv_cache;
 pub mod logprobs;
 pub mod lora;
+pub mod ops;
 pub mod policy;
 pub mod rollout;
 pub mod score;

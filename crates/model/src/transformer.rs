@@ -14,7 +14,9 @@
 //!
 //! Two forward paths share this code: the inference path ([`Transformer::forward`]) uses
 //! candle-nn's fused kernels (rms_norm, rope, softmax), which have no backward; the training
-//! path ([`Transformer::forward_train`]) composes the same maths from differentiable ops.
+//! path ([`Transformer::forward_train`]) uses the ops of [`crate::ops`] with a backward (on the
+//! CPU in f32/f64: custom kernels, attention over the batch packed as variable-length
+//! segments; elsewhere: the same maths composed from differentiable candle ops).
 
 use crate::checkpoint::{self, LoadedCheckpoint};
 use crate::config::ModelConfig;
@@ -32,8 +34,11 @@ use std::path::Path;
 enum OpPath {
     /// candle-nn fused kernels (no backward): rollouts and scoring.
     Fused,
-    /// Differentiable compositions: training.
+    /// Differentiable compositions of candle ops: training off the CPU, f64 with a cache.
     Differentiable,
+    /// The custom CPU ops of [`crate::ops`] (with a backward), attention over packed
+    /// segments: training (and f64 forwards) on the CPU without a KV cache.
+    Kernels,
 }
 
 /// Fetches (or creates) one named parameter of a given shape.
@@ -93,21 +98,8 @@ impl RmsNorm {
                 &self.weight,
                 self.eps as f32,
             )?),
-            OpPath::Differentiable => {
-                // As transformers: normalise in f32 (or f64), cast back, then scale.
-                let dtype = x.dtype();
-                let work = if dtype == DType::F64 {
-                    DType::F64
-                } else {
-                    DType::F32
-                };
-                let xf = x.to_dtype(work)?;
-                let inv = (xf.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
-                    .sqrt()?
-                    .recip()?;
-                let normed = xf.broadcast_mul(&inv)?.to_dtype(dtype)?;
-                Ok(normed.broadcast_mul(&self.weight)?)
-            }
+            OpPath::Differentiable => crate::ops::rms_norm_composed(x, &self.weight, self.eps),
+            OpPath::Kernels => crate::ops::rms_norm(x, &self.weight, self.eps),
         }
     }
 }
@@ -168,35 +160,29 @@ struct Ctx<'a> {
     /// `[B, T, head_dim/2]` in the activation dtype.
     cos: Tensor,
     sin: Tensor,
-    /// Additive mask broadcastable to `[B, kv_heads, n_rep, T, T_past + T]`, or None.
+    /// Additive mask broadcastable to `[B, kv_heads, n_rep, T, T_past + T]`, or None (always
+    /// None on the kernel path, which uses `cu_seqlens`).
     mask: Option<Tensor>,
+    /// Kernel path: the batch's `B·T` slots as packed segments (see `packed_segments`).
+    cu_seqlens: Vec<usize>,
     path: OpPath,
     /// A training forward (LoRA dropout on).
     train: bool,
     _p: std::marker::PhantomData<&'a ()>,
 }
 
+/// RoPE of `x` `[B, H, T, D]` with `cos`/`sin` `[B, T, D/2]` (the mask-based paths).
 fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, path: OpPath) -> Result<Tensor> {
     match path {
         OpPath::Fused => Ok(candle_nn::rotary_emb::rope(&x.contiguous()?, cos, sin)?),
-        OpPath::Differentiable => {
-            // x: [B, H, T, D]; cos/sin: [B, T, D/2] → [B, 1, T, D/2].
-            let half = x.dim(D::Minus1)? / 2;
-            let cos = cos.unsqueeze(1)?;
-            let sin = sin.unsqueeze(1)?;
-            let x1 = x.narrow(D::Minus1, 0, half)?;
-            let x2 = x.narrow(D::Minus1, half, half)?;
-            let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
-            let r2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
-            Ok(Tensor::cat(&[&r1, &r2], D::Minus1)?)
-        }
+        OpPath::Differentiable | OpPath::Kernels => crate::ops::rope_composed(x, cos, sin),
     }
 }
 
 fn softmax_last(x: &Tensor, path: OpPath) -> Result<Tensor> {
     match path {
         OpPath::Fused => Ok(candle_nn::ops::softmax_last_dim(&x.contiguous()?)?),
-        OpPath::Differentiable => {
+        OpPath::Differentiable | OpPath::Kernels => {
             let max = x.max_keepdim(D::Minus1)?.detach();
             let e = x.broadcast_sub(&max)?.exp()?;
             Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
@@ -233,6 +219,9 @@ impl Attention {
             Some(n) => n.forward(&k, ctx.path)?,
             None => k,
         };
+        if ctx.path == OpPath::Kernels && cache.is_none() {
+            return self.forward_packed(&q, &k, &v, ctx);
+        }
         let q = q.transpose(1, 2)?.contiguous()?;
         let k = k.transpose(1, 2)?.contiguous()?;
         let v = v.transpose(1, 2)?.contiguous()?;
@@ -271,6 +260,23 @@ impl Attention {
             .reshape((b, t, nh * hd))?;
         self.o_proj.forward_with(&out, ctx.train)
     }
+
+    /// The kernel path from projected `q` `[B, T, H, D]`, `k`/`v` `[B, T, Hkv, D]`: the batch
+    /// is packed as `B·T` tokens (a free reshape) and attended segment by segment.
+    fn forward_packed(&self, q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let (b, t, nh, hd) = q.dims4()?;
+        let nkv = self.num_kv_heads;
+        let n = b * t;
+        let cos = ctx.cos.reshape((n, hd / 2))?;
+        let sin = ctx.sin.reshape((n, hd / 2))?;
+        let q = crate::ops::rope(&q.reshape((n, nh, hd))?, &cos, &sin)?;
+        let k = crate::ops::rope(&k.reshape((n, nkv, hd))?, &cos, &sin)?;
+        let v = v.reshape((n, nkv, hd))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let out = crate::ops::causal_attention_varlen(&q, &k, &v, &ctx.cu_seqlens, scale)?;
+        self.o_proj
+            .forward_with(&out.reshape((b, t, nh * hd))?, ctx.train)
+    }
 }
 
 /// SwiGLU MLP (`mlp.*`).
@@ -285,10 +291,14 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let g = candle_nn::ops::silu(&self.gate_proj.forward_with(x, train)?)?;
-        self.down_proj
-            .forward_with(&(g * self.up_proj.forward_with(x, train)?)?, train)
+    fn forward(&self, x: &Tensor, path: OpPath, train: bool) -> Result<Tensor> {
+        let gate = self.gate_proj.forward_with(x, train)?;
+        let up = self.up_proj.forward_with(x, train)?;
+        let h = match path {
+            OpPath::Kernels => crate::ops::swiglu(&gate, &up)?,
+            OpPath::Fused | OpPath::Differentiable => crate::ops::swiglu_composed(&gate, &up)?,
+        };
+        self.down_proj.forward_with(&h, train)
     }
 }
 
@@ -315,7 +325,7 @@ impl DecoderLayer {
         let h = self.input_layernorm.forward(x, ctx.path)?;
         let x = (x + self.self_attn.forward(&h, ctx, cache)?)?;
         let h = self.post_attention_layernorm.forward(&x, ctx.path)?;
-        Ok((&x + self.mlp.forward(&h, ctx.train)?)?)
+        Ok((&x + self.mlp.forward(&h, ctx.path, ctx.train)?)?)
     }
 }
 
@@ -349,6 +359,10 @@ pub struct Transformer {
     pub source_shards: usize,
     /// The LoRA adapters' config when adapters are attached ([`crate::lora`]).
     pub lora: Option<LoraConfig>,
+    /// Whether differentiable forwards on the CPU (f32/f64, no KV cache) use the custom ops
+    /// of [`crate::ops`] (the default) rather than compositions of candle ops; off only to
+    /// compare the two (benchmarks, equivalence tests).
+    pub training_kernels: bool,
 }
 
 /// Where `build` gets each parameter from.
@@ -489,6 +503,7 @@ impl Transformer {
             dtype,
             source_shards: 1,
             lora: None,
+            training_kernels: true,
         })
     }
 
@@ -791,11 +806,16 @@ impl Transformer {
         differentiable: bool,
     ) -> Result<Tensor> {
         // candle-nn's fused kernels have no f64 CPU implementation; f64 models (gradient
-        // checks) use the differentiable compositions on every path.
-        let path = if differentiable || self.dtype == DType::F64 {
-            OpPath::Differentiable
-        } else {
-            OpPath::Fused
+        // checks) use the differentiable ops on every path. The custom CPU ops serve forwards
+        // without a cache (their attention does not read one).
+        let kernels = self.training_kernels
+            && cache.is_none()
+            && self.device.is_cpu()
+            && matches!(self.dtype, DType::F32 | DType::F64);
+        let path = match (differentiable || self.dtype == DType::F64, kernels) {
+            (true, true) => OpPath::Kernels,
+            (true, false) => OpPath::Differentiable,
+            (false, _) => OpPath::Fused,
         };
         let (b, t) = input_ids
             .dims2()
@@ -842,11 +862,16 @@ impl Transformer {
             .index_select(&pos, 0)?
             .reshape((b, t, half))?
             .to_dtype(self.dtype)?;
-        let mask = self.build_mask(&pads, past, t)?;
+        let (mask, cu_seqlens) = if path == OpPath::Kernels {
+            (None, packed_segments(&pads, t))
+        } else {
+            (self.build_mask(&pads, past, t)?, Vec::new())
+        };
         let ctx = Ctx {
             cos,
             sin,
             mask,
+            cu_seqlens,
             path,
             train: differentiable,
             _p: std::marker::PhantomData,
@@ -896,6 +921,21 @@ impl Transformer {
             &self.device,
         )?))
     }
+}
+
+/// `cu_seqlens` of a `[B, T]` batch packed as `B·T` tokens, the same attention pattern as
+/// `build_mask` without a cache: row `r`'s `pads[r]` padding slots are one-token segments
+/// (each attends to itself only), its real tokens one causal segment.
+fn packed_segments(pads: &[usize], t: usize) -> Vec<usize> {
+    let mut cu = vec![0];
+    for (r, &p) in pads.iter().enumerate() {
+        let base = r * t;
+        cu.extend((1..=p.min(t)).map(|i| base + i));
+        if p < t {
+            cu.push(base + t);
+        }
+    }
+    cu
 }
 
 fn insert_var(varmap: &VarMap, name: &str, t: &Tensor) -> Result<Tensor> {

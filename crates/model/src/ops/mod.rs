@@ -1,0 +1,174 @@
+//! Training ops with a backward: RMSNorm, RoPE, SwiGLU and causal grouped-query attention
+//! over variable-length packed rows.
+//!
+//! candle 0.11's fused `rms_norm`, `rope` and `softmax_last_dim` have no backward, so the
+//! training forward used to compose each from a dozen differentiable tensor ops, each a pass
+//! over memory with its own saved activations. Each op here is one candle `CustomOp` whose
+//! CPU forward and backward are single fused passes (f32 and f64); attention is computed
+//! flash-attention style (online softmax over key tiles, only the per-row log-sum-exp kept,
+//! scores recomputed tile by tile in the backward), so no `[heads, T, T]` tensor exists.
+//!
+//! Every public op dispatches: on the CPU with f32/f64 tensors it runs its custom op, elsewhere
+//! (CUDA, bf16) the differentiable composition (`*_composed`), which is also the reference the
+//! tests compare against.
+
+mod attention;
+mod attention_cpu;
+mod rms_norm;
+mod rope;
+mod swiglu;
+
+pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, check_cu_seqlens};
+pub use rms_norm::{rms_norm, rms_norm_composed};
+pub use rope::{rope, rope_composed};
+pub use swiglu::{swiglu, swiglu_composed};
+
+use candle_core::{DType, Layout, Storage, Tensor, WithDType};
+
+/// Whether the custom CPU kernels handle `t` (CPU device, f32 or f64).
+pub fn kernels_apply(t: &Tensor) -> bool {
+    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+}
+
+/// The float element types the kernels are written for (f32, f64).
+pub(crate) trait Real: WithDType + std::ops::Neg<Output = Self> {
+    /// `e^self`.
+    fn exp(self) -> Self;
+    /// `√self`.
+    fn sqrt(self) -> Self;
+    /// `ln self`.
+    fn ln(self) -> Self;
+    /// −∞ (the score of a masked key).
+    const NEG_INFINITY: Self;
+}
+
+impl Real for f32 {
+    fn exp(self) -> Self {
+        f32::exp(self)
+    }
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+    fn ln(self) -> Self {
+        f32::ln(self)
+    }
+    const NEG_INFINITY: Self = f32::NEG_INFINITY;
+}
+
+impl Real for f64 {
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
+    }
+    fn ln(self) -> Self {
+        f64::ln(self)
+    }
+    const NEG_INFINITY: Self = f64::NEG_INFINITY;
+}
+
+/// The contiguous elements of a CPU storage under `layout` (the ops make their inputs
+/// contiguous before applying themselves, so anything else is a caller bug, reported).
+pub(crate) fn layout_slice<'a, T: WithDType>(
+    s: &'a candle_core::CpuStorage,
+    layout: &Layout,
+    what: &str,
+) -> candle_core::Result<&'a [T]> {
+    let Some((a, b)) = layout.contiguous_offsets() else {
+        candle_core::bail!("{what}: expected a contiguous tensor")
+    };
+    Ok(&s.as_slice::<T>()?[a..b])
+}
+
+/// Runs `f` on the contiguous CPU elements of `t` (used by the backward passes, which get
+/// tensors rather than storages).
+pub(crate) fn with_slice<T: WithDType, R>(
+    t: &Tensor,
+    what: &str,
+    f: impl FnOnce(&[T]) -> R,
+) -> candle_core::Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(s) = &*storage else {
+        candle_core::bail!("{what}: the CPU kernel got a non-CPU tensor")
+    };
+    Ok(f(layout_slice(s, layout, what)?))
+}
+
+/// `Σ aᵢbᵢ` in eight independent lanes, so the compiler vectorises it.
+#[inline]
+pub(crate) fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+    let mut lanes = [T::zero(); 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    let mut s = T::zero();
+    for (x, y) in ra.iter().zip(rb) {
+        s += *x * *y;
+    }
+    for l in lanes {
+        s += l;
+    }
+    s
+}
+
+/// `f(i)` for `i in 0..n` on candle's CPU thread count (scoped threads, tasks dealt round
+/// robin), results in index order. Small `n` or one thread runs inline.
+pub(crate) fn par_map<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    let threads = candle_core::utils::get_num_threads().clamp(1, n.max(1));
+    if threads <= 1 {
+        return (0..n).map(f).collect();
+    }
+    let f = &f;
+    let mut parts: Vec<Vec<(usize, R)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| s.spawn(move || (t..n).step_by(threads).map(|i| (i, f(i))).collect()))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a kernel thread panicked"))
+            .collect()
+    });
+    let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
+    for part in parts.drain(..) {
+        for (i, r) in part {
+            out[i] = Some(r);
+        }
+    }
+    out.into_iter()
+        .map(|r| r.expect("every index was computed"))
+        .collect()
+}
+
+/// Applies `f(row_index, row)` to each `row_len`-sized row of `out`, rows split into one
+/// contiguous block per thread (element-wise kernels; below ~64k elements inline).
+pub(crate) fn par_rows<T: Send>(out: &mut [T], row_len: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    let rows = out.len() / row_len.max(1);
+    let threads = if out.len() < 1 << 16 {
+        1
+    } else {
+        candle_core::utils::get_num_threads().clamp(1, rows.max(1))
+    };
+    if threads <= 1 || row_len == 0 {
+        for (i, row) in out.chunks_mut(row_len.max(1)).enumerate() {
+            f(i, row);
+        }
+        return;
+    }
+    let per = rows.div_ceil(threads);
+    let f = &f;
+    std::thread::scope(|s| {
+        for (t, block) in out.chunks_mut(per * row_len).enumerate() {
+            s.spawn(move || {
+                for (i, row) in block.chunks_mut(row_len).enumerate() {
+                    f(t * per + i, row);
+                }
+            });
+        }
+    });
+}

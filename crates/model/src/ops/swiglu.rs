@@ -1,0 +1,135 @@
+//! SwiGLU gating `silu(gate) · up` with a backward.
+//!
+//! With `σ = 1/(1 + e^(−g))`: `∂gate = ∂y·up·σ·(1 + g·(1 − σ))`, `∂up = ∂y·g·σ`.
+
+use super::{kernels_apply, layout_slice, par_rows, with_slice, Real};
+use anyhow::{bail, Result};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+
+/// `silu(gate) · up` for two tensors of one shape: the custom op on the CPU (f32/f64), else
+/// [`swiglu_composed`]. Differentiable with respect to both.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if gate.dims() != up.dims() {
+        bail!(
+            "swiglu: gate {:?} and up {:?} must have one shape",
+            gate.dims(),
+            up.dims()
+        );
+    }
+    if kernels_apply(gate) && up.dtype() == gate.dtype() {
+        Ok(gate.contiguous()?.apply_op2(&up.contiguous()?, SwigluOp)?)
+    } else {
+        swiglu_composed(gate, up)
+    }
+}
+
+/// `silu(gate) · up` from candle ops (candle's `silu` has a backward).
+pub fn swiglu_composed(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    Ok((candle_nn::ops::silu(gate)? * up)?)
+}
+
+struct SwigluOp;
+
+/// Rows the element-wise loops are split into for threading.
+const ROW: usize = 4096;
+
+#[inline]
+fn sigmoid<T: Real>(g: T) -> T {
+    T::one() / (T::one() + (-g).exp())
+}
+
+fn forward<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
+    let mut out = vec![T::zero(); g.len()];
+    par_rows(&mut out, ROW, |r, y| {
+        let base = r * ROW;
+        for (k, y) in y.iter_mut().enumerate() {
+            let gv = g[base + k];
+            *y = gv * sigmoid(gv) * u[base + k];
+        }
+    });
+    out
+}
+
+/// `[∂gate | ∂up]` concatenated (one buffer, split by the caller).
+fn backward<T: Real>(g: &[T], u: &[T], dy: &[T]) -> Vec<T> {
+    let n = g.len();
+    let mut out = vec![T::zero(); 2 * n];
+    let (dg, du) = out.split_at_mut(n);
+    par_rows(dg, ROW, |r, dg| {
+        let base = r * ROW;
+        for (k, d) in dg.iter_mut().enumerate() {
+            let (gv, s) = (g[base + k], sigmoid(g[base + k]));
+            *d = dy[base + k] * u[base + k] * s * (T::one() + gv * (T::one() - s));
+        }
+    });
+    par_rows(du, ROW, |r, du| {
+        let base = r * ROW;
+        for (k, d) in du.iter_mut().enumerate() {
+            let gv = g[base + k];
+            *d = dy[base + k] * gv * sigmoid(gv);
+        }
+    });
+    out
+}
+
+impl SwigluOp {
+    fn bwd_typed<T: Real>(
+        g: &Tensor,
+        u: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let both = with_slice::<T, _>(g, "swiglu backward", |gs| {
+            with_slice::<T, _>(u, "swiglu backward", |us| {
+                with_slice::<T, _>(dy, "swiglu backward", |ds| backward(gs, us, ds))
+            })
+        })???;
+        let n = g.elem_count();
+        let both = Tensor::from_vec(both, 2 * n, g.device())?;
+        Ok((
+            both.narrow(0, 0, n)?.reshape(g.shape())?,
+            both.narrow(0, n, n)?.reshape(u.shape())?,
+        ))
+    }
+}
+
+impl CustomOp2 for SwigluOp {
+    fn name(&self) -> &'static str {
+        "swiglu-with-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        g: &CpuStorage,
+        lg: &Layout,
+        u: &CpuStorage,
+        lu: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let out = match (g, u) {
+            (CpuStorage::F32(_), CpuStorage::F32(_)) => CpuStorage::F32(forward(
+                layout_slice::<f32>(g, lg, "swiglu")?,
+                layout_slice::<f32>(u, lu, "swiglu")?,
+            )),
+            (CpuStorage::F64(_), CpuStorage::F64(_)) => CpuStorage::F64(forward(
+                layout_slice::<f64>(g, lg, "swiglu")?,
+                layout_slice::<f64>(u, lu, "swiglu")?,
+            )),
+            _ => candle_core::bail!("swiglu kernel: gate and up must both be f32 or f64"),
+        };
+        Ok((out, lg.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        g: &Tensor,
+        u: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dg, du) = match g.dtype() {
+            DType::F32 => Self::bwd_typed::<f32>(g, u, dy)?,
+            DType::F64 => Self::bwd_typed::<f64>(g, u, dy)?,
+            other => candle_core::bail!("swiglu kernel: unsupported dtype {other:?}"),
+        };
+        Ok((Some(dg), Some(du)))
+    }
+}
