@@ -50,7 +50,8 @@ enum Command {
     /// Serve a built-in environment over the OpenEnv protocol (HTTP + WebSocket /ws).
     ServeEnv(ServeEnvArgs),
     /// Build repository tasks from a Python repository with a test suite (one per function
-    /// whose body can be removed and whose tests notice; see crates/env/REPO_TASKS.md).
+    /// body and one per module that can be removed and whose tests notice; see
+    /// crates/env/REPO_TASKS.md).
     MakeTasks {
         /// The Python repository (its modules and `test_*.py` files).
         #[arg(long)]

@@ -203,6 +203,21 @@ pub fn repo_modules(repo: &Path) -> Result<Vec<String>> {
     Ok(names)
 }
 
+/// The repository modules of a task: those of its `repo/` plus the top-level names of files
+/// it deleted whole (`kind = "file"`), which the candidate restores. Only names the trusted
+/// task file gives count: a module the candidate adds under another name (say `math.py`)
+/// never stands in for a standard library module the hidden tests use.
+pub fn task_modules(task: &RepoTask) -> Result<Vec<String>> {
+    let mut names = repo_modules(&task.repo_dir())?;
+    for r in task.spec.removed.iter().filter(|r| r.kind == "file") {
+        let top = r.file.split('/').next().unwrap_or(&r.file);
+        names.push(top.strip_suffix(".py").unwrap_or(top).to_string());
+    }
+    names.sort();
+    names.dedup();
+    Ok(names)
+}
+
 /// The `*.py` files of a hidden-test directory as `(name, source)`, sorted.
 pub fn read_test_files(dir: &Path) -> Result<Vec<(String, String)>> {
     let mut out = Vec::new();
@@ -359,7 +374,7 @@ fn grade_inner(task: &RepoTask, working: &Path) -> Result<RepoGrade> {
     code.copy_tree_from(&task.repo_dir(), "")?;
     let refs: Vec<&str> = selected.iter().map(String::as_str).collect();
     code.copy_files_from(working, &refs)?;
-    let modules = repo_modules(&task.repo_dir())?;
+    let modules = task_modules(task)?;
     let files = read_test_files(&task.hidden_tests_dir())?;
     let verdicts = run_hidden_tests(&code, &modules, &files, budget)?;
     Ok(score(&verdicts, task.spec.grade.reward))
