@@ -435,3 +435,32 @@ fn recorded_topk(s: &Session, trace_ids: &[usize], ttb: &TokenBatch) -> Result<(
         Tensor::from_vec(tlps, (bt, lt, kmax), dev)?,
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completion_masks_zero_only_the_marked_positions() {
+        // Row 0: a multi-turn trace whose second completion token is a tool result; row 1:
+        // no mask (every completion token trained).
+        let pairs: Vec<(&[u32], &[u32])> = vec![(&[1, 2], &[3, 4, 5]), (&[1], &[6, 7])];
+        let mut tb = batch::token_batch(&pairs, 0, &candle_core::Device::Cpu).unwrap();
+        let before = tb.mask.to_vec2::<f32>().unwrap();
+        mask_completions(&mut tb, &[Some(&[1, 0, 1]), None]).unwrap();
+        let after = tb.mask.to_vec2::<f32>().unwrap();
+        let l = tb.len;
+        let masked = tb.completion_positions[0][1];
+        for (r, row) in after.iter().enumerate() {
+            for (j, &v) in row.iter().enumerate() {
+                let want = if r * l + j == masked {
+                    0.0
+                } else {
+                    before[r][j]
+                };
+                assert_eq!(v, want, "row {r} position {j}");
+            }
+        }
+        assert_eq!(after.iter().flatten().sum::<f32>(), 4.0);
+    }
+}
