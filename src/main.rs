@@ -62,7 +62,8 @@ enum Command {
     /// Serve a built-in environment over the OpenEnv protocol (HTTP + WebSocket /ws).
     ServeEnv(ServeEnvArgs),
     /// Build repository tasks from a Python repository with a test suite (one per function
-    /// whose body can be removed and whose tests notice; see crates/env/REPO_TASKS.md).
+    /// body and one per module that can be removed and whose tests notice; see
+    /// crates/env/REPO_TASKS.md).
     MakeTasks {
         /// The Python repository (its modules and `test_*.py` files).
         #[arg(long)]
@@ -183,12 +184,24 @@ struct ScoreArgs {
 #[derive(Args)]
 struct RecordTracesArgs {
     /// Teacher checkpoint directory (Hugging Face format).
-    #[arg(long)]
-    model: PathBuf,
+    #[arg(long, required_unless_present = "repo_tasks")]
+    model: Option<PathBuf>,
     /// JSONL prompts: `prompt` or `messages` (rendered with the teacher's chat template), and
     /// `answer`.
+    #[arg(long, required_unless_present = "repo_tasks")]
+    data: Option<PathBuf>,
+    /// Repository tasks (a `make-tasks` output, served by the recipe's `[env]` server): record
+    /// a scripted teacher's episodes on each instead of sampling `--model` on `--data`.
+    #[arg(long, requires_all = ["restore_from", "recipe"], conflicts_with_all = ["model", "data"])]
+    repo_tasks: Option<PathBuf>,
+    /// With --repo-tasks: the original repository (`make-tasks --repo`) the teacher restores
+    /// the removed files from.
     #[arg(long)]
-    data: PathBuf,
+    restore_from: Option<PathBuf>,
+    /// With --repo-tasks: the training recipe (`[model] path` and `[env] kind =
+    /// "openenv_tools"`), so the episodes are rendered as the policy's are.
+    #[arg(long)]
+    recipe: Option<PathBuf>,
     /// Trace file to write (truncated).
     #[arg(long)]
     out: PathBuf,
@@ -470,10 +483,33 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::RecordTraces(a) => {
             let out = a.out.clone();
+            if let (Some(tasks_dir), Some(restore_from), Some(recipe)) =
+                (a.repo_tasks, a.restore_from, a.recipe)
+            {
+                let summary = composer_train::record_episodes::record_repo_episodes(
+                    &composer_train::record_episodes::RecordEpisodesOptions {
+                        recipe,
+                        tasks_dir,
+                        restore_from,
+                        out: a.out,
+                    },
+                )?;
+                println!(
+                    "wrote {} teacher episodes ({} passed) to {}; {} tasks have no passing episode",
+                    summary.traces,
+                    summary.passed,
+                    out.display(),
+                    summary.prompts_without_pass
+                );
+                return Ok(());
+            }
+            let (Some(model_dir), Some(data)) = (a.model, a.data) else {
+                anyhow::bail!("record-traces needs --model and --data (or --repo-tasks)");
+            };
             let summary = composer_train::record_traces::record_traces(
                 &composer_train::record_traces::RecordTracesOptions {
-                    model_dir: a.model,
-                    data: a.data,
+                    model_dir,
+                    data,
                     out: a.out,
                     num_samples: a.num_samples,
                     top_k: a.top_k,

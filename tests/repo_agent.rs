@@ -115,13 +115,14 @@ fn qwen25_chat() -> Arc<ToolChat> {
 }
 
 fn call(name: &str, args: serde_json::Value) -> String {
-    format!(
-        "<tool_call>\n{}\n</tool_call>",
-        serde_json::json!({"name": name, "arguments": args})
-    )
+    composer_train::tool_calls::format_tool_call(name, &args)
 }
 
 fn play(server: &Server, task: &str, turns: Vec<String>) -> Episode {
+    play_with_limit(server, task, turns, 6)
+}
+
+fn play_with_limit(server: &Server, task: &str, turns: Vec<String>, max_turns: usize) -> Episode {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let client = OpenEnvClient::connect(&server.url, OpenEnvClientConfig::default())
@@ -138,7 +139,7 @@ fn play(server: &Server, task: &str, turns: Vec<String>) -> Episode {
             ..Default::default()
         };
         let cfg = EpisodeConfig {
-            max_turns: 6,
+            max_turns,
             max_total_tokens: 60_000,
         };
         let ep = run_episode(&mut agent, &mut env, reset, &cfg)
@@ -256,44 +257,120 @@ fn a_do_nothing_agent_scores_below_one() {
     assert!(ep.final_reward < 0.5, "{}", ep.final_reward);
 }
 
-/// The honest scripted teacher of a task: write back the original file, run the tests,
-/// submit.
-fn honest_turns(task_dir: &Path) -> Vec<String> {
-    let spec: toml_lite::Spec = toml_lite::read(&task_dir.join("task.toml"));
+#[test]
+fn an_episode_cut_short_at_the_turn_limit_is_graded() {
+    // REPO_ENV: an episode ends at submit, a turn limit or a token budget, and is graded.
+    let server = start_server();
     let original = std::fs::read_to_string(
-        Path::new(ROOT)
-            .join("crates/env/repo_tasks/source")
-            .join(&spec.file),
+        Path::new(ROOT).join("crates/env/repo_tasks/source/textkit/numbers.py"),
     )
     .unwrap();
-    vec![
-        call(
-            "write_file",
-            serde_json::json!({"path": spec.file, "content": original}),
-        ) + &call("run_tests", serde_json::json!({})),
-        call("submit", serde_json::json!({})),
-    ]
-}
-
-/// Reads the one value the test needs from task.toml (`[[removed]] file`).
-mod toml_lite {
-    pub struct Spec {
-        pub file: String,
-    }
-    pub fn read(path: &std::path::Path) -> Spec {
-        let text = std::fs::read_to_string(path).unwrap();
-        let at = text.find("[[removed]]").expect("task.toml has [[removed]]");
-        let line = text[at..]
-            .lines()
-            .find(|l| l.trim_start().starts_with("file"))
-            .expect("[[removed]] file");
-        let file = line.split('"').nth(1).unwrap().to_string();
-        Spec { file }
-    }
+    let restore = call(
+        "write_file",
+        serde_json::json!({"path": "textkit/numbers.py", "content": original}),
+    );
+    // Restores the code but never submits: the runner's submit grades it at the limit.
+    let ep = play_with_limit(
+        &server,
+        "textkit-numbers-gcd",
+        vec![restore, "Done, I think.".into()],
+        2,
+    );
+    assert_eq!(ep.end, EpisodeEnd::MaxTurns, "{:?}", ep.end);
+    assert_eq!(ep.final_reward, 1.0);
+    let stats = ToolEpisodeStats::from_observation(&ep.turns[1].observation).unwrap();
+    assert!(stats.graded_at_limit, "{stats:?}");
+    assert!(
+        !stats.tool_calls.contains_key("submit"),
+        "not the agent's call"
+    );
+    let (passed, total) = stats.tests.unwrap();
+    assert!(total > 0 && passed == total, "{stats:?}");
+    assert!(stats.verifier_s.unwrap() > 0.0);
+    // Doing nothing until the limit scores 0, and the grader's failure report is the
+    // feedback (the hint channel's input).
+    let ep = play_with_limit(&server, "textkit-numbers-gcd", vec!["Hmm.".into()], 1);
+    assert_eq!(ep.end, EpisodeEnd::MaxTurns);
+    assert_eq!(ep.final_reward, 0.0);
+    let feedback = ep.turns[0].feedback.clone().unwrap_or_default();
+    assert!(
+        feedback.contains("passed 0/") && feedback.contains("FAILED"),
+        "{feedback}"
+    );
 }
 
 #[test]
-fn repo_agent_recipe_trains_a_few_steps_with_replayed_teacher_episodes() {
+fn record_traces_for_repo_tasks_refuses_bad_input_with_the_cause() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe_text =
+        std::fs::read_to_string(Path::new(ROOT).join("recipes/repo_agent.toml")).unwrap();
+    let fixture = shared().join("fixtures/hf-tiny/qwen2-tiny");
+    let recipe = recipe_text
+        .replace(
+            "path = \"../shared/fixtures/hf-tiny/qwen2-tiny\"",
+            &format!("path = {fixture:?}"),
+        )
+        .replace(
+            "url_env = \"REPO_ENV_URL\"",
+            // Never contacted: every check below fails before the server is.
+            "url = \"http://127.0.0.1:9\"",
+        )
+        .replace(
+            "chat_template = \"crates/model/tests/fixtures/qwen2_5_tools.jinja\"",
+            &format!(
+                "chat_template = {:?}",
+                Path::new(ROOT).join("crates/model/tests/fixtures/qwen2_5_tools.jinja")
+            ),
+        );
+    let run = |recipe: &str, restore_from: &Path| -> String {
+        let path = tmp.path().join("r.toml");
+        std::fs::write(&path, recipe).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_composer-rl"))
+            .args(["record-traces", "--repo-tasks"])
+            .arg(Path::new(ROOT).join("crates/env/repo_tasks/tasks"))
+            .arg("--restore-from")
+            .arg(restore_from)
+            .arg("--recipe")
+            .arg(&path)
+            .arg("--out")
+            .arg(tmp.path().join("t.jsonl"))
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    // The original repository lacks the removed file: the task and the file are named.
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let err = run(&recipe, &empty);
+    assert!(
+        err.contains("task textkit-numbers") && err.contains("textkit/numbers.py"),
+        "{err}"
+    );
+    // A recipe without a tool env, or with too few turns for the teacher, names the key.
+    let source = Path::new(ROOT).join("crates/env/repo_tasks/source");
+    let without_env = format!(
+        "{}{}",
+        &recipe[..recipe.find("\n[env]\n").unwrap() + 1],
+        &recipe[recipe.find("\n[output]\n").unwrap() + 1..]
+    );
+    let err = run(&without_env, &source);
+    assert!(err.contains("[env] kind"), "{err}");
+    let err = run(&recipe.replace("max_turns = 4", "max_turns = 1"), &source);
+    assert!(err.contains("[env] max_turns"), "{err}");
+    // Without --repo-tasks, the sampling mode's flags are required.
+    let out = Command::new(env!("CARGO_BIN_EXE_composer-rl"))
+        .args(["record-traces", "--out"])
+        .arg(tmp.path().join("t.jsonl"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--model") && err.contains("--data"), "{err}");
+}
+
+#[test]
+fn repo_agent_recipe_trains_a_few_steps_with_hints_and_recorded_teacher_episodes() {
     let server = start_server();
     let tmp = tempfile::tempdir().unwrap();
     // The tiny fixture checkpoint with room for tool prompts (RoPE: no learned positions).
@@ -310,66 +387,9 @@ fn repo_agent_recipe_trains_a_few_steps_with_replayed_teacher_episodes() {
     cfg["max_position_embeddings"] = serde_json::json!(16384);
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
 
-    // Recorded teacher episodes, one per shipped task, in the trace format.
+    // The shipped recipe, pointed at this server and the 8k fixture, shortened to two steps.
     let recipe_text =
         std::fs::read_to_string(Path::new(ROOT).join("recipes/repo_agent.toml")).unwrap();
-    let system = recipe_text
-        .lines()
-        .find_map(|l| l.strip_prefix("system_prompt = "))
-        .map(|v| serde_json::from_str::<String>(v).unwrap())
-        .unwrap();
-    let traces = tmp.path().join("teacher_episodes.jsonl");
-    let mut writer = composer_loss::TraceWriter::create(&traces).unwrap();
-    let tasks_dir = Path::new(ROOT).join("crates/env/repo_tasks/tasks");
-    let mut ids: Vec<String> = std::fs::read_dir(&tasks_dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    ids.sort();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let template = ChatTemplate {
-        source: std::fs::read_to_string(
-            Path::new(ROOT).join("crates/model/tests/fixtures/qwen2_5_tools.jinja"),
-        )
-        .unwrap(),
-        bos_token: String::new(),
-        eos_token: "<|im_end|>".into(),
-    };
-    let chat = Arc::new(ToolChat::new(template, Some(system), "qwen2.5").unwrap());
-    for id in &ids {
-        let ep = rt.block_on(async {
-            let client = OpenEnvClient::connect(&server.url, OpenEnvClientConfig::default())
-                .await
-                .unwrap();
-            let mut env = ToolChatEnv::new(client.tool_session(), chat.clone());
-            let mut agent = ScriptedAgent {
-                tok: Tokenizer::from_dir(&model).unwrap(),
-                turns: honest_turns(&tasks_dir.join(id)),
-                next: 0,
-            };
-            let reset = ResetOptions {
-                task_id: Some(id.clone()),
-                ..Default::default()
-            };
-            let cfg = EpisodeConfig {
-                max_turns: 4,
-                max_total_tokens: 60_000,
-            };
-            let ep = run_episode(&mut agent, &mut env, reset, &cfg)
-                .await
-                .unwrap();
-            composer_env::Env::close(&mut env).await.unwrap();
-            ep
-        });
-        assert_eq!(ep.final_reward, 1.0, "honest teacher on {id}: {:?}", ep.end);
-        writer
-            .write(&composer_train::tool_env::episode_trace(&ep, "scripted", 1.0).unwrap())
-            .unwrap();
-    }
-    drop(writer);
-
-    // The shipped recipe, pointed at this server, the 8k fixture and the teacher episodes,
-    // shortened to two steps.
     let recipe = recipe_text
         .replace(
             "path = \"../shared/fixtures/hf-tiny/qwen2-tiny\"",
@@ -386,16 +406,52 @@ fn repo_agent_recipe_trains_a_few_steps_with_replayed_teacher_episodes() {
                 Path::new(ROOT).join("crates/model/tests/fixtures/qwen2_5_tools.jinja")
             ),
         )
-        .replace(
-            "# [replay]\n# traces = [\"runs/repo_agent/teacher_episodes.jsonl\"]",
-            &format!("[replay]\ntraces = [{traces:?}]"),
-        )
         .replace("steps = 4", "steps = 2")
         .replace("prompts_per_step = 2", "prompts_per_step = 1")
         .replace("max_turns = 4", "max_turns = 2");
+
+    // Recorded teacher episodes, one per shipped task, in the trace format: the CLI's
+    // scripted honest teacher plays each task on the server with the recipe's chat format.
+    let record_recipe = tmp.path().join("record.toml");
+    std::fs::write(&record_recipe, &recipe).unwrap();
+    let traces = tmp.path().join("teacher_episodes.jsonl");
+    let tasks_dir = Path::new(ROOT).join("crates/env/repo_tasks/tasks");
+    let out = Command::new(env!("CARGO_BIN_EXE_composer-rl"))
+        .args(["record-traces", "--repo-tasks"])
+        .arg(&tasks_dir)
+        .arg("--restore-from")
+        .arg(Path::new(ROOT).join("crates/env/repo_tasks/source"))
+        .arg("--recipe")
+        .arg(&record_recipe)
+        .arg("--out")
+        .arg(&traces)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        recipe.contains("[replay]\ntraces"),
-        "the recipe's [replay] comment changed"
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let n_tasks = std::fs::read_dir(&tasks_dir).unwrap().count();
+    assert!(
+        stdout.contains(&format!(
+            "wrote {n_tasks} teacher episodes ({n_tasks} passed)"
+        )),
+        "{stdout}"
+    );
+    let store = composer_loss::TraceStore::load(&traces).unwrap();
+    assert_eq!(store.traces.len(), n_tasks);
+    for t in &store.traces {
+        assert!(t.passed && t.reward == 1.0 && t.teacher == "scripted-restore");
+        // The tool results between the teacher's turns are masked out of replay.
+        let mask = t.loss_mask.as_ref().expect("a multi-turn trace has a mask");
+        assert!(mask.contains(&0) && mask.contains(&1));
+    }
+
+    let recipe = recipe.replace(
+        "# [replay]\n# traces = [\"runs/repo_agent/teacher_episodes.jsonl\"]",
+        &format!("[replay]\ntraces = [{traces:?}]"),
     );
     let recipe_path = tmp.path().join("repo_agent.toml");
     std::fs::write(&recipe_path, recipe).unwrap();
@@ -427,8 +483,18 @@ fn repo_agent_recipe_trains_a_few_steps_with_replayed_teacher_episodes() {
             assert_eq!(l[key].as_array().map(Vec::len), Some(2), "{key}: {l}");
         }
         assert!(l["env/tool_calls"].is_object(), "{l}");
+        // Every episode is graded, at `submit` or at the turn limit: tests passed and the
+        // verifier wall are there for each.
+        for key in ["env/tests_passed", "env/tests_total", "env/verifier_s"] {
+            assert_eq!(l[key].as_array().map(Vec::len), Some(2), "{key}: {l}");
+        }
         // The teacher episodes cover every task: replay trains on them each step.
         let replay = l["loss/replay"].as_f64().unwrap();
         assert!(replay.is_finite() && replay != 0.0, "{l}");
+        // The fixture never passes, so no peer solution: each sample's hint is the grader's
+        // failure report, and the hint channel trains on it.
+        assert_eq!(l["hint/samples"].as_f64(), Some(2.0), "{l}");
+        let hint = l["loss/hint"].as_f64().unwrap();
+        assert!(hint.is_finite() && hint != 0.0, "{l}");
     }
 }

@@ -249,6 +249,14 @@ pub trait Env: Send {
     }
     /// Releases the env's resources (remote: sends `{"type":"close"}`).
     async fn close(&mut self) -> Result<(), EnvError>;
+    /// Called once when [`crate::run_episode`] cuts an episode short (turn limit or token
+    /// budget) without `done`. An env that grades its episodes grades it now (`REPO_ENV.md`:
+    /// an episode ends at submit, a turn limit or a token budget, and is graded); the
+    /// result's reward, feedback and observation fields become the last turn's. Default:
+    /// nothing to grade (`Ok(None)`).
+    async fn end_truncated(&mut self) -> Result<Option<StepResult>, EnvError> {
+        Ok(None)
+    }
     /// JSON Schema of actions, when known (remote envs: read from `/schema`).
     fn action_schema(&self) -> Option<Value>;
     /// Whether the env takes the model's whole turn as it is, instead of an action parsed

@@ -260,6 +260,32 @@ pub fn parse_action(text: &str, schema: Option<&Value>) -> Result<Value, String>
     }
 }
 
+/// Lets `env` grade an episode cut short after at least one turn ([`Env::end_truncated`]):
+/// the grade's reward, feedback and observation fields go to the last turn and the episode's
+/// final reward. A failing grade makes the episode [`EpisodeEnd::EnvFailed`].
+async fn grade_truncated(env: &mut dyn Env, ep: &mut Episode) {
+    let Some(last) = ep.turns.last_mut() else {
+        return;
+    };
+    match env.end_truncated().await {
+        Ok(None) => {}
+        Ok(Some(r)) => {
+            let reward = r.reward.unwrap_or(0.0);
+            ep.total_reward += reward - last.reward;
+            last.reward = reward;
+            last.feedback = r.feedback;
+            last.observation.extend(r.observation);
+            ep.final_reward = reward;
+        }
+        Err(e) => {
+            ep.end = EpisodeEnd::EnvFailed {
+                kind: e.kind(),
+                message: e.to_string(),
+            };
+        }
+    }
+}
+
 /// Runs one episode of `policy` in `env` (which the caller closes). Env failures end the
 /// episode with [`EpisodeEnd::EnvFailed`]; invalid actions are zero-reward steps with a reason
 /// (the reason is shown to the model as the observation). Errors: only policy failures and
@@ -292,6 +318,7 @@ pub async fn run_episode<P: TurnPolicy + ?Sized>(
         if remaining == 0 {
             ep.truncated = true;
             ep.end = EpisodeEnd::TokenBudget;
+            grade_truncated(env, &mut ep).await;
             return Ok(ep);
         }
         let out = policy.generate_turn(&ep.token_ids, remaining).await?;
@@ -383,6 +410,9 @@ pub async fn run_episode<P: TurnPolicy + ?Sized>(
             } else {
                 EpisodeEnd::MaxTurns
             };
+            if !done {
+                grade_truncated(env, &mut ep).await;
+            }
             return Ok(ep);
         }
         let obs_ids = policy.encode_observation(&turn.observation_text, turn_index + 1);
@@ -390,6 +420,7 @@ pub async fn run_episode<P: TurnPolicy + ?Sized>(
             ep.turns.push(turn);
             ep.truncated = true;
             ep.end = EpisodeEnd::TokenBudget;
+            grade_truncated(env, &mut ep).await;
             return Ok(ep);
         }
         turn.observation_tokens = ep.push_context(&obs_ids);

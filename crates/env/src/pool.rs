@@ -675,6 +675,28 @@ impl Env for PooledEnv {
         }
     }
 
+    async fn end_truncated(&mut self) -> Result<Option<StepResult>, EnvError> {
+        // Grading a cut-short episode is a step (a `submit`), timed and recorded as one.
+        let timeout = self.call_timeout;
+        let start = Instant::now();
+        let result = match tokio::time::timeout(timeout, self.env.end_truncated()).await {
+            Ok(r) => r,
+            Err(_) => Err(EnvError::Timeout {
+                seconds: timeout.as_secs_f64(),
+                during: "grading at the turn limit".into(),
+            }),
+        };
+        let recorded = match &result {
+            Ok(None) => None,
+            Ok(Some(r)) => Some(Ok(r.clone())),
+            Err(e) => Some(Err(e.clone())),
+        };
+        if let Some(r) = recorded {
+            self.record(&r, start.elapsed().as_secs_f64(), true);
+        }
+        result
+    }
+
     async fn close(&mut self) -> Result<(), EnvError> {
         let timeout = self.call_timeout;
         match tokio::time::timeout(timeout, self.env.close()).await {

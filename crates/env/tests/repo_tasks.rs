@@ -44,7 +44,7 @@ fn original(task: &RepoTask) -> (String, String) {
 fn task_for(symbol: &str) -> RepoTask {
     tasks()
         .into_iter()
-        .find(|t| t.spec.removed[0].symbols == [symbol])
+        .find(|t| t.spec.removed[0].kind == "body" && t.spec.removed[0].symbols == [symbol])
         .unwrap_or_else(|| panic!("a task for {symbol}"))
 }
 
@@ -53,6 +53,10 @@ fn shipped_tasks_match_make_tasks() {
     let out = tempfile::tempdir().unwrap();
     let report = make_tasks(&root().join("source"), out.path()).expect("make_tasks works");
     assert!(report.created.len() >= 8, "{report:?}");
+    // One module-deletion task per textkit module besides the function tasks.
+    for module in ["textkit-numbers", "textkit-seqs", "textkit-strings"] {
+        assert!(report.created.iter().any(|c| c == module), "{report:?}");
+    }
     if std::env::var_os("REGENERATE_REPO_TASKS").is_some() {
         let dest = root().join("tasks");
         let _ = std::fs::remove_dir_all(&dest);
@@ -68,9 +72,13 @@ fn shipped_tasks_match_make_tasks() {
 fn honest(task: &RepoTask) -> f64 {
     let mut ep = episode(task);
     let (file, text) = original(task);
-    assert!(call(&mut ep, "list_files", json!({}))
-        .unwrap()
-        .contains(&file));
+    let listed = call(&mut ep, "list_files", json!({})).unwrap();
+    // A body task's file is there (broken); a file task's file is gone.
+    assert_eq!(
+        listed.lines().any(|l| l == file),
+        task.spec.removed[0].kind == "body",
+        "{listed}"
+    );
     let before = call(&mut ep, "run_tests", json!({})).unwrap();
     assert!(before.contains("FAIL"), "{before}");
     call(
@@ -483,6 +491,10 @@ fn task_files_with_errors_are_refused_with_the_file_and_key() {
                 "source_files = [\"../x.py\"]",
             ),
             "source_files",
+        ),
+        (
+            good.replace("file = \"textkit/seqs.py\"", "file = \"../seqs.py\""),
+            "removed.file",
         ),
         (
             good.replacen(&format!("id = \"{}\"", src.id()), "id = \"other\"", 1),

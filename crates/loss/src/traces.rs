@@ -46,6 +46,11 @@ pub struct Trace {
     pub reward: f64,
     /// Whether it passed the verifier.
     pub passed: bool,
+    /// Per completion position: 1 = the teacher's token (trained on), 0 = an environment
+    /// token (a tool result between the turns of a multi-turn episode: never trained on).
+    /// Absent: every position is the teacher's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_mask: Option<Vec<u8>>,
 }
 
 impl Trace {
@@ -88,6 +93,20 @@ impl Trace {
                 return Err(format!(
                     "position {pos}: `topk_logprobs` sum to probability {mass} > 1"
                 ));
+            }
+        }
+        if let Some(mask) = &self.loss_mask {
+            if mask.len() != t {
+                return Err(format!(
+                    "`loss_mask` has {} entries, `completion_ids` has {t} tokens",
+                    mask.len()
+                ));
+            }
+            if let Some(pos) = mask.iter().position(|&m| m > 1) {
+                return Err(format!("position {pos}: `loss_mask` values must be 0 or 1"));
+            }
+            if !mask.contains(&1) {
+                return Err("`loss_mask` masks every position".into());
             }
         }
         if !self.reward.is_finite() {
@@ -259,7 +278,8 @@ pub struct TopkBatch {
     pub topk_ids: Tensor,
     /// `[B, T, K]` recorded teacher log-probs (0 on padding).
     pub teacher_topk_logprobs: Tensor,
-    /// `[B, T]` 0/1 mask of real completion positions.
+    /// `[B, T]` 0/1 mask of the teacher's completion positions (not padding, not masked
+    /// environment tokens).
     pub loss_mask: Tensor,
     /// Teacher name per trace.
     pub teachers: Vec<String>,
@@ -291,7 +311,10 @@ pub fn collate_topk(traces: &[&Trace], device: &Device, dtype: DType) -> Result<
             let o = (i * t + j) * k;
             ids[o..o + k].copy_from_slice(ri);
             lps[o..o + k].copy_from_slice(rl);
-            mask[i * t + j] = 1.0;
+            mask[i * t + j] = match &tr.loss_mask {
+                Some(m) => f32::from(m[j]),
+                None => 1.0,
+            };
         }
     }
     Ok(TopkBatch {

@@ -13,6 +13,7 @@ fn trace(teacher: &str, prompt: &[u32], passed: bool) -> Trace {
         topk_logprobs: vec![vec![-0.1, -2.5], vec![-0.5, -1.0], vec![-0.7, -0.9]],
         reward: if passed { 1.0 } else { 0.0 },
         passed,
+        loss_mask: None,
     }
 }
 
@@ -66,6 +67,42 @@ fn collate_pads_and_masks() {
     c.topk_logprobs = vec![vec![-0.1]; 3];
     let err = collate_topk(&[&a, &c], &Device::Cpu, DType::F32).unwrap_err();
     assert!(err.to_string().contains("trace 1 has K = 1"), "{err}");
+}
+
+#[test]
+fn loss_mask_masks_environment_tokens_and_round_trips() {
+    // A multi-turn teacher episode: position 1 is a tool result, never trained on.
+    let mut a = trace("a", &[1], true);
+    a.loss_mask = Some(vec![1, 0, 1]);
+    let batch = collate_topk(&[&a], &Device::Cpu, DType::F64).unwrap();
+    assert_eq!(batch.loss_mask.to_vec2::<f64>().unwrap(), [[1.0, 0.0, 1.0]]);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.jsonl");
+    let mut w = TraceWriter::create(&path).unwrap();
+    w.write(&a).unwrap();
+    w.write(&trace("b", &[1], true)).unwrap();
+    w.flush().unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    // A trace without a mask is written as before (older readers still read it).
+    assert!(
+        !text.lines().nth(1).unwrap().contains("loss_mask"),
+        "{text}"
+    );
+    let store = TraceStore::load(&path).unwrap();
+    assert_eq!(store.traces[0].loss_mask.as_deref(), Some(&[1u8, 0, 1][..]));
+    assert_eq!(store.traces[1].loss_mask, None);
+    // Bad masks are refused with the field named.
+    for (mask, what) in [
+        (vec![1, 0], "has 2 entries"),
+        (vec![1, 2, 1], "0 or 1"),
+        (vec![0, 0, 0], "masks every position"),
+    ] {
+        let mut t = trace("t", &[1], true);
+        t.loss_mask = Some(mask);
+        let err = t.validate().unwrap_err();
+        assert!(err.contains("loss_mask") || err.contains(what), "{err}");
+        assert!(err.contains(what), "{err}");
+    }
 }
 
 /// Write `lines` to a file and return the load error.

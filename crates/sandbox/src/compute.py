@@ -4,77 +4,8 @@
 # tagged encoding on fd 3. The expected values never reach this process; the tests run in a
 # separate trusted process that compares the decoded values, so whatever this process writes is
 # at most a claim about what the function returned.
-import builtins
-import json
-import os
-import sys
-
-if hasattr(sys, "set_int_max_str_digits"):
-    sys.set_int_max_str_digits(0)
-
+# (Follows the plain_values.py prelude: enc, dec, send, describe, failed_reply.)
 OUT = 3
-MAX_DEPTH = 200
-
-
-def send(obj):
-    data = (json.dumps(obj) + "\n").encode("utf-8", "replace")
-    while data:
-        data = data[os.write(OUT, data):]
-
-
-def enc(v, depth=0):
-    """Exact built-in types only: no subclasses, so no custom __eq__ ever leaves here."""
-    if depth > MAX_DEPTH:
-        raise ValueError("value nested too deeply")
-    t = type(v)
-    if v is None or t is bool or t is int or t is float or t is str:
-        return v
-    if t is list or t is tuple or t is set or t is frozenset:
-        items = [enc(x, depth + 1) for x in v]
-        return [t.__name__, items]
-    if t is dict:
-        return ["dict", [[enc(k, depth + 1), enc(x, depth + 1)] for k, x in v.items()]]
-    if t is bytes:
-        return ["bytes", v.hex()]
-    raise TypeError(
-        "the function returned a value of type %s; only plain built-in types "
-        "(None, bool, int, float, str, bytes, list, tuple, dict, set, frozenset) are accepted"
-        % t.__name__
-    )
-
-
-def dec(x):
-    t = type(x)
-    if x is None or t is bool or t is int or t is float or t is str:
-        return x
-    if t is list and len(x) == 2 and type(x[0]) is str and type(x[1]) is list:
-        tag, items = x
-        if tag == "list":
-            return [dec(i) for i in items]
-        if tag == "tuple":
-            return tuple(dec(i) for i in items)
-        if tag == "set":
-            return {dec(i) for i in items}
-        if tag == "frozenset":
-            return frozenset(dec(i) for i in items)
-        if tag == "dict":
-            return {dec(k): dec(v) for k, v in items}
-    if t is list and len(x) == 2 and x[0] == "bytes" and type(x[1]) is str:
-        return bytes.fromhex(x[1])
-    raise ValueError("malformed value")
-
-
-def exc_type(exc):
-    for k in type(exc).__mro__:
-        if getattr(builtins, k.__name__, None) is k:
-            return k.__name__
-    return "Exception"
-
-
-def describe(exc):
-    import traceback
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    return text[-2000:]
 
 
 def main():
@@ -112,12 +43,7 @@ def main():
                 after = None
             reply = {"id": rid, "ok": True, "value": value, "args": after}
         except BaseException as exc:
-            try:
-                exc_args = [enc(a) for a in exc.args][:8]
-            except BaseException:
-                exc_args = None
-            reply = {"id": rid, "ok": False, "type": exc_type(exc), "error": describe(exc),
-                     "args": exc_args}
+            reply = failed_reply(rid, exc)
         send(reply)
 
 

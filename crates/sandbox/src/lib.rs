@@ -201,10 +201,19 @@ pub(crate) fn exec_result(run: RawRun) -> ExecResult {
     }
 }
 
+/// The plain-value encoding shared by every judge and compute harness (this crate's and the
+/// repository grader's in composer-env): exact built-in types only, fresh objects on decode,
+/// the judge-side re-raise of a call's exception. Prepend it with [`with_plain_values`].
+pub const PLAIN_VALUES_PY: &str = include_str!("plain_values.py");
 /// The candidate-side harness (untrusted once the candidate is loaded: it only computes).
 const COMPUTE_PY: &str = include_str!("compute.py");
 /// The trusted judge: runs the tests against a proxy of the entry point.
 const JUDGE_PY: &str = include_str!("judge.py");
+
+/// A harness script: [`PLAIN_VALUES_PY`] followed by `script` (which sets `OUT`).
+pub fn with_plain_values(script: &str) -> String {
+    format!("{PLAIN_VALUES_PY}\n{script}")
+}
 /// Extra wall-clock time of the judge over the candidate's limit (it outlives the candidate
 /// so that it can record the failures after a timeout).
 const JUDGE_EXTRA: Duration = Duration::from_secs(5);
@@ -284,7 +293,8 @@ fn run_grading(code: &str, task: &CodeTask, limits: &SandboxLimits) -> Grading {
         Ok(d) => d,
         Err(e) => return fail(g, format!("{e:#}")),
     };
-    for (name, text) in [("compute.py", COMPUTE_PY), ("solution.py", code)] {
+    let compute = with_plain_values(COMPUTE_PY);
+    for (name, text) in [("compute.py", compute.as_str()), ("solution.py", code)] {
         if let Err(e) = cand_dirs.write_file(name, text.as_bytes()) {
             return fail(g, format!("{e:#}"));
         }
@@ -330,7 +340,7 @@ fn run_grading(code: &str, task: &CodeTask, limits: &SandboxLimits) -> Grading {
             ..limits.clone()
         };
         let judge = exec::SandboxDirs::new(mode).and_then(|d| {
-            d.write_file("judge.py", JUDGE_PY.as_bytes())?;
+            d.write_file("judge.py", with_plain_values(JUDGE_PY).as_bytes())?;
             Ok(d)
         });
         let spawned = judge.map_err(|e| format!("{e:#}")).and_then(|d| {

@@ -500,3 +500,39 @@ fn capabilities_are_reported() {
         );
     }
 }
+
+#[test]
+fn plain_values_round_trip_and_subclasses_are_refused() {
+    // The one encoding both graders use (src/plain_values.py): non-finite floats, sets, bytes,
+    // nested containers and a raised exception's args reach the judge as genuine built-ins.
+    let t = CodeTask {
+        id: "plain/values".into(),
+        prompt: "values".into(),
+        entry_point: "f".into(),
+        tests: vec![
+            "import math\nassert math.isnan(f('nan')) and f('inf') == float('inf')".into(),
+            "assert f('set') == {3, 1, 2} and type(f('set')) is set".into(),
+            "assert f('nested') == {'k': (b'\\x00\\xff', frozenset({1}), [None, True])}".into(),
+            "try:\n    f('raise')\nexcept KeyError as e:\n    assert e.args == ('missing', 7)\n\
+             else:\n    assert False"
+                .into(),
+        ],
+    };
+    let honest = "def f(kind):\n    if kind in ('nan', 'inf'):\n        return float(kind)\n\
+                  \x20   if kind == 'set':\n        return {1, 2, 3}\n\
+                  \x20   if kind == 'nested':\n        return {'k': (b'\\x00\\xff', frozenset({1}), [None, True])}\n\
+                  \x20   raise KeyError('missing', 7)\n";
+    let r = grade(honest, &t, &limits(), RewardMode::FractionPassed);
+    assert_eq!((r.passed, r.total), (4, 4), "{r:#?}");
+    // An int subclass equal to everything is not a plain value: every call fails.
+    let cheat = "class Any(int):\n    def __eq__(self, o):\n        return True\n\
+                 \x20   __hash__ = int.__hash__\n\
+                 def f(kind):\n    return Any(0)\n";
+    let r = grade(cheat, &t, &limits(), RewardMode::FractionPassed);
+    assert_eq!(r.passed, 0, "{r:#?}");
+    assert!(
+        r.feedback.contains("not a plain built-in value"),
+        "{}",
+        r.feedback
+    );
+}

@@ -207,12 +207,48 @@ impl TurnPolicy for ModelTurnPolicy<'_> {
     }
 
     fn encode_observation(&self, text: &str, turn: usize) -> Vec<u32> {
-        let template = if turn == 0 {
-            self.prompt_template
-        } else {
-            self.observation_template
-        };
-        self.encode(&template.replace("{observation}", text))
+        self.encode(&wrap_observation(
+            self.prompt_template,
+            self.observation_template,
+            text,
+            turn,
+        ))
+    }
+}
+
+/// An env observation as the policy sees it: the reset observation (`turn` 0) in
+/// `[env] prompt_template`, later ones in `[env] observation_template`.
+pub fn wrap_observation(
+    prompt_template: &str,
+    observation_template: &str,
+    text: &str,
+    turn: usize,
+) -> String {
+    let template = if turn == 0 {
+        prompt_template
+    } else {
+        observation_template
+    };
+    template.replace("{observation}", text)
+}
+
+/// The server URL(s) of an OpenEnv `[env]` section: `url`, else the variable `url_env` names.
+pub fn server_url(section: &EnvSection) -> Result<String> {
+    match (&section.url, &section.url_env) {
+        (Some(u), _) => Ok(u.clone()),
+        (None, Some(var)) => std::env::var(var)
+            .with_context(|| format!("key `[env] url_env`: environment variable {var} is not set")),
+        (None, None) => bail!("key `[env] url`: kind = {:?} needs `url`", section.kind),
+    }
+}
+
+/// The client settings of an OpenEnv `[env]` section (its timeouts).
+pub fn client_config(section: &EnvSection) -> OpenEnvClientConfig {
+    OpenEnvClientConfig {
+        connect_timeout: Duration::from_secs_f64(section.connect_timeout_s),
+        call_timeout: Duration::from_secs_f64(section.call_timeout_s),
+        http_timeout: Duration::from_secs_f64(section.connect_timeout_s),
+        ..Default::default()
     }
 }
 
@@ -326,19 +362,8 @@ impl EnvRollout {
                 let tool_chat = (section.kind == "openenv_tools")
                     .then(|| crate::tool_env::tool_chat_for(section, chat_template))
                     .transpose()?;
-                let url = match (&section.url, &section.url_env) {
-                    (Some(u), _) => u.clone(),
-                    (None, Some(var)) => std::env::var(var).with_context(|| {
-                        format!("key `[env] url_env`: environment variable {var} is not set")
-                    })?,
-                    (None, None) => bail!("key `[env] url`: kind = \"openenv\" needs `url`"),
-                };
-                let config = OpenEnvClientConfig {
-                    connect_timeout: Duration::from_secs_f64(section.connect_timeout_s),
-                    call_timeout: Duration::from_secs_f64(section.call_timeout_s),
-                    http_timeout: Duration::from_secs_f64(section.connect_timeout_s),
-                    ..Default::default()
-                };
+                let url = server_url(section)?;
+                let config = client_config(section);
                 // Several servers, comma-separated: one pool, `max_concurrent` on each.
                 let mut servers = Vec::new();
                 for one in url.split(',').map(str::trim).filter(|u| !u.is_empty()) {

@@ -18,6 +18,7 @@ pub mod env_rollout;
 pub mod model;
 pub mod optim;
 pub mod recipe;
+pub mod record_episodes;
 pub mod record_traces;
 pub mod replay;
 pub mod rewards;

@@ -112,6 +112,7 @@ pub fn record_traces(o: &RecordTracesOptions) -> Result<RecordSummary> {
                     topk_logprobs,
                     reward: r,
                     passed,
+                    loss_mask: None,
                 })
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             summary.traces += 1;

@@ -164,7 +164,13 @@ pub fn micro_loss(
                 )
             })
             .collect();
-        let ttb = batch::token_batch(&trace_pairs, s.eos, &dev)?;
+        let mut ttb = batch::token_batch(&trace_pairs, s.eos, &dev)?;
+        // A multi-turn teacher episode's tool results are the environment's: not trained.
+        let trace_masks: Vec<Option<&[u8]>> = trace_ids
+            .iter()
+            .map(|&t| s.traces[t].loss_mask.as_deref())
+            .collect();
+        mask_completions(&mut ttb, &trace_masks)?;
         let mut replay = ReplayInputs::default();
         // The student's log-probs at the teachers' recorded top-K ids come out of the same
         // fused pass as the trace tokens' log-probs.
@@ -284,22 +290,31 @@ fn rollout_batch_tensors(s: &Session, samples: &[&Rollout]) -> Result<TokenBatch
         .collect();
     let dev = s.model.device();
     let mut tb = batch::token_batch(&pairs, s.eos, dev)?;
-    if samples.iter().any(|x| x.loss_mask.is_some()) {
-        let (b, l) = tb.input.dims2()?;
-        let mut keep = vec![1f32; b * l];
-        for (r, smp) in samples.iter().enumerate() {
-            if let Some(mask) = &smp.loss_mask {
-                for (k, &pos) in tb.completion_positions[r].iter().enumerate() {
-                    if mask.get(k) == Some(&0) {
-                        keep[pos] = 0.0;
-                    }
+    let masks: Vec<Option<&[u8]>> = samples.iter().map(|x| x.loss_mask.as_deref()).collect();
+    mask_completions(&mut tb, &masks)?;
+    Ok(tb)
+}
+
+/// Zeroes `tb.mask` at the completion positions a per-row completion mask marks 0 (the
+/// environment's tokens of a multi-turn episode: a rollout's or a teacher trace's).
+fn mask_completions(tb: &mut TokenBatch, masks: &[Option<&[u8]>]) -> Result<()> {
+    if masks.iter().all(Option::is_none) {
+        return Ok(());
+    }
+    let (b, l) = tb.input.dims2()?;
+    let mut keep = vec![1f32; b * l];
+    for (r, mask) in masks.iter().enumerate() {
+        if let Some(mask) = mask {
+            for (k, &pos) in tb.completion_positions[r].iter().enumerate() {
+                if mask.get(k) == Some(&0) {
+                    keep[pos] = 0.0;
                 }
             }
         }
-        let keep = Tensor::from_vec(keep, (b, l), dev)?.to_dtype(tb.mask.dtype())?;
-        tb.mask = (&tb.mask * keep)?;
     }
-    Ok(tb)
+    let keep = Tensor::from_vec(keep, (b, l), tb.input.device())?.to_dtype(tb.mask.dtype())?;
+    tb.mask = (&tb.mask * keep)?;
+    Ok(())
 }
 
 /// Passing traces of the micro-batch's prompts (each prompt's group once).
@@ -419,4 +434,33 @@ fn recorded_topk(s: &Session, trace_ids: &[usize], ttb: &TokenBatch) -> Result<(
         Tensor::from_vec(ids, (bt, lt, kmax), dev)?,
         Tensor::from_vec(tlps, (bt, lt, kmax), dev)?,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completion_masks_zero_only_the_marked_positions() {
+        // Row 0: a multi-turn trace whose second completion token is a tool result; row 1:
+        // no mask (every completion token trained).
+        let pairs: Vec<(&[u32], &[u32])> = vec![(&[1, 2], &[3, 4, 5]), (&[1], &[6, 7])];
+        let mut tb = batch::token_batch(&pairs, 0, &candle_core::Device::Cpu).unwrap();
+        let before = tb.mask.to_vec2::<f32>().unwrap();
+        mask_completions(&mut tb, &[Some(&[1, 0, 1]), None]).unwrap();
+        let after = tb.mask.to_vec2::<f32>().unwrap();
+        let l = tb.len;
+        let masked = tb.completion_positions[0][1];
+        for (r, row) in after.iter().enumerate() {
+            for (j, &v) in row.iter().enumerate() {
+                let want = if r * l + j == masked {
+                    0.0
+                } else {
+                    before[r][j]
+                };
+                assert_eq!(v, want, "row {r} position {j}");
+            }
+        }
+        assert_eq!(after.iter().flatten().sum::<f32>(), 4.0);
+    }
 }

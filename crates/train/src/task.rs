@@ -86,6 +86,7 @@ pub fn scripted_trace(
         topk_logprobs,
         reward: 1.0,
         passed: true,
+        loss_mask: None,
     }
 }
 

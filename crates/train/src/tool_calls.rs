@@ -33,6 +33,18 @@ pub struct ToolCall {
     pub arguments: Value,
 }
 
+/// A tool call as a model writes it (`<tool_call>\n{"name": …, "arguments": …}\n</tool_call>`),
+/// the form [`parse_tool_calls`] reads back (scripted teachers write their turns with it).
+/// `<` is written `\u003c` (the same JSON string), so an argument holding `</tool_call>`
+/// (say, a file that mentions the format) cannot end the call early.
+pub fn format_tool_call(name: &str, arguments: &Value) -> String {
+    // Outside strings JSON has no `<`, so this only rewrites string contents.
+    let body = serde_json::json!({"name": name, "arguments": arguments})
+        .to_string()
+        .replace('<', "\\u003c");
+    format!("{CALL_OPEN}\n{body}\n{CALL_CLOSE}")
+}
+
 /// Parses every `<tool_call>…</tool_call>` block of a model turn, in order. Each is a call
 /// or the reason it is malformed (not JSON, no `name`, `arguments` not an object, no closing
 /// tag). A turn without blocks gives an empty list.
@@ -133,6 +145,11 @@ impl ToolChat {
         m
     }
 
+    /// The template's end-of-turn token (the stop token a model's turn ends with).
+    pub fn eos_token(&self) -> &str {
+        &self.template.eos_token
+    }
+
     /// The episode's prompt: the system message, the tools and the task as the user
     /// message, then the assistant header.
     pub fn prompt(&self, task: &str, tools: &[Value]) -> Result<String> {
@@ -180,6 +197,31 @@ impl ToolChat {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn formatted_calls_parse_back() {
+        // Content with the closing tag's characters, quotes and newlines survives (JSON-escaped).
+        let args = json!({"path": "a.py", "content": "x = \"</tool\"\n# </tool_call>?\n"});
+        let text = format!(
+            "{}\n{}",
+            format_tool_call("write_file", &args),
+            format_tool_call("submit", &json!({}))
+        );
+        let calls = parse_tool_calls(&text);
+        assert_eq!(
+            calls,
+            vec![
+                Ok(ToolCall {
+                    name: "write_file".into(),
+                    arguments: args
+                }),
+                Ok(ToolCall {
+                    name: "submit".into(),
+                    arguments: json!({})
+                })
+            ]
+        );
+    }
 
     #[test]
     fn parses_several_calls_and_reports_malformed_ones() {

@@ -48,6 +48,10 @@ pub struct ToolEpisodeStats {
     pub tool_s: f64,
     /// Seconds of the call that ended the episode (grading: the verifier wall).
     pub verifier_s: Option<f64>,
+    /// Whether the episode was graded by the runner's `submit` at the turn limit or token
+    /// budget (the agent never submitted).
+    #[serde(default)]
+    pub graded_at_limit: bool,
 }
 
 impl ToolEpisodeStats {
@@ -56,6 +60,9 @@ impl ToolEpisodeStats {
         serde_json::from_value(obs.get(STATS_KEY)?.clone()).ok()
     }
 }
+
+/// The tool that ends and grades an episode (`REPO_ENV.md`).
+const SUBMIT_TOOL: &str = "submit";
 
 /// Error classes a server reports for a call the agent got wrong.
 const AGENT_ERRORS: [&str; 2] = ["tool_not_found", "invalid_args"];
@@ -230,6 +237,38 @@ impl<E: ToolEnv> Env for ToolChatEnv<E> {
         self.inner.close().await
     }
 
+    /// An episode cut short by the turn limit or token budget is graded as `REPO_ENV.md`
+    /// says: when the server lists a `submit` tool that takes no required arguments, it is
+    /// called (not counted as the agent's call); its reward and report end the episode.
+    async fn end_truncated(&mut self) -> Result<Option<StepResult>, EnvError> {
+        let submit = self.tools.iter().find(|t| t.name == SUBMIT_TOOL);
+        let Some(submit) = submit else {
+            return Ok(None);
+        };
+        if !validate_action(&submit.input_schema, &json!({})).is_empty() {
+            return Ok(None);
+        }
+        let t0 = Instant::now();
+        let out = self.inner.call_tool(SUBMIT_TOOL, json!({})).await?;
+        let wall = t0.elapsed().as_secs_f64();
+        self.stats.tool_s += wall;
+        if !out.done {
+            return Ok(None);
+        }
+        self.stats.verifier_s = Some(wall);
+        self.stats.tests = out.tests_passed();
+        self.stats.graded_at_limit = true;
+        let mut observation = Map::new();
+        observation.insert(STATS_KEY.into(), json!(self.stats));
+        Ok(Some(StepResult {
+            observation,
+            text: out.text.clone(),
+            reward: out.reward,
+            done: true,
+            feedback: Some(out.text),
+        }))
+    }
+
     fn action_schema(&self) -> Option<Value> {
         Some(
             json!({"type": "object", "properties": {"text": {"type": "string"},
@@ -381,10 +420,10 @@ pub fn tool_chat_for(
 
 /// A recorded teacher episode in the replay channel's trace format: prompt = the episode's
 /// rendered prompt tokens, completion = everything after it (the teacher's turns and the
-/// tool results between them; the trace format has no loss mask, so replay also fits the
-/// tool results), each position's top-1 = the recorded token with log-prob 0 (a scripted or
-/// greedy teacher, certain of its tokens), reward = the episode's final reward. None for an
-/// episode without a completion (failed before the first turn).
+/// tool results between them), with the episode's loss mask (tool results 0: replay never
+/// fits the environment's tokens), each position's top-1 = the recorded token with log-prob
+/// 0 (a scripted or greedy teacher, certain of its tokens), reward = the episode's final
+/// reward. None for an episode without a completion (failed before the first turn).
 pub fn episode_trace(
     ep: &composer_env::Episode,
     teacher: &str,
@@ -395,6 +434,7 @@ pub fn episode_trace(
         return None;
     }
     let completion: Vec<u32> = ep.token_ids[p..].to_vec();
+    let mask: Vec<u8> = ep.loss_mask[p..].to_vec();
     Some(crate::replay::TeacherTrace {
         teacher: teacher.to_string(),
         prompt_ids: ep.token_ids[..p].to_vec(),
@@ -403,6 +443,7 @@ pub fn episode_trace(
         completion_ids: completion,
         reward: ep.final_reward,
         passed: ep.final_reward >= pass_reward - 1e-9,
+        loss_mask: mask.contains(&0).then_some(mask),
     })
 }
 
@@ -458,6 +499,7 @@ mod tests {
             tests: Some((3, 4)),
             tool_s: 1.5,
             verifier_s: Some(1.0),
+            graded_at_limit: false,
         };
         let ungraded = ToolEpisodeStats {
             tool_calls: [("read_file".to_string(), 1)].into(),
@@ -494,6 +536,8 @@ mod tests {
         assert_eq!(t.prompt_ids, vec![0, 1, 2]);
         assert_eq!(t.completion_ids, vec![3, 4, 5, 6]);
         assert_eq!(t.recorded_token_logprobs(), Some(vec![0.0; 4]));
+        // The tool results (observation tokens) are masked out of replay.
+        assert_eq!(t.loss_mask, Some(vec![1, 0, 1, 0]));
         assert!(!t.passed && t.reward == 0.5);
         let mut empty = ep.clone();
         empty.token_ids.truncate(3);

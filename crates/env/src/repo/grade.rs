@@ -37,12 +37,14 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use composer_sandbox::{NetworkPolicy, Outcome, Sandbox, SandboxLimits};
+use composer_sandbox::{with_plain_values, NetworkPolicy, Outcome, Sandbox, SandboxLimits};
 use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::task::{RepoRewardMode, RepoTask};
 
+/// The judge and compute harnesses; each runs after composer-sandbox's plain-value prelude
+/// (one encoding for both graders).
 const JUDGE_PY: &str = include_str!("judge.py");
 const COMPUTE_PY: &str = include_str!("compute.py");
 /// Judge/compute rounds before the remaining pending tests fail.
@@ -203,6 +205,21 @@ pub fn repo_modules(repo: &Path) -> Result<Vec<String>> {
     Ok(names)
 }
 
+/// The repository modules of a task: those of its `repo/` plus the top-level names of files
+/// it deleted whole (`kind = "file"`), which the candidate restores. Only names the trusted
+/// task file gives count: a module the candidate adds under another name (say `math.py`)
+/// never stands in for a standard library module the hidden tests use.
+pub fn task_modules(task: &RepoTask) -> Result<Vec<String>> {
+    let mut names = repo_modules(&task.repo_dir())?;
+    for r in task.spec.removed.iter().filter(|r| r.kind == "file") {
+        let top = r.file.split('/').next().unwrap_or(&r.file);
+        names.push(top.strip_suffix(".py").unwrap_or(top).to_string());
+    }
+    names.sort();
+    names.dedup();
+    Ok(names)
+}
+
 /// The `*.py` files of a hidden-test directory as `(name, source)`, sorted.
 pub fn read_test_files(dir: &Path) -> Result<Vec<(String, String)>> {
     let mut out = Vec::new();
@@ -237,13 +254,14 @@ pub fn run_hidden_tests(
 ) -> Result<Vec<(String, bool, String)>> {
     let deadline = Instant::now() + budget;
     let judge = Sandbox::new(limits(Duration::from_secs(30)))?;
+    let judge_py = with_plain_values(JUDGE_PY);
     let mut memo: BTreeMap<String, Vec<Value>> = BTreeMap::new();
     let mut verdicts: Vec<(String, bool, String)> = Vec::new();
     for _round in 0..MAX_ROUNDS {
         let spec = json!({"modules": modules, "files": files, "memo": memo});
         let remaining = deadline.saturating_duration_since(Instant::now());
         let run = judge.run(
-            &["python3", "-I", "-S", "-B", "-c", JUDGE_PY],
+            &["python3", "-I", "-S", "-B", "-c", &judge_py],
             format!("{spec}\n").as_bytes(),
             remaining.clamp(Duration::from_secs(5), Duration::from_secs(30)),
         );
@@ -324,8 +342,9 @@ fn compute(
         })
         .collect();
     let per_call = format!("{:.1}", budget.as_secs_f64().min(10.0));
+    let compute_py = with_plain_values(COMPUTE_PY);
     let run = code.run(
-        &["python3", "-I", "-S", "-B", "-c", COMPUTE_PY, &per_call],
+        &["python3", "-I", "-S", "-B", "-c", &compute_py, &per_call],
         Value::Array(requests).to_string().as_bytes(),
         budget,
     );
@@ -359,7 +378,7 @@ fn grade_inner(task: &RepoTask, working: &Path) -> Result<RepoGrade> {
     code.copy_tree_from(&task.repo_dir(), "")?;
     let refs: Vec<&str> = selected.iter().map(String::as_str).collect();
     code.copy_files_from(working, &refs)?;
-    let modules = repo_modules(&task.repo_dir())?;
+    let modules = task_modules(task)?;
     let files = read_test_files(&task.hidden_tests_dir())?;
     let verdicts = run_hidden_tests(&code, &modules, &files, budget)?;
     Ok(score(&verdicts, task.spec.grade.reward))

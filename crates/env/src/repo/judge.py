@@ -5,81 +5,10 @@
 # parent has the candidate compute it in its own sandbox and runs the judge again. Answers are
 # decoded into fresh built-in objects, so every assert compares genuine values here, in a
 # process the candidate never reaches. Verdict lines go to the saved stdout descriptor.
-import builtins
-import json
-import os
-import sys
-
-if hasattr(sys, "set_int_max_str_digits"):
-    sys.set_int_max_str_digits(0)
-
+# (Follows composer-sandbox's plain_values.py prelude: enc, dec, send, describe, answer,
+# CodeCallFailed.)
 OUT = os.dup(1)
 os.dup2(2, 1)
-MAX_DEPTH = 200
-
-
-def send(obj):
-    data = (json.dumps(obj) + "\n").encode("utf-8", "replace")
-    while data:
-        data = data[os.write(OUT, data):]
-
-
-def enc(v, depth=0):
-    if depth > MAX_DEPTH:
-        raise ValueError("argument nested too deeply")
-    t = type(v)
-    if v is None or t is bool or t is int or t is str:
-        return v
-    if t is float:
-        return v if v == v and v not in (float("inf"), float("-inf")) else ["float", repr(v)]
-    if t is list or t is tuple:
-        return [t.__name__, [enc(x, depth + 1) for x in v]]
-    if t is set or t is frozenset:
-        items = [enc(x, depth + 1) for x in v]
-        items.sort(key=lambda i: json.dumps(i, sort_keys=True))
-        return [t.__name__, items]
-    if t is dict:
-        return ["dict", [[enc(k, depth + 1), enc(x, depth + 1)] for k, x in v.items()]]
-    if t is bytes:
-        return ["bytes", v.hex()]
-    if isinstance(v, Ref):
-        raise TypeError("a repository object cannot be passed as an argument")
-    raise TypeError("test argument of type %s cannot be passed to the code" % t.__name__)
-
-
-def dec(x, depth=0):
-    if depth > MAX_DEPTH:
-        raise ValueError("value nested too deeply")
-    t = type(x)
-    if x is None or t is bool or t is int or t is float or t is str:
-        return x
-    if t is list and len(x) == 2 and type(x[0]) is str:
-        tag, items = x
-        if tag == "bytes" and type(items) is str:
-            return bytes.fromhex(items)
-        if tag == "float" and items in ("nan", "inf", "-inf"):
-            return float(items)
-        if type(items) is list:
-            if tag == "list":
-                return [dec(i, depth + 1) for i in items]
-            if tag == "tuple":
-                return tuple(dec(i, depth + 1) for i in items)
-            if tag == "set":
-                return {dec(i, depth + 1) for i in items}
-            if tag == "frozenset":
-                return frozenset(dec(i, depth + 1) for i in items)
-            if tag == "dict":
-                out = {}
-                for pair in items:
-                    if type(pair) is not list or len(pair) != 2:
-                        raise ValueError("malformed dict entry")
-                    out[dec(pair[0], depth + 1)] = dec(pair[1], depth + 1)
-                return out
-    raise ValueError("malformed value from the code")
-
-
-class CodeCallFailed(Exception):
-    pass
 
 
 class Pending(BaseException):
@@ -121,31 +50,8 @@ class Ref:
         return answer(known.get("res"))
 
 
-def answer(reply):
-    if type(reply) is not dict:
-        raise CodeCallFailed("no answer from the code")
-    if reply.get("ok") is True:
-        return dec(reply.get("value"))
-    message = reply.get("error")
-    message = message if type(message) is str else "the call failed"
-    name = reply.get("type")
-    cls = getattr(builtins, name, None) if type(name) is str else None
-    # Exceptions with control-flow meaning are not re-raised: a StopIteration would end
-    # `all(map(f, xs))` early, an AttributeError would make `hasattr` False.
-    if (isinstance(cls, type) and issubclass(cls, Exception)
-            and not issubclass(cls, (StopIteration, StopAsyncIteration, AttributeError))):
-        raise cls(message[:2000])
-    raise CodeCallFailed(message[:2000])
-
-
 STATE = {"calls": 0, "memo": [], "pending": None}
 REAL_IMPORT = builtins.__import__
-
-
-def describe(exc):
-    import traceback
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    return text[-2000:]
 
 
 def main():

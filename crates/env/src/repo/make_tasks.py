@@ -1,6 +1,7 @@
 # composer-env make-tasks scanner: prints JSON describing the repository in the working
-# directory: top-level functions of non-test modules (with their body's line range) and the
-# test functions of test modules (with their line range and the names they reference).
+# directory: top-level functions of non-test modules (with their body's line range), each
+# non-test module's public API (for module-deletion tasks) and the test functions of test
+# modules (with their line range and the names they reference).
 import ast
 import json
 import os
@@ -11,8 +12,28 @@ def is_test_file(rel):
     return base.startswith("test_") or "/tests/" in "/" + rel
 
 
+def api_of(tree):
+    api = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            kw = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
+            sig = "%s %s(%s)" % (kw, node.name, ast.unparse(node.args))
+            if node.returns is not None:
+                sig += " -> " + ast.unparse(node.returns)
+        elif isinstance(node, ast.ClassDef):
+            bases = ", ".join(ast.unparse(b) for b in node.bases + node.keywords)
+            sig = "class %s(%s)" % (node.name, bases) if bases else "class " + node.name
+        else:
+            continue
+        if node.name.startswith("_"):
+            continue
+        api.append({"name": node.name, "signature": sig,
+                    "doc": ast.get_docstring(node) or ""})
+    return api
+
+
 def main():
-    functions, tests, headers = [], [], {}
+    functions, tests, headers, modules = [], [], {}, []
     for dirpath, dirnames, filenames in os.walk("."):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for fn in sorted(filenames):
@@ -39,6 +60,9 @@ def main():
                         header.append([start, node.end_lineno])
                 headers[rel] = header
                 continue
+            if os.path.basename(rel) != "__init__.py":
+                modules.append({"file": rel, "doc": ast.get_docstring(tree) or "",
+                                "api": api_of(tree)})
             for node in tree.body:
                 if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                     continue
@@ -54,7 +78,8 @@ def main():
                 functions.append({"file": rel, "name": node.name, "doc": doc or "",
                                   "body_start": body[0].lineno, "body_end": body[-1].end_lineno,
                                   "indent": indent})
-    print(json.dumps({"functions": functions, "tests": tests, "headers": headers}))
+    print(json.dumps({"functions": functions, "tests": tests, "headers": headers,
+                      "modules": modules}))
 
 
 main()

@@ -1,5 +1,7 @@
 //! Building repository tasks from a Python repository with a test suite: one task per
-//! top-level public function whose body can be removed and whose tests notice.
+//! top-level public function whose body can be removed and whose tests notice (`kind =
+//! "body"`), and one per non-test module that can be deleted whole and whose tests notice
+//! (`kind = "file"`).
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -22,6 +24,22 @@ struct Scan {
     functions: Vec<Func>,
     tests: Vec<TestFn>,
     headers: std::collections::BTreeMap<String, Vec<(usize, usize)>>,
+    modules: Vec<Module>,
+}
+
+/// A non-test module (not `__init__.py`) and its public top-level API.
+#[derive(Deserialize)]
+struct Module {
+    file: String,
+    doc: String,
+    api: Vec<ApiItem>,
+}
+
+#[derive(Deserialize)]
+struct ApiItem {
+    name: String,
+    signature: String,
+    doc: String,
 }
 
 #[derive(Deserialize)]
@@ -105,11 +123,15 @@ fn test_modules(repo: &Path, scan: &Scan, tests: &[&TestFn]) -> Result<Vec<(Stri
     Ok(out)
 }
 
-/// Builds tasks from the Python repository `repo_dir` into `out_dir/<id>/`: for each public
-/// top-level function of a non-test module, its body is replaced with
-/// `raise NotImplementedError`; the test functions that reference it and pass on the original
-/// but fail on the broken copy become the hidden tests, the first of them also the visible
-/// test. Functions without such tests are skipped (listed in the report).
+/// Builds tasks from the Python repository `repo_dir` into `out_dir/<id>/`:
+/// - for each public top-level function of a non-test module, its body is replaced with
+///   `raise NotImplementedError` (`kind = "body"`, id `<module path>-<function>`);
+/// - for each non-test module other than `__init__.py` with a public API, the whole file is
+///   deleted (`kind = "file"`, id `<module path>`); the statement lists the API to restore.
+///
+/// The test functions that reference the removed code and pass on the original but fail on
+/// the broken copy become the hidden tests, the first of them also the visible test.
+/// Candidates without such tests are skipped (listed in the report).
 pub fn make_tasks(repo_dir: &Path, out_dir: &Path) -> Result<MakeTasksReport> {
     let all = walk_files(repo_dir)?;
     let mut files = Vec::new();
@@ -154,23 +176,18 @@ pub fn make_tasks(repo_dir: &Path, out_dir: &Path) -> Result<MakeTasksReport> {
     )?;
     let passing: BTreeSet<String> = verdicts.into_iter().filter(|v| v.1).map(|v| v.0).collect();
     drop(original);
+    let maker = Maker {
+        repo_dir,
+        out_dir,
+        scan: &scan,
+        modules: &modules,
+        passing: &passing,
+    };
 
     std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     let mut report = MakeTasksReport::default();
     for f in &scan.functions {
         let label = format!("{}:{}", f.file, f.name);
-        let tests: Vec<&TestFn> = scan
-            .tests
-            .iter()
-            .filter(|t| t.refs.contains(&f.name) && passing.contains(&t.key()))
-            .collect();
-        if tests.is_empty() {
-            report.skipped.push((
-                label,
-                "no test references it and passes on the original".into(),
-            ));
-            continue;
-        }
         let Some((_, orig)) = base.iter().find(|(r, _)| r == &f.file) else {
             continue;
         };
@@ -195,11 +212,148 @@ pub fn make_tasks(repo_dir: &Path, out_dir: &Path) -> Result<MakeTasksReport> {
                 }
             })
             .collect();
-        let sb = sandbox_with(&broken)?;
+        let doc = if f.doc.is_empty() {
+            "(no docstring)".to_string()
+        } else {
+            f.doc.clone()
+        };
+        let glob = source_glob(&f.file);
+        let candidate = Candidate {
+            id: format!(
+                "{}-{}",
+                f.file.trim_end_matches(".py").replace('/', "-"),
+                f.name
+            ),
+            title: format!("Implement `{}` in {}", f.name, f.file),
+            statement: format!(
+                "`{name}` in `{file}` is not implemented: its body was removed and it raises \
+                 NotImplementedError. Implement it as documented:\n\n{doc}\n\nRun the visible \
+                 tests with `python3 visible_tests/runtests.py`; hidden tests exercise `{name}` \
+                 further. Only files matching `{glob}` are graded.\n",
+                name = f.name,
+                file = f.file,
+            ),
+            removed: Removed {
+                file: f.file.clone(),
+                kind: "body".into(),
+                symbols: vec![f.name.clone()],
+            },
+            refs: vec![f.name.clone()],
+            broken,
+        };
+        maker.make(candidate, label, &mut report)?;
+    }
+    for m in &scan.modules {
+        let label = m.file.clone();
+        if m.api.is_empty() {
+            report.skipped.push((
+                label,
+                "the module has no public functions or classes".into(),
+            ));
+            continue;
+        }
+        let stem = m.file.trim_end_matches(".py");
+        let broken: Vec<(String, Vec<u8>)> =
+            base.iter().filter(|(r, _)| r != &m.file).cloned().collect();
+        let glob = source_glob(&m.file);
+        let mut api = String::new();
+        for a in &m.api {
+            api.push_str(&format!("\n{}\n", a.signature));
+            if !a.doc.is_empty() {
+                api.push_str(&format!("    {}\n", a.doc.replace('\n', "\n    ")));
+            }
+        }
+        let doc = if m.doc.is_empty() {
+            String::new()
+        } else {
+            format!("Its docstring was: {}\n\n", m.doc)
+        };
+        let mut refs: Vec<String> = m.api.iter().map(|a| a.name.clone()).collect();
+        refs.push(stem.rsplit('/').next().unwrap_or(stem).to_string());
+        let candidate = Candidate {
+            id: stem.replace('/', "-"),
+            title: format!("Restore the module {}", m.file),
+            statement: format!(
+                "The module `{file}` was deleted, so everything that uses it fails. Write it \
+                 again. {doc}It must provide (signatures and docstrings of the original):\n\
+                 {api}\nRun the visible tests with `python3 visible_tests/runtests.py`; hidden \
+                 tests exercise the module further. Only files matching `{glob}` are graded.\n",
+                file = m.file,
+            ),
+            removed: Removed {
+                file: m.file.clone(),
+                kind: "file".into(),
+                symbols: m.api.iter().map(|a| a.name.clone()).collect(),
+            },
+            refs,
+            broken,
+        };
+        maker.make(candidate, label, &mut report)?;
+    }
+    if report.created.is_empty() {
+        bail!("no task could be made from {}", repo_dir.display());
+    }
+    Ok(report)
+}
+
+/// The grading glob for a task whose removed code lives in `file`: the `*.py` of its directory.
+fn source_glob(file: &str) -> String {
+    match file.rsplit_once('/') {
+        Some((d, _)) => format!("{d}/*.py"),
+        None => "*.py".to_string(),
+    }
+}
+
+/// One task to be: the broken copy of the repository and what to write about it.
+struct Candidate {
+    id: String,
+    title: String,
+    statement: String,
+    removed: Removed,
+    /// Names a test must reference to be a hidden test of this task.
+    refs: Vec<String>,
+    broken: Vec<(String, Vec<u8>)>,
+}
+
+/// What every candidate is checked against.
+struct Maker<'a> {
+    repo_dir: &'a Path,
+    out_dir: &'a Path,
+    scan: &'a Scan,
+    modules: &'a [String],
+    passing: &'a BTreeSet<String>,
+}
+
+impl Maker<'_> {
+    /// Keeps the tests that reference the candidate, pass on the original and fail on the
+    /// broken copy; writes the task when there are any, else records why not.
+    fn make(&self, c: Candidate, label: String, report: &mut MakeTasksReport) -> Result<()> {
+        if report.created.contains(&c.id) {
+            report
+                .skipped
+                .push((label, format!("the id {:?} is taken by another task", c.id)));
+            return Ok(());
+        }
+        let tests: Vec<&TestFn> = self
+            .scan
+            .tests
+            .iter()
+            .filter(|t| {
+                t.refs.iter().any(|r| c.refs.contains(r)) && self.passing.contains(&t.key())
+            })
+            .collect();
+        if tests.is_empty() {
+            report.skipped.push((
+                label,
+                "no test references it and passes on the original".into(),
+            ));
+            return Ok(());
+        }
+        let sb = sandbox_with(&c.broken)?;
         let v = run_hidden_tests(
             &sb,
-            &modules,
-            &test_modules(repo_dir, &scan, &tests)?,
+            self.modules,
+            &test_modules(self.repo_dir, self.scan, &tests)?,
             BUDGET,
         )?;
         let failing: BTreeSet<String> = v.into_iter().filter(|v| !v.1).map(|v| v.0).collect();
@@ -210,85 +364,53 @@ pub fn make_tasks(repo_dir: &Path, out_dir: &Path) -> Result<MakeTasksReport> {
         if kept.is_empty() {
             report
                 .skipped
-                .push((label, "no test fails when its body is removed".into()));
-            continue;
+                .push((label, "no test fails when it is removed".into()));
+            return Ok(());
         }
-        let id = format!(
-            "{}-{}",
-            f.file.trim_end_matches(".py").replace('/', "-"),
-            f.name
-        );
-        write_task(repo_dir, out_dir, &id, f, &scan, &kept, &broken)?;
-        report.created.push(id);
+        self.write_task(&c, &kept)?;
+        report.created.push(c.id);
+        Ok(())
     }
-    if report.created.is_empty() {
-        bail!("no task could be made from {}", repo_dir.display());
-    }
-    Ok(report)
-}
 
-fn write_task(
-    repo_dir: &Path,
-    out_dir: &Path,
-    id: &str,
-    f: &Func,
-    scan: &Scan,
-    kept: &[&TestFn],
-    broken: &[(String, Vec<u8>)],
-) -> Result<()> {
-    let dir = out_dir.join(id);
-    if dir.exists() {
-        std::fs::remove_dir_all(&dir).with_context(|| format!("replacing {}", dir.display()))?;
-    }
-    let put = |rel: &str, bytes: &[u8]| -> Result<()> {
-        let p = dir.join(rel);
-        if let Some(parent) = p.parent() {
-            std::fs::create_dir_all(parent)?;
+    fn write_task(&self, c: &Candidate, kept: &[&TestFn]) -> Result<()> {
+        let dir = self.out_dir.join(&c.id);
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir)
+                .with_context(|| format!("replacing {}", dir.display()))?;
         }
-        std::fs::write(&p, bytes).with_context(|| format!("writing {}", p.display()))
-    };
-    for (rel, bytes) in broken {
-        put(&format!("repo/{rel}"), bytes)?;
+        let put = |rel: &str, bytes: &[u8]| -> Result<()> {
+            let p = dir.join(rel);
+            if let Some(parent) = p.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            std::fs::write(&p, bytes).with_context(|| format!("writing {}", p.display()))
+        };
+        for (rel, bytes) in &c.broken {
+            put(&format!("repo/{rel}"), bytes)?;
+        }
+        // A task whose only module was deleted still needs its repo/ directory.
+        std::fs::create_dir_all(dir.join("repo"))
+            .with_context(|| format!("creating {}", dir.join("repo").display()))?;
+        for (name, src) in test_modules(self.repo_dir, self.scan, kept)? {
+            put(&format!("hidden_tests/{name}"), src.as_bytes())?;
+        }
+        for (name, src) in test_modules(self.repo_dir, self.scan, &kept[..1])? {
+            put(&format!("visible_tests/{name}"), src.as_bytes())?;
+        }
+        put("visible_tests/runtests.py", RUNTESTS_PY.as_bytes())?;
+        let spec = TaskFile {
+            id: c.id.clone(),
+            title: c.title.clone(),
+            statement: c.statement.clone(),
+            visible_test_command: "python3 visible_tests/runtests.py".into(),
+            limits: TaskLimits::default(),
+            grade: GradeSpec {
+                source_files: vec![source_glob(&c.removed.file)],
+                reward: RepoRewardMode::Fraction,
+            },
+            removed: vec![c.removed.clone()],
+        };
+        let text = toml::to_string(&spec).context("serialising task.toml")?;
+        put("task.toml", text.as_bytes())
     }
-    for (name, src) in test_modules(repo_dir, scan, kept)? {
-        put(&format!("hidden_tests/{name}"), src.as_bytes())?;
-    }
-    for (name, src) in test_modules(repo_dir, scan, &kept[..1])? {
-        put(&format!("visible_tests/{name}"), src.as_bytes())?;
-    }
-    put("visible_tests/runtests.py", RUNTESTS_PY.as_bytes())?;
-    let glob = match f.file.rsplit_once('/') {
-        Some((d, _)) => format!("{d}/*.py"),
-        None => "*.py".to_string(),
-    };
-    let doc = if f.doc.is_empty() {
-        "(no docstring)".to_string()
-    } else {
-        f.doc.clone()
-    };
-    let spec = TaskFile {
-        id: id.to_string(),
-        title: format!("Implement `{}` in {}", f.name, f.file),
-        statement: format!(
-            "`{name}` in `{file}` is not implemented: its body was removed and it raises \
-             NotImplementedError. Implement it as documented:\n\n{doc}\n\nRun the visible tests \
-             with `python3 visible_tests/runtests.py`; hidden tests exercise `{name}` further. \
-             Only files matching `{glob}` are graded.\n",
-            name = f.name,
-            file = f.file,
-        ),
-        visible_test_command: "python3 visible_tests/runtests.py".into(),
-        limits: TaskLimits::default(),
-        grade: GradeSpec {
-            source_files: vec![glob],
-            reward: RepoRewardMode::Fraction,
-        },
-        removed: vec![Removed {
-            file: f.file.clone(),
-            kind: "body".into(),
-            symbols: vec![f.name.clone()],
-        }],
-    };
-    let text = toml::to_string(&spec).context("serialising task.toml")?;
-    put("task.toml", text.as_bytes())
 }

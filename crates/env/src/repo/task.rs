@@ -170,6 +170,12 @@ pub fn load_task(dir: &Path) -> Result<RepoTask> {
                 r.kind
             );
         }
+        if !super::grade::valid_glob(&r.file) || r.file.contains(['*', '?']) {
+            bail!(
+                "{at}: key `removed.file`: {:?} is not a repo-relative path",
+                r.file
+            );
+        }
     }
     for sub in ["repo", "visible_tests", "hidden_tests"] {
         if !dir.join(sub).is_dir() {
