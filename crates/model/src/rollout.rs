@@ -34,6 +34,10 @@ pub struct SamplingParams {
     pub max_new_tokens: usize,
     /// Token ids that end a sample (included in its completion). None = the model's EOS ids.
     pub stop_token_ids: Option<Vec<u32>>,
+    /// Batch-invariant decoding ([`crate::deterministic`]): every sample alone, token by
+    /// token, so its log-probs equal [`crate::score_deterministic`]'s bitwise. Slower.
+    #[serde(default)]
+    pub deterministic: bool,
 }
 
 impl Default for SamplingParams {
@@ -44,6 +48,7 @@ impl Default for SamplingParams {
             top_k: 0,
             max_new_tokens: 128,
             stop_token_ids: None,
+            deterministic: false,
         }
     }
 }
@@ -190,12 +195,15 @@ pub(crate) fn empty_samples(requests: &[GenerationRequest]) -> Vec<Vec<Sample>> 
 }
 
 /// Samples completions for every request; returns, per request, its samples in order.
-/// [`crate::generate_deterministic`] is the batch-invariant variant.
+/// With `params.deterministic`, the batch-invariant sampler of [`crate::deterministic`].
 pub fn generate(
     model: &Transformer,
     requests: &[GenerationRequest],
     params: &SamplingParams,
 ) -> Result<Vec<Vec<Sample>>> {
+    if params.deterministic {
+        return crate::deterministic::generate_deterministic(model, requests, params);
+    }
     let stop_ids = check_requests(model, requests, params)?;
     let max_pos = model.cfg.max_position_embeddings;
     // A zero token budget asks for nothing: every sample is empty and ends at its length limit

@@ -285,6 +285,10 @@ pub struct RolloutSection {
     /// Top-k sampling (0 = off).
     #[serde(default)]
     pub top_k: usize,
+    /// Batch-invariant sampling and recomputation: the sampler's log-probs equal the
+    /// trainer's recomputed log π_old bitwise (`mismatch/max_abs` = 0), at a throughput cost.
+    #[serde(default)]
+    pub deterministic: bool,
 }
 
 impl Default for RolloutSection {
@@ -295,6 +299,7 @@ impl Default for RolloutSection {
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
+            deterministic: false,
         }
     }
 }

@@ -35,6 +35,7 @@ pub fn sampling_params(recipe: &Recipe, stop_ids: &[u32]) -> SamplingParams {
         top_k: r.top_k,
         max_new_tokens: r.max_completion_length,
         stop_token_ids: Some(stop_ids.to_vec()),
+        deterministic: r.deterministic,
     }
 }
 
@@ -218,6 +219,7 @@ pub fn evaluate(s: &Session) -> Result<f64> {
         top_k: 0,
         max_new_tokens: s.recipe.rollout.max_completion_length,
         stop_token_ids: Some(s.stop_ids.clone()),
+        deterministic: false,
     };
     let max = s.reward.max_reward();
     let mut correct = 0usize;

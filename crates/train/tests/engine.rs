@@ -280,3 +280,37 @@ fn record_traces_writes_the_trace_store_format() {
         }
     }
 }
+
+#[test]
+fn every_step_logs_the_sampler_trainer_mismatch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = hf_recipe(tmp.path(), &fixture("qwen2-tiny"));
+    let run = tmp.path().join("run");
+    run_train(&opts(&recipe, &run)).unwrap();
+    let lines = train_metrics(&run);
+    assert!(!lines.is_empty());
+    for l in &lines {
+        let max_abs = l["mismatch/max_abs"].as_f64().expect("mismatch/max_abs");
+        let kl = l["mismatch/kl"].as_f64().expect("mismatch/kl");
+        // f32 KV-cached sampler vs the trainer's full forward: equal up to rounding.
+        assert!((0.0..1e-3).contains(&max_abs), "{l}");
+        assert!((0.0..1e-6).contains(&kl), "{l}");
+    }
+}
+
+#[test]
+fn deterministic_mode_makes_the_mismatch_exactly_zero() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = hf_recipe(tmp.path(), &fixture("qwen2-tiny"));
+    let text = std::fs::read_to_string(&recipe).unwrap();
+    let text = text.replace("[rollout]\n", "[rollout]\ndeterministic = true\ntemperature = 0.9\n");
+    std::fs::write(&recipe, text).unwrap();
+    let run = tmp.path().join("run");
+    run_train(&opts(&recipe, &run)).unwrap();
+    let lines = train_metrics(&run);
+    assert!(!lines.is_empty());
+    for l in &lines {
+        assert_eq!(l["mismatch/max_abs"].as_f64(), Some(0.0), "{l}");
+        assert_eq!(l["mismatch/kl"].as_f64(), Some(0.0), "{l}");
+    }
+}
