@@ -194,6 +194,7 @@ pub fn generate_cli(opts: &GenerateOptions) -> Result<Value> {
         max_new_tokens: opts.max_new_tokens,
         stop_token_ids: policy.sampling.stop_token_ids.clone(),
         deterministic: opts.deterministic,
+        ..SamplingParams::default()
     };
     let req = GenerationRequest {
         prompt_ids,

@@ -160,7 +160,7 @@ fn multi_turn_episode_is_token_faithful() {
         top_k: 0,
         max_new_tokens: 6,
         stop_token_ids: Some(vec![eos]),
-        deterministic: false,
+        ..Default::default()
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
