@@ -6,10 +6,11 @@
 //! starts — what a caller with that memory cap had to do before. The continuous arm gives all
 //! requests to the engine with `max_running = rows`: a finished sample's row is refilled at
 //! once; a third arm adds `kv_token_budget` = the static arm's peak KV slots (same memory).
-//! Same seeds, so all arms sample the same tokens (checked).
+//! A last arm runs every sample in one batch with no limit. Same seeds, so all arms sample
+//! the same tokens (checked).
 //!
 //! `cargo run --release -p composer-model --example rollout_engine_bench -- [rows] [prompts]
-//! [group] [max_new]` (defaults 16 8 8 192).
+//! [group] [max_new] [hidden] [layers]` (defaults 16 8 8 192 128 4).
 
 use anyhow::{ensure, Result};
 use candle_core::Device;
@@ -29,15 +30,21 @@ fn arg(i: usize, default: usize) -> Result<usize> {
 fn main() -> Result<()> {
     composer_model::configure_cpu_threads();
     let (rows, prompts, group, max_new) = (arg(1, 16)?, arg(2, 8)?, arg(3, 8)?, arg(4, 192)?);
+    let (hidden, layers) = (arg(5, 128)?, arg(6, 4)?);
+    ensure!(
+        hidden % 64 == 0,
+        "hidden ({hidden}) must be a multiple of 64"
+    );
     ensure!(
         rows % group == 0,
         "rows ({rows}) must be a multiple of group ({group})"
     );
     let mut cfg = ModelConfig::tiny_qwen2(512);
-    cfg.hidden_size = 128;
-    cfg.intermediate_size = 384;
-    cfg.num_hidden_layers = 4;
-    cfg.num_attention_heads = 4;
+    // 32-wide heads, 2 KV heads (GQA), a SwiGLU MLP 3x wide.
+    cfg.hidden_size = hidden;
+    cfg.intermediate_size = 3 * hidden;
+    cfg.num_hidden_layers = layers;
+    cfg.num_attention_heads = hidden / 32;
     cfg.num_key_value_heads = 2;
     cfg.head_dim = 32;
     cfg.max_position_embeddings = 512;
@@ -137,6 +144,26 @@ fn main() -> Result<()> {
         tokens as f64 / budget_s,
         budget.decode_forwards,
         budget.peak_kv_slots()
+    );
+    // No limit: every sample in one batch from the start (the memory is the price).
+    let t0 = Instant::now();
+    let (one_out, one) = generate_with_stats(&model, &requests, &params(EngineConfig::default()))?;
+    let one_s = t0.elapsed().as_secs_f64();
+    ensure!(
+        one_out
+            .iter()
+            .flatten()
+            .zip(static_out.iter().flatten())
+            .all(|(a, b)| a.completion_ids == b.completion_ids),
+        "the unlimited batch sampled different tokens"
+    );
+    println!(
+        "{:<28} {:>10.2} {:>10.0} {:>14} {:>15}",
+        format!("one batch of {}, no limit", prompts * group),
+        one_s,
+        tokens as f64 / one_s,
+        one.decode_forwards,
+        one.peak_kv_slots()
     );
     Ok(())
 }
