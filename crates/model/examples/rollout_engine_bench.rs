@@ -118,32 +118,35 @@ fn main() -> Result<()> {
         lens.iter().max().unwrap_or(&0),
     );
     println!(
-        "{:<28} {:>10} {:>10} {:>14} {:>15}",
-        "arm", "seconds", "tokens/s", "decode steps", "peak KV slots"
+        "{:<28} {:>10} {:>10} {:>14} {:>15} {:>12}",
+        "arm", "seconds", "tokens/s", "decode steps", "peak KV slots", "rows reused"
     );
     println!(
-        "{:<28} {:>10.2} {:>10.0} {:>14} {:>15}",
+        "{:<28} {:>10.2} {:>10.0} {:>14} {:>15} {:>12}",
         format!("static batches of {rows}"),
         static_s,
         tokens as f64 / static_s,
         static_forwards,
-        static_peak
+        static_peak,
+        0
     );
     println!(
-        "{:<28} {:>10.2} {:>10.0} {:>14} {:>15}",
+        "{:<28} {:>10.2} {:>10.0} {:>14} {:>15} {:>12}",
         format!("continuous, max_running {rows}"),
         cont_s,
         tokens as f64 / cont_s,
         cont.decode_forwards,
-        cont.peak_kv_slots()
+        cont.peak_kv_slots(),
+        cont.rows_reused
     );
     println!(
-        "{:<28} {:>10.2} {:>10.0} {:>14} {:>15}",
+        "{:<28} {:>10.2} {:>10.0} {:>14} {:>15} {:>12}",
         format!("  + kv_token_budget {static_peak}"),
         budget_s,
         tokens as f64 / budget_s,
         budget.decode_forwards,
-        budget.peak_kv_slots()
+        budget.peak_kv_slots(),
+        budget.rows_reused
     );
     // No limit: every sample in one batch from the start (the memory is the price).
     let t0 = Instant::now();
@@ -158,12 +161,13 @@ fn main() -> Result<()> {
         "the unlimited batch sampled different tokens"
     );
     println!(
-        "{:<28} {:>10.2} {:>10.0} {:>14} {:>15}",
+        "{:<28} {:>10.2} {:>10.0} {:>14} {:>15} {:>12}",
         format!("one batch of {}, no limit", prompts * group),
         one_s,
         tokens as f64 / one_s,
         one.decode_forwards,
-        one.peak_kv_slots()
+        one.peak_kv_slots(),
+        one.rows_reused
     );
     Ok(())
 }

@@ -7,6 +7,12 @@
 //! every row. A sample that stops leaves the batch at once and the next waiting one takes its
 //! place on the following step, so the batch is never held by its longest completion.
 //!
+//! The batch's KV cache is one dense left-padded tensor per layer. A waiting sample takes a
+//! finished sample's row **in place** when its prompt fits there (right-aligned to the
+//! cache's length, with its decode room inside the capacity): only its prompt's K/V are
+//! written. Otherwise free rows are dropped and new rows stacked into a rebuilt cache, which
+//! then keeps spare room (within the budget) so later finished rows can be reused in place.
+//!
 //! **Prefix sharing.** The samples of one request share its prompt: the prompt is prefilled
 //! once (whatever the number of samples, and even when they are admitted at different steps)
 //! and its K/V rows are copied into each sample's row of the batch. The prompt KV of the one
@@ -72,6 +78,8 @@ pub struct EngineStats {
     pub decode_forwards: usize,
     /// Completion tokens sampled.
     pub generated_tokens: usize,
+    /// Samples admitted into a finished sample's row in place (no cache rebuild).
+    pub rows_reused: usize,
     /// Per step, in order.
     pub steps: Vec<StepLoad>,
 }
@@ -139,11 +147,14 @@ pub fn generate_with_stats(
         .collect();
     let mut held: Option<HeldPrompt> = None;
     let mut running: Option<KvCache> = None;
-    let mut active: Vec<Active> = Vec::new();
+    // One entry per row of `running`: the sample decoding there, or None once it finished
+    // (the row waits to be reused in place by a waiting sample, or to be dropped).
+    let mut slots: Vec<Option<Active>> = Vec::new();
+    // The token each row feeds next (0 for a finished row: its output is ignored).
     let mut pending: Vec<u32> = Vec::new();
     let mut finished: Vec<(usize, usize, Sample)> = Vec::new();
     loop {
-        // 1. Feed every running row the token it sampled last.
+        // 1. Feed every row the token it sampled last.
         let mut logits = None;
         if let Some(cache) = running.as_mut() {
             let n = pending.len();
@@ -151,23 +162,71 @@ pub fn generate_with_stats(
             logits = Some(model.forward(&input, Some(cache))?.squeeze(1)?);
             stats.decode_forwards += 1;
         }
-        // 2. Admit waiting samples while the batch with them fits.
-        let admit = admission(&queue, running.as_ref(), &active, requests, &cfg, &need);
+        // 2a. Waiting samples take finished samples' rows in place while they fit there.
+        if let (Some(cache), Some(lg)) = (running.as_mut(), logits.as_mut()) {
+            let mut batch = Batch {
+                cache,
+                logits: lg,
+                slots: &mut slots,
+            };
+            let admit = Admit {
+                model: &model,
+                requests,
+                prefill_chunk: cfg.prefill_chunk,
+                need: &need,
+            };
+            admit.refill_in_place(&mut batch, &mut queue, &mut held, &mut stats)?;
+        }
+        // 2b. Rows still free are dropped.
+        if slots.iter().any(Option::is_none) {
+            let keep: Vec<usize> = (0..slots.len()).filter(|&b| slots[b].is_some()).collect();
+            (running, logits) = match (&running, logits) {
+                (Some(c), Some(l)) if !keep.is_empty() => (
+                    Some(c.select_rows(&keep)?),
+                    Some(l.index_select(&row_index(&keep, &model)?, 0)?),
+                ),
+                _ => (None, None),
+            };
+            slots.retain(Option::is_some);
+        }
+        // 2c. Admit waiting samples as new rows while the batch with them fits.
+        let mut prompt_lens: Vec<usize> = slots.iter().flatten().map(|a| a.prompt_len).collect();
+        let admit = admission(
+            &queue,
+            running.as_ref(),
+            &prompt_lens,
+            requests,
+            &cfg,
+            &need,
+        );
         if admit > 0 {
             let items: Vec<(usize, usize)> = queue.drain(..admit).collect();
             let next_request = queue.front().map(|&(r, _)| r);
-            let (rows, row_logits) = admit_rows(
-                &model,
+            let (rows, row_logits) = Admit {
+                model: &model,
                 requests,
-                &items,
-                next_request,
-                &mut held,
-                cfg.prefill_chunk,
-                &mut stats,
-            )?;
-            active.extend(items.iter().map(|&(r, s)| Active::new(r, &requests[r], s)));
+                prefill_chunk: cfg.prefill_chunk,
+                need: &need,
+            }
+            .admit_rows(&items, next_request, &mut held, &mut stats)?;
+            slots.extend(
+                items
+                    .iter()
+                    .map(|&(r, s)| Some(Active::new(r, &requests[r], s))),
+            );
+            prompt_lens.extend(items.iter().map(|&(r, _)| requests[r].prompt_ids.len()));
             let parts: Vec<&KvCache> = running.iter().chain(std::iter::once(&rows)).collect();
-            let capacity = batch_capacity(&parts, &active, &need);
+            let (longest, room) = batch_shape(&parts, &prompt_lens, &need);
+            // While samples wait, spare room lets finished rows be reused in place later
+            // (within the budget); the batch needs `longest + room` slots per row.
+            let mut capacity = longest + room;
+            if !queue.is_empty() {
+                capacity += room;
+                if cfg.kv_token_budget > 0 {
+                    capacity = capacity.min(cfg.kv_token_budget / slots.len());
+                }
+                capacity = capacity.max(longest + room);
+            }
             let merged = KvCache::concat_rows(&parts, capacity)?;
             running = Some(merged);
             logits = Some(match logits {
@@ -179,16 +238,19 @@ pub fn generate_with_stats(
             break;
         };
         stats.steps.push(StepLoad {
-            running: active.len(),
+            running: slots.len(),
             waiting: queue.len(),
             kv_slots: cache.batch_size() * cache.capacity(),
         });
-        // 3. Sample every row; finished samples leave the batch.
+        // 3. Sample every row; a finished sample frees its row.
+        let mut active: Vec<Active> = slots
+            .iter_mut()
+            .map(|s| s.take().expect("every row is live after step 2"))
+            .collect();
         let (tokens, token_logprobs) = next_tokens(&logits, params, &mut active)?;
         stats.generated_tokens += tokens.len();
-        let mut keep = Vec::with_capacity(active.len());
-        let mut still = Vec::with_capacity(active.len());
-        for (row, mut a) in active.drain(..).enumerate() {
+        pending = tokens.clone();
+        for (row, mut a) in active.into_iter().enumerate() {
             let done = a.push(
                 tokens[row],
                 token_logprobs[row],
@@ -197,24 +259,28 @@ pub fn generate_with_stats(
                 max_pos,
             );
             match done {
-                Some(sample) => finished.push((a.request, a.sample, sample)),
-                None => {
-                    pending.push(tokens[row]);
-                    keep.push(row);
-                    still.push(a);
+                Some(sample) => {
+                    finished.push((a.request, a.sample, sample));
+                    pending[row] = 0;
                 }
+                None => slots[row] = Some(a),
             }
         }
-        active = still;
-        if keep.len() != cache.batch_size() {
+        // Free rows are dropped at once when no waiting sample can reuse them.
+        if slots.iter().any(Option::is_none)
+            && (queue.is_empty() || slots.iter().all(Option::is_none))
+        {
+            let keep: Vec<usize> = (0..slots.len()).filter(|&b| slots[b].is_some()).collect();
             running = if keep.is_empty() {
                 None
             } else {
                 Some(cache.select_rows(&keep)?)
             };
+            pending = keep.iter().map(|&b| pending[b]).collect();
+            slots.retain(Option::is_some);
         }
     }
-    debug_assert!(queue.is_empty() && active.is_empty());
+    debug_assert!(queue.is_empty() && slots.is_empty());
     // Samples finish in any order; put them back in sample-index order per request.
     finished.sort_by_key(|(r, s, _)| (*r, *s));
     let mut results: Vec<Vec<Sample>> = requests
@@ -227,9 +293,14 @@ pub fn generate_with_stats(
     Ok((results, stats))
 }
 
-/// Slots per row of a batch stacking `parts` (rows left-aligned) for the samples `active`
-/// (in row order): the longest stored row plus the most decode room any row still needs.
-fn batch_capacity(parts: &[&KvCache], active: &[Active], need: &dyn Fn(usize) -> usize) -> usize {
+/// The shape of a batch stacking `parts` (rows left-aligned) for samples with prompt lengths
+/// `prompt_lens` (in row order): `(longest stored row, most decode room any row still needs)`;
+/// it needs `longest + room` slots per row.
+fn batch_shape(
+    parts: &[&KvCache],
+    prompt_lens: &[usize],
+    need: &dyn Fn(usize) -> usize,
+) -> (usize, usize) {
     let stored: Vec<usize> = parts
         .iter()
         .flat_map(|p| (0..p.batch_size()).map(move |b| p.seq_len(b)))
@@ -237,11 +308,11 @@ fn batch_capacity(parts: &[&KvCache], active: &[Active], need: &dyn Fn(usize) ->
     let longest = stored.iter().copied().max().unwrap_or(0);
     let room = stored
         .iter()
-        .zip(active)
-        .map(|(&s, a)| need(a.prompt_len).saturating_sub(s))
+        .zip(prompt_lens)
+        .map(|(&s, &p)| need(p).saturating_sub(s))
         .max()
         .unwrap_or(0);
-    longest + room
+    (longest, room)
 }
 
 /// How many samples at the front of `queue` join the batch now: first in, first out, each
@@ -249,21 +320,15 @@ fn batch_capacity(parts: &[&KvCache], active: &[Active], need: &dyn Fn(usize) ->
 fn admission(
     queue: &VecDeque<(usize, usize)>,
     running: Option<&KvCache>,
-    active: &[Active],
+    prompt_lens: &[usize],
     requests: &[GenerationRequest],
     cfg: &EngineConfig,
     need: &dyn Fn(usize) -> usize,
 ) -> usize {
-    // The running rows: count, longest stored row, most decode room still needed (the same
-    // sizing as `batch_capacity`).
+    // The running rows: count, longest stored row, most decode room still needed.
     let (mut rows, mut longest, mut room) = match running {
         Some(c) => {
-            let longest = (0..c.batch_size()).map(|b| c.seq_len(b)).max().unwrap_or(0);
-            let room = (0..c.batch_size())
-                .zip(active)
-                .map(|(b, a)| need(a.prompt_len).saturating_sub(c.seq_len(b)))
-                .max()
-                .unwrap_or(0);
+            let (longest, room) = batch_shape(&[c], prompt_lens, need);
             (c.batch_size(), longest, room)
         }
         None => (0, 0, 0),
@@ -284,77 +349,136 @@ fn admission(
     admitted
 }
 
-/// The K/V rows and next-token logits `[items, V]` of newly admitted samples `items`: the
-/// prompts not yet prefilled are prefilled once (one left-padded batch), and each sample's row
-/// is a copy of its prompt's. When the last request of `items` has more samples waiting
-/// (`next_request` is the same request), its prompt is held for them.
-fn admit_rows(
-    model: &Transformer,
-    requests: &[GenerationRequest],
-    items: &[(usize, usize)],
-    next_request: Option<usize>,
-    held: &mut Option<HeldPrompt>,
+/// What admitting samples needs: the model, the requests, the prefill chunk size and the KV
+/// slots a row needs by its end.
+struct Admit<'a> {
+    model: &'a Transformer,
+    requests: &'a [GenerationRequest],
     prefill_chunk: usize,
-    stats: &mut EngineStats,
-) -> Result<(KvCache, Tensor)> {
-    let mut distinct: Vec<usize> = items.iter().map(|&(r, _)| r).collect();
-    distinct.dedup();
-    let reuse = held.take().filter(|h| distinct.first() == Some(&h.request));
-    let fresh_requests: Vec<usize> = distinct
-        .iter()
-        .copied()
-        .filter(|&r| reuse.as_ref().map(|h| h.request) != Some(r))
-        .collect();
-    let fresh = if fresh_requests.is_empty() {
-        None
-    } else {
-        let prompts: Vec<&[u32]> = fresh_requests
-            .iter()
-            .map(|&r| requests[r].prompt_ids.as_slice())
+    need: &'a dyn Fn(usize) -> usize,
+}
+
+/// The running batch as step 2a changes it: its cache, next-token logits and samples per row.
+struct Batch<'a> {
+    cache: &'a mut KvCache,
+    logits: &'a mut Tensor,
+    slots: &'a mut [Option<Active>],
+}
+
+impl Admit<'_> {
+    /// Samples at the front of `queue` take the free rows (`slots[b]` None) of the batch in
+    /// place, first in, first out, while each fits there: its prompt right-aligned to the
+    /// cache's length and its decode room within the capacity. Only the prompts' K/V are
+    /// written; the batch's row count and capacity (its memory) do not change.
+    fn refill_in_place(
+        &self,
+        batch: &mut Batch,
+        queue: &mut VecDeque<(usize, usize)>,
+        held: &mut Option<HeldPrompt>,
+        stats: &mut EngineStats,
+    ) -> Result<()> {
+        let free: Vec<usize> = (0..batch.slots.len())
+            .filter(|&b| batch.slots[b].is_none())
             .collect();
-        Some(prefill(model, &prompts, prefill_chunk, stats)?)
-    };
-    // Source rows: the held prompt first (it is the queue's front request), then fresh rows.
-    let mut held_rows = Vec::new();
-    let mut fresh_rows = Vec::new();
-    for &(r, _) in items {
-        match fresh_requests.iter().position(|&f| f == r) {
-            Some(row) => fresh_rows.push(row),
-            None => held_rows.push(0),
+        let (len, capacity) = (batch.cache.len(), batch.cache.capacity());
+        let n = queue
+            .iter()
+            .take(free.len())
+            .take_while(|&&(r, _)| {
+                let p = self.requests[r].prompt_ids.len();
+                p <= len && len - p + (self.need)(p) <= capacity
+            })
+            .count();
+        if n == 0 {
+            return Ok(());
         }
+        let items: Vec<(usize, usize)> = queue.drain(..n).collect();
+        let next_request = queue.front().map(|&(r, _)| r);
+        let (rows, row_logits) = self.admit_rows(&items, next_request, held, stats)?;
+        let b = batch.slots.len();
+        let mut index: Vec<u32> = (0..b as u32).collect();
+        for (i, (&row, &(r, s))) in free.iter().zip(&items).enumerate() {
+            batch.cache.overwrite_row(row, &rows, i)?;
+            batch.slots[row] = Some(Active::new(r, &self.requests[r], s));
+            index[row] = (b + i) as u32;
+        }
+        stats.rows_reused += n;
+        let both = Tensor::cat(&[&*batch.logits, &row_logits], 0)?;
+        *batch.logits = both.index_select(&Tensor::new(index, both.device())?, 0)?;
+        Ok(())
     }
-    let mut caches = Vec::new();
-    let mut logits = Vec::new();
-    if let Some(h) = &reuse {
-        caches.push(h.cache.select_rows(&held_rows)?);
-        logits.push(h.logits.index_select(&row_index(&held_rows, model)?, 0)?);
-    }
-    if let Some((cache, lg)) = &fresh {
-        caches.push(cache.select_rows(&fresh_rows)?);
-        logits.push(lg.index_select(&row_index(&fresh_rows, model)?, 0)?);
-    }
-    // Hold the last request's prompt when more of its samples wait.
-    let last = *distinct.last().expect("items is non-empty");
-    if next_request == Some(last) {
-        *held = Some(match (fresh_requests.last(), &fresh, reuse) {
-            (Some(&r), Some((cache, lg)), _) if r == last => {
-                let row = fresh_requests.len() - 1;
-                HeldPrompt {
-                    request: last,
-                    cache: cache.select_rows(&[row])?,
-                    logits: lg.narrow(0, row, 1)?,
-                }
+
+    /// The K/V rows and next-token logits `[items, V]` of newly admitted samples `items`: the
+    /// prompts not yet prefilled are prefilled once (one left-padded batch), and each sample's row
+    /// is a copy of its prompt's. When the last request of `items` has more samples waiting
+    /// (`next_request` is the same request), its prompt is held for them.
+    fn admit_rows(
+        &self,
+        items: &[(usize, usize)],
+        next_request: Option<usize>,
+        held: &mut Option<HeldPrompt>,
+        stats: &mut EngineStats,
+    ) -> Result<(KvCache, Tensor)> {
+        let (model, requests) = (self.model, self.requests);
+        let mut distinct: Vec<usize> = items.iter().map(|&(r, _)| r).collect();
+        distinct.dedup();
+        let reuse = held.take().filter(|h| distinct.first() == Some(&h.request));
+        let fresh_requests: Vec<usize> = distinct
+            .iter()
+            .copied()
+            .filter(|&r| reuse.as_ref().map(|h| h.request) != Some(r))
+            .collect();
+        let fresh = if fresh_requests.is_empty() {
+            None
+        } else {
+            let prompts: Vec<&[u32]> = fresh_requests
+                .iter()
+                .map(|&r| requests[r].prompt_ids.as_slice())
+                .collect();
+            Some(prefill(model, &prompts, self.prefill_chunk, stats)?)
+        };
+        // Source rows: the held prompt first (it is the queue's front request), then fresh rows.
+        let mut held_rows = Vec::new();
+        let mut fresh_rows = Vec::new();
+        for &(r, _) in items {
+            match fresh_requests.iter().position(|&f| f == r) {
+                Some(row) => fresh_rows.push(row),
+                None => held_rows.push(0),
             }
-            (_, _, Some(h)) => h,
-            _ => bail!("internal: the prompt of request {last} was neither prefilled nor held"),
-        });
+        }
+        let mut caches = Vec::new();
+        let mut logits = Vec::new();
+        if let Some(h) = &reuse {
+            caches.push(h.cache.select_rows(&held_rows)?);
+            logits.push(h.logits.index_select(&row_index(&held_rows, model)?, 0)?);
+        }
+        if let Some((cache, lg)) = &fresh {
+            caches.push(cache.select_rows(&fresh_rows)?);
+            logits.push(lg.index_select(&row_index(&fresh_rows, model)?, 0)?);
+        }
+        // Hold the last request's prompt when more of its samples wait.
+        let last = *distinct.last().expect("items is non-empty");
+        if next_request == Some(last) {
+            *held = Some(match (fresh_requests.last(), &fresh, reuse) {
+                (Some(&r), Some((cache, lg)), _) if r == last => {
+                    let row = fresh_requests.len() - 1;
+                    HeldPrompt {
+                        request: last,
+                        cache: cache.select_rows(&[row])?,
+                        logits: lg.narrow(0, row, 1)?,
+                    }
+                }
+                (_, _, Some(h)) => h,
+                _ => bail!("internal: the prompt of request {last} was neither prefilled nor held"),
+            });
+        }
+        let parts: Vec<&KvCache> = caches.iter().collect();
+        let longest = parts.iter().map(|c| c.len()).max().unwrap_or(0);
+        Ok((
+            KvCache::concat_rows(&parts, longest)?,
+            Tensor::cat(&logits, 0)?,
+        ))
     }
-    let parts: Vec<&KvCache> = caches.iter().collect();
-    let longest = parts.iter().map(|c| c.len()).max().unwrap_or(0);
-    Ok((
-        KvCache::concat_rows(&parts, longest)?,
-        Tensor::cat(&logits, 0)?,
-    ))
 }
 
 fn row_index(rows: &[usize], model: &Transformer) -> Result<Tensor> {

@@ -284,3 +284,46 @@ impl KvCache {
         })
     }
 }
+
+impl KvCache {
+    /// Overwrites row `row` in place with row `src_row` of `src`: that row's stored tokens go
+    /// right-aligned to this cache's current length and the slots before them become padding.
+    /// Only the copied tokens are written (a continuous batch reuses a finished sample's row
+    /// this way instead of rebuilding the whole cache).
+    pub fn overwrite_row(&mut self, row: usize, src: &KvCache, src_row: usize) -> Result<()> {
+        if row >= self.batch_size() || src_row >= src.batch_size() {
+            bail!(
+                "row {row} (of {}) or source row {src_row} (of {}) is out of range",
+                self.batch_size(),
+                src.batch_size()
+            );
+        }
+        if src.layers.len() != self.layers.len() {
+            bail!(
+                "cannot copy a row of a {}-layer KV cache into a {}-layer one",
+                src.layers.len(),
+                self.layers.len()
+            );
+        }
+        let n = src.seq_len(src_row);
+        if n > self.len {
+            bail!(
+                "a row of {n} tokens does not fit before slot {} of this cache",
+                self.len
+            );
+        }
+        let from = src.left_pad[src_row];
+        for (dst, s) in self.layers.iter().zip(&src.layers) {
+            let (Some((dk, dv)), Some((sk, sv))) = (&dst.buffers, &s.buffers) else {
+                bail!("cannot copy rows of a KV cache that holds no tokens");
+            };
+            for (d, s) in [(dk, sk), (dv, sv)] {
+                let piece = s.narrow(0, src_row, 1)?.narrow(2, from, n)?.contiguous()?;
+                // A one-row view of a contiguous buffer is contiguous: written in place.
+                d.narrow(0, row, 1)?.slice_set(&piece, 2, self.len - n)?;
+            }
+        }
+        self.left_pad[row] = self.len - n;
+        Ok(())
+    }
+}
