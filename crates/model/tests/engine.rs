@@ -107,7 +107,17 @@ fn continuous_batching_samples_what_one_static_batch_samples() {
             assert!(stats.peak_kv_slots() <= engine.kv_token_budget, "{stats:?}");
         }
         assert_eq!(stats.generated_tokens, 9 * 20);
+        if engine
+            == (EngineConfig {
+                prefill_chunk: 4,
+                ..Default::default()
+            })
+        {
+            // One admission of all three prompts (longest 9 tokens): 3 chunked forwards.
+            assert_eq!(stats.prefill_forwards, 3, "{stats:?}");
+        }
     }
+    assert_eq!(static_stats.prefill_forwards, 1);
     // The public entry point is the same engine.
     let via_generate = generate(&model, &reqs, &params(20, vec![], EngineConfig::default()));
     assert_eq!(via_generate.unwrap(), static_out);
