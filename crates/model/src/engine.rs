@@ -50,7 +50,8 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Most KV slots the running batch may hold: rows × slots per row, padding and the
     /// reserved decode room included. Memory: slots × layers × 2 × kv_heads × head_dim
-    /// elements.
+    /// elements. Not counted: the prompt KV held for a partly admitted request (at most one
+    /// prompt) and the transient copies while admitted rows are stacked in.
     pub kv_token_budget: usize,
     /// Prompt tokens per prefill forward (long prompts are prefilled in chunks).
     pub prefill_chunk: usize,
