@@ -33,6 +33,7 @@
 //! from the ChaCha8 stream `(request.seed, s)`, whenever it runs and whoever runs beside it.
 
 use crate::kv_cache::KvCache;
+use crate::prefix_store::PrefixStore;
 use crate::rollout::{
     check_requests, empty_samples, next_tokens, Active, GenerationRequest, Sample, SamplingParams,
 };
@@ -110,12 +111,32 @@ struct HeldPrompt {
     logits: Tensor,
 }
 
+/// Prompt KV kept across admissions: the held prompt, and the caller's store of finished
+/// rows whose continuations prefill only their new tokens.
+struct PromptKv<'s> {
+    held: Option<HeldPrompt>,
+    store: Option<&'s mut PrefixStore>,
+}
+
 /// As [`generate`](crate::generate) (not deterministic mode), also returning what the engine
 /// did.
 pub fn generate_with_stats(
     model: &Transformer,
     requests: &[GenerationRequest],
     params: &SamplingParams,
+) -> Result<(Vec<Vec<Sample>>, EngineStats)> {
+    generate_with_store(model, requests, params, None)
+}
+
+/// As [`generate_with_stats`], with a [`PrefixStore`]: a prompt that starts with a stored
+/// row's tokens (a finished sample of an earlier call, e.g. the previous turn of a multi-turn
+/// episode) prefills only the tokens after them, and every finished sample's row is stored
+/// for its continuation.
+pub fn generate_with_store(
+    model: &Transformer,
+    requests: &[GenerationRequest],
+    params: &SamplingParams,
+    store: Option<&mut PrefixStore>,
 ) -> Result<(Vec<Vec<Sample>>, EngineStats)> {
     let stop_ids = check_requests(model, requests, params)?;
     let mut stats = EngineStats::default();
@@ -146,7 +167,7 @@ pub fn generate_with_stats(
         .enumerate()
         .flat_map(|(i, r)| (0..r.num_samples).map(move |s| (i, s)))
         .collect();
-    let mut held: Option<HeldPrompt> = None;
+    let mut prompt_kv = PromptKv { held: None, store };
     let mut running: Option<KvCache> = None;
     // One entry per row of `running`: the sample decoding there, or None once it finished
     // (the row waits to be reused in place by a waiting sample, or to be dropped).
@@ -176,7 +197,7 @@ pub fn generate_with_stats(
                 prefill_chunk: cfg.prefill_chunk,
                 need: &need,
             };
-            admit.refill_in_place(&mut batch, &mut queue, &mut held, &mut stats)?;
+            admit.refill_in_place(&mut batch, &mut queue, &mut prompt_kv, &mut stats)?;
         }
         // 2b. Rows still free are dropped.
         if slots.iter().any(Option::is_none) {
@@ -209,7 +230,7 @@ pub fn generate_with_stats(
                 prefill_chunk: cfg.prefill_chunk,
                 need: &need,
             }
-            .admit_rows(&items, next_request, &mut held, &mut stats)?;
+            .admit_rows(&items, next_request, &mut prompt_kv, &mut stats)?;
             slots.extend(
                 items
                     .iter()
@@ -261,6 +282,13 @@ pub fn generate_with_stats(
             );
             match done {
                 Some(sample) => {
+                    if let Some(store) = prompt_kv.store.as_deref_mut() {
+                        // Keep the tokens it fed: its prompt and all but the last sampled.
+                        let fed = sample.completion_ids.len() - 1;
+                        let mut tokens = requests[a.request].prompt_ids.clone();
+                        tokens.extend_from_slice(&sample.completion_ids[..fed]);
+                        store.insert(tokens, cache.row(row)?);
+                    }
                     finished.push((a.request, a.sample, sample));
                     pending[row] = 0;
                 }
@@ -375,7 +403,7 @@ impl Admit<'_> {
         &self,
         batch: &mut Batch,
         queue: &mut VecDeque<(usize, usize)>,
-        held: &mut Option<HeldPrompt>,
+        prompt_kv: &mut PromptKv,
         stats: &mut EngineStats,
     ) -> Result<()> {
         let free: Vec<usize> = (0..batch.slots.len())
@@ -395,7 +423,7 @@ impl Admit<'_> {
         }
         let items: Vec<(usize, usize)> = queue.drain(..n).collect();
         let next_request = queue.front().map(|&(r, _)| r);
-        let (rows, row_logits) = self.admit_rows(&items, next_request, held, stats)?;
+        let (rows, row_logits) = self.admit_rows(&items, next_request, prompt_kv, stats)?;
         let b = batch.slots.len();
         let mut index: Vec<u32> = (0..b as u32).collect();
         for (i, (&row, &(r, s))) in free.iter().zip(&items).enumerate() {
@@ -417,13 +445,16 @@ impl Admit<'_> {
         &self,
         items: &[(usize, usize)],
         next_request: Option<usize>,
-        held: &mut Option<HeldPrompt>,
+        prompt_kv: &mut PromptKv,
         stats: &mut EngineStats,
     ) -> Result<(KvCache, Tensor)> {
         let (model, requests) = (self.model, self.requests);
         let mut distinct: Vec<usize> = items.iter().map(|&(r, _)| r).collect();
         distinct.dedup();
-        let reuse = held.take().filter(|h| distinct.first() == Some(&h.request));
+        let reuse = prompt_kv
+            .held
+            .take()
+            .filter(|h| distinct.first() == Some(&h.request));
         let fresh_requests: Vec<usize> = distinct
             .iter()
             .copied()
@@ -436,7 +467,13 @@ impl Admit<'_> {
                 .iter()
                 .map(|&r| requests[r].prompt_ids.as_slice())
                 .collect();
-            Some(prefill(model, &prompts, self.prefill_chunk, stats)?)
+            Some(prefill(
+                model,
+                &prompts,
+                self.prefill_chunk,
+                prompt_kv.store.as_deref_mut(),
+                stats,
+            )?)
         };
         // Source rows: the held prompt first (it is the queue's front request), then fresh rows.
         let mut held_rows = Vec::new();
@@ -460,7 +497,7 @@ impl Admit<'_> {
         // Hold the last request's prompt when more of its samples wait.
         let last = *distinct.last().expect("items is non-empty");
         if next_request == Some(last) {
-            *held = Some(match (fresh_requests.last(), &fresh, reuse) {
+            prompt_kv.held = Some(match (fresh_requests.last(), &fresh, reuse) {
                 (Some(&r), Some((cache, lg)), _) if r == last => {
                     let row = fresh_requests.len() - 1;
                     HeldPrompt {
@@ -487,9 +524,73 @@ fn row_index(rows: &[usize], model: &Transformer) -> Result<Tensor> {
     Ok(Tensor::new(idx, model.device())?)
 }
 
-/// Prefills `prompts` (left-padded into one batch, fed `chunk` columns per forward; 0 = all at
-/// once); returns their cache and next-token logits `[prompts, V]`.
+/// Prefills `prompts` and returns their cache (rows in prompt order) and next-token logits
+/// `[prompts, V]`. A prompt that starts with a row of `store` feeds only the tokens after it
+/// onto that row; the others are left-padded into one batch. Prompts are fed `chunk` tokens
+/// per forward (0 = all at once).
 fn prefill(
+    model: &Transformer,
+    prompts: &[&[u32]],
+    chunk: usize,
+    mut store: Option<&mut PrefixStore>,
+    stats: &mut EngineStats,
+) -> Result<(KvCache, Tensor)> {
+    let mut continued: Vec<Option<(KvCache, Tensor)>> = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let hit = store.as_deref_mut().and_then(|s| s.take_longest_prefix(p));
+        continued.push(match hit {
+            Some((stored, mut cache)) => {
+                cache.reserve(p.len());
+                let input = Tensor::new(&p[stored..], model.device())?.unsqueeze(0)?;
+                let last = feed(model, &mut cache, &input, chunk, stats)?;
+                stats.prefill_tokens += p.len() - stored;
+                Some((cache, model.logits(&last)?.squeeze(1)?))
+            }
+            None => None,
+        });
+    }
+    let plain: Vec<&[u32]> = prompts
+        .iter()
+        .zip(&continued)
+        .filter(|(_, c)| c.is_none())
+        .map(|(p, _)| *p)
+        .collect();
+    let batch = if plain.is_empty() {
+        None
+    } else {
+        Some(prefill_batch(model, &plain, chunk, stats)?)
+    };
+    if continued.iter().all(Option::is_none) {
+        return Ok(batch.expect("every prompt is in the batch"));
+    }
+    // Mixed: stack the rows back in prompt order.
+    let mut rows = Vec::with_capacity(prompts.len());
+    let mut logits = Vec::with_capacity(prompts.len());
+    let mut next_plain = 0;
+    for c in continued {
+        match c {
+            Some((cache, lg)) => {
+                rows.push(cache);
+                logits.push(lg);
+            }
+            None => {
+                let (cache, lg) = batch.as_ref().expect("plain prompts were batched");
+                rows.push(cache.row(next_plain)?);
+                logits.push(lg.narrow(0, next_plain, 1)?);
+                next_plain += 1;
+            }
+        }
+    }
+    let parts: Vec<&KvCache> = rows.iter().collect();
+    let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+    Ok((
+        KvCache::concat_rows(&parts, longest)?,
+        Tensor::cat(&logits, 0)?,
+    ))
+}
+
+/// Prefills `prompts` left-padded into one batch; returns their cache and next-token logits.
+fn prefill_batch(
     model: &Transformer,
     prompts: &[&[u32]],
     chunk: usize,
@@ -506,18 +607,33 @@ fn prefill(
     let input = Tensor::from_vec(ids, (prompts.len(), max_len), model.device())?;
     let mut cache = KvCache::new(model.cfg.num_hidden_layers, pads);
     cache.reserve(max_len);
-    let step = if chunk == 0 { max_len } else { chunk };
+    let last = feed(model, &mut cache, &input, chunk, stats)?;
+    stats.prefill_tokens += prompts.iter().map(|p| p.len()).sum::<usize>();
+    Ok((cache, model.logits(&last)?.squeeze(1)?))
+}
+
+/// Feeds `input` (`[rows, T]`, T > 0) through `cache`, `chunk` columns per forward (0 = all
+/// at once); returns the last position's hidden states `[rows, 1, hidden]`.
+fn feed(
+    model: &Transformer,
+    cache: &mut KvCache,
+    input: &Tensor,
+    chunk: usize,
+    stats: &mut EngineStats,
+) -> Result<Tensor> {
+    let len = input.dim(1)?;
+    let step = if chunk == 0 { len } else { chunk };
     let mut start = 0;
     let mut last = None;
-    while start < max_len {
-        let t = step.min(max_len - start);
-        let hidden =
-            model.forward_hidden(&input.narrow(1, start, t)?, None, Some(&mut cache), false)?;
+    while start < len {
+        let t = step.min(len - start);
+        let hidden = model.forward_hidden(&input.narrow(1, start, t)?, None, Some(cache), false)?;
         last = Some(hidden.narrow(1, t - 1, 1)?);
         stats.prefill_forwards += 1;
         start += t;
     }
-    stats.prefill_tokens += prompts.iter().map(|p| p.len()).sum::<usize>();
-    let last = last.expect("prompts are non-empty (checked)");
-    Ok((cache, model.logits(&last)?.squeeze(1)?))
+    match last {
+        Some(h) => Ok(h),
+        None => bail!("nothing to prefill"),
+    }
 }

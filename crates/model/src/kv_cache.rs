@@ -327,3 +327,39 @@ impl KvCache {
         Ok(())
     }
 }
+
+impl KvCache {
+    /// A one-row copy of row `row` holding only its stored tokens (no padding, no free room):
+    /// what is kept of a finished sample for its continuation.
+    pub fn row(&self, row: usize) -> Result<KvCache> {
+        if row >= self.batch_size() {
+            bail!(
+                "row {row} is outside a KV cache of {} rows",
+                self.batch_size()
+            );
+        }
+        let (from, n) = (self.left_pad[row], self.seq_len(row));
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                let Some((k, v)) = &l.buffers else {
+                    return Ok(LayerKv::empty());
+                };
+                let cut = |t: &Tensor| -> Result<Tensor> {
+                    Ok(t.narrow(0, row, 1)?.narrow(2, from, n)?.contiguous()?)
+                };
+                Ok(LayerKv {
+                    buffers: Some((cut(k)?, cut(v)?)),
+                    len: n,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvCache {
+            layers,
+            left_pad: vec![0],
+            len: n,
+            reserved: 0,
+        })
+    }
+}

@@ -8,8 +8,8 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::fixture;
 use composer_model::{
-    generate, generate_deterministic, generate_with_stats, EngineConfig, GenerationRequest,
-    KvCache, ModelConfig, Sample, SamplingParams, Transformer,
+    generate, generate_deterministic, generate_with_stats, generate_with_store, EngineConfig,
+    GenerationRequest, KvCache, ModelConfig, PrefixStore, Sample, SamplingParams, Transformer,
 };
 
 fn params(max_new_tokens: usize, stop: Vec<u32>, engine: EngineConfig) -> SamplingParams {
@@ -279,4 +279,53 @@ fn a_row_overwritten_in_place_decodes_like_its_own_cache() {
     model.forward(&ids(&[&[1, 2]]), Some(&mut short)).unwrap();
     let e = short.overwrite_row(0, &longer, 0).unwrap_err().to_string();
     assert!(e.contains("does not fit"), "{e}");
+}
+
+#[test]
+fn a_continuation_prefills_only_its_new_tokens() {
+    let model = Transformer::load(&fixture("qwen2-tiny"), &Device::Cpu, DType::F32).unwrap();
+    let p = params(6, vec![], EngineConfig::default());
+    let first = vec![
+        GenerationRequest {
+            prompt_ids: vec![380, 361, 10, 67],
+            num_samples: 1,
+            seed: 1,
+        },
+        GenerationRequest {
+            prompt_ids: vec![5, 17, 44],
+            num_samples: 1,
+            seed: 2,
+        },
+    ];
+    let mut store = PrefixStore::new(1000);
+    let (turn1, _) = generate_with_store(&model, &first, &p, Some(&mut store)).unwrap();
+    // Each sample fed its prompt and 5 of its 6 tokens.
+    assert_eq!((store.len(), store.tokens()), (2, 4 + 5 + 3 + 5));
+    // The next turn of episode 0: its context, completion and a 3-token observation; plus
+    // an unrelated prompt.
+    let obs = [7u32, 8, 9];
+    let second = vec![
+        GenerationRequest {
+            prompt_ids: [&first[0].prompt_ids[..], &turn1[0][0].completion_ids, &obs].concat(),
+            num_samples: 2,
+            seed: 3,
+        },
+        GenerationRequest {
+            prompt_ids: vec![100, 101],
+            num_samples: 1,
+            seed: 4,
+        },
+    ];
+    let (continued, stats) = generate_with_store(&model, &second, &p, Some(&mut store)).unwrap();
+    // Fed: the last token of turn 1 and the observation, and the unrelated prompt.
+    assert_eq!(stats.prefill_tokens, 1 + obs.len() + 2);
+    let (fresh, fresh_stats) = generate_with_stats(&model, &second, &p).unwrap();
+    assert_eq!(fresh_stats.prefill_tokens, second[0].prompt_ids.len() + 2);
+    assert_same(&fresh, &continued, "continued from the store");
+    // The continued row was taken out; the three new samples are in.
+    assert_eq!(store.len(), 1 + 3);
+    // The token bound evicts the oldest rows.
+    let mut small = PrefixStore::new(10);
+    generate_with_store(&model, &first, &p, Some(&mut small)).unwrap();
+    assert_eq!((small.len(), small.tokens()), (1, 8));
 }
