@@ -26,7 +26,7 @@ use composer_env::{
 };
 use tokenizers::Tokenizer;
 
-use composer_model::SamplingParams;
+use composer_model::{PrefixStore, SamplingParams};
 
 use crate::model::PolicyModel;
 use crate::recipe::{EnvSection, Recipe};
@@ -72,17 +72,20 @@ impl TurnSampler {
 /// Runs `body` with a [`TurnSampler`] over `model` (sampling with `params`, whose
 /// `max_new_tokens` is the per-turn limit and `stop_token_ids` the model's EOS ids; tokens
 /// are stamped with `policy_version`), on a scoped generation thread that ends when every
-/// sampler clone is dropped. Each turn re-reads its whole context (prefilled once, then
-/// decoded with the KV cache).
+/// sampler clone is dropped. A turn's KV is kept (at most `prefix_tokens` tokens of them, the
+/// oldest dropped first) so the episode's next turn prefills only the tokens after it (the
+/// observation), not its whole context again.
 pub fn with_turn_sampler<R>(
     model: &PolicyModel,
     params: SamplingParams,
     policy_version: u64,
+    prefix_tokens: usize,
     body: impl FnOnce(TurnSampler) -> R,
 ) -> Result<R> {
     std::thread::scope(|scope| {
         let (tx, rx) = std::sync::mpsc::channel::<TurnRequest>();
         let generator = scope.spawn(move || {
+            let mut store = PrefixStore::new(prefix_tokens);
             while let Ok(first) = rx.recv() {
                 let mut pending = vec![first];
                 pending.extend(rx.try_iter());
@@ -101,7 +104,16 @@ pub fn with_turn_sampler<R>(
                         max_new_tokens: limit.min(params.max_new_tokens),
                         ..params.clone()
                     };
-                    match sampling::sample(model, &contexts, 1, &p, policy_version, |i| seeds[i]) {
+                    let sampled = sampling::sample_with_store(
+                        model,
+                        &contexts,
+                        1,
+                        &p,
+                        policy_version,
+                        |i| seeds[i],
+                        Some(&mut store),
+                    );
+                    match sampled {
                         Ok(samples) => {
                             for (r, smp) in batch.into_iter().zip(samples) {
                                 let _ = r.reply.send(Ok(smp));
@@ -431,42 +443,51 @@ impl EnvRollout {
         };
         let sec = &self.section;
         let runtime = self.runtime()?;
-        let played = with_turn_sampler(&s.model, params, s.state.policy_version, |sampler| {
-            block_on(runtime, async {
-                let episodes = (0..n_prompts * g).map(|i| {
-                    let reset = ResetOptions::seeded(reset_seeds[i / g]);
-                    let mut policy = ModelTurnPolicy::new(
-                        sampler.clone(),
-                        &s.tok,
-                        mix_seed(seed, step as u64, i as u64),
-                        &sec.prompt_template,
-                        &sec.observation_template,
-                    );
-                    async move {
-                        let t0 = Instant::now();
-                        let mut attempt = 0;
-                        loop {
-                            let ep = self
-                                .pool
-                                .run_episode(&mut policy, reset.clone(), &cfg)
-                                .await?;
-                            let failed = matches!(ep.end, EpisodeEnd::EnvFailed { .. });
-                            if failed && attempt < sec.episode_retries {
-                                attempt += 1;
-                                continue;
+        // Room for every concurrent episode's previous turn.
+        let prefix_tokens = sec.max_concurrent * sec.max_total_tokens;
+        let played = with_turn_sampler(
+            &s.model,
+            params,
+            s.state.policy_version,
+            prefix_tokens,
+            |sampler| {
+                block_on(runtime, async {
+                    let episodes = (0..n_prompts * g).map(|i| {
+                        let reset = ResetOptions::seeded(reset_seeds[i / g]);
+                        let mut policy = ModelTurnPolicy::new(
+                            sampler.clone(),
+                            &s.tok,
+                            mix_seed(seed, step as u64, i as u64),
+                            &sec.prompt_template,
+                            &sec.observation_template,
+                        );
+                        async move {
+                            let t0 = Instant::now();
+                            let mut attempt = 0;
+                            loop {
+                                let ep = self
+                                    .pool
+                                    .run_episode(&mut policy, reset.clone(), &cfg)
+                                    .await?;
+                                let failed = matches!(ep.end, EpisodeEnd::EnvFailed { .. });
+                                if failed && attempt < sec.episode_retries {
+                                    attempt += 1;
+                                    continue;
+                                }
+                                let env_s =
+                                    (t0.elapsed().as_secs_f64() - policy.generate_s).max(0.0);
+                                return Ok::<_, anyhow::Error>((ep, env_s));
                             }
-                            let env_s = (t0.elapsed().as_secs_f64() - policy.generate_s).max(0.0);
-                            return Ok::<_, anyhow::Error>((ep, env_s));
                         }
-                    }
-                });
-                let played = futures::future::join_all(episodes).await;
-                // Every policy (and its sampler clone) is dropped here; the generation
-                // thread ends once `sampler` goes too.
-                drop(sampler);
-                played
-            })
-        })?;
+                    });
+                    let played = futures::future::join_all(episodes).await;
+                    // Every policy (and its sampler clone) is dropped here; the generation
+                    // thread ends once `sampler` goes too.
+                    drop(sampler);
+                    played
+                })
+            },
+        )?;
         let played: Vec<(Episode, f64)> = played.into_iter().collect::<Result<_>>()?;
         self.assemble(s, step, prompts, played)
     }

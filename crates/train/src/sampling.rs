@@ -3,7 +3,7 @@
 //! each sampled completion ([`Rollout`]).
 
 use anyhow::Result;
-use composer_model::{FinishReason, GenerationRequest, SamplingParams};
+use composer_model::{FinishReason, GenerationRequest, PrefixStore, SamplingParams};
 
 use crate::model::PolicyModel;
 
@@ -52,6 +52,21 @@ pub fn sample(
     policy_version: u64,
     seed_of: impl Fn(usize) -> u64,
 ) -> Result<Vec<Rollout>> {
+    sample_with_store(model, prompts, n, params, policy_version, seed_of, None)
+}
+
+/// As [`sample`], continuing prompts that start with a row of `store` (composer-model's
+/// [`PrefixStore`]: the previous turns of multi-turn episodes) from its KV, and storing every
+/// finished sample's row there. Deterministic mode does not use the store.
+pub fn sample_with_store(
+    model: &PolicyModel,
+    prompts: &[Vec<u32>],
+    n: usize,
+    params: &SamplingParams,
+    policy_version: u64,
+    seed_of: impl Fn(usize) -> u64,
+    store: Option<&mut PrefixStore>,
+) -> Result<Vec<Rollout>> {
     let requests: Vec<GenerationRequest> = prompts
         .iter()
         .enumerate()
@@ -61,7 +76,13 @@ pub fn sample(
             seed: seed_of(p),
         })
         .collect();
-    let out = composer_model::generate(&model.transformer, &requests, params)?;
+    let out = match store {
+        Some(store) if !params.deterministic => {
+            composer_model::generate_with_store(&model.transformer, &requests, params, Some(store))?
+                .0
+        }
+        _ => composer_model::generate(&model.transformer, &requests, params)?,
+    };
     let mut rollouts = Vec::with_capacity(prompts.len() * n);
     for (group, samples) in out.into_iter().enumerate() {
         for smp in samples {

@@ -166,7 +166,7 @@ fn multi_turn_episode_is_token_faithful() {
         .enable_all()
         .build()
         .unwrap();
-    let ep = with_turn_sampler(&model, params, 3, |sampler| {
+    let ep = with_turn_sampler(&model, params, 3, 1000, |sampler| {
         let mut policy =
             ModelTurnPolicy::new(sampler, &tok, 11, "{observation}\n", "[{observation}]\n");
         let mut env = EchoEnv::new();
