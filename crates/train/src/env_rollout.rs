@@ -74,18 +74,19 @@ impl TurnSampler {
 /// are stamped with `policy_version`), on a scoped generation thread that ends when every
 /// sampler clone is dropped. A turn's KV is kept (at most `prefix_tokens` tokens of them, the
 /// oldest dropped first) so the episode's next turn prefills only the tokens after it (the
-/// observation), not its whole context again.
+/// observation), not its whole context again. Returns `body`'s result and what was fed.
 pub fn with_turn_sampler<R>(
     model: &PolicyModel,
     params: SamplingParams,
     policy_version: u64,
     prefix_tokens: usize,
     body: impl FnOnce(TurnSampler) -> R,
-) -> Result<R> {
+) -> Result<(R, TurnStats)> {
     std::thread::scope(|scope| {
         let (tx, rx) = std::sync::mpsc::channel::<TurnRequest>();
         let generator = scope.spawn(move || {
             let mut store = PrefixStore::new(prefix_tokens);
+            let mut stats = TurnStats::default();
             while let Ok(first) = rx.recv() {
                 let mut pending = vec![first];
                 pending.extend(rx.try_iter());
@@ -99,6 +100,7 @@ pub fn with_turn_sampler<R>(
                         .unwrap_or(pending.len());
                     let batch: Vec<TurnRequest> = pending.drain(..cut).collect();
                     let contexts: Vec<Vec<u32>> = batch.iter().map(|r| r.context.clone()).collect();
+                    stats.context_tokens += contexts.iter().map(Vec::len).sum::<usize>();
                     let seeds: Vec<u64> = batch.iter().map(|r| r.seed).collect();
                     let p = SamplingParams {
                         max_new_tokens: limit.min(params.max_new_tokens),
@@ -114,7 +116,8 @@ pub fn with_turn_sampler<R>(
                         Some(&mut store),
                     );
                     match sampled {
-                        Ok(samples) => {
+                        Ok((samples, prefilled)) => {
+                            stats.prefill_tokens += prefilled;
                             for (r, smp) in batch.into_iter().zip(samples) {
                                 let _ = r.reply.send(Ok(smp));
                             }
@@ -128,13 +131,23 @@ pub fn with_turn_sampler<R>(
                     }
                 }
             }
+            stats
         });
         let out = body(TurnSampler { tx });
-        generator
+        let stats = generator
             .join()
             .map_err(|_| anyhow::anyhow!("the generation thread panicked"))?;
-        Ok(out)
+        Ok((out, stats))
     })
+}
+
+/// What a turn sampler fed the model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TurnStats {
+    /// Context tokens of every sampled turn.
+    pub context_tokens: usize,
+    /// Context tokens actually prefilled (the rest continued from the previous turn's KV).
+    pub prefill_tokens: usize,
 }
 
 /// The policy model as a [`TurnPolicy`]: each turn is sampled by a [`TurnSampler`] (batched
@@ -445,7 +458,7 @@ impl EnvRollout {
         let runtime = self.runtime()?;
         // Room for every concurrent episode's previous turn.
         let prefix_tokens = sec.max_concurrent * sec.max_total_tokens;
-        let played = with_turn_sampler(
+        let (played, _) = with_turn_sampler(
             &s.model,
             params,
             s.state.policy_version,

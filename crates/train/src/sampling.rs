@@ -52,12 +52,13 @@ pub fn sample(
     policy_version: u64,
     seed_of: impl Fn(usize) -> u64,
 ) -> Result<Vec<Rollout>> {
-    sample_with_store(model, prompts, n, params, policy_version, seed_of, None)
+    Ok(sample_with_store(model, prompts, n, params, policy_version, seed_of, None)?.0)
 }
 
 /// As [`sample`], continuing prompts that start with a row of `store` (composer-model's
 /// [`PrefixStore`]: the previous turns of multi-turn episodes) from its KV, and storing every
-/// finished sample's row there. Deterministic mode does not use the store.
+/// finished sample's row there (deterministic mode does not use the store). Also returns the
+/// number of prompt tokens prefilled.
 pub fn sample_with_store(
     model: &PolicyModel,
     prompts: &[Vec<u32>],
@@ -66,7 +67,7 @@ pub fn sample_with_store(
     policy_version: u64,
     seed_of: impl Fn(usize) -> u64,
     store: Option<&mut PrefixStore>,
-) -> Result<Vec<Rollout>> {
+) -> Result<(Vec<Rollout>, usize)> {
     let requests: Vec<GenerationRequest> = prompts
         .iter()
         .enumerate()
@@ -76,12 +77,20 @@ pub fn sample_with_store(
             seed: seed_of(p),
         })
         .collect();
-    let out = match store {
+    let (out, prefilled) = match store {
         Some(store) if !params.deterministic => {
-            composer_model::generate_with_store(&model.transformer, &requests, params, Some(store))?
-                .0
+            let (out, stats) = composer_model::generate_with_store(
+                &model.transformer,
+                &requests,
+                params,
+                Some(store),
+            )?;
+            (out, stats.prefill_tokens)
         }
-        _ => composer_model::generate(&model.transformer, &requests, params)?,
+        _ => {
+            let out = composer_model::generate(&model.transformer, &requests, params)?;
+            (out, prompts.iter().map(|p| p.len()).sum())
+        }
     };
     let mut rollouts = Vec::with_capacity(prompts.len() * n);
     for (group, samples) in out.into_iter().enumerate() {
@@ -97,5 +106,5 @@ pub fn sample_with_store(
             });
         }
     }
-    Ok(rollouts)
+    Ok((rollouts, prefilled))
 }
