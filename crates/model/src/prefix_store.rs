@@ -7,6 +7,9 @@
 //! starts with stored tokens, takes that row out and prefills only the rest. An entry is used
 //! once (the next turn extends it); the oldest entries go first when the store would hold
 //! more than its token bound (memory: tokens × layers × 2 × kv_heads × head_dim elements).
+//!
+//! Stored K/V belong to the weights that computed them: a store must not outlive a weight
+//! update (the trainer keeps one per rollout step's turn sampler).
 
 use crate::kv_cache::KvCache;
 use std::collections::VecDeque;
