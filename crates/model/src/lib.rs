@@ -34,6 +34,7 @@ pub mod kv_cache;
 pub mod logprobs;
 pub mod lora;
 pub mod policy;
+mod prefill;
 pub mod prefix_store;
 pub mod rollout;
 pub mod score;
