@@ -275,6 +275,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
             top_k: 0,
             max_new_tokens: n,
             stop_token_ids: Some(vec![]),
+            ..Default::default()
         };
         // Decode rate = extra tokens / extra time between a 1-token and an N-token run, so
         // the prefill is excluded.

@@ -13,6 +13,8 @@
 //! - [`tokenizer`]: `tokenizer.json` wrapper and the Jinja chat template.
 //! - [`logprobs`]: per-token log-probs, entropy and top-K from logits (f32, differentiable).
 //! - [`rollout`]: batched KV-cached sampling returning token ids + sampler log-probs.
+//! - [`engine`]: the rollout scheduler: continuous batching, shared prompt prefill, KV budget.
+//! - [`prefix_store`]: finished samples' KV rows kept so a continuation prefills only new tokens.
 //! - [`score`]: teacher-forced scoring.
 //! - [`deterministic`]: batch-invariant sampling and scoring (log-probs equal bitwise).
 //! - [`score_cli`]: `composer-rl score` on text, exact ids or a JSON Lines batch.
@@ -29,11 +31,14 @@ pub mod chunked_logprobs;
 pub mod config;
 pub mod deterministic;
 pub mod device;
+pub mod engine;
 pub mod kv_cache;
 pub mod logprobs;
 pub mod lora;
 pub mod ops;
 pub mod policy;
+mod prefill;
+pub mod prefix_store;
 pub mod rollout;
 pub mod score;
 pub mod score_cli;
@@ -45,9 +50,11 @@ pub use chunked_logprobs::{head_logprobs, HeadLogprobs, HeadOptions};
 pub use config::{ModelConfig, ModelType};
 pub use deterministic::{generate_deterministic, score_deterministic};
 pub use device::device_from_str;
+pub use engine::{generate_with_stats, generate_with_store, EngineConfig, EngineStats};
 pub use logprobs::{log_softmax, logsumexp, token_entropy, token_logprobs, topk_logprobs};
 pub use lora::LoraConfig;
 pub use policy::{generate_cli, GenerateOptions, Policy};
+pub use prefix_store::PrefixStore;
 pub use rollout::{generate, FinishReason, GenerationRequest, Sample, SamplingParams};
 pub use score::{score, score_with_temperature};
 pub use score_cli::{score_cli, ScoreInput, ScoreOptions};

@@ -2,7 +2,6 @@
 //! to one Hugging Face model directory; and the `generate` CLI entry point.
 
 use crate::config::ModelConfig;
-use crate::deterministic::generate_deterministic;
 use crate::device::device_from_str;
 use crate::rollout::{generate, FinishReason, GenerationRequest, SamplingParams};
 use crate::tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
@@ -194,17 +193,15 @@ pub fn generate_cli(opts: &GenerateOptions) -> Result<Value> {
         top_k: opts.top_k,
         max_new_tokens: opts.max_new_tokens,
         stop_token_ids: policy.sampling.stop_token_ids.clone(),
+        deterministic: opts.deterministic,
+        ..SamplingParams::default()
     };
     let req = GenerationRequest {
         prompt_ids,
         num_samples: opts.num_samples,
         seed: opts.seed,
     };
-    let out = if opts.deterministic {
-        generate_deterministic(&policy.model, &[req], &params)?
-    } else {
-        generate(&policy.model, &[req], &params)?
-    };
+    let out = generate(&policy.model, &[req], &params)?;
     let mut samples = Vec::new();
     for s in out.into_iter().flatten() {
         samples.push(json!({

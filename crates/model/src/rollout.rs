@@ -1,9 +1,9 @@
-//! Batched, KV-cached sampling.
+//! Batched, KV-cached sampling: the request types, the token sampler and [`generate`], whose
+//! scheduling (continuous batching, prompt prefilled once per request, KV token budget) is
+//! [`crate::engine`]'s.
 //!
-//! All samples of all requests decode together in one batch: prompts are left-padded to a
-//! common length (padding keys masked, positions counted from each row's first real token),
-//! each distinct prompt is prefilled once and its cache rows repeated for its samples, and
-//! finished samples are dropped from the batch as they stop.
+//! Rows of a batch are left-padded to a common length (padding keys masked, positions
+//! counted from each row's first real token).
 //!
 //! **Sampler log-prob** (what [`Sample::sampler_logprobs`] holds, and what the trainer
 //! recomputes): `log softmax(logits / temperature)[token]` over the full vocabulary, WITHOUT
@@ -13,8 +13,9 @@
 //! Determinism: sample `s` of a request draws from a ChaCha8 stream seeded by
 //! `(request.seed, s)`, so the same seed gives the same tokens whatever else is in the batch.
 
+use crate::engine::EngineConfig;
 use crate::logprobs;
-use crate::transformer::{KvCache, Transformer};
+use crate::transformer::Transformer;
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor, D};
 use rand::{Rng, SeedableRng};
@@ -34,6 +35,14 @@ pub struct SamplingParams {
     pub max_new_tokens: usize,
     /// Token ids that end a sample (included in its completion). None = the model's EOS ids.
     pub stop_token_ids: Option<Vec<u32>>,
+    /// Batch-invariant decoding ([`crate::deterministic`]): every sample alone, token by
+    /// token, so its log-probs equal [`crate::score_deterministic`]'s bitwise. Slower.
+    #[serde(default)]
+    pub deterministic: bool,
+    /// Scheduler knobs (batch size and KV token budget limits, prefill chunk); the default
+    /// has no limits: every sample decodes in one batch.
+    #[serde(default)]
+    pub engine: EngineConfig,
 }
 
 impl Default for SamplingParams {
@@ -44,6 +53,8 @@ impl Default for SamplingParams {
             top_k: 0,
             max_new_tokens: 128,
             stop_token_ids: None,
+            deterministic: false,
+            engine: EngineConfig::default(),
         }
     }
 }
@@ -85,12 +96,12 @@ pub struct Sample {
 
 /// One sample being decoded: its RNG stream, tokens and log-probs so far.
 pub(crate) struct Active {
-    request: usize,
-    sample: usize,
+    pub(crate) request: usize,
+    pub(crate) sample: usize,
     rng: ChaCha8Rng,
     ids: Vec<u32>,
     logprobs: Vec<f32>,
-    prompt_len: usize,
+    pub(crate) prompt_len: usize,
 }
 
 impl Active {
@@ -190,109 +201,16 @@ pub(crate) fn empty_samples(requests: &[GenerationRequest]) -> Vec<Vec<Sample>> 
 }
 
 /// Samples completions for every request; returns, per request, its samples in order.
-/// [`crate::generate_deterministic`] is the batch-invariant variant.
+/// With `params.deterministic`, the batch-invariant sampler of [`crate::deterministic`].
 pub fn generate(
     model: &Transformer,
     requests: &[GenerationRequest],
     params: &SamplingParams,
 ) -> Result<Vec<Vec<Sample>>> {
-    let stop_ids = check_requests(model, requests, params)?;
-    let max_pos = model.cfg.max_position_embeddings;
-    // A zero token budget asks for nothing: every sample is empty and ends at its length limit
-    // (the decode loop below always samples at least one token before checking the limit).
-    if params.max_new_tokens == 0 {
-        return Ok(empty_samples(requests));
+    if params.deterministic {
+        return crate::deterministic::generate_deterministic(model, requests, params);
     }
-    let mut results: Vec<Vec<Sample>> = requests
-        .iter()
-        .map(|r| Vec::with_capacity(r.num_samples))
-        .collect();
-    let live: Vec<usize> = (0..requests.len())
-        .filter(|&i| requests[i].num_samples > 0)
-        .collect();
-    if live.is_empty() {
-        return Ok(results);
-    }
-    let model = model.detached();
-    let device = model.device().clone();
-
-    // Prefill each distinct prompt once (left-padded batch).
-    let max_len = live
-        .iter()
-        .map(|&i| requests[i].prompt_ids.len())
-        .max()
-        .unwrap_or(0);
-    let mut ids = Vec::with_capacity(live.len() * max_len);
-    let mut pads = Vec::with_capacity(live.len());
-    for &i in &live {
-        let p = &requests[i].prompt_ids;
-        pads.push(max_len - p.len());
-        ids.extend(std::iter::repeat_n(0u32, max_len - p.len()));
-        ids.extend_from_slice(p);
-    }
-    let input = Tensor::from_vec(ids, (live.len(), max_len), &device)?;
-    let mut prompt_cache = KvCache::new(model.cfg.num_hidden_layers, pads);
-    // Room for the longest possible completion up front: the cache never regrows mid-decode.
-    prompt_cache.reserve(max_len + params.max_new_tokens.min(max_pos));
-    let hidden = model.forward_hidden(&input, None, Some(&mut prompt_cache), false)?;
-    let last = hidden.narrow(1, max_len - 1, 1)?;
-    let prompt_logits = model.logits(&last)?.squeeze(1)?; // [R, V]
-
-    // Expand to one row per sample.
-    let mut rows = Vec::new();
-    let mut active: Vec<Active> = Vec::new();
-    for (row, &i) in live.iter().enumerate() {
-        let r = &requests[i];
-        for s in 0..r.num_samples {
-            rows.push(row);
-            active.push(Active::new(i, r, s));
-        }
-    }
-    let row_idx = Tensor::new(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), &device)?;
-    let mut logits = prompt_logits.index_select(&row_idx, 0)?;
-    let mut cache = prompt_cache.select_rows(&rows)?;
-    drop(prompt_cache);
-    let mut finished: Vec<(usize, usize, Sample)> = Vec::new();
-
-    loop {
-        let (tokens, token_logprobs) = next_tokens(&logits, params, &mut active)?;
-        let mut next_tokens = Vec::with_capacity(active.len());
-        let mut keep = Vec::with_capacity(active.len());
-        let mut still: Vec<Active> = Vec::with_capacity(active.len());
-        for (row, mut a) in active.drain(..).enumerate() {
-            let tok = tokens[row];
-            let done = a.push(
-                tok,
-                token_logprobs[row],
-                &stop_ids,
-                params.max_new_tokens,
-                max_pos,
-            );
-            if let Some(sample) = done {
-                finished.push((a.request, a.sample, sample));
-            } else {
-                next_tokens.push(tok);
-                keep.push(row);
-                still.push(a);
-            }
-        }
-        active = still;
-        if active.is_empty() {
-            break;
-        }
-        if keep.len() != cache.batch_size() {
-            cache = cache.select_rows(&keep)?;
-        }
-        let n = next_tokens.len();
-        let input = Tensor::from_vec(next_tokens, (n, 1), &device)?;
-        logits = model.forward(&input, Some(&mut cache))?.squeeze(1)?;
-    }
-    // Samples finish in any order; put them back in sample-index order per request.
-    finished.sort_by_key(|(r, s, _)| (*r, *s));
-    for (req, _, sample) in finished {
-        results[req].push(sample);
-    }
-    Ok(results)
+    Ok(crate::engine::generate_with_stats(model, requests, params)?.0)
 }
 
 /// The sampler's distribution `log softmax(logits / T)` in f32, `[rows, V]` (T = 1: no

@@ -19,6 +19,7 @@ fn params(temperature: f64, max_new_tokens: usize) -> SamplingParams {
         top_k: 0,
         max_new_tokens,
         stop_token_ids: Some(vec![]),
+        ..Default::default()
     }
 }
 

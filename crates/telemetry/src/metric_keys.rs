@@ -155,7 +155,9 @@ schema! {
     LOSS_REPLAY = "loss/replay", Nats, Scalar, Train, "trace-replay channel loss (DPO + teacher KL)";
     LOSS_REPLAY_DPO = "loss/replay_dpo", Nats, Scalar, Train, "DPO part of the replay loss";
     LOSS_REPLAY_KL = "loss/replay_kl", Nats, Scalar, Train, "teacher forward-KL part of the replay loss";
-    KL = "kl", Nats, Scalar, Train, "KL to the reference (or sampler) policy";
+    KL = "kl", Nats, Scalar, Train, "KL to the reference policy (β ≠ 0), else 0";
+    MISMATCH_MAX_ABS = "mismatch/max_abs", Nats, Scalar, Train, "largest abs(log π_old − log μ) over the trained tokens: the trainer's recomputed vs the sampler's log-probs (0 = bitwise equal)";
+    MISMATCH_KL = "mismatch/kl", Nats, Scalar, Train, "mean of r − log r − 1, r = π_old/μ, over the trained tokens (k3 estimate of KL(sampler ‖ trainer))";
     ENTROPY = "entropy", Nats, Scalar, Train, "mean token entropy of the trainer's distribution";
     CLIP_RATIO_LOW = "clip_ratio/low", Ratio, Scalar, Train, "fraction of tokens clipped at 1 − ε_low";
     CLIP_RATIO_HIGH = "clip_ratio/high", Ratio, Scalar, Train, "fraction of tokens clipped at 1 + ε_high";

@@ -26,7 +26,7 @@ use composer_env::{
 };
 use tokenizers::Tokenizer;
 
-use composer_model::SamplingParams;
+use composer_model::{PrefixStore, SamplingParams};
 
 use crate::model::PolicyModel;
 use crate::recipe::{EnvSection, Recipe};
@@ -72,17 +72,21 @@ impl TurnSampler {
 /// Runs `body` with a [`TurnSampler`] over `model` (sampling with `params`, whose
 /// `max_new_tokens` is the per-turn limit and `stop_token_ids` the model's EOS ids; tokens
 /// are stamped with `policy_version`), on a scoped generation thread that ends when every
-/// sampler clone is dropped. Each turn re-reads its whole context (prefilled once, then
-/// decoded with the KV cache).
+/// sampler clone is dropped. A turn's KV is kept (at most `prefix_tokens` tokens of them, the
+/// oldest dropped first) so the episode's next turn prefills only the tokens after it (the
+/// observation), not its whole context again. Returns `body`'s result and what was fed.
 pub fn with_turn_sampler<R>(
     model: &PolicyModel,
     params: SamplingParams,
     policy_version: u64,
+    prefix_tokens: usize,
     body: impl FnOnce(TurnSampler) -> R,
-) -> Result<R> {
+) -> Result<(R, TurnStats)> {
     std::thread::scope(|scope| {
         let (tx, rx) = std::sync::mpsc::channel::<TurnRequest>();
         let generator = scope.spawn(move || {
+            let mut store = PrefixStore::new(prefix_tokens);
+            let mut stats = TurnStats::default();
             while let Ok(first) = rx.recv() {
                 let mut pending = vec![first];
                 pending.extend(rx.try_iter());
@@ -96,13 +100,24 @@ pub fn with_turn_sampler<R>(
                         .unwrap_or(pending.len());
                     let batch: Vec<TurnRequest> = pending.drain(..cut).collect();
                     let contexts: Vec<Vec<u32>> = batch.iter().map(|r| r.context.clone()).collect();
+                    stats.context_tokens += contexts.iter().map(Vec::len).sum::<usize>();
                     let seeds: Vec<u64> = batch.iter().map(|r| r.seed).collect();
                     let p = SamplingParams {
                         max_new_tokens: limit.min(params.max_new_tokens),
                         ..params.clone()
                     };
-                    match sampling::sample(model, &contexts, 1, &p, policy_version, |i| seeds[i]) {
-                        Ok(samples) => {
+                    let sampled = sampling::sample_with_store(
+                        model,
+                        &contexts,
+                        1,
+                        &p,
+                        policy_version,
+                        |i| seeds[i],
+                        Some(&mut store),
+                    );
+                    match sampled {
+                        Ok((samples, prefilled)) => {
+                            stats.prefill_tokens += prefilled;
                             for (r, smp) in batch.into_iter().zip(samples) {
                                 let _ = r.reply.send(Ok(smp));
                             }
@@ -116,13 +131,23 @@ pub fn with_turn_sampler<R>(
                     }
                 }
             }
+            stats
         });
         let out = body(TurnSampler { tx });
-        generator
+        let stats = generator
             .join()
             .map_err(|_| anyhow::anyhow!("the generation thread panicked"))?;
-        Ok(out)
+        Ok((out, stats))
     })
+}
+
+/// What a turn sampler fed the model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TurnStats {
+    /// Context tokens of every sampled turn.
+    pub context_tokens: usize,
+    /// Context tokens actually prefilled (the rest continued from the previous turn's KV).
+    pub prefill_tokens: usize,
 }
 
 /// The policy model as a [`TurnPolicy`]: each turn is sampled by a [`TurnSampler`] (batched
@@ -470,15 +495,18 @@ impl EnvRollout {
         };
         let sec = &self.section;
         let runtime = self.runtime()?;
+        // Room for every concurrent episode's previous turn.
+        let prefix_tokens = sec.max_concurrent * sec.max_total_tokens;
         // A round whose every episode failed to reach its server (the server restarting, say)
         // is played again, until a server answers or the pool gives every server up after
         // `[env] server_down_budget_s` (then `run_episode` errors and so does the step).
         let mut replays = 0usize;
         let played = loop {
-            let played = with_turn_sampler(
+            let (played, _) = with_turn_sampler(
                 &s.model,
                 params.clone(),
                 s.state.policy_version,
+                prefix_tokens,
                 |sampler| {
                     block_on(runtime, async {
                         let episodes = (0..n_prompts * g).map(|i| {

@@ -347,6 +347,20 @@ pub struct RolloutSection {
     /// Top-k sampling (0 = off).
     #[serde(default)]
     pub top_k: usize,
+    /// Batch-invariant sampling and recomputation: the sampler's log-probs equal the
+    /// trainer's recomputed log π_old bitwise (`mismatch/max_abs` = 0), at a throughput cost.
+    #[serde(default)]
+    pub deterministic: bool,
+    /// Most samples decoding at once (continuous batching; 0 = all at once).
+    #[serde(default)]
+    pub max_running_sequences: usize,
+    /// Most KV-cache slots (rows × slots per row) the sampler's batch may hold; admission
+    /// waits when full (0 = no limit).
+    #[serde(default)]
+    pub kv_token_budget: usize,
+    /// Prompt tokens per prefill forward (0 = whole prompts).
+    #[serde(default)]
+    pub prefill_chunk: usize,
 }
 
 impl Default for RolloutSection {
@@ -357,6 +371,10 @@ impl Default for RolloutSection {
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
+            deterministic: false,
+            max_running_sequences: 0,
+            kv_token_budget: 0,
+            prefill_chunk: 0,
         }
     }
 }
@@ -1060,6 +1078,13 @@ fn validate(r: &Recipe) -> Result<()> {
     }
     if r.rollout.temperature < 0.0 {
         bail!("key `[rollout] temperature`: must be >= 0");
+    }
+    let budget = r.rollout.kv_token_budget;
+    if budget > 0 && budget <= r.rollout.max_completion_length {
+        bail!(
+            "key `[rollout] kv_token_budget` = {budget} cannot hold one sample: it must exceed max_completion_length ({}) plus the prompt",
+            r.rollout.max_completion_length
+        );
     }
     if r.train.mode == TrainMode::Async && r.env.is_some() {
         bail!("key `[train] mode = \"async\"` does not support `[env]` rollouts yet; use `mode = \"sync\"`");

@@ -73,6 +73,7 @@ pub fn record_traces(o: &RecordTracesOptions) -> Result<RecordSummary> {
         top_k: 0,
         max_new_tokens: o.max_new_tokens,
         stop_token_ids: policy.sampling.stop_token_ids.clone(),
+        ..Default::default()
     };
     let mut writer = TraceWriter::create(&o.out).map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut summary = RecordSummary {

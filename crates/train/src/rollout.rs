@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use composer_model::SamplingParams;
+use composer_model::{EngineConfig, SamplingParams};
 use tokenizers::Tokenizer;
 
 use crate::data::PromptRow;
@@ -35,6 +35,12 @@ pub fn sampling_params(recipe: &Recipe, stop_ids: &[u32]) -> SamplingParams {
         top_k: r.top_k,
         max_new_tokens: r.max_completion_length,
         stop_token_ids: Some(stop_ids.to_vec()),
+        deterministic: r.deterministic,
+        engine: EngineConfig {
+            max_running: r.max_running_sequences,
+            kv_token_budget: r.kv_token_budget,
+            prefill_chunk: r.prefill_chunk,
+        },
     }
 }
 
@@ -218,6 +224,7 @@ pub fn evaluate(s: &Session) -> Result<f64> {
         top_k: 0,
         max_new_tokens: s.recipe.rollout.max_completion_length,
         stop_token_ids: Some(s.stop_ids.clone()),
+        ..Default::default()
     };
     let max = s.reward.max_reward();
     let mut correct = 0usize;

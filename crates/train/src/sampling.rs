@@ -3,7 +3,7 @@
 //! each sampled completion ([`Rollout`]).
 
 use anyhow::Result;
-use composer_model::{FinishReason, GenerationRequest, SamplingParams};
+use composer_model::{FinishReason, GenerationRequest, PrefixStore, SamplingParams};
 
 use crate::model::PolicyModel;
 
@@ -52,6 +52,22 @@ pub fn sample(
     policy_version: u64,
     seed_of: impl Fn(usize) -> u64,
 ) -> Result<Vec<Rollout>> {
+    Ok(sample_with_store(model, prompts, n, params, policy_version, seed_of, None)?.0)
+}
+
+/// As [`sample`], continuing prompts that start with a row of `store` (composer-model's
+/// [`PrefixStore`]: the previous turns of multi-turn episodes) from its KV, and storing every
+/// finished sample's row there (deterministic mode does not use the store). Also returns the
+/// number of prompt tokens prefilled.
+pub fn sample_with_store(
+    model: &PolicyModel,
+    prompts: &[Vec<u32>],
+    n: usize,
+    params: &SamplingParams,
+    policy_version: u64,
+    seed_of: impl Fn(usize) -> u64,
+    store: Option<&mut PrefixStore>,
+) -> Result<(Vec<Rollout>, usize)> {
     let requests: Vec<GenerationRequest> = prompts
         .iter()
         .enumerate()
@@ -61,7 +77,21 @@ pub fn sample(
             seed: seed_of(p),
         })
         .collect();
-    let out = composer_model::generate(&model.transformer, &requests, params)?;
+    let (out, prefilled) = match store {
+        Some(store) if !params.deterministic => {
+            let (out, stats) = composer_model::generate_with_store(
+                &model.transformer,
+                &requests,
+                params,
+                Some(store),
+            )?;
+            (out, stats.prefill_tokens)
+        }
+        _ => {
+            let out = composer_model::generate(&model.transformer, &requests, params)?;
+            (out, prompts.iter().map(|p| p.len()).sum())
+        }
+    };
     let mut rollouts = Vec::with_capacity(prompts.len() * n);
     for (group, samples) in out.into_iter().enumerate() {
         for smp in samples {
@@ -76,5 +106,5 @@ pub fn sample(
             });
         }
     }
-    Ok(rollouts)
+    Ok((rollouts, prefilled))
 }

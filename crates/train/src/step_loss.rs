@@ -36,8 +36,12 @@ pub struct MicroOut {
     pub dpo: f64,
     /// Its teacher-KL part.
     pub teacher_kl: f64,
-    /// KL to the reference (`beta != 0`), else the sampler/trainer mismatch KL.
+    /// KL to the reference (`beta != 0`), else 0.
     pub kl: f64,
+    /// Max |log π_old − log μ| over the micro-batch's trained tokens.
+    pub mismatch_max_abs: f64,
+    /// k3 sampler/trainer KL, mean over the micro-batch's trained tokens.
+    pub mismatch_kl: f64,
     /// Mean token entropy.
     pub entropy: f64,
     /// Clip fractions.
@@ -70,6 +74,16 @@ pub fn micro_loss(
     let samples: Vec<&Rollout> = idx.iter().map(|&i| &batch.samples[i]).collect();
     let tb = rollout_batch_tensors(s, &samples)?;
     let (b, l) = tb.input.dims2()?;
+    // Deterministic mode: log π_old comes from the batch-invariant scorer, equal bitwise to
+    // the deterministic sampler's log-probs.
+    let det_old = if s.recipe.rollout.deterministic {
+        Some(deterministic_old_logprobs(s, &samples, &tb, temp)?)
+    } else {
+        None
+    };
+    if freeze_only && det_old.is_some() {
+        return Ok((None, det_old));
+    }
     if freeze_only {
         let st = batch::token_stats(&s.model, &tb, temp, None, 0)?;
         return Ok((None, Some(st.logprobs.detach())));
@@ -99,7 +113,7 @@ pub fn micro_loss(
     let adv = Tensor::from_vec(adv, b, &dev)?;
     let entropies = st.entropy.clone();
     let mut inputs = LossInputs::new(lp.clone(), adv, tb.mask.clone());
-    inputs.old_logprobs = frozen.and_then(|f| f.old_logprobs.clone());
+    inputs.old_logprobs = frozen.and_then(|f| f.old_logprobs.clone()).or(det_old);
     inputs.sampler_logprobs = Some(sampler);
     inputs.truncated = Some(samples.iter().map(|x| x.truncated).collect());
     inputs.entropies = Some(entropies.clone());
@@ -270,7 +284,9 @@ pub fn micro_loss(
             replay: replay.loss,
             dpo: replay.dpo.as_ref().map(|d| d.loss).unwrap_or(0.0),
             teacher_kl: replay.teacher_kl.as_ref().map(|k| k.loss).unwrap_or(0.0),
-            kl: m_rlvr.kl.or(m_rlvr.mismatch_kl).unwrap_or(0.0),
+            kl: m_rlvr.kl.unwrap_or(0.0),
+            mismatch_max_abs: m_rlvr.mismatch_max_abs.unwrap_or(0.0),
+            mismatch_kl: m_rlvr.mismatch_kl.unwrap_or(0.0),
             entropy: ent,
             clip_low: m_rlvr.clip_ratio_low,
             clip_high: m_rlvr.clip_ratio_high,
@@ -434,6 +450,29 @@ fn recorded_topk(s: &Session, trace_ids: &[usize], ttb: &TokenBatch) -> Result<(
         Tensor::from_vec(ids, (bt, lt, kmax), dev)?,
         Tensor::from_vec(tlps, (bt, lt, kmax), dev)?,
     ))
+}
+
+/// `[B, L]` log π_old of the rollouts' completion tokens (0 elsewhere) from composer-model's
+/// batch-invariant scorer at the sampling temperature.
+fn deterministic_old_logprobs(
+    s: &Session,
+    samples: &[&Rollout],
+    tb: &TokenBatch,
+    temperature: f64,
+) -> Result<Tensor> {
+    let (b, l) = tb.input.dims2()?;
+    let seqs: Vec<Vec<u32>> = samples
+        .iter()
+        .map(|x| [x.prompt_ids.as_slice(), &x.completion_ids].concat())
+        .collect();
+    let scored = composer_model::score_deterministic(&s.model.transformer, &seqs, temperature)?;
+    let mut old = vec![0f32; b * l];
+    for (r, (smp, lps)) in samples.iter().zip(&scored).enumerate() {
+        for (k, &pos) in tb.completion_positions[r].iter().enumerate() {
+            old[pos] = lps[smp.prompt_ids.len() - 1 + k];
+        }
+    }
+    Ok(Tensor::from_vec(old, (b, l), s.model.device())?)
 }
 
 #[cfg(test)]

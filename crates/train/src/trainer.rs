@@ -483,6 +483,8 @@ pub(crate) fn end_step(
         (keys::LOSS_REPLAY_DPO): stats.loss_dpo,
         (keys::LOSS_REPLAY_KL): stats.loss_teacher_kl,
         (keys::KL): stats.kl,
+        (keys::MISMATCH_MAX_ABS): stats.mismatch_max_abs,
+        (keys::MISMATCH_KL): stats.mismatch_kl,
         (keys::ENTROPY): stats.entropy,
         (keys::CLIP_RATIO_LOW): stats.clip_low,
         (keys::CLIP_RATIO_HIGH): stats.clip_high,

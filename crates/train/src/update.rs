@@ -32,8 +32,12 @@ pub struct TrainStats {
     pub loss_dpo: f64,
     /// Mean token-KL part.
     pub loss_teacher_kl: f64,
-    /// Mismatch KL (k3, trainer vs sampler) / RLVR's KL.
+    /// RLVR's KL to the reference (0 without one).
     pub kl: f64,
+    /// Max |log π_old − log μ| over every trained token of the step.
+    pub mismatch_max_abs: f64,
+    /// k3 sampler/trainer KL, mean over micro-batches.
+    pub mismatch_kl: f64,
     /// Mean token entropy.
     pub entropy: f64,
     /// Clip fractions.
@@ -282,6 +286,8 @@ pub fn train_on_batch(
                 stats.loss_dpo += out.dpo;
                 stats.loss_teacher_kl += out.teacher_kl;
                 stats.kl += out.kl;
+                stats.mismatch_max_abs = stats.mismatch_max_abs.max(out.mismatch_max_abs);
+                stats.mismatch_kl += out.mismatch_kl;
                 stats.entropy += out.entropy;
                 stats.clip_low += out.clip_low;
                 stats.clip_high += out.clip_high;
@@ -328,6 +334,7 @@ pub fn train_on_batch(
             &mut stats.loss_dpo,
             &mut stats.loss_teacher_kl,
             &mut stats.kl,
+            &mut stats.mismatch_kl,
             &mut stats.entropy,
             &mut stats.clip_low,
             &mut stats.clip_high,

@@ -280,3 +280,71 @@ fn record_traces_writes_the_trace_store_format() {
         }
     }
 }
+
+#[test]
+fn every_step_logs_the_sampler_trainer_mismatch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = hf_recipe(tmp.path(), &fixture("qwen2-tiny"));
+    let run = tmp.path().join("run");
+    run_train(&opts(&recipe, &run)).unwrap();
+    let lines = train_metrics(&run);
+    assert!(!lines.is_empty());
+    for l in &lines {
+        let max_abs = l["mismatch/max_abs"].as_f64().expect("mismatch/max_abs");
+        let kl = l["mismatch/kl"].as_f64().expect("mismatch/kl");
+        // f32 KV-cached sampler vs the trainer's full forward: equal up to rounding.
+        assert!((0.0..1e-3).contains(&max_abs), "{l}");
+        assert!((0.0..1e-6).contains(&kl), "{l}");
+    }
+}
+
+#[test]
+fn deterministic_mode_makes_the_mismatch_exactly_zero() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = hf_recipe(tmp.path(), &fixture("qwen2-tiny"));
+    let text = std::fs::read_to_string(&recipe).unwrap();
+    let text = text.replace(
+        "[rollout]\n",
+        "[rollout]\ndeterministic = true\ntemperature = 0.9\n",
+    );
+    std::fs::write(&recipe, text).unwrap();
+    let run = tmp.path().join("run");
+    run_train(&opts(&recipe, &run)).unwrap();
+    let lines = train_metrics(&run);
+    assert!(!lines.is_empty());
+    for l in &lines {
+        assert_eq!(l["mismatch/max_abs"].as_f64(), Some(0.0), "{l}");
+        assert_eq!(l["mismatch/kl"].as_f64(), Some(0.0), "{l}");
+    }
+}
+
+#[test]
+fn rollout_scheduler_limits_change_when_samples_run_not_what_they_sample() {
+    let run_with = |extra: &str| -> Result<Vec<Value>, String> {
+        let tmp = tempfile::tempdir().unwrap();
+        let recipe = hf_recipe(tmp.path(), &fixture("qwen2-tiny"));
+        let text = std::fs::read_to_string(&recipe).unwrap();
+        let text = text
+            .replace("num_generations = 2", "num_generations = 5")
+            .replace("max_completion_length = 4", "max_completion_length = 6")
+            .replace("[rollout]\n", &format!("[rollout]\n{extra}"));
+        std::fs::write(&recipe, text).unwrap();
+        let run = tmp.path().join("run");
+        run_train(&opts(&recipe, &run)).map_err(|e| format!("{e:#}"))?;
+        Ok(train_metrics(&run))
+    };
+    let all_at_once = run_with("").unwrap();
+    let limited =
+        run_with("max_running_sequences = 2\nkv_token_budget = 4000\nprefill_chunk = 3\n").unwrap();
+    assert_eq!(all_at_once.len(), limited.len());
+    for (a, b) in all_at_once.iter().zip(&limited) {
+        assert_eq!(
+            a["completions/lengths"], b["completions/lengths"],
+            "{a}\n{b}"
+        );
+        assert_eq!(a["reward/mean"], b["reward/mean"], "{a}\n{b}");
+    }
+    // A budget that cannot hold one sample is refused naming the key.
+    let err = run_with("kv_token_budget = 5\n").unwrap_err();
+    assert!(err.contains("kv_token_budget"), "{err}");
+}

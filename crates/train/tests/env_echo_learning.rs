@@ -160,12 +160,13 @@ fn multi_turn_episode_is_token_faithful() {
         top_k: 0,
         max_new_tokens: 6,
         stop_token_ids: Some(vec![eos]),
+        ..Default::default()
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    let ep = with_turn_sampler(&model, params, 3, |sampler| {
+    let (ep, fed) = with_turn_sampler(&model, params, 3, 1000, |sampler| {
         let mut policy =
             ModelTurnPolicy::new(sampler, &tok, 11, "{observation}\n", "[{observation}]\n");
         let mut env = EchoEnv::new();
@@ -227,6 +228,15 @@ fn multi_turn_episode_is_token_faithful() {
         }
     }
     assert_eq!(checked, ep.loss_mask.iter().filter(|m| **m == 1).count());
+    // Turns 2 and 3 continued from the previous turn's KV: only its last sampled token and
+    // the observation were prefilled, not the whole context.
+    let observations: usize = ep.turns[..2]
+        .iter()
+        .map(|t| t.observation_tokens.len())
+        .sum();
+    let turn_starts: usize = ep.turns.iter().map(|t| t.model_tokens.start).sum();
+    assert_eq!(fed.context_tokens, turn_starts);
+    assert_eq!(fed.prefill_tokens, ep.prompt_len + 2 + observations);
 }
 
 /// The example recipes in `recipes/` parse (the OpenEnv one names its server by `url_env`,

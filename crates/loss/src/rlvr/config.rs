@@ -393,8 +393,13 @@ pub struct RlvrMetrics {
     pub dppo_masked_low: Option<f64>,
     /// `dppo`: masked with A > 0 (probability rose too much).
     pub dppo_masked_high: Option<f64>,
-    /// `dppo`: mean mismatch KL (r − log r − 1 with r = π/μ) over active tokens.
+    /// Sampler/trainer mismatch (when sampler log-probs are given): mean of r − log r − 1 with
+    /// r = π_old/μ over active tokens (k3 estimate of KL(μ‖π_old)), π_old being the trainer's
+    /// recomputed log-probs before this step's updates.
     pub mismatch_kl: Option<f64>,
+    /// Sampler/trainer mismatch: max |log π_old − log μ| over active tokens (0 when the
+    /// sampler's log-probs equal the trainer's bitwise).
+    pub mismatch_max_abs: Option<f64>,
     /// `vespo`: mean of the gamma weights φ over sequences.
     pub vespo_phi_mean: Option<f64>,
 }

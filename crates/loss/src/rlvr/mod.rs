@@ -249,6 +249,13 @@ pub fn rlvr_loss(
     };
     metrics.mean_ratio = level_mean(&coef1_h);
 
+    // Always measured when the sampler's log-probs are known: the same log π_old − log μ the
+    // importance-sampling correction below weights by.
+    if let Some(smp) = &inputs.sampler_logprobs {
+        let (max_abs, kl) = terms::sampler_mismatch(&old_h, &host2(smp)?, &m);
+        metrics.mismatch_max_abs = Some(max_abs);
+        metrics.mismatch_kl = Some(kl);
+    }
     let is_weights = terms::sampler_is_weights(inputs, cfg, &old_h, &m, &mut metrics)?;
 
     // Top-entropy mask.

@@ -8,6 +8,28 @@ use crate::util::{const2, host2};
 use crate::{LossError, Result};
 use candle_core::Tensor;
 
+/// The sampler/trainer mismatch on the active tokens (mask `m` > 0): `(max |log π − log μ|,
+/// mean of r − log r − 1)` with r = π/μ (the k3 estimate of KL(μ‖π), tokens being drawn from
+/// μ); `(0, 0)` when no token is active.
+pub(super) fn sampler_mismatch(
+    trainer_h: &[Vec<f64>],
+    sampler_h: &[Vec<f64>],
+    m: &[Vec<f64>],
+) -> (f64, f64) {
+    let mut max_abs = 0f64;
+    let mut k3 = vec![vec![0.0; m.first().map_or(0, |r| r.len())]; m.len()];
+    for (i, row) in m.iter().enumerate() {
+        for (j, &w) in row.iter().enumerate() {
+            if w > 0.0 {
+                let d = trainer_h[i][j] - sampler_h[i][j];
+                max_abs = max_abs.max(d.abs());
+                k3[i][j] = d.exp() - d - 1.0;
+            }
+        }
+    }
+    (max_abs, masked_mean(&k3, m))
+}
+
 /// TRL's `vllm_importance_sampling_*` weights w = exp(log π_old − log μ) (token or sequence),
 /// truncated or masked to [C_min, C_max]; `None` without sampler log-probs or when disabled.
 pub(super) fn sampler_is_weights(
@@ -163,7 +185,6 @@ pub(super) fn dppo_per_token(
     let mut keep = vec![vec![0.0; t]; b];
     let mut masked = vec![vec![0.0; t]; b];
     let (mut mlow, mut mhigh) = (vec![vec![0.0; t]; b], vec![vec![0.0; t]; b]);
-    let mut mkl = vec![vec![0.0; t]; b];
     for i in 0..b {
         for j in 0..t {
             let a = adv[i][j];
@@ -175,14 +196,11 @@ pub(super) fn dppo_per_token(
             keep[i][j] = if is_m { 0.0 } else { m[i][j] };
             mlow[i][j] = f64::from(u8::from(a < 0.0 && inv_low));
             mhigh[i][j] = f64::from(u8::from(a > 0.0 && inv_high));
-            let lr = lp_h[i][j] - inf_h[i][j];
-            mkl[i][j] = lr.exp() - lr - 1.0;
         }
     }
     metrics.dppo_masked_fraction = Some(masked_mean(&masked, m));
     metrics.dppo_masked_low = Some(masked_mean(&mlow, m));
     metrics.dppo_masked_high = Some(masked_mean(&mhigh, m));
-    metrics.mismatch_kl = Some(masked_mean(&mkl, m));
     let lr = (lp - &inf_t)?;
     let pg = ((const2(&keep, lp)? * (adv_t * cfg.adv_tau)?)? * lr.exp()?)?;
     Ok(((lr.sqr()? * cfg.kl_tau)? - pg)?)

@@ -1,0 +1,123 @@
+//! Prompt prefill for the rollout engine: left-padded batches fed in chunks, and prompts
+//! continued from a [`PrefixStore`] row (only their new tokens are fed).
+
+use crate::engine::EngineStats;
+use crate::kv_cache::KvCache;
+use crate::prefix_store::PrefixStore;
+use crate::transformer::Transformer;
+use anyhow::{bail, Result};
+use candle_core::Tensor;
+
+/// Prefills `prompts` and returns their cache (rows in prompt order) and next-token logits
+/// `[prompts, V]`. A prompt that starts with a row of `store` feeds only the tokens after it
+/// onto that row; the others are left-padded into one batch. Prompts are fed `chunk` tokens
+/// per forward (0 = all at once).
+pub(crate) fn prefill(
+    model: &Transformer,
+    prompts: &[&[u32]],
+    chunk: usize,
+    mut store: Option<&mut PrefixStore>,
+    stats: &mut EngineStats,
+) -> Result<(KvCache, Tensor)> {
+    let mut continued: Vec<Option<(KvCache, Tensor)>> = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let hit = store.as_deref_mut().and_then(|s| s.take_longest_prefix(p));
+        continued.push(match hit {
+            Some((stored, mut cache)) => {
+                cache.reserve(p.len());
+                let input = Tensor::new(&p[stored..], model.device())?.unsqueeze(0)?;
+                let last = feed(model, &mut cache, &input, chunk, stats)?;
+                stats.prefill_tokens += p.len() - stored;
+                Some((cache, model.logits(&last)?.squeeze(1)?))
+            }
+            None => None,
+        });
+    }
+    let plain: Vec<&[u32]> = prompts
+        .iter()
+        .zip(&continued)
+        .filter(|(_, c)| c.is_none())
+        .map(|(p, _)| *p)
+        .collect();
+    let batch = if plain.is_empty() {
+        None
+    } else {
+        Some(prefill_batch(model, &plain, chunk, stats)?)
+    };
+    if continued.iter().all(Option::is_none) {
+        return Ok(batch.expect("every prompt is in the batch"));
+    }
+    // Mixed: stack the rows back in prompt order.
+    let mut rows = Vec::with_capacity(prompts.len());
+    let mut logits = Vec::with_capacity(prompts.len());
+    let mut next_plain = 0;
+    for c in continued {
+        match c {
+            Some((cache, lg)) => {
+                rows.push(cache);
+                logits.push(lg);
+            }
+            None => {
+                let (cache, lg) = batch.as_ref().expect("plain prompts were batched");
+                rows.push(cache.row(next_plain)?);
+                logits.push(lg.narrow(0, next_plain, 1)?);
+                next_plain += 1;
+            }
+        }
+    }
+    let parts: Vec<&KvCache> = rows.iter().collect();
+    let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+    Ok((
+        KvCache::concat_rows(&parts, longest)?,
+        Tensor::cat(&logits, 0)?,
+    ))
+}
+
+/// Prefills `prompts` left-padded into one batch; returns their cache and next-token logits.
+fn prefill_batch(
+    model: &Transformer,
+    prompts: &[&[u32]],
+    chunk: usize,
+    stats: &mut EngineStats,
+) -> Result<(KvCache, Tensor)> {
+    let max_len = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+    let mut ids = Vec::with_capacity(prompts.len() * max_len);
+    let mut pads = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        pads.push(max_len - p.len());
+        ids.extend(std::iter::repeat_n(0u32, max_len - p.len()));
+        ids.extend_from_slice(p);
+    }
+    let input = Tensor::from_vec(ids, (prompts.len(), max_len), model.device())?;
+    let mut cache = KvCache::new(model.cfg.num_hidden_layers, pads);
+    cache.reserve(max_len);
+    let last = feed(model, &mut cache, &input, chunk, stats)?;
+    stats.prefill_tokens += prompts.iter().map(|p| p.len()).sum::<usize>();
+    Ok((cache, model.logits(&last)?.squeeze(1)?))
+}
+
+/// Feeds `input` (`[rows, T]`, T > 0) through `cache`, `chunk` columns per forward (0 = all
+/// at once); returns the last position's hidden states `[rows, 1, hidden]`.
+fn feed(
+    model: &Transformer,
+    cache: &mut KvCache,
+    input: &Tensor,
+    chunk: usize,
+    stats: &mut EngineStats,
+) -> Result<Tensor> {
+    let len = input.dim(1)?;
+    let step = if chunk == 0 { len } else { chunk };
+    let mut start = 0;
+    let mut last = None;
+    while start < len {
+        let t = step.min(len - start);
+        let hidden = model.forward_hidden(&input.narrow(1, start, t)?, None, Some(cache), false)?;
+        last = Some(hidden.narrow(1, t - 1, 1)?);
+        stats.prefill_forwards += 1;
+        start += t;
+    }
+    match last {
+        Some(h) => Ok(h),
+        None => bail!("nothing to prefill"),
+    }
+}
