@@ -202,7 +202,7 @@ struct Recorder {
     consecutive_failed: u32,
     cooldown_until: Option<Instant>,
     envs_created: u64,
-    /// First connection failure with no success since (None: the server answers).
+    /// First connection failure with no completed episode since (None: the server answers).
     down_since: Option<Instant>,
     /// Latest connection failure.
     down_last: Option<Instant>,
@@ -247,7 +247,8 @@ impl Recorder {
         }
     }
 
-    /// A call succeeded: the server is up.
+    /// An episode completed: the server is up. (A call that succeeds is not enough: a server
+    /// that resets but drops every step is as unusable as one that refuses connections.)
     fn success(&mut self) {
         self.down_since = None;
         self.down_last = None;
@@ -609,6 +610,7 @@ impl PooledEnv {
                 r.episodes_ok += 1;
                 r.consecutive_failed = 0;
                 r.cooldown_until = None;
+                r.success();
             }
         }
     }
@@ -620,14 +622,8 @@ impl PooledEnv {
                 r.failure(&self.server_name, e);
             }
             match result {
-                Ok(_) if is_step => {
-                    r.step_s.push(elapsed);
-                    r.success();
-                }
-                Ok(_) => {
-                    r.reset_s.push(elapsed);
-                    r.success();
-                }
+                Ok(_) if is_step => r.step_s.push(elapsed),
+                Ok(_) => r.reset_s.push(elapsed),
                 Err(e) => r.failure(&self.server_name, e),
             }
         }

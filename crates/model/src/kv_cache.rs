@@ -80,8 +80,9 @@ impl LayerKv {
         let cap = self.capacity() - trim;
         let sel = |t: &Tensor| -> Result<Tensor> {
             // Rows first: candle's index_select needs a contiguous source, which the slot
-            // narrowing would not be when `trim` > 0.
-            let t = t.index_select(idx, 0)?.narrow(2, trim, cap)?;
+            // narrowing would not be when `trim` > 0 (and a buffer stacked or overwritten
+            // in place may not be either: `contiguous` is free when it already is).
+            let t = t.contiguous()?.index_select(idx, 0)?.narrow(2, trim, cap)?;
             Ok(t.contiguous()?)
         };
         Ok(LayerKv {
