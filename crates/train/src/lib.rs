@@ -34,7 +34,6 @@ pub mod tool_calls;
 pub mod tool_env;
 pub mod trainer;
 pub mod update;
-pub mod validate;
 pub mod verifiers;
 
 pub use bench::{bench_async, bench_channels, AsyncBenchOptions, BenchOptions};
