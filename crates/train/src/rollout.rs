@@ -12,19 +12,10 @@ use crate::data::PromptRow;
 use crate::model::PolicyModel;
 use crate::recipe::Recipe;
 use crate::rewards::{reward_batch, Rewards};
-use crate::sampling::{self, mix_seed, Rollout};
+use crate::sampling::{self, RolloutBatch};
+use crate::seed::mix_seed;
 use crate::session::Session;
 use crate::tokenizer as chartok;
-
-/// One step's rollouts.
-pub struct RolloutBatch {
-    /// The step's prompts (indices into `train_rows`), one group each.
-    pub prompts: Vec<usize>,
-    /// `prompts.len() × num_generations` rollouts, grouped.
-    pub samples: Vec<Rollout>,
-    /// Decoded completion texts.
-    pub texts: Vec<String>,
-}
 
 /// The recipe's `[rollout]` sampling knobs, stopping at every id of `stop_ids`.
 pub fn sampling_params(recipe: &Recipe, stop_ids: &[u32]) -> SamplingParams {

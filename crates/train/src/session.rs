@@ -13,12 +13,12 @@ use crate::checkpoint::{self, CheckpointData, TrainerState};
 use crate::data::{self, Message, PromptRow};
 use crate::model::PolicyModel;
 use crate::optim::{AdamW, AdamWParams};
+use crate::options::TrainOptions;
 use crate::recipe::{self, Recipe};
 use crate::replay::{self, TeacherTrace};
-use crate::sampling::mix_seed;
+use crate::seed::mix_seed;
 use crate::task;
 use crate::tokenizer as chartok;
-use crate::trainer::TrainOptions;
 use crate::verifiers::RewardFn;
 
 /// Everything the loop works on.
