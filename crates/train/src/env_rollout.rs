@@ -455,6 +455,12 @@ impl EnvRollout {
         self.recent.lock().ok().and_then(|r| r.back().cloned())
     }
 
+    /// Whether every server of the pool has been given up (down past its budget).
+    pub fn all_servers_gone(&self) -> bool {
+        let servers = self.stats().servers;
+        !servers.is_empty() && servers.iter().all(|s| s.gone)
+    }
+
     /// The env keys of a step's metrics line: τ_V of environment rollouts (cumulative call
     /// latency percentiles, episodes ok/failed, failures by cause) and the tool-call counts of
     /// the last batch's episodes.

@@ -19,6 +19,7 @@ pub mod env_rollout;
 pub mod model;
 pub mod optim;
 pub mod options;
+pub mod prompts;
 pub mod recipe;
 pub mod record_episodes;
 pub mod record_traces;

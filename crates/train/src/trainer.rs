@@ -150,7 +150,7 @@ pub fn run_train_with(opts: &TrainOptions, hook: &mut dyn StepHook) -> Result<Ru
     // then fails. Any other error fails at once.
     let env_lost = match looped {
         Ok(()) => None,
-        Err(e) if s.env_rollout.as_ref().is_some_and(env_servers_gone) => Some(e),
+        Err(e) if s.env_rollout.as_ref().is_some_and(|e| e.all_servers_gone()) => Some(e),
         Err(e) => return Err(e),
     };
     if env_lost.is_some() {
@@ -587,12 +587,6 @@ pub(crate) fn end_step(
         return Ok(true);
     }
     Ok(stop_early)
-}
-
-/// Whether every server of the env pool has been given up (down past its budget).
-fn env_servers_gone(env: &crate::env_rollout::EnvRollout) -> bool {
-    let servers = env.stats().servers;
-    !servers.is_empty() && servers.iter().all(|s| s.gone)
 }
 
 fn fmt_pct(x: Option<f64>) -> String {

@@ -12,10 +12,11 @@ use composer_loss::LossScale;
 use crate::batch::{self, scalar};
 use crate::data::{self, SftRow};
 use crate::optim::{self, AdamW};
+use crate::prompts::render_messages;
 use crate::rewards::Rewards;
 use crate::sampling::RolloutBatch;
 use crate::seed::mix_seed;
-use crate::session::{render_messages, Session};
+use crate::session::Session;
 use crate::step_loss::{micro_loss, Frozen};
 use crate::tokenizer as chartok;
 
