@@ -38,19 +38,28 @@ impl EnvRollout {
     /// played again until one does or every server is given up (`[env] server_down_budget_s`);
     /// errors when every episode failed.
     pub fn rollout_batch(&self, s: &Session, step: usize) -> Result<RolloutBatch> {
+        self.rollout_round(s, step, 0)
+    }
+
+    /// [`EnvRollout::rollout_batch`] for round `round` of `step`: round 0 is the step's batch,
+    /// later rounds are DAPO dynamic sampling's extra draws (prompt draws, reset seeds and
+    /// episode seeds offset by the round, as `sample_rollouts` offsets its prompt draws).
+    pub fn rollout_round(&self, s: &Session, step: usize, round: usize) -> Result<RolloutBatch> {
         let seed = s.recipe.train.seed;
         let n_prompts = s.recipe.train.prompts_per_step;
         let g = s.recipe.rollout.num_generations;
+        let base = (round * n_prompts) as u64;
         let prompts: Vec<usize> = (0..n_prompts)
             .map(|i| {
-                (mix_seed(seed, step as u64, 1_000_000 + i as u64) % s.train_rows.len() as u64)
-                    as usize
+                (mix_seed(seed, step as u64, 1_000_000 + base + i as u64)
+                    % s.train_rows.len() as u64) as usize
             })
             .collect();
         // Non-negative and below 2^31: any OpenEnv env's `seed` field accepts it.
         let reset_seeds: Vec<u64> = (0..n_prompts)
-            .map(|i| mix_seed(seed, step as u64, 3_000_000 + i as u64) % (1 << 31))
+            .map(|i| mix_seed(seed, step as u64, 3_000_000 + base + i as u64) % (1 << 31))
             .collect();
+        let episode_base = base * g as u64;
         let params = sampling_params(&s.recipe, &s.stop_ids);
         let cfg = EpisodeConfig {
             max_turns: self.section.max_turns,
@@ -77,7 +86,7 @@ impl EnvRollout {
                             let mut policy = ModelTurnPolicy::new(
                                 sampler.clone(),
                                 &s.tok,
-                                mix_seed(seed, step as u64, i as u64),
+                                mix_seed(seed, step as u64, episode_base + i as u64),
                                 &sec.prompt_template,
                                 &sec.observation_template,
                             );
@@ -215,9 +224,12 @@ impl EnvRollout {
             env.completion_ids.push(ep.token_ids[p..].to_vec());
         }
         env.episodes = played.into_iter().map(|(ep, _)| ep).collect();
+        // Dynamic sampling trains on groups of up to 1 + `max_dynamic_sampling_rounds`
+        // rounds: their env results must all still be here for the hint channel.
+        let keep = RECENT_BATCHES.max(s.recipe.loss.max_dynamic_sampling_rounds + 1);
         if let Ok(mut recent) = self.recent.lock() {
             recent.push_back(env);
-            while recent.len() > RECENT_BATCHES {
+            while recent.len() > keep {
                 recent.pop_front();
             }
         }
@@ -231,8 +243,8 @@ impl EnvRollout {
     /// The hint channel's view of group `group` of `batch` (built by
     /// [`EnvRollout::rollout_batch`]): each sample's prompt as the student saw it (the
     /// templated reset observation), its text, reward, pass flag and the env's feedback
-    /// (e.g. the failing test). None when `batch` is not one of the recent env batches.
-    /// `train_on_batch` can use this in place of the `[data]` prompt row of the group.
+    /// (e.g. the failing test). None when the group's episodes are not in a recent env
+    /// batch. `train_on_batch` can use this in place of the `[data]` prompt row of the group.
     pub fn hint_group(
         &self,
         batch: &RolloutBatch,
@@ -241,22 +253,46 @@ impl EnvRollout {
         group_size: usize,
     ) -> Option<Vec<composer_loss::hint::RolloutForHint>> {
         let recent = self.recent.lock().ok()?;
-        let env = recent.iter().rev().find(|e| Self::matches(e, batch))?;
         let range = group * group_size..((group + 1) * group_size).min(batch.samples.len());
+        // The group's episodes, found by their completions in one recent env batch: a batch
+        // assembled by dynamic sampling keeps groups of several rounds' env batches.
+        let whole = recent.iter().rev().find(|e| Self::matches(e, batch));
+        let (env, at) = match whole {
+            Some(e) => (e, range.start),
+            None => recent.iter().rev().find_map(|e| {
+                Self::find_group(e, &batch.samples[range.clone()]).map(|at| (e, at))
+            })?,
+        };
         Some(
             range
-                .map(|i| composer_loss::hint::RolloutForHint {
+                .enumerate()
+                .map(|(j, i)| composer_loss::hint::RolloutForHint {
                     prompt_text: self
                         .section
                         .prompt_template
-                        .replace("{observation}", &env.prompt_texts[i]),
+                        .replace("{observation}", &env.prompt_texts[at + j]),
                     completion_text: batch.texts[i].clone(),
                     reward: rewards.total.get(i).copied().unwrap_or(0.0),
                     passed: rewards.passed.get(i).copied().unwrap_or(false),
-                    feedback: env.feedback[i].clone(),
+                    feedback: env.feedback[at + j].clone(),
                 })
                 .collect(),
         )
+    }
+
+    /// Where `group` (consecutive samples) starts in `env`, matched by completions; only at
+    /// group boundaries of `env` (multiples of the group's size).
+    fn find_group(env: &EnvBatch, group: &[Rollout]) -> Option<usize> {
+        let n = group.len();
+        if n == 0 || env.completion_ids.len() < n {
+            return None;
+        }
+        (0..=env.completion_ids.len() - n).step_by(n).find(|&at| {
+            env.completion_ids[at..at + n]
+                .iter()
+                .zip(group)
+                .all(|(c, smp)| *c == smp.completion_ids)
+        })
     }
 
     /// Whether `env` holds the results of `batch` (same completions, in order).

@@ -37,8 +37,14 @@ pub fn sampling_params(recipe: &Recipe, stop_ids: &[u32]) -> SamplingParams {
 
 /// Sample the step's prompts and `num_generations` completions for each.
 pub fn rollout_batch(s: &Session, step: usize) -> Result<RolloutBatch> {
+    rollout_round(s, step, 0)
+}
+
+/// Round `round` of `step` (round 0 is the step's batch, later rounds DAPO's extra draws):
+/// the `[env]` episodes, or [`sample_rollouts`] with the session's weights and prompts.
+fn rollout_round(s: &Session, step: usize, round: usize) -> Result<RolloutBatch> {
     if let Some(env) = &s.env_rollout {
-        return env.rollout_batch(s, step);
+        return env.rollout_round(s, step, round);
     }
     sample_rollouts(
         &s.model,
@@ -48,7 +54,7 @@ pub fn rollout_batch(s: &Session, step: usize) -> Result<RolloutBatch> {
         &s.tok,
         &s.stop_ids,
         step,
-        0,
+        round,
     )
 }
 
@@ -175,16 +181,7 @@ pub fn rollout_and_score(s: &Session, step: usize) -> Result<ScoredBatch> {
         }
         if kept.prompts.len() < want && rounds <= s.recipe.loss.max_dynamic_sampling_rounds {
             let t0 = Instant::now();
-            let more = sample_rollouts(
-                &s.model,
-                s.state.policy_version,
-                &s.recipe,
-                &s.train_rows,
-                &s.tok,
-                &s.stop_ids,
-                step,
-                rounds,
-            )?;
+            let more = rollout_round(s, step, rounds)?;
             rollout_s += t0.elapsed().as_secs_f64();
             let t0 = Instant::now();
             let more_rewards = reward_batch(s, &more);
