@@ -40,7 +40,7 @@ use crate::data::PromptRow;
 use crate::model::PolicyModel;
 use crate::recipe::Recipe;
 use crate::rewards::{score_rollouts, step_advantages, Rewards};
-use crate::rollout::sample_rollouts;
+use crate::rollout::{fill_groups, sample_rollouts};
 use crate::sampling::RolloutBatch;
 use crate::session::Session;
 use crate::step_hook::StepHook;
@@ -55,6 +55,19 @@ pub struct StepRollout {
     pub policy_version: PolicyVersion,
     /// Seconds the generator spent on it.
     pub rollout_s: f64,
+    /// With `[loss] dynamic_sampling`: the generator's own scoring of its rounds (it needs the
+    /// rewards to know which groups to replace), which the rewarder then passes on.
+    pub dynamic: Option<DynamicScored>,
+}
+
+/// A batch assembled by DAPO dynamic sampling on the generator, already scored.
+pub struct DynamicScored {
+    /// The kept groups' rewards.
+    pub rewards: Rewards,
+    /// Zero-variance groups dropped.
+    pub dropped_groups: usize,
+    /// Sampling rounds used.
+    pub rounds: usize,
 }
 
 impl Versioned for StepRollout {
@@ -69,6 +82,8 @@ pub struct ScoredStep {
     pub rollout: StepRollout,
     /// Their rewards.
     pub rewards: Rewards,
+    /// With dynamic sampling: (zero-variance groups dropped, sampling rounds).
+    pub dynamic_sampling: Option<(usize, usize)>,
 }
 
 impl Versioned for ScoredStep {
@@ -142,6 +157,8 @@ pub(crate) struct RolloutActor {
     /// checkpoint carried).
     floor_step: usize,
     history: Arc<History>,
+    /// Scores dynamic sampling's rounds (only used with `[loss] dynamic_sampling`).
+    reward: RewardFn,
 }
 
 impl Generator<PolicyModel> for RolloutActor {
@@ -160,20 +177,53 @@ impl Generator<PolicyModel> for RolloutActor {
             bail!("cancelled while waiting for version {version} to be published");
         }
         let t0 = Instant::now();
-        let batch = sample_rollouts(
-            &weights,
-            version,
-            &self.recipe,
-            &self.train_rows,
-            &self.tok,
-            &self.stop_ids,
-            step,
-            0,
-        )?;
+        let round = |round: usize| {
+            sample_rollouts(
+                &weights,
+                version,
+                &self.recipe,
+                &self.train_rows,
+                &self.tok,
+                &self.stop_ids,
+                step,
+                round,
+            )
+        };
+        let batch = round(0)?;
+        if !self.recipe.loss.advantage.dynamic_sampling {
+            return Ok(vec![StepRollout {
+                batch,
+                policy_version: version,
+                rollout_s: t0.elapsed().as_secs_f64(),
+                dynamic: None,
+            }]);
+        }
+        // The same rounds, prompts and seeds as the sync loop's `rollout_and_score`, all
+        // sampled with this step's pinned weights.
+        let score = |batch: &RolloutBatch| {
+            score_rollouts(
+                &self.reward,
+                &self.train_rows,
+                self.recipe.rollout.num_generations,
+                self.recipe.train.reward_latency_s,
+                batch,
+            )
+        };
+        let rewards = score(&batch);
+        let filled = fill_groups(&self.recipe, batch, rewards, |r| {
+            let more = round(r)?;
+            let more_rewards = score(&more);
+            Ok((more, more_rewards))
+        })?;
         Ok(vec![StepRollout {
-            batch,
+            batch: filled.batch,
             policy_version: version,
             rollout_s: t0.elapsed().as_secs_f64(),
+            dynamic: Some(DynamicScored {
+                rewards: filled.rewards,
+                dropped_groups: filled.dropped_groups,
+                rounds: filled.rounds,
+            }),
         }])
     }
 }
@@ -203,15 +253,26 @@ impl Rewarder<StepRollout> for RewardActor {
         }
         Ok(items
             .into_iter()
-            .map(|rollout| {
-                let rewards = score_rollouts(
-                    &self.reward,
-                    &self.train_rows,
-                    self.num_generations,
-                    self.added_latency_s,
-                    &rollout.batch,
-                );
-                ScoredStep { rollout, rewards }
+            .map(|mut rollout| match rollout.dynamic.take() {
+                Some(d) => ScoredStep {
+                    rollout,
+                    rewards: d.rewards,
+                    dynamic_sampling: Some((d.dropped_groups, d.rounds)),
+                },
+                None => {
+                    let rewards = score_rollouts(
+                        &self.reward,
+                        &self.train_rows,
+                        self.num_generations,
+                        self.added_latency_s,
+                        &rollout.batch,
+                    );
+                    ScoredStep {
+                        rollout,
+                        rewards,
+                        dynamic_sampling: None,
+                    }
+                }
             })
             .collect())
     }
@@ -223,6 +284,8 @@ pub(crate) struct StepReport {
     pub(crate) batch: RolloutBatch,
     pub(crate) rewards: Rewards,
     pub(crate) stats: TrainStats,
+    /// With dynamic sampling: (zero-variance groups dropped, sampling rounds).
+    pub(crate) dynamic_sampling: Option<(usize, usize)>,
 }
 
 /// The trainer actor: the session's optimizer step, and snapshots for publishing.
@@ -239,7 +302,7 @@ impl Trainer<PolicyModel> for TrainActor<'_> {
     fn train(&mut self, items: Vec<ScoredStep>, _: &TrainContext) -> Result<StepReport> {
         let s = &mut *self.session;
         let step = s.state.step + 1;
-        let (batch, rewards) = merge_steps(items);
+        let (batch, rewards, dynamic_sampling) = merge_steps(items);
         let advantages = step_advantages(s, &batch, &rewards)?;
         let inject_nan = self.nan_steps.contains(&step);
         let stats = train_on_batch(s, step, &batch, &rewards, &advantages, inject_nan)?;
@@ -248,6 +311,7 @@ impl Trainer<PolicyModel> for TrainActor<'_> {
             batch,
             rewards,
             stats,
+            dynamic_sampling,
         })
     }
 
@@ -262,8 +326,8 @@ impl Trainer<PolicyModel> for TrainActor<'_> {
 }
 
 /// Concatenates scored steps (more than one only when a batch came back empty), renumbering
-/// sample groups so that they index the merged prompt list.
-fn merge_steps(items: Vec<ScoredStep>) -> (RolloutBatch, Rewards) {
+/// sample groups so that they index the merged prompt list; dynamic sampling's counts add up.
+fn merge_steps(items: Vec<ScoredStep>) -> (RolloutBatch, Rewards, Option<(usize, usize)>) {
     let mut batch = RolloutBatch {
         prompts: vec![],
         samples: vec![],
@@ -275,7 +339,12 @@ fn merge_steps(items: Vec<ScoredStep>) -> (RolloutBatch, Rewards) {
         passed: vec![],
         latency_s: vec![],
     };
+    let mut dynamic: Option<(usize, usize)> = None;
     for item in items {
+        if let Some((d, r)) = item.dynamic_sampling {
+            let (d0, r0) = dynamic.unwrap_or((0, 0));
+            dynamic = Some((d0 + d, r0 + r));
+        }
         let offset = batch.prompts.len();
         let b = item.rollout.batch;
         batch.prompts.extend(b.prompts);
@@ -289,7 +358,7 @@ fn merge_steps(items: Vec<ScoredStep>) -> (RolloutBatch, Rewards) {
         rewards.passed.extend(item.rewards.passed);
         rewards.latency_s.extend(item.rewards.latency_s);
     }
-    (batch, rewards)
+    (batch, rewards, dynamic)
 }
 
 /// The async layout's actors, ready for the controller, and the weights it starts from.
@@ -335,6 +404,7 @@ impl<'a> AsyncActors<'a> {
             first_version: s.state.policy_version,
             floor_step,
             history: history.clone(),
+            reward: s.reward.clone(),
         };
         let snapshots = SnapshotSaver {
             history: history.clone(),

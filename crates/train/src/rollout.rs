@@ -120,11 +120,8 @@ pub struct ScoredBatch {
     pub rounds: usize,
 }
 
-/// Rollouts and rewards of a step. With `[loss] dynamic_sampling` (DAPO), groups whose
-/// rewards all agree are dropped and more prompts are sampled (at most
-/// `max_dynamic_sampling_rounds` extra rounds) until `prompts_per_step` groups are kept; if
-/// the rounds run out, the step trains on what was kept (or, when nothing was, on the first
-/// round's batch, whose advantages are all zero).
+/// Rollouts and rewards of a step. With `[loss] dynamic_sampling` (DAPO) the batch is
+/// [`fill_groups`]'s, whose extra rounds are [`rollout_round`]s scored by [`reward_batch`].
 pub fn rollout_and_score(s: &Session, step: usize) -> Result<ScoredBatch> {
     let t0 = Instant::now();
     let batch = rollout_batch(s, step)?;
@@ -142,8 +139,50 @@ pub fn rollout_and_score(s: &Session, step: usize) -> Result<ScoredBatch> {
             rounds: 1,
         });
     }
-    let g = s.recipe.rollout.num_generations;
-    let want = s.recipe.train.prompts_per_step;
+    let filled = fill_groups(&s.recipe, batch, rewards, |round| {
+        let t0 = Instant::now();
+        let more = rollout_round(s, step, round)?;
+        rollout_s += t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
+        let more_rewards = reward_batch(s, &more);
+        reward_s += t0.elapsed().as_secs_f64();
+        Ok((more, more_rewards))
+    })?;
+    Ok(ScoredBatch {
+        batch: filled.batch,
+        rewards: filled.rewards,
+        rollout_s,
+        reward_s,
+        dropped_groups: filled.dropped_groups,
+        rounds: filled.rounds,
+    })
+}
+
+/// What DAPO dynamic sampling made of a step's rounds.
+pub struct FilledBatch {
+    /// The kept groups (renumbered), or the first round's batch when none was kept.
+    pub batch: RolloutBatch,
+    /// Their rewards.
+    pub rewards: Rewards,
+    /// Zero-variance groups dropped.
+    pub dropped_groups: usize,
+    /// Sampling rounds used.
+    pub rounds: usize,
+}
+
+/// DAPO dynamic sampling: groups whose rewards all agree are dropped and `more(round)` is
+/// asked for another scored round (at most `max_dynamic_sampling_rounds` extra rounds) until
+/// `prompts_per_step` groups are kept; if the rounds run out, the step trains on what was
+/// kept (or, when nothing was, on the first round's batch, whose advantages are all zero).
+/// One implementation for the sync loop and the async generator.
+pub fn fill_groups(
+    recipe: &Recipe,
+    batch: RolloutBatch,
+    rewards: Rewards,
+    mut more: impl FnMut(usize) -> Result<(RolloutBatch, Rewards)>,
+) -> Result<FilledBatch> {
+    let g = recipe.rollout.num_generations;
+    let want = recipe.train.prompts_per_step;
     let mut kept = RolloutBatch {
         prompts: vec![],
         samples: vec![],
@@ -179,14 +218,8 @@ pub fn rollout_and_score(s: &Session, step: usize) -> Result<ScoredBatch> {
         if first.is_none() {
             first = Some((batch, rewards));
         }
-        if kept.prompts.len() < want && rounds <= s.recipe.loss.max_dynamic_sampling_rounds {
-            let t0 = Instant::now();
-            let more = rollout_round(s, step, rounds)?;
-            rollout_s += t0.elapsed().as_secs_f64();
-            let t0 = Instant::now();
-            let more_rewards = reward_batch(s, &more);
-            reward_s += t0.elapsed().as_secs_f64();
-            next = Some((more, more_rewards));
+        if kept.prompts.len() < want && rounds <= recipe.loss.max_dynamic_sampling_rounds {
+            next = Some(more(rounds)?);
         }
     }
     let (batch, rewards) = if kept.prompts.is_empty() {
@@ -194,11 +227,9 @@ pub fn rollout_and_score(s: &Session, step: usize) -> Result<ScoredBatch> {
     } else {
         (kept, kept_rewards)
     };
-    Ok(ScoredBatch {
+    Ok(FilledBatch {
         batch,
         rewards,
-        rollout_s,
-        reward_s,
         dropped_groups: dropped,
         rounds,
     })

@@ -368,7 +368,11 @@ impl<'s> Hooks<TrainActor<'s>, StepReport> for StepHooks<'_> {
     ) -> Result<()> {
         let r = &record.report;
         let walls = record.walls;
-        let extra = record.metrics();
+        let mut extra = record.metrics();
+        if let Some((dropped, rounds)) = r.dynamic_sampling {
+            extra.insert(keys::DYNAMIC_SAMPLING_DROPPED_GROUPS.into(), json!(dropped));
+            extra.insert(keys::DYNAMIC_SAMPLING_ROUNDS.into(), json!(rounds));
+        }
         let done = StepDone {
             step: r.step,
             batch: &r.batch,

@@ -249,22 +249,3 @@ fn repo_agent_recipe_parses_and_tool_keys_are_checked() {
     );
     assert!(err.contains("openenv_tools"), "{err}");
 }
-
-/// DAPO dynamic sampling is a sync-mode feature (with or without `[env]`): async mode is
-/// refused at parse time, naming the key.
-#[test]
-fn dynamic_sampling_in_async_mode_is_refused() {
-    let text = with_key("loss", "dynamic_sampling = true");
-    assert!(parse_recipe(&text, Path::new("ok.toml")).is_ok());
-    let text = text.replace("[train]", "[train]\nmode = \"async\"");
-    let e = format!(
-        "{:#}",
-        parse_recipe(&text, Path::new("recipes/bad.toml")).unwrap_err()
-    );
-    assert!(
-        e.contains("recipes/bad.toml")
-            && e.contains("[loss] dynamic_sampling")
-            && e.contains("sync"),
-        "{e}"
-    );
-}

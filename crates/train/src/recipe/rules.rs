@@ -121,9 +121,6 @@ pub(super) fn validate(r: &Recipe) -> Result<()> {
             );
         }
     }
-    if r.loss.advantage.dynamic_sampling && r.train.mode == TrainMode::Async {
-        bail!("key `[loss] dynamic_sampling`: supported in `[train] mode = \"sync\"` only");
-    }
     if let Some(rp) = &r.replay {
         if !rp.teacher_weights.is_empty() && rp.teacher_weights.len() != rp.traces.len() {
             bail!(
