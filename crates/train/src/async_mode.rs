@@ -1,6 +1,6 @@
 //! The async layout (`[train] mode = "async"`): generator, rewarder and trainer as actors
-//! under composer-actors' [`Controller`], with bounded queues between them and a staleness
-//! bound `[train] max_staleness = k`.
+//! under composer-actors' [`composer_actors::Controller`], with bounded queues between them
+//! and a staleness bound `[train] max_staleness = k`.
 //!
 //! - The **generator** thread samples each step's rollouts with the newest *published*
 //!   weights (a snapshot the trainer hands over after each update) while the trainer trains;

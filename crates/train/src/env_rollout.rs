@@ -3,8 +3,8 @@
 //!
 //! The policy model plays episodes as a [`TurnPolicy`] ([`ModelTurnPolicy`]): its own tokens
 //! go into the episode exactly as sampled, with the sampler's log-probs; env observations are
-//! appended as tokens masked out of the loss (composer-env's [`run_episode`] builds the
-//! sequence by appending, never by re-tokenising a transcript). The model's text is parsed
+//! appended as tokens masked out of the loss (composer-env's [`composer_env::run_episode`]
+//! builds the sequence by appending, never by re-tokenising a transcript). The model's text is parsed
 //! into the env's action schema (from `/schema` for OpenEnv); an unparseable action is a
 //! zero-reward step with a reason.
 //!

@@ -121,7 +121,7 @@ pub struct ScoredBatch {
 }
 
 /// Rollouts and rewards of a step. With `[loss] dynamic_sampling` (DAPO) the batch is
-/// [`fill_groups`]'s, whose extra rounds are [`rollout_round`]s scored by [`reward_batch`].
+/// [`fill_groups`]'s, whose extra rounds are `rollout_round`s scored by [`reward_batch`].
 pub fn rollout_and_score(s: &Session, step: usize) -> Result<ScoredBatch> {
     let t0 = Instant::now();
     let batch = rollout_batch(s, step)?;

@@ -4,15 +4,17 @@
 //! advantages → [`train_on_batch`] (μ passes of mini-batch updates through composer-loss) →
 //! [`publish_weights`] → eval → metrics and the step's samples → checkpoint.
 //!
-//! One step loop serves every layout: sync mode (`run_sync`, staleness 0), async mode
-//! (`run_async`: the actors of [`crate::async_mode`] under composer-actors' controller,
-//! bounded staleness; its trainer ends each step with the same `end_step`) and DiLoCo replicas (the sync loop with a
-//! [`StepHook`] for the outer step). So the NaN/Inf guard, the walls (`time/...`), metrics,
-//! eval, checkpoints and SIGINT/SIGTERM ([`crate::signals`]: checkpoint, stop, exit 130/143)
-//! behave the same in all three.
+//! One step loop serves every layout, and both loops are in this file: sync mode
+//! (`run_sync`, staleness 0), async mode (`run_async`: the actors of [`crate::async_mode`]
+//! under composer-actors' controller, bounded staleness) and DiLoCo replicas (the sync loop
+//! with a [`StepHook`] for the outer step). Every step ends in the same `end_step`, so the
+//! NaN/Inf guard, the walls (`time/...`), metrics, eval, checkpoints and SIGINT/SIGTERM
+//! ([`crate::signals`]: checkpoint, stop, exit 130/143) behave the same in all three.
 //!
-//! The step's pieces live in their own modules: [`crate::session`], [`crate::rollout`],
-//! [`crate::rewards`], [`crate::update`] / [`crate::step_loss`], [`crate::checkpoint`].
+//! The step's pieces live in their own modules, none of which depends on this one:
+//! [`crate::session`], [`crate::rollout`] (and [`crate::env_batch`] for `[env]`),
+//! [`crate::rewards`], [`crate::update`] / [`crate::step_loss`], [`crate::checkpoint`]. The
+//! `pub use`s below are the step's public face for the binary, DiLoCo and the tests.
 //!
 //! Every random draw is ChaCha8 seeded by `mix_seed(seed, step, index)`, so a run is a pure
 //! function of (recipe, seed) and a resumed run continues bit-identically.
