@@ -251,8 +251,9 @@ fn example_env_recipes_parse() {
     }
 }
 
-/// An echo env whose `step` fails (as a dropped connection would) in every third episode
-/// (counted over all envs of the factory, by reset), or always.
+/// An echo env whose `step` fails (as a dropped connection would) in every `fail_every`-th
+/// episode (counted over all envs of the factory, by reset); with `fail_every = 1` a server
+/// that is down: every call fails, `reset` included.
 struct FlakyEcho {
     inner: composer_env::EchoEnv,
     resets: std::sync::Arc<std::sync::atomic::AtomicUsize>,
@@ -269,6 +270,13 @@ impl composer_env::Env for FlakyEcho {
         self.episode = self
             .resets
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if self.fail_every == 1 {
+            // A server that is down answers no call at all: a reset that succeeded would tell
+            // the pool the server is up (and its down budget would never run out).
+            return Err(composer_env::EnvError::Connection(
+                "server closed the WebSocket (code 1012: service restart)".into(),
+            ));
+        }
         self.inner.reset(opts).await
     }
     async fn step(
