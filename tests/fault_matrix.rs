@@ -24,7 +24,6 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-#[allow(dead_code)]
 #[path = "../crates/env/tests/common/mod.rs"]
 mod env_common;
 

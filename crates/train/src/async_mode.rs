@@ -1,6 +1,6 @@
 //! The async layout (`[train] mode = "async"`): generator, rewarder and trainer as actors
-//! under composer-actors' [`Controller`], with bounded queues between them and a staleness
-//! bound `[train] max_staleness = k`.
+//! under composer-actors' [`composer_actors::Controller`], with bounded queues between them
+//! and a staleness bound `[train] max_staleness = k`.
 //!
 //! - The **generator** thread samples each step's rollouts with the newest *published*
 //!   weights (a snapshot the trainer hands over after each update) while the trainer trains;
@@ -20,19 +20,17 @@
 //! between boundaries (Ctrl-C, SIGTERM) carries the older weights later steps sample with
 //! ([`crate::async_resume`]). The trainer keeps the few snapshots still needed in a `History`.
 //!
-//! Everything after the update (metrics, eval, checkpoint, Ctrl-C) is the same
-//! [`end_step`] the sync loop calls, with the controller's walls, idle times and staleness
-//! added to the metrics line.
+//! This module holds the actors; the step loop in `trainer.rs` runs them under the controller
+//! and ends every step with the same `end_step` as the sync loop (metrics, eval, checkpoint,
+//! Ctrl-C), with the controller's walls, idle times and staleness added to the metrics line.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use composer_actors::{
-    CancelToken, Controller, ControllerConfig, ControllerError, GenerateContext, Generator, Hooks,
-    Mode, PolicyVersion, Rewarder, RunEnd, ScoreContext, StepRecord, TrainContext, Trainer,
+    GenerateContext, Generator, PolicyVersion, Rewarder, ScoreContext, TrainContext, Trainer,
     Versioned,
 };
 use tokenizers::Tokenizer;
@@ -41,10 +39,12 @@ use crate::async_resume::{read_snapshots, sampling_step, snapshot_files, steps_n
 use crate::data::PromptRow;
 use crate::model::PolicyModel;
 use crate::recipe::Recipe;
-use crate::trainer::{
-    end_step, sample_rollouts, save, score_rollouts, step_advantages, train_on_batch, Rewards,
-    RolloutBatch, RunLog, Session, StepDone, StepHook, TrainStats,
-};
+use crate::rewards::{score_rollouts, step_advantages, Rewards};
+use crate::rollout::{fill_groups, sample_rollouts};
+use crate::sampling::RolloutBatch;
+use crate::session::Session;
+use crate::step_hook::StepHook;
+use crate::update::{train_on_batch, TrainStats};
 use crate::verifiers::RewardFn;
 
 /// One step's rollouts, all sampled by one published weights version.
@@ -55,6 +55,19 @@ pub struct StepRollout {
     pub policy_version: PolicyVersion,
     /// Seconds the generator spent on it.
     pub rollout_s: f64,
+    /// With `[loss] dynamic_sampling`: the generator's own scoring of its rounds (it needs the
+    /// rewards to know which groups to replace), which the rewarder then passes on.
+    pub dynamic: Option<DynamicScored>,
+}
+
+/// A batch assembled by DAPO dynamic sampling on the generator, already scored.
+pub struct DynamicScored {
+    /// The kept groups' rewards.
+    pub rewards: Rewards,
+    /// Zero-variance groups dropped.
+    pub dropped_groups: usize,
+    /// Sampling rounds used.
+    pub rounds: usize,
 }
 
 impl Versioned for StepRollout {
@@ -69,6 +82,8 @@ pub struct ScoredStep {
     pub rollout: StepRollout,
     /// Their rewards.
     pub rewards: Rewards,
+    /// With dynamic sampling: (zero-variance groups dropped, sampling rounds).
+    pub dynamic_sampling: Option<(usize, usize)>,
 }
 
 impl Versioned for ScoredStep {
@@ -129,7 +144,7 @@ impl History {
 }
 
 /// Samples rollouts with the published weights of the step's pinned version.
-struct RolloutActor {
+pub(crate) struct RolloutActor {
     recipe: Recipe,
     train_rows: Vec<PromptRow>,
     tok: Tokenizer,
@@ -142,6 +157,8 @@ struct RolloutActor {
     /// checkpoint carried).
     floor_step: usize,
     history: Arc<History>,
+    /// Scores dynamic sampling's rounds (only used with `[loss] dynamic_sampling`).
+    reward: RewardFn,
 }
 
 impl Generator<PolicyModel> for RolloutActor {
@@ -160,26 +177,59 @@ impl Generator<PolicyModel> for RolloutActor {
             bail!("cancelled while waiting for version {version} to be published");
         }
         let t0 = Instant::now();
-        let batch = sample_rollouts(
-            &weights,
-            version,
-            &self.recipe,
-            &self.train_rows,
-            &self.tok,
-            &self.stop_ids,
-            step,
-            0,
-        )?;
+        let round = |round: usize| {
+            sample_rollouts(
+                &weights,
+                version,
+                &self.recipe,
+                &self.train_rows,
+                &self.tok,
+                &self.stop_ids,
+                step,
+                round,
+            )
+        };
+        let batch = round(0)?;
+        if !self.recipe.loss.advantage.dynamic_sampling {
+            return Ok(vec![StepRollout {
+                batch,
+                policy_version: version,
+                rollout_s: t0.elapsed().as_secs_f64(),
+                dynamic: None,
+            }]);
+        }
+        // The same rounds, prompts and seeds as the sync loop's `rollout_and_score`, all
+        // sampled with this step's pinned weights.
+        let score = |batch: &RolloutBatch| {
+            score_rollouts(
+                &self.reward,
+                &self.train_rows,
+                self.recipe.rollout.num_generations,
+                self.recipe.train.reward_latency_s,
+                batch,
+            )
+        };
+        let rewards = score(&batch);
+        let filled = fill_groups(&self.recipe, batch, rewards, |r| {
+            let more = round(r)?;
+            let more_rewards = score(&more);
+            Ok((more, more_rewards))
+        })?;
         Ok(vec![StepRollout {
-            batch,
+            batch: filled.batch,
             policy_version: version,
             rollout_s: t0.elapsed().as_secs_f64(),
+            dynamic: Some(DynamicScored {
+                rewards: filled.rewards,
+                dropped_groups: filled.dropped_groups,
+                rounds: filled.rounds,
+            }),
         }])
     }
 }
 
 /// Scores rollouts with the recipe's verifiers.
-struct RewardActor {
+pub(crate) struct RewardActor {
     reward: RewardFn,
     train_rows: Vec<PromptRow>,
     num_generations: usize,
@@ -198,36 +248,49 @@ impl Rewarder<StepRollout> for RewardActor {
             bail!(
                 "injected verifier failure on batch {} ({})",
                 self.batches_scored,
-                crate::trainer::REWARD_ERROR_HOOK_ENV
+                crate::test_hooks::REWARD_ERROR_HOOK_ENV
             );
         }
         Ok(items
             .into_iter()
-            .map(|rollout| {
-                let rewards = score_rollouts(
-                    &self.reward,
-                    &self.train_rows,
-                    self.num_generations,
-                    self.added_latency_s,
-                    &rollout.batch,
-                );
-                ScoredStep { rollout, rewards }
+            .map(|mut rollout| match rollout.dynamic.take() {
+                Some(d) => ScoredStep {
+                    rollout,
+                    rewards: d.rewards,
+                    dynamic_sampling: Some((d.dropped_groups, d.rounds)),
+                },
+                None => {
+                    let rewards = score_rollouts(
+                        &self.reward,
+                        &self.train_rows,
+                        self.num_generations,
+                        self.added_latency_s,
+                        &rollout.batch,
+                    );
+                    ScoredStep {
+                        rollout,
+                        rewards,
+                        dynamic_sampling: None,
+                    }
+                }
             })
             .collect())
     }
 }
 
 /// What one async step trained on and how it went, for [`end_step`].
-struct StepReport {
-    step: usize,
-    batch: RolloutBatch,
-    rewards: Rewards,
-    stats: TrainStats,
+pub(crate) struct StepReport {
+    pub(crate) step: usize,
+    pub(crate) batch: RolloutBatch,
+    pub(crate) rewards: Rewards,
+    pub(crate) stats: TrainStats,
+    /// With dynamic sampling: (zero-variance groups dropped, sampling rounds).
+    pub(crate) dynamic_sampling: Option<(usize, usize)>,
 }
 
 /// The trainer actor: the session's optimizer step, and snapshots for publishing.
-struct TrainActor<'a> {
-    session: &'a mut Session,
+pub(crate) struct TrainActor<'a> {
+    pub(crate) session: &'a mut Session,
     nan_steps: Vec<usize>,
     history: Arc<History>,
 }
@@ -239,7 +302,7 @@ impl Trainer<PolicyModel> for TrainActor<'_> {
     fn train(&mut self, items: Vec<ScoredStep>, _: &TrainContext) -> Result<StepReport> {
         let s = &mut *self.session;
         let step = s.state.step + 1;
-        let (batch, rewards) = merge_steps(items);
+        let (batch, rewards, dynamic_sampling) = merge_steps(items);
         let advantages = step_advantages(s, &batch, &rewards)?;
         let inject_nan = self.nan_steps.contains(&step);
         let stats = train_on_batch(s, step, &batch, &rewards, &advantages, inject_nan)?;
@@ -248,6 +311,7 @@ impl Trainer<PolicyModel> for TrainActor<'_> {
             batch,
             rewards,
             stats,
+            dynamic_sampling,
         })
     }
 
@@ -262,8 +326,8 @@ impl Trainer<PolicyModel> for TrainActor<'_> {
 }
 
 /// Concatenates scored steps (more than one only when a batch came back empty), renumbering
-/// sample groups so that they index the merged prompt list.
-fn merge_steps(items: Vec<ScoredStep>) -> (RolloutBatch, Rewards) {
+/// sample groups so that they index the merged prompt list; dynamic sampling's counts add up.
+fn merge_steps(items: Vec<ScoredStep>) -> (RolloutBatch, Rewards, Option<(usize, usize)>) {
     let mut batch = RolloutBatch {
         prompts: vec![],
         samples: vec![],
@@ -275,7 +339,12 @@ fn merge_steps(items: Vec<ScoredStep>) -> (RolloutBatch, Rewards) {
         passed: vec![],
         latency_s: vec![],
     };
+    let mut dynamic: Option<(usize, usize)> = None;
     for item in items {
+        if let Some((d, r)) = item.dynamic_sampling {
+            let (d0, r0) = dynamic.unwrap_or((0, 0));
+            dynamic = Some((d0 + d, r0 + r));
+        }
         let offset = batch.prompts.len();
         let b = item.rollout.batch;
         batch.prompts.extend(b.prompts);
@@ -289,158 +358,72 @@ fn merge_steps(items: Vec<ScoredStep>) -> (RolloutBatch, Rewards) {
         rewards.passed.extend(item.rewards.passed);
         rewards.latency_s.extend(item.rewards.latency_s);
     }
-    (batch, rewards)
+    (batch, rewards, dynamic)
 }
 
-/// Per-step bookkeeping on the trainer's thread.
-struct StepHooks<'a> {
-    run: &'a mut RunLog,
-    /// Writes the older weights later steps need into a checkpoint between boundaries.
-    snapshots: SnapshotSaver,
-    cancel: CancelToken,
-    /// Set when [`end_step`] asked to stop (target reached, Ctrl-C): the controller is then
-    /// cancelled, which is a normal end here.
-    stopped_by_loop: bool,
+/// The async layout's actors, ready for the controller, and the weights it starts from.
+pub(crate) struct AsyncActors<'a> {
+    /// The weights every actor starts from (published as the session's version).
+    pub(crate) initial: Arc<PolicyModel>,
+    pub(crate) generator: RolloutActor,
+    pub(crate) rewarder: RewardActor,
+    pub(crate) trainer: TrainActor<'a>,
+    /// The trainer's [`StepHook`]: writes the older weights later steps need.
+    pub(crate) snapshots: SnapshotSaver,
 }
 
-impl<'s> Hooks<TrainActor<'s>, StepReport> for StepHooks<'_> {
-    fn on_step(
-        &mut self,
-        trainer: &mut TrainActor<'s>,
-        record: &StepRecord<StepReport>,
-    ) -> Result<()> {
-        let r = &record.report;
-        let walls = record.walls;
-        let extra = record.metrics();
-        let done = StepDone {
-            step: r.step,
-            batch: &r.batch,
-            rewards: &r.rewards,
-            stats: &r.stats,
-            walls: &walls,
+impl<'a> AsyncActors<'a> {
+    /// Builds the actors of the remaining steps of `s` (up to `total_steps`); on a resumed
+    /// run, loads the older weights its checkpoint carries. `nan_steps`: the NaN test hook.
+    pub(crate) fn new(
+        s: &'a mut Session,
+        nan_steps: Vec<usize>,
+        total_steps: usize,
+    ) -> Result<Self> {
+        let k = s.recipe.train.max_staleness as usize;
+        let rewarder = RewardActor {
+            reward: s.reward.clone(),
+            train_rows: s.train_rows.clone(),
+            num_generations: s.recipe.rollout.num_generations,
+            added_latency_s: s.recipe.train.reward_latency_s,
+            fail_at_batch: std::env::var(crate::test_hooks::REWARD_ERROR_HOOK_ENV)
+                .ok()
+                .and_then(|v| v.trim().parse().ok()),
+            batches_scored: 0,
         };
-        let stop = end_step(
-            trainer.session,
-            self.run,
-            &done,
-            extra,
-            vec![],
-            &mut self.snapshots,
-        )?;
-        self.snapshots.forget_before(trainer.session);
-        if stop {
-            self.stopped_by_loop = true;
-            self.cancel.cancel();
-        }
-        Ok(())
-    }
-
-    fn on_shutdown(&mut self, trainer: &mut TrainActor<'s>, end: &RunEnd) -> Result<()> {
-        // Ctrl-C while the trainer waited for data: keep the last completed step.
-        if *end == RunEnd::Cancelled && !self.stopped_by_loop && trainer.session.state.step > 0 {
-            save(
-                trainer.session,
-                self.snapshots.checkpoint_files(trainer.session)?,
-            )?;
-            let sig = crate::signals::pending().unwrap_or(crate::signals::Interrupt::Sigint);
-            self.run.interrupted = Some(sig);
-            self.run.progress.println(format!(
-                "interrupted by {}: checkpoint written at step {}; continue with --resume {}",
-                sig.name(),
-                trainer.session.state.step,
-                trainer.session.run_dir.display()
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// Runs the remaining steps of `s` in the async layout.
-pub(crate) fn run_async(s: &mut Session, run: &mut RunLog) -> Result<()> {
-    let remaining = run.total_steps.saturating_sub(s.state.step);
-    if remaining == 0 {
-        return Ok(());
-    }
-    let k = s.recipe.train.max_staleness;
-    let mode = Mode::Async {
-        max_staleness: k,
-        queue_capacity: (k as usize).max(1),
-    };
-    let mut rewarder = RewardActor {
-        reward: s.reward.clone(),
-        train_rows: s.train_rows.clone(),
-        num_generations: s.recipe.rollout.num_generations,
-        added_latency_s: s.recipe.train.reward_latency_s,
-        fail_at_batch: std::env::var(crate::trainer::REWARD_ERROR_HOOK_ENV)
-            .ok()
-            .and_then(|v| v.trim().parse().ok()),
-        batches_scored: 0,
-    };
-    let initial = Arc::new(s.model.snapshot()?);
-    let initial_weights = initial.clone();
-    let mut controller = Controller::new(
-        ControllerConfig::new(mode, remaining as u64),
-        s.state.policy_version,
-        initial,
-    );
-    let cancel = controller.cancel_token();
-    let history = Arc::new(History::default());
-    history.insert(s.state.policy_version, initial_weights);
-    let floor_step = load_snapshots(s, &history)?;
-    let mut generator = RolloutActor {
-        recipe: s.recipe.clone(),
-        train_rows: s.train_rows.clone(),
-        tok: s.tok.clone(),
-        stop_ids: s.stop_ids.clone(),
-        first_step: s.state.step + 1,
-        first_version: s.state.policy_version,
-        floor_step,
-        history: history.clone(),
-    };
-    // Ctrl-C sets a process-wide flag (the signal handler may only store an atomic); this
-    // watcher turns it into a controller cancel, so waiting actors notice within 50 ms.
-    let done = Arc::new(AtomicBool::new(false));
-    let watcher = {
-        let (cancel, done) = (cancel.clone(), done.clone());
-        std::thread::spawn(move || {
-            while !done.load(Ordering::SeqCst) {
-                if crate::signals::pending().is_some() {
-                    cancel.cancel();
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
+        let initial = Arc::new(s.model.snapshot()?);
+        let history = Arc::new(History::default());
+        history.insert(s.state.policy_version, initial.clone());
+        let floor_step = load_snapshots(s, &history)?;
+        let generator = RolloutActor {
+            recipe: s.recipe.clone(),
+            train_rows: s.train_rows.clone(),
+            tok: s.tok.clone(),
+            stop_ids: s.stop_ids.clone(),
+            first_step: s.state.step + 1,
+            first_version: s.state.policy_version,
+            floor_step,
+            history: history.clone(),
+            reward: s.reward.clone(),
+        };
+        let snapshots = SnapshotSaver {
+            history: history.clone(),
+            k,
+            checkpoint_every: s.recipe.train.checkpoint_every,
+            total_steps,
+        };
+        let trainer = TrainActor {
+            session: s,
+            nan_steps,
+            history,
+        };
+        Ok(AsyncActors {
+            initial,
+            generator,
+            rewarder,
+            trainer,
+            snapshots,
         })
-    };
-    let snapshots = SnapshotSaver {
-        history: history.clone(),
-        k: k as usize,
-        checkpoint_every: s.recipe.train.checkpoint_every,
-        total_steps: run.total_steps,
-    };
-    let mut trainer = TrainActor {
-        session: s,
-        nan_steps: run.nan_steps.clone(),
-        history,
-    };
-    let mut hooks = StepHooks {
-        run,
-        snapshots,
-        cancel,
-        stopped_by_loop: false,
-    };
-    let result = controller.run(&mut generator, &mut rewarder, &mut trainer, &mut hooks);
-    done.store(true, Ordering::SeqCst);
-    let _ = watcher.join();
-    match result {
-        Ok(_) => Ok(()),
-        Err(ControllerError::Cancelled { .. }) => Ok(()),
-        Err(e) => {
-            let last_good = crate::checkpoint::find_checkpoint(&trainer.session.run_dir)
-                .map(|p| p.display().to_string())
-                .unwrap_or_else(|_| "none yet (no checkpoint was written)".into());
-            bail!("async run stopped: {e}; the last good checkpoint is {last_good}")
-        }
     }
 }
 
@@ -469,7 +452,7 @@ fn load_snapshots(s: &Session, history: &History) -> Result<usize> {
 
 /// The async layout's [`StepHook`]: after a checkpoint between `checkpoint_every` steps,
 /// writes the older weights later steps sample with ([`crate::async_resume`]).
-struct SnapshotSaver {
+pub(crate) struct SnapshotSaver {
     history: Arc<History>,
     k: usize,
     checkpoint_every: usize,
@@ -478,7 +461,7 @@ struct SnapshotSaver {
 
 impl SnapshotSaver {
     /// After step `s.state.step`: drops the snapshots no later step samples with.
-    fn forget_before(&self, s: &Session) {
+    pub(crate) fn forget_before(&self, s: &Session) {
         let m = s.state.step;
         let oldest = sampling_step(m + 1, self.k, self.checkpoint_every, 0).min(m);
         self.history

@@ -3,15 +3,16 @@
 //!
 //! The policy model plays episodes as a [`TurnPolicy`] ([`ModelTurnPolicy`]): its own tokens
 //! go into the episode exactly as sampled, with the sampler's log-probs; env observations are
-//! appended as tokens masked out of the loss (composer-env's [`run_episode`] builds the
-//! sequence by appending, never by re-tokenising a transcript). The model's text is parsed
+//! appended as tokens masked out of the loss (composer-env's [`composer_env::run_episode`]
+//! builds the sequence by appending, never by re-tokenising a transcript). The model's text is parsed
 //! into the env's action schema (from `/schema` for OpenEnv); an unparseable action is a
 //! zero-reward step with a reason.
 //!
-//! [`EnvRollout::rollout_batch`] returns the trainer's own [`RolloutBatch`] (one sample per
-//! episode: prompt = the reset observation's tokens, completion = everything after it), and
-//! [`EnvRollout::reward_batch`] the trainer's [`Rewards`] with the env's rewards, so the rest
-//! of the step is unchanged. Feedback text and per-token loss masks are kept in [`EnvBatch`].
+//! [`EnvRollout::rollout_batch`] returns the trainer's own [`crate::sampling::RolloutBatch`]
+//! (one sample per episode: prompt = the reset observation's tokens, completion = everything
+//! after it), and [`EnvRollout::reward_batch`] the trainer's [`crate::rewards::Rewards`] with
+//! the env's rewards, so the rest of the step is unchanged (both in [`crate::env_batch`]).
+//! Feedback text and per-token loss masks are kept in [`EnvBatch`].
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -20,20 +21,19 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
 use composer_env::{
-    builtin_env_factory, CodeEnv, CodeEnvConfig, EnvPool, Episode, EpisodeConfig, EpisodeEnd,
-    FailureKind, OpenEnvClient, OpenEnvClientConfig, PoolConfig, PoolStats, ResetOptions, TurnEnd,
-    TurnOutput, TurnPolicy,
+    builtin_env_factory, CodeEnv, CodeEnvConfig, EnvPool, Episode, OpenEnvClient,
+    OpenEnvClientConfig, PoolConfig, PoolStats, TurnEnd, TurnOutput, TurnPolicy,
 };
 use tokenizers::Tokenizer;
 
 use composer_model::{PrefixStore, SamplingParams};
+use composer_telemetry::keys;
+use serde_json::json;
 
 use crate::model::PolicyModel;
 use crate::recipe::{EnvSection, Recipe};
-use crate::rewards::Rewards;
-use crate::rollout::{sampling_params, RolloutBatch};
-use crate::sampling::{self, mix_seed, Rollout};
-use crate::session::Session;
+use crate::sampling::{self, Rollout};
+use crate::seed::mix_seed;
 use crate::tokenizer as chartok;
 
 /// One turn to sample: the context, the turn's token limit and its sampling seed.
@@ -296,16 +296,16 @@ pub struct EnvBatch {
     pub env_s: Vec<f64>,
     /// The episodes as played (failed ones included, before replacement).
     pub episodes: Vec<Episode>,
-    /// Completion ids per sample, to pair a [`RolloutBatch`] with its env results.
-    completion_ids: Vec<Vec<u32>>,
+    /// Completion ids per sample, to pair a [`crate::sampling::RolloutBatch`] with its env results.
+    pub(crate) completion_ids: Vec<Vec<u32>>,
 }
 
 /// The `[env]` rollout engine of a training session: a tokio runtime, the env pool, and the
 /// env results of the last few batches (for [`EnvRollout::reward_batch`]).
 pub struct EnvRollout {
-    section: EnvSection,
-    pool: EnvPool,
-    recent: Mutex<VecDeque<EnvBatch>>,
+    pub(crate) section: EnvSection,
+    pub(crate) pool: EnvPool,
+    pub(crate) recent: Mutex<VecDeque<EnvBatch>>,
     /// Always Some until dropped (then shut down in the background: dropping a runtime
     /// normally blocks, which panics inside async code).
     runtime: Option<tokio::runtime::Runtime>,
@@ -319,21 +319,9 @@ impl Drop for EnvRollout {
     }
 }
 
-/// Pause before a step whose every episode failed is played again.
-const STEP_REPLAY_PAUSE: Duration = Duration::from_millis(500);
-
-/// Most replays of such a step (a bound besides the pool's down budget); the step then
-/// errors.
-const MAX_STEP_REPLAYS: usize = 1000;
-
-/// An episode the trainer can learn from: no env failure, at least one model turn.
-fn episode_usable(ep: &Episode) -> bool {
-    !matches!(ep.end, EpisodeEnd::EnvFailed { .. }) && !ep.turns.is_empty() && ep.prompt_len > 0
-}
-
 /// How many recent batches are kept for pairing with their rewards (asynchronous actors may
 /// roll out ahead of scoring).
-const RECENT_BATCHES: usize = 4;
+pub(crate) const RECENT_BATCHES: usize = 4;
 
 /// The small runtime the env pool's episodes run on (two workers: episodes mostly wait on
 /// servers and subprocesses, not on the CPU).
@@ -451,7 +439,7 @@ impl EnvRollout {
         }
     }
 
-    fn runtime(&self) -> Result<&tokio::runtime::Runtime> {
+    pub(crate) fn runtime(&self) -> Result<&tokio::runtime::Runtime> {
         self.runtime
             .as_ref()
             .context("the `[env]` runtime was shut down")
@@ -467,285 +455,39 @@ impl EnvRollout {
         self.recent.lock().ok().and_then(|r| r.back().cloned())
     }
 
-    /// Plays the step's episodes: `prompts_per_step` groups of `num_generations` episodes,
-    /// each group from one reset seed, at most `[env] max_concurrent` at a time. A failed
-    /// episode is retried `[env] episode_retries` times, then replaced by a copy of a
-    /// successful peer of its group (or, when the whole group failed, the group becomes
-    /// copies of one sample: zero advantage). When no episode reached its server the step is
-    /// played again until one does or every server is given up (`[env] server_down_budget_s`);
-    /// errors when every episode failed.
-    pub fn rollout_batch(&self, s: &Session, step: usize) -> Result<RolloutBatch> {
-        let seed = s.recipe.train.seed;
-        let n_prompts = s.recipe.train.prompts_per_step;
-        let g = s.recipe.rollout.num_generations;
-        let prompts: Vec<usize> = (0..n_prompts)
-            .map(|i| {
-                (mix_seed(seed, step as u64, 1_000_000 + i as u64) % s.train_rows.len() as u64)
-                    as usize
-            })
-            .collect();
-        // Non-negative and below 2^31: any OpenEnv env's `seed` field accepts it.
-        let reset_seeds: Vec<u64> = (0..n_prompts)
-            .map(|i| mix_seed(seed, step as u64, 3_000_000 + i as u64) % (1 << 31))
-            .collect();
-        let params = sampling_params(&s.recipe, &s.stop_ids);
-        let cfg = EpisodeConfig {
-            max_turns: self.section.max_turns,
-            max_total_tokens: self.section.max_total_tokens,
-        };
-        let sec = &self.section;
-        let runtime = self.runtime()?;
-        // Room for every concurrent episode's previous turn.
-        let prefix_tokens = sec.max_concurrent * sec.max_total_tokens;
-        // A round whose every episode failed to reach its server (the server restarting, say)
-        // is played again, until a server answers or the pool gives every server up after
-        // `[env] server_down_budget_s` (then `run_episode` errors and so does the step).
-        let mut replays = 0usize;
-        let played = loop {
-            let (played, _) = with_turn_sampler(
-                &s.model,
-                params.clone(),
-                s.state.policy_version,
-                prefix_tokens,
-                |sampler| {
-                    block_on(runtime, async {
-                        let episodes = (0..n_prompts * g).map(|i| {
-                            let reset = ResetOptions::seeded(reset_seeds[i / g]);
-                            let mut policy = ModelTurnPolicy::new(
-                                sampler.clone(),
-                                &s.tok,
-                                mix_seed(seed, step as u64, i as u64),
-                                &sec.prompt_template,
-                                &sec.observation_template,
-                            );
-                            async move {
-                                let t0 = Instant::now();
-                                let mut attempt = 0;
-                                loop {
-                                    let ep = self
-                                        .pool
-                                        .run_episode(&mut policy, reset.clone(), &cfg)
-                                        .await?;
-                                    let failed = matches!(ep.end, EpisodeEnd::EnvFailed { .. });
-                                    if failed && attempt < sec.episode_retries {
-                                        attempt += 1;
-                                        continue;
-                                    }
-                                    let env_s =
-                                        (t0.elapsed().as_secs_f64() - policy.generate_s).max(0.0);
-                                    return Ok::<_, anyhow::Error>((ep, env_s));
-                                }
-                            }
-                        });
-                        let played = futures::future::join_all(episodes).await;
-                        // Every policy (and its sampler clone) is dropped here; the generation
-                        // thread ends once `sampler` goes too.
-                        drop(sampler);
-                        played
-                    })
-                },
-            )?;
-            let played: Vec<(Episode, f64)> = played.into_iter().collect::<Result<_>>()?;
-            let server_down = played.iter().all(|(ep, _)| {
-                matches!(
-                    ep.end,
-                    EpisodeEnd::EnvFailed {
-                        kind: FailureKind::Refused | FailureKind::Connection,
-                        ..
-                    }
-                )
-            });
-            if !server_down || replays >= MAX_STEP_REPLAYS {
-                break played;
-            }
-            replays += 1;
-            tracing::warn!(
-                "[env] step {step}: every episode failed (env failures so far: {:?}); playing \
-             the step again ({replays}) until a server answers or `[env] \
-             server_down_budget_s` = {} s runs out",
-                self.pool.stats().failures,
-                sec.server_down_budget_s
-            );
-            std::thread::sleep(STEP_REPLAY_PAUSE);
-        };
-        self.assemble(s, step, prompts, played)
+    /// Whether every server of the pool has been given up (down past its budget).
+    pub fn all_servers_gone(&self) -> bool {
+        let servers = self.stats().servers;
+        !servers.is_empty() && servers.iter().all(|s| s.gone)
     }
 
-    /// Turns played episodes into the trainer's batch (replacing failed ones) and records
-    /// their env results.
-    fn assemble(
-        &self,
-        s: &Session,
-        step: usize,
-        prompts: Vec<usize>,
-        played: Vec<(Episode, f64)>,
-    ) -> Result<RolloutBatch> {
-        let g = s.recipe.rollout.num_generations;
-        let usable = episode_usable;
-        let Some(any_ok) = played.iter().position(|(ep, _)| usable(ep)) else {
-            let why = played
-                .iter()
-                .find_map(|(ep, _)| match &ep.end {
-                    EpisodeEnd::EnvFailed { message, .. } => Some(message.clone()),
-                    _ => None,
-                })
-                .unwrap_or_else(|| "no episode produced a model turn".into());
-            bail!(
-                "[env] step {step}: every episode failed (first error: {why}); env failures so far: {:?}",
-                self.pool.stats().failures
-            );
-        };
-        let n = played.len();
-        let mut samples = Vec::with_capacity(n);
-        let mut texts = Vec::with_capacity(n);
-        let mut env = EnvBatch {
-            step,
-            rewards: Vec::with_capacity(n),
-            feedback: Vec::with_capacity(n),
-            prompt_texts: Vec::with_capacity(n),
-            completion_loss_masks: Vec::with_capacity(n),
-            replaced: Vec::with_capacity(n),
-            env_s: Vec::with_capacity(n),
-            episodes: Vec::with_capacity(n),
-            completion_ids: Vec::with_capacity(n),
-        };
-        for i in 0..n {
-            let group = i / g;
-            let source = if usable(&played[i].0) {
-                i
-            } else {
-                // A successful peer of the group; else one sample for the whole group.
-                let peers = group * g..(group + 1) * g;
-                match peers.clone().find(|&j| usable(&played[j].0)) {
-                    Some(j) => j,
-                    None => any_ok,
-                }
-            };
-            let (ep, env_s) = &played[source];
-            let p = ep.prompt_len;
-            let last = ep.turns.last();
-            samples.push(Rollout {
-                group,
-                prompt_ids: ep.token_ids[..p].to_vec(),
-                completion_ids: ep.token_ids[p..].to_vec(),
-                sampler_logprobs: ep.sampler_logprobs[p..].to_vec(),
-                truncated: last.is_some_and(|t| t.finish_reason == TurnEnd::Length),
-                policy_version: s.state.policy_version,
-                loss_mask: Some(ep.loss_mask[p..].to_vec()),
-            });
-            texts.push(
-                ep.turns
-                    .iter()
-                    .map(|t| t.action_text.as_str())
-                    .collect::<Vec<_>>()
-                    .join("\n"),
-            );
-            env.rewards.push(match self.section.reward.as_str() {
-                "sum" => ep.total_reward,
-                _ => ep.final_reward,
-            });
-            env.feedback.push(last.and_then(|t| t.feedback.clone()));
-            env.prompt_texts.push(ep.initial_observation.clone());
-            env.completion_loss_masks.push(ep.loss_mask[p..].to_vec());
-            env.replaced.push(source != i);
-            env.env_s.push(*env_s);
-            env.completion_ids.push(ep.token_ids[p..].to_vec());
+    /// The env keys of a step's metrics line: τ_V of environment rollouts (cumulative call
+    /// latency percentiles, episodes ok/failed, failures by cause) and the tool-call counts of
+    /// the last batch's episodes.
+    pub fn step_metrics(&self) -> serde_json::Map<String, serde_json::Value> {
+        let stats = self.stats();
+        let mut m = serde_json::Map::new();
+        m.insert(keys::ENV_STEP_P50.into(), json!(stats.step.p50_s));
+        m.insert(keys::ENV_STEP_P95.into(), json!(stats.step.p95_s));
+        m.insert(keys::ENV_RESET_P50.into(), json!(stats.reset.p50_s));
+        m.insert(keys::ENV_RESET_P95.into(), json!(stats.reset.p95_s));
+        m.insert(keys::ENV_EPISODES_OK.into(), json!(stats.episodes_ok));
+        m.insert(
+            keys::ENV_EPISODES_FAILED.into(),
+            json!(stats.episodes_failed),
+        );
+        m.insert(keys::ENV_FAILURES.into(), json!(stats.failures));
+        if let Some(b) = self.last_batch() {
+            m.extend(crate::tool_env::step_metrics(&b.episodes));
         }
-        env.episodes = played.into_iter().map(|(ep, _)| ep).collect();
-        if let Ok(mut recent) = self.recent.lock() {
-            recent.push_back(env);
-            while recent.len() > RECENT_BATCHES {
-                recent.pop_front();
-            }
-        }
-        Ok(RolloutBatch {
-            prompts,
-            samples,
-            texts,
-        })
-    }
-
-    /// The hint channel's view of group `group` of `batch` (built by
-    /// [`EnvRollout::rollout_batch`]): each sample's prompt as the student saw it (the
-    /// templated reset observation), its text, reward, pass flag and the env's feedback
-    /// (e.g. the failing test). None when `batch` is not one of the recent env batches.
-    /// `train_on_batch` can use this in place of the `[data]` prompt row of the group.
-    pub fn hint_group(
-        &self,
-        batch: &RolloutBatch,
-        rewards: &Rewards,
-        group: usize,
-        group_size: usize,
-    ) -> Option<Vec<composer_loss::hint::RolloutForHint>> {
-        let recent = self.recent.lock().ok()?;
-        let env = recent.iter().rev().find(|e| Self::matches(e, batch))?;
-        let range = group * group_size..((group + 1) * group_size).min(batch.samples.len());
-        Some(
-            range
-                .map(|i| composer_loss::hint::RolloutForHint {
-                    prompt_text: self
-                        .section
-                        .prompt_template
-                        .replace("{observation}", &env.prompt_texts[i]),
-                    completion_text: batch.texts[i].clone(),
-                    reward: rewards.total.get(i).copied().unwrap_or(0.0),
-                    passed: rewards.passed.get(i).copied().unwrap_or(false),
-                    feedback: env.feedback[i].clone(),
-                })
-                .collect(),
-        )
-    }
-
-    /// Whether `env` holds the results of `batch` (same completions, in order).
-    fn matches(env: &EnvBatch, batch: &RolloutBatch) -> bool {
-        env.completion_ids.len() == batch.samples.len()
-            && env
-                .completion_ids
-                .iter()
-                .zip(&batch.samples)
-                .all(|(c, smp)| *c == smp.completion_ids)
-    }
-
-    /// The env's rewards for `batch` (one of the last few from [`EnvRollout::rollout_batch`]),
-    /// as the trainer's [`Rewards`]: the env reward is the single reward component (put in
-    /// the first verifier's slot, the others 0), passed = reward ≥ `[env] pass_reward`.
-    pub fn reward_batch(&self, s: &Session, batch: &RolloutBatch) -> Rewards {
-        let n_parts = s.reward.parts.len().max(1);
-        let pass = self.section.pass_reward;
-        let found = self.recent.lock().ok().and_then(|recent| {
-            recent
-                .iter()
-                .rev()
-                .find(|e| Self::matches(e, batch))
-                .map(|e| (e.rewards.clone(), e.env_s.clone()))
-        });
-        let (rewards, env_s) = found.unwrap_or_else(|| {
-            tracing::error!(
-                "[env]: no env results for this batch (rolled out more than {RECENT_BATCHES} batches ago?); rewards set to 0"
-            );
-            (vec![0.0; batch.samples.len()], vec![0.0; batch.samples.len()])
-        });
-        let mut out = Rewards {
-            total: Vec::with_capacity(rewards.len()),
-            per_func: Vec::with_capacity(rewards.len()),
-            passed: Vec::with_capacity(rewards.len()),
-            latency_s: env_s,
-        };
-        for r in rewards {
-            let mut parts = vec![0.0; n_parts];
-            parts[0] = r;
-            out.total.push(r);
-            out.per_func.push(parts);
-            out.passed.push(r >= pass - 1e-9);
-        }
-        out
+        m
     }
 }
 
 /// Runs `fut` to completion on `runtime`. From inside another tokio runtime (where a nested
 /// `block_on` would panic, e.g. a caller driving the trainer from async code) it runs on a
 /// scoped helper thread instead.
-fn block_on<F>(runtime: &tokio::runtime::Runtime, fut: F) -> F::Output
+pub(crate) fn block_on<F>(runtime: &tokio::runtime::Runtime, fut: F) -> F::Output
 where
     F: std::future::Future + Send,
     F::Output: Send,

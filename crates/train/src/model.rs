@@ -177,12 +177,12 @@ impl PolicyModel {
                 b
             }
         };
-        let init_seed = crate::sampling::mix_seed(seed, LORA_SEED_STREAM, 0);
+        let init_seed = crate::seed::mix_seed(seed, LORA_SEED_STREAM, 0);
         self.varmap = self.transformer.add_lora(cfg, init_seed)?;
         // add_lora starts the dropout masks from the init seed: the warm-up's come from a
         // stream of their own, not from A's values again.
         self.transformer
-            .reseed_lora_dropout(crate::sampling::mix_seed(seed, 0, LORA_SEED_STREAM))?;
+            .reseed_lora_dropout(crate::seed::mix_seed(seed, 0, LORA_SEED_STREAM))?;
         std::path::absolute(&base).with_context(|| format!("resolving {}", base.display()))
     }
 

@@ -10,8 +10,8 @@ use composer_loss::{Trace, TraceWriter};
 use composer_model::{GenerationRequest, Policy, SamplingParams};
 
 use crate::data::{self, Message};
+use crate::prompts::render_messages;
 use crate::recipe::VerifierSpec;
-use crate::session::render_messages;
 use crate::verifiers::RewardFn;
 
 /// What to record.

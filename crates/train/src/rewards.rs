@@ -10,7 +10,7 @@ use composer_loss::compute_advantages;
 use serde_json::json;
 
 use crate::data::PromptRow;
-use crate::rollout::RolloutBatch;
+use crate::sampling::RolloutBatch;
 use crate::session::Session;
 use crate::verifiers::RewardFn;
 

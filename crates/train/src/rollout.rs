@@ -12,19 +12,10 @@ use crate::data::PromptRow;
 use crate::model::PolicyModel;
 use crate::recipe::Recipe;
 use crate::rewards::{reward_batch, Rewards};
-use crate::sampling::{self, mix_seed, Rollout};
+use crate::sampling::{self, RolloutBatch};
+use crate::seed::mix_seed;
 use crate::session::Session;
 use crate::tokenizer as chartok;
-
-/// One step's rollouts.
-pub struct RolloutBatch {
-    /// The step's prompts (indices into `train_rows`), one group each.
-    pub prompts: Vec<usize>,
-    /// `prompts.len() × num_generations` rollouts, grouped.
-    pub samples: Vec<Rollout>,
-    /// Decoded completion texts.
-    pub texts: Vec<String>,
-}
 
 /// The recipe's `[rollout]` sampling knobs, stopping at every id of `stop_ids`.
 pub fn sampling_params(recipe: &Recipe, stop_ids: &[u32]) -> SamplingParams {
@@ -46,8 +37,14 @@ pub fn sampling_params(recipe: &Recipe, stop_ids: &[u32]) -> SamplingParams {
 
 /// Sample the step's prompts and `num_generations` completions for each.
 pub fn rollout_batch(s: &Session, step: usize) -> Result<RolloutBatch> {
+    rollout_round(s, step, 0)
+}
+
+/// Round `round` of `step` (round 0 is the step's batch, later rounds DAPO's extra draws):
+/// the `[env]` episodes, or [`sample_rollouts`] with the session's weights and prompts.
+fn rollout_round(s: &Session, step: usize, round: usize) -> Result<RolloutBatch> {
     if let Some(env) = &s.env_rollout {
-        return env.rollout_batch(s, step);
+        return env.rollout_round(s, step, round);
     }
     sample_rollouts(
         &s.model,
@@ -57,7 +54,7 @@ pub fn rollout_batch(s: &Session, step: usize) -> Result<RolloutBatch> {
         &s.tok,
         &s.stop_ids,
         step,
-        0,
+        round,
     )
 }
 
@@ -123,11 +120,8 @@ pub struct ScoredBatch {
     pub rounds: usize,
 }
 
-/// Rollouts and rewards of a step. With `[loss] dynamic_sampling` (DAPO), groups whose
-/// rewards all agree are dropped and more prompts are sampled (at most
-/// `max_dynamic_sampling_rounds` extra rounds) until `prompts_per_step` groups are kept; if
-/// the rounds run out, the step trains on what was kept (or, when nothing was, on the first
-/// round's batch, whose advantages are all zero).
+/// Rollouts and rewards of a step. With `[loss] dynamic_sampling` (DAPO) the batch is
+/// [`fill_groups`]'s, whose extra rounds are `rollout_round`s scored by [`reward_batch`].
 pub fn rollout_and_score(s: &Session, step: usize) -> Result<ScoredBatch> {
     let t0 = Instant::now();
     let batch = rollout_batch(s, step)?;
@@ -145,8 +139,50 @@ pub fn rollout_and_score(s: &Session, step: usize) -> Result<ScoredBatch> {
             rounds: 1,
         });
     }
-    let g = s.recipe.rollout.num_generations;
-    let want = s.recipe.train.prompts_per_step;
+    let filled = fill_groups(&s.recipe, batch, rewards, |round| {
+        let t0 = Instant::now();
+        let more = rollout_round(s, step, round)?;
+        rollout_s += t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
+        let more_rewards = reward_batch(s, &more);
+        reward_s += t0.elapsed().as_secs_f64();
+        Ok((more, more_rewards))
+    })?;
+    Ok(ScoredBatch {
+        batch: filled.batch,
+        rewards: filled.rewards,
+        rollout_s,
+        reward_s,
+        dropped_groups: filled.dropped_groups,
+        rounds: filled.rounds,
+    })
+}
+
+/// What DAPO dynamic sampling made of a step's rounds.
+pub struct FilledBatch {
+    /// The kept groups (renumbered), or the first round's batch when none was kept.
+    pub batch: RolloutBatch,
+    /// Their rewards.
+    pub rewards: Rewards,
+    /// Zero-variance groups dropped.
+    pub dropped_groups: usize,
+    /// Sampling rounds used.
+    pub rounds: usize,
+}
+
+/// DAPO dynamic sampling: groups whose rewards all agree are dropped and `more(round)` is
+/// asked for another scored round (at most `max_dynamic_sampling_rounds` extra rounds) until
+/// `prompts_per_step` groups are kept; if the rounds run out, the step trains on what was
+/// kept (or, when nothing was, on the first round's batch, whose advantages are all zero).
+/// One implementation for the sync loop and the async generator.
+pub fn fill_groups(
+    recipe: &Recipe,
+    batch: RolloutBatch,
+    rewards: Rewards,
+    mut more: impl FnMut(usize) -> Result<(RolloutBatch, Rewards)>,
+) -> Result<FilledBatch> {
+    let g = recipe.rollout.num_generations;
+    let want = recipe.train.prompts_per_step;
     let mut kept = RolloutBatch {
         prompts: vec![],
         samples: vec![],
@@ -182,23 +218,8 @@ pub fn rollout_and_score(s: &Session, step: usize) -> Result<ScoredBatch> {
         if first.is_none() {
             first = Some((batch, rewards));
         }
-        if kept.prompts.len() < want && rounds <= s.recipe.loss.max_dynamic_sampling_rounds {
-            let t0 = Instant::now();
-            let more = sample_rollouts(
-                &s.model,
-                s.state.policy_version,
-                &s.recipe,
-                &s.train_rows,
-                &s.tok,
-                &s.stop_ids,
-                step,
-                rounds,
-            )?;
-            rollout_s += t0.elapsed().as_secs_f64();
-            let t0 = Instant::now();
-            let more_rewards = reward_batch(s, &more);
-            reward_s += t0.elapsed().as_secs_f64();
-            next = Some((more, more_rewards));
+        if kept.prompts.len() < want && rounds <= recipe.loss.max_dynamic_sampling_rounds {
+            next = Some(more(rounds)?);
         }
     }
     let (batch, rewards) = if kept.prompts.is_empty() {
@@ -206,11 +227,9 @@ pub fn rollout_and_score(s: &Session, step: usize) -> Result<ScoredBatch> {
     } else {
         (kept, kept_rewards)
     };
-    Ok(ScoredBatch {
+    Ok(FilledBatch {
         batch,
         rewards,
-        rollout_s,
-        reward_s,
         dropped_groups: dropped,
         rounds,
     })

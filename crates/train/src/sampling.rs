@@ -1,6 +1,6 @@
 //! Rollouts through composer-model's batched, KV-cached [`composer_model::generate`], for
 //! every policy (built-in or HF, single-turn or env turns), and what the trainer keeps of
-//! each sampled completion ([`Rollout`]).
+//! each sampled completion ([`Rollout`]) and step ([`RolloutBatch`]).
 
 use anyhow::Result;
 use composer_model::{FinishReason, GenerationRequest, PrefixStore, SamplingParams};
@@ -27,16 +27,14 @@ pub struct Rollout {
     pub loss_mask: Option<Vec<u8>>,
 }
 
-/// A seed that depends only on (seed, step, index): SplitMix64 over the three.
-pub fn mix_seed(seed: u64, step: u64, index: u64) -> u64 {
-    let mut z = seed
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add(step.wrapping_mul(0xBF58_476D_1CE4_E5B9))
-        .wrapping_add(index.wrapping_mul(0x94D0_49BB_1331_11EB))
-        .wrapping_add(0x2545_F491_4F6C_DD1D);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+/// One step's rollouts.
+pub struct RolloutBatch {
+    /// The step's prompts (indices into `train_rows`), one group each.
+    pub prompts: Vec<usize>,
+    /// `prompts.len() × num_generations` rollouts, grouped.
+    pub samples: Vec<Rollout>,
+    /// Decoded completion texts.
+    pub texts: Vec<String>,
 }
 
 /// Samples `n` completions of every prompt in one batched, KV-cached `generate` call.

@@ -12,8 +12,8 @@ use composer_loss::{
 
 use crate::batch::{self, scalar, TokenBatch};
 use crate::rewards::Rewards;
-use crate::rollout::RolloutBatch;
 use crate::sampling::Rollout;
+use crate::sampling::RolloutBatch;
 use crate::session::Session;
 
 /// Per micro-batch tensors fixed before the first update (μ > 1): the old log-probs.

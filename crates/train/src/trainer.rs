@@ -4,148 +4,48 @@
 //! advantages → [`train_on_batch`] (μ passes of mini-batch updates through composer-loss) →
 //! [`publish_weights`] → eval → metrics and the step's samples → checkpoint.
 //!
-//! One step loop serves every layout: sync mode (`run_sync`, staleness 0), async mode
-//! (composer-actors' controller in [`crate::async_mode`], bounded staleness, whose trainer
-//! ends each step with the same `end_step`) and DiLoCo replicas (the sync loop with a
-//! [`StepHook`] for the outer step). So the NaN/Inf guard, the walls (`time/...`), metrics,
-//! eval, checkpoints and SIGINT/SIGTERM ([`crate::signals`]: checkpoint, stop, exit 130/143)
-//! behave the same in all three.
+//! One step loop serves every layout, and both loops are in this file: sync mode
+//! (`run_sync`, staleness 0), async mode (`run_async`: the actors of [`crate::async_mode`]
+//! under composer-actors' controller, bounded staleness) and DiLoCo replicas (the sync loop
+//! with a [`StepHook`] for the outer step). Every step ends in the same `end_step`, so the
+//! NaN/Inf guard, the walls (`time/...`), metrics, eval, checkpoints and SIGINT/SIGTERM
+//! ([`crate::signals`]: checkpoint, stop, exit 130/143) behave the same in all three.
 //!
-//! The step's pieces live in their own modules: [`crate::session`], [`crate::rollout`],
-//! [`crate::rewards`], [`crate::update`] / [`crate::step_loss`], [`crate::checkpoint`].
+//! The step's pieces live in their own modules, none of which depends on this one:
+//! [`crate::session`], [`crate::rollout`] (and [`crate::env_batch`] for `[env]`),
+//! [`crate::rewards`], [`crate::update`] / [`crate::step_loss`], [`crate::checkpoint`]. The
+//! `pub use`s below are the step's public face for the binary, DiLoCo and the tests.
 //!
 //! Every random draw is ChaCha8 seeded by `mix_seed(seed, step, index)`, so a run is a pure
 //! function of (recipe, seed) and a resumed run continues bit-identically.
 
-use std::path::PathBuf;
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use composer_actors::record::StepWalls;
+use composer_actors::{
+    CancelToken, Controller, ControllerConfig, ControllerError, Hooks, Mode, RunEnd, StepRecord,
+};
 use composer_telemetry::{keys, MetricsWriter, StepSnapshot, TrainProgress};
 use serde_json::json;
 
+use crate::async_mode::{AsyncActors, SnapshotSaver, StepReport, TrainActor};
 use crate::checkpoint;
+pub use crate::options::{RunOutcome, TrainOptions};
 use crate::recipe::TrainMode;
 pub use crate::rewards::{reward_batch, score_rollouts, step_advantages, Rewards};
-pub use crate::rollout::{
-    evaluate, rollout_and_score, rollout_batch, sample_rollouts, RolloutBatch,
-};
+pub use crate::rollout::{evaluate, rollout_and_score, rollout_batch, sample_rollouts};
+pub use crate::sampling::RolloutBatch;
 pub use crate::session::{open_session, save, Session};
 use crate::signals::{self, Interrupt};
+pub use crate::step_hook::{NoHook, StepExtras, StepHook};
+use crate::test_hooks::hook_steps;
+pub use crate::test_hooks::{
+    NAN_HOOK_ENV, REWARD_ERROR_HOOK_ENV, SIGINT_HOOK_ENV, SIGTERM_HOOK_ENV, WARMUP_SIGINT_HOOK_ENV,
+};
 pub use crate::update::{train_on_batch, warmup, TrainStats};
-
-/// Test hook: comma-separated RL steps whose loss is replaced by NaN.
-pub const NAN_HOOK_ENV: &str = "COMPOSER_TRAIN_INJECT_NAN_STEPS";
-
-/// Test hook: comma-separated RL steps at whose end the process raises a real SIGINT
-/// (exercises the Ctrl-C path: checkpoint, clean shutdown of every actor).
-pub const SIGINT_HOOK_ENV: &str = "COMPOSER_TRAIN_SIGINT_AT_STEPS";
-
-/// Test hook: like [`SIGINT_HOOK_ENV`], with a real SIGTERM.
-pub const SIGTERM_HOOK_ENV: &str = "COMPOSER_TRAIN_SIGTERM_AT_STEPS";
-
-/// Test hook: the supervised warm-up step (0-based) at whose start the process raises SIGINT.
-pub const WARMUP_SIGINT_HOOK_ENV: &str = "COMPOSER_TRAIN_SIGINT_AT_WARMUP_STEP";
-
-/// Test hook (async mode): the rewarder fails on this scored batch (1-based), to exercise
-/// shutdown on an actor's error.
-pub const REWARD_ERROR_HOOK_ENV: &str = "COMPOSER_TRAIN_INJECT_REWARD_ERROR_AT_BATCH";
-
-pub(crate) fn hook_steps(var: &str) -> Vec<usize> {
-    std::env::var(var)
-        .unwrap_or_default()
-        .split(',')
-        .filter_map(|x| x.trim().parse().ok())
-        .collect()
-}
-
-/// What a layout wrapped around the step loop does at its edges: DiLoCo's replica joins its
-/// store before the first step, runs the outer step after every inner step and saves its outer
-/// state with every checkpoint. Every method has a do-nothing default ([`NoHook`]).
-pub trait StepHook {
-    /// After set-up, warm-up and the reference policy, before the first step; may move
-    /// `s.state.step` (a replica joining a run in progress).
-    fn before_loop(&mut self, _s: &mut Session, _progress: &TrainProgress) -> Result<()> {
-        Ok(())
-    }
-    /// The prompt-draw stream of RL step `step` (default: `step`).
-    fn sample_stream(&self, step: usize) -> usize {
-        step
-    }
-    /// After the step's update and publish (skipped steps included), before its metrics.
-    fn after_step(&mut self, _s: &mut Session, _step: usize) -> Result<StepExtras> {
-        Ok(StepExtras::default())
-    }
-    /// Files to keep inside every checkpoint of the loop (written with it, atomically).
-    fn checkpoint_files(&mut self, _s: &Session) -> Result<Vec<(String, Vec<u8>)>> {
-        Ok(vec![])
-    }
-    /// A note for the progress line.
-    fn note(&self) -> Option<String> {
-        None
-    }
-    /// Whether `[train] stop_at_accuracy` may end the run early (not for a DiLoCo replica,
-    /// whose peers would wait for it at the next round).
-    fn allows_early_stop(&self) -> bool {
-        true
-    }
-}
-
-/// What [`StepHook::after_step`] adds to the step's metrics.
-#[derive(Debug, Default)]
-pub struct StepExtras {
-    /// Keys added to the step's `train` line.
-    pub keys: serde_json::Map<String, serde_json::Value>,
-    /// Whole lines written after it.
-    pub lines: Vec<serde_json::Value>,
-}
-
-/// The plain trainer: no hook.
-pub struct NoHook;
-
-impl StepHook for NoHook {}
-
-/// How `composer-rl train` was invoked.
-#[derive(Debug, Clone, Default)]
-pub struct TrainOptions {
-    /// Recipe file; `None` = the embedded default.
-    pub recipe_path: Option<PathBuf>,
-    /// Continue the run in this directory from its last checkpoint.
-    pub resume: Option<PathBuf>,
-    /// Log lines instead of a progress bar.
-    pub quiet: bool,
-    /// Overrides `[output] run_dir`.
-    pub run_dir_override: Option<PathBuf>,
-    /// Overrides `[train] steps`.
-    pub max_steps_override: Option<usize>,
-    /// A fresh run may replace the run already in the run directory (`--overwrite`).
-    pub overwrite: bool,
-}
-
-/// What a finished run reports.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RunOutcome {
-    /// The run directory.
-    pub run_dir: PathBuf,
-    /// Last completed RL step.
-    pub steps_completed: usize,
-    /// Greedy accuracy after the warm-up (before RL), if measured.
-    pub warmup_accuracy: Option<f64>,
-    /// Last eval accuracy.
-    pub final_accuracy: Option<f64>,
-    /// First eval (step, completions generated, seconds since start) at or above
-    /// `[train] stop_at_accuracy` (or 0.9 when that is 0).
-    pub reached_target: Option<(usize, u64, f64)>,
-    /// Completions generated in RL.
-    pub samples_generated: u64,
-    /// Steps skipped for non-finite loss or gradients.
-    pub skipped_steps: usize,
-    /// Wall-clock seconds of this invocation.
-    pub wall_s: f64,
-    /// Stopped by this signal (a checkpoint was written, unless it came during the warm-up).
-    pub interrupted: Option<Interrupt>,
-}
 
 /// Train the policy as the recipe says. See the module docs for the order of things.
 pub fn run_train(opts: &TrainOptions) -> Result<RunOutcome> {
@@ -244,7 +144,7 @@ pub fn run_train_with(opts: &TrainOptions, hook: &mut dyn StepHook) -> Result<Ru
     };
     let looped = match s.recipe.train.mode {
         TrainMode::Sync => run_sync(&mut s, &mut run, hook),
-        TrainMode::Async => crate::async_mode::run_async(&mut s, &mut run),
+        TrainMode::Async => run_async(&mut s, &mut run),
     };
     // Every env server stayed down past `[env] server_down_budget_s`: the run cannot go on,
     // but it ends like an interrupted one — a final checkpoint of the last completed step
@@ -252,7 +152,7 @@ pub fn run_train_with(opts: &TrainOptions, hook: &mut dyn StepHook) -> Result<Ru
     // then fails. Any other error fails at once.
     let env_lost = match looped {
         Ok(()) => None,
-        Err(e) if s.env_rollout.as_ref().is_some_and(env_servers_gone) => Some(e),
+        Err(e) if s.env_rollout.as_ref().is_some_and(|e| e.all_servers_gone()) => Some(e),
         Err(e) => return Err(e),
     };
     if env_lost.is_some() {
@@ -372,21 +272,7 @@ fn run_sync(s: &mut Session, run: &mut RunLog, hook: &mut dyn StepHook) -> Resul
             extra.insert(keys::DYNAMIC_SAMPLING_ROUNDS.into(), json!(scored.rounds));
         }
         if let Some(env) = &s.env_rollout {
-            // τ_V of environment rollouts: cumulative call latency and failures by cause.
-            let stats = env.stats();
-            extra.insert(keys::ENV_STEP_P50.into(), json!(stats.step.p50_s));
-            extra.insert(keys::ENV_STEP_P95.into(), json!(stats.step.p95_s));
-            extra.insert(keys::ENV_RESET_P50.into(), json!(stats.reset.p50_s));
-            extra.insert(keys::ENV_RESET_P95.into(), json!(stats.reset.p95_s));
-            extra.insert(keys::ENV_EPISODES_OK.into(), json!(stats.episodes_ok));
-            extra.insert(
-                keys::ENV_EPISODES_FAILED.into(),
-                json!(stats.episodes_failed),
-            );
-            extra.insert(keys::ENV_FAILURES.into(), json!(stats.failures));
-            if let Some(b) = env.last_batch() {
-                extra.extend(crate::tool_env::step_metrics(&b.episodes));
-            }
+            extra.extend(env.step_metrics());
         }
         extra.extend(extras.keys);
         let done = StepDone {
@@ -401,6 +287,135 @@ fn run_sync(s: &mut Session, run: &mut RunLog, hook: &mut dyn StepHook) -> Resul
         }
     }
     Ok(())
+}
+
+/// The async layout: the generator, rewarder and trainer actors of [`crate::async_mode`] under
+/// composer-actors' controller (bounded staleness); every step ends in [`end_step`].
+fn run_async(s: &mut Session, run: &mut RunLog) -> Result<()> {
+    let remaining = run.total_steps.saturating_sub(s.state.step);
+    if remaining == 0 {
+        return Ok(());
+    }
+    let k = s.recipe.train.max_staleness;
+    let mode = Mode::Async {
+        max_staleness: k,
+        queue_capacity: (k as usize).max(1),
+    };
+    let first_version = s.state.policy_version;
+    let AsyncActors {
+        initial,
+        mut generator,
+        mut rewarder,
+        mut trainer,
+        snapshots,
+    } = AsyncActors::new(s, run.nan_steps.clone(), run.total_steps)?;
+    let mut controller = Controller::new(
+        ControllerConfig::new(mode, remaining as u64),
+        first_version,
+        initial,
+    );
+    let cancel = controller.cancel_token();
+    // Ctrl-C sets a process-wide flag (the signal handler may only store an atomic); this
+    // watcher turns it into a controller cancel, so waiting actors notice within 50 ms.
+    let done = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let (cancel, done) = (cancel.clone(), done.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::SeqCst) {
+                if signals::pending().is_some() {
+                    cancel.cancel();
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    let mut hooks = StepHooks {
+        run,
+        snapshots,
+        cancel,
+        stopped_by_loop: false,
+    };
+    let result = controller.run(&mut generator, &mut rewarder, &mut trainer, &mut hooks);
+    done.store(true, Ordering::SeqCst);
+    let _ = watcher.join();
+    match result {
+        Ok(_) => Ok(()),
+        Err(ControllerError::Cancelled { .. }) => Ok(()),
+        Err(e) => {
+            let last_good = checkpoint::find_checkpoint(&trainer.session.run_dir)
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|_| "none yet (no checkpoint was written)".into());
+            bail!("async run stopped: {e}; the last good checkpoint is {last_good}")
+        }
+    }
+}
+
+/// Per-step bookkeeping on the trainer's thread.
+struct StepHooks<'a> {
+    run: &'a mut RunLog,
+    /// Writes the older weights later steps need into a checkpoint between boundaries.
+    snapshots: SnapshotSaver,
+    cancel: CancelToken,
+    /// Set when [`end_step`] asked to stop (target reached, Ctrl-C): the controller is then
+    /// cancelled, which is a normal end here.
+    stopped_by_loop: bool,
+}
+
+impl<'s> Hooks<TrainActor<'s>, StepReport> for StepHooks<'_> {
+    fn on_step(
+        &mut self,
+        trainer: &mut TrainActor<'s>,
+        record: &StepRecord<StepReport>,
+    ) -> Result<()> {
+        let r = &record.report;
+        let walls = record.walls;
+        let mut extra = record.metrics();
+        if let Some((dropped, rounds)) = r.dynamic_sampling {
+            extra.insert(keys::DYNAMIC_SAMPLING_DROPPED_GROUPS.into(), json!(dropped));
+            extra.insert(keys::DYNAMIC_SAMPLING_ROUNDS.into(), json!(rounds));
+        }
+        let done = StepDone {
+            step: r.step,
+            batch: &r.batch,
+            rewards: &r.rewards,
+            stats: &r.stats,
+            walls: &walls,
+        };
+        let stop = end_step(
+            trainer.session,
+            self.run,
+            &done,
+            extra,
+            vec![],
+            &mut self.snapshots,
+        )?;
+        self.snapshots.forget_before(trainer.session);
+        if stop {
+            self.stopped_by_loop = true;
+            self.cancel.cancel();
+        }
+        Ok(())
+    }
+
+    fn on_shutdown(&mut self, trainer: &mut TrainActor<'s>, end: &RunEnd) -> Result<()> {
+        // Ctrl-C while the trainer waited for data: keep the last completed step.
+        if *end == RunEnd::Cancelled && !self.stopped_by_loop && trainer.session.state.step > 0 {
+            save(
+                trainer.session,
+                self.snapshots.checkpoint_files(trainer.session)?,
+            )?;
+            let sig = signals::pending().unwrap_or(Interrupt::Sigint);
+            self.run.interrupted = Some(sig);
+            self.run.progress.println(format!(
+                "interrupted by {}: checkpoint written at step {}; continue with --resume {}",
+                sig.name(),
+                trainer.session.state.step,
+                trainer.session.run_dir.display()
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// What one step trained on and how it went, for [`end_step`].
@@ -578,12 +593,6 @@ pub(crate) fn end_step(
         return Ok(true);
     }
     Ok(stop_early)
-}
-
-/// Whether every server of the env pool has been given up (down past its budget).
-fn env_servers_gone(env: &crate::env_rollout::EnvRollout) -> bool {
-    let servers = env.stats().servers;
-    !servers.is_empty() && servers.iter().all(|s| s.gone)
 }
 
 fn fmt_pct(x: Option<f64>) -> String {

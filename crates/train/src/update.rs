@@ -12,10 +12,11 @@ use composer_loss::LossScale;
 use crate::batch::{self, scalar};
 use crate::data::{self, SftRow};
 use crate::optim::{self, AdamW};
+use crate::prompts::render_messages;
 use crate::rewards::Rewards;
-use crate::rollout::RolloutBatch;
-use crate::sampling::mix_seed;
-use crate::session::{render_messages, Session};
+use crate::sampling::RolloutBatch;
+use crate::seed::mix_seed;
+use crate::session::Session;
 use crate::step_loss::{micro_loss, Frozen};
 use crate::tokenizer as chartok;
 
@@ -78,7 +79,7 @@ pub fn warmup(s: &mut Session, w: &crate::recipe::WarmupSection) -> Result<f64> 
     let mut opt = AdamW::new(s.opt.vars.clone(), s.opt.params)?;
     let tmpl = &s.recipe.loss.hint.template;
     let mut last = f64::NAN;
-    let signal_at = crate::trainer::hook_steps(crate::trainer::WARMUP_SIGINT_HOOK_ENV);
+    let signal_at = crate::test_hooks::hook_steps(crate::test_hooks::WARMUP_SIGINT_HOOK_ENV);
     for step in 0..w.steps {
         if signal_at.contains(&step) {
             crate::signals::raise(crate::signals::Interrupt::Sigint);
@@ -162,7 +163,7 @@ pub fn train_on_batch(
     // LoRA dropout masks of this step: a function of (seed, step), like every other draw.
     s.model
         .transformer
-        .reseed_lora_dropout(crate::sampling::mix_seed(
+        .reseed_lora_dropout(crate::seed::mix_seed(
             tr.seed,
             step as u64,
             crate::model::LORA_SEED_STREAM,

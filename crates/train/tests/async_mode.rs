@@ -205,3 +205,69 @@ fn async_runs_are_deterministic_and_resume_is_bit_exact() {
     assert_eq!(resumed.steps_completed, 6);
     assert_eq!(all_metrics(&a), all_metrics(&b), "3 + resume + 3 = 6");
 }
+
+/// DAPO dynamic sampling in the async layout: the generator drops zero-variance groups and
+/// samples more rounds with the step's pinned weights (same prompts and seeds as the sync
+/// loop), so with `max_staleness = 0` the run is the sync run, counts included; with k = 1 it
+/// runs off-policy and still fills its batches.
+#[test]
+fn async_dynamic_sampling_is_the_sync_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dapo = |mode: &str, k: u64| {
+        let p = recipe(tmp.path(), mode, k, 4);
+        let text = std::fs::read_to_string(&p).unwrap().replacen(
+            "[loss]",
+            "[loss]\ndynamic_sampling = true\nmax_dynamic_sampling_rounds = 3",
+            1,
+        );
+        let p = tmp.path().join(format!("dapo-{mode}-{k}.toml"));
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let sync_dir = tmp.path().join("sync");
+    let async_dir = tmp.path().join("async0");
+    run(&dapo("sync", 0), &sync_dir);
+    run(&dapo("async", 0), &async_dir);
+    let a = read_metrics(&sync_dir.join("metrics.jsonl")).unwrap();
+    let b = read_metrics(&async_dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(a.len(), b.len(), "number of metric lines");
+    for (la, lb) in a.iter().zip(&b) {
+        let (ca, cb) = (comparable(la), comparable(lb));
+        assert_eq!(
+            ca.iter().map(|x| &x.0).collect::<Vec<_>>(),
+            cb.iter().map(|x| &x.0).collect::<Vec<_>>()
+        );
+        for ((k, va), (_, vb)) in ca.iter().zip(&cb) {
+            match (va.as_f64(), vb.as_f64()) {
+                (Some(x), Some(y)) => {
+                    assert!((x - y).abs() <= 1e-6 * x.abs().max(1.0), "{k}: {x} vs {y}")
+                }
+                _ => assert_eq!(va, vb, "{k}"),
+            }
+        }
+    }
+    let train = train_metrics(&async_dir);
+    let dropped: u64 = train
+        .iter()
+        .map(|l| u(l, "dynamic_sampling/dropped_groups"))
+        .sum();
+    assert!(dropped > 0, "no group was dropped: the test proves nothing");
+    for l in &train {
+        let rounds = u(l, "dynamic_sampling/rounds");
+        assert!((1..=4).contains(&rounds), "{l}");
+        if u(l, "dynamic_sampling/dropped_groups") == 0 {
+            assert_eq!(rounds, 1, "{l}");
+        }
+    }
+
+    let off_policy = tmp.path().join("async1");
+    assert_eq!(run(&dapo("async", 1), &off_policy).steps_completed, 4);
+    for l in &train_metrics(&off_policy) {
+        let rounds = u(l, "dynamic_sampling/rounds");
+        assert!((1..=4).contains(&rounds), "{l}");
+        if rounds < 4 {
+            // Filled: 4 groups of the recipe's num_generations, none with zero variance.
+            assert!(l["reward/std"].as_f64().unwrap() > 0.0, "{l}");
+        }
+    }
+}

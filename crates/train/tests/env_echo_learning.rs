@@ -251,8 +251,9 @@ fn example_env_recipes_parse() {
     }
 }
 
-/// An echo env whose `step` fails (as a dropped connection would) in every third episode
-/// (counted over all envs of the factory, by reset), or always.
+/// An echo env whose `step` fails (as a dropped connection would) in every `fail_every`-th
+/// episode (counted over all envs of the factory, by reset); with `fail_every = 1` a server
+/// that is down: every call fails, `reset` included.
 struct FlakyEcho {
     inner: composer_env::EchoEnv,
     resets: std::sync::Arc<std::sync::atomic::AtomicUsize>,
@@ -269,6 +270,13 @@ impl composer_env::Env for FlakyEcho {
         self.episode = self
             .resets
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if self.fail_every == 1 {
+            // A server that is down answers no call at all: a reset that succeeded would tell
+            // the pool the server is up (and its down budget would never run out).
+            return Err(composer_env::EnvError::Connection(
+                "server closed the WebSocket (code 1012: service restart)".into(),
+            ));
+        }
         self.inner.reset(opts).await
     }
     async fn step(
@@ -401,4 +409,83 @@ fn multi_turn_episodes_train_with_observations_masked() {
         // Two model turns of up to 12 tokens plus the observation in between.
         assert!(l["completions/mean_length"].as_f64().unwrap() > 12.0, "{l}");
     }
+}
+
+/// DAPO dynamic sampling with `[env]` in sync mode (built-in echo env, no server): groups whose
+/// rewards all agree are dropped and more episodes are played (new prompt draws and reset
+/// seeds per round) until the step's groups are filled; every kept group, whichever round
+/// played it, still finds its episodes for the hint channel; the counts reach the metrics.
+#[test]
+fn dynamic_sampling_with_env_refills_dropped_groups() {
+    use composer_train::trainer::{open_session, rollout_and_score};
+
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = dir.path().join("recipe.toml");
+    // Two samples of at most 2 tokens: many groups get equal rewards (0.1 × message length).
+    let text = RECIPE
+        .replace(
+            "kind = \"openenv\"\nurl_env = \"OPENENV_URL\"",
+            "kind = \"builtin\"\nname = \"echo\"",
+        )
+        .replace("num_generations = 8", "num_generations = 2")
+        .replace("max_completion_length = 12", "max_completion_length = 2")
+        .replace(
+            "scale_rewards = \"group\"",
+            "scale_rewards = \"group\"\ndynamic_sampling = true\nmax_dynamic_sampling_rounds = 8",
+        )
+        .replace("steps = 10", "steps = 2");
+    std::fs::write(&recipe, &text).unwrap();
+    let opts = TrainOptions {
+        recipe_path: Some(recipe.clone()),
+        resume: None,
+        quiet: true,
+        run_dir_override: Some(dir.path().join("probe")),
+        max_steps_override: None,
+        overwrite: false,
+    };
+    let s = open_session(&opts).unwrap();
+    let scored = rollout_and_score(&s, 1).unwrap();
+    let g = 2;
+    assert!(
+        scored.dropped_groups > 0,
+        "no group was dropped: the test proves nothing"
+    );
+    assert!(scored.rounds > 1 && scored.rounds <= 9, "{}", scored.rounds);
+    // Filled from later rounds: 4 groups, none with zero reward variance.
+    assert_eq!(scored.batch.prompts.len(), 4);
+    assert_eq!(scored.batch.samples.len(), 4 * g);
+    let env = s.env_rollout.as_ref().unwrap();
+    for gi in 0..4 {
+        let r = &scored.rewards.total[gi * g..(gi + 1) * g];
+        assert!((r[0] - r[1]).abs() > 1e-12, "group {gi}: {r:?}");
+        for (j, smp) in scored.batch.samples[gi * g..(gi + 1) * g]
+            .iter()
+            .enumerate()
+        {
+            assert_eq!(smp.group, gi);
+            // The env reward is 0.1 × the decoded message length.
+            let len = scored.batch.texts[gi * g + j].chars().count() as f64;
+            assert!((r[j] - 0.1 * len).abs() < 1e-9);
+        }
+        let hint = env
+            .hint_group(&scored.batch, &scored.rewards, gi, g)
+            .unwrap_or_else(|| panic!("group {gi}: its episodes were not found"));
+        assert_eq!(hint[0].prompt_text, "Echo Env environment ready!");
+        assert_eq!(hint[1].completion_text, scored.batch.texts[gi * g + 1]);
+        assert_eq!(hint[1].reward, scored.rewards.total[gi * g + 1]);
+    }
+    drop(s);
+
+    // The whole loop: the counts are in every train line.
+    let run_dir = dir.path().join("run");
+    let outcome = train_quietly(&recipe, &run_dir).unwrap();
+    assert_eq!(outcome.steps_completed, 2);
+    let lines = read_metrics(&run_dir.join("metrics.jsonl")).unwrap();
+    let train: Vec<_> = lines.iter().filter(|l| l["kind"] == "train").collect();
+    assert_eq!(train.len(), 2);
+    assert_eq!(train[0]["dynamic_sampling/rounds"], scored.rounds);
+    assert_eq!(
+        train[0]["dynamic_sampling/dropped_groups"],
+        scored.dropped_groups
+    );
 }

@@ -8,7 +8,7 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use composer_loss::advantages::AdvantageEstimator;
 
-use crate::recipe::Recipe;
+use super::sections::Recipe;
 
 /// Checks every numeric range and cross-key rule of `r` that the serde types cannot express;
 /// `origin` is the recipe file named in the error.
