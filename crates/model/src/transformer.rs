@@ -29,6 +29,9 @@ use candle_nn::VarMap;
 use rand::{Rng, SeedableRng};
 use std::path::Path;
 
+mod packed;
+pub use packed::PackedBatch;
+
 /// Which implementation of the non-matmul ops a forward uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum OpPath {
@@ -219,7 +222,7 @@ impl Attention {
             Some(n) => n.forward(&k, ctx.path)?,
             None => k,
         };
-        if ctx.path == OpPath::Kernels && cache.is_none() {
+        if !ctx.cu_seqlens.is_empty() && cache.is_none() {
             return self.forward_packed(&q, &k, &v, ctx);
         }
         let q = q.transpose(1, 2)?.contiguous()?;
@@ -261,19 +264,28 @@ impl Attention {
         self.o_proj.forward_with(&out, ctx.train)
     }
 
-    /// The kernel path from projected `q` `[B, T, H, D]`, `k`/`v` `[B, T, Hkv, D]`: the batch
-    /// is packed as `B·T` tokens (a free reshape) and attended segment by segment.
+    /// Attention over packed segments from projected `q` `[B, T, H, D]`, `k`/`v`
+    /// `[B, T, Hkv, D]`: the `B·T` tokens (a free reshape) attended segment by segment of
+    /// `ctx.cu_seqlens` (the kernel path's padded batch, or a padding-free packed row).
     fn forward_packed(&self, q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let (b, t, nh, hd) = q.dims4()?;
         let nkv = self.num_kv_heads;
         let n = b * t;
         let cos = ctx.cos.reshape((n, hd / 2))?;
         let sin = ctx.sin.reshape((n, hd / 2))?;
-        let q = crate::ops::rope(&q.reshape((n, nh, hd))?, &cos, &sin)?;
-        let k = crate::ops::rope(&k.reshape((n, nkv, hd))?, &cos, &sin)?;
+        let q = q.reshape((n, nh, hd))?;
+        let k = k.reshape((n, nkv, hd))?;
         let v = v.reshape((n, nkv, hd))?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let out = crate::ops::causal_attention_varlen(&q, &k, &v, &ctx.cu_seqlens, scale)?;
+        let out = if ctx.path == OpPath::Kernels {
+            let q = crate::ops::rope(&q, &cos, &sin)?;
+            let k = crate::ops::rope(&k, &cos, &sin)?;
+            crate::ops::causal_attention_varlen(&q, &k, &v, &ctx.cu_seqlens, scale)?
+        } else {
+            let q = crate::ops::rope_composed(&q, &cos, &sin)?;
+            let k = crate::ops::rope_composed(&k, &cos, &sin)?;
+            crate::ops::causal_attention_varlen_composed(&q, &k, &v, &ctx.cu_seqlens, scale)?
+        };
         self.o_proj
             .forward_with(&out.reshape((b, t, nh * hd))?, ctx.train)
     }
@@ -877,19 +889,30 @@ impl Transformer {
             _p: std::marker::PhantomData,
         };
         let ids = input_ids.flatten_all()?;
-        let mut x =
+        let x =
             self.model
                 .embed_tokens
                 .index_select(&ids, 0)?
                 .reshape((b, t, self.cfg.hidden_size))?;
-        for (i, layer) in self.model.layers.iter().enumerate() {
-            let slot = cache.as_mut().map(|c| c.layer_mut(i));
-            x = layer.forward(&x, &ctx, slot)?;
-        }
+        let x = self.decoder_stack(x, &ctx, cache.as_deref_mut())?;
         if let Some(c) = cache {
             c.len = past + t;
         }
         self.model.norm.forward(&x, path)
+    }
+
+    /// The decoder layers on embeddings `x` `[B, T, hidden]` (before the final norm).
+    fn decoder_stack(
+        &self,
+        mut x: Tensor,
+        ctx: &Ctx,
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            let slot = cache.as_mut().map(|c| c.layer_mut(i));
+            x = layer.forward(&x, ctx, slot)?;
+        }
+        Ok(x)
     }
 
     /// Additive attention mask `[B|1, 1, 1, T, past+T]` (0 = attend, -inf = masked): causal,
