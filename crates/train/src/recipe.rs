@@ -597,6 +597,11 @@ pub struct TrainSection {
     /// no limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens_per_microbatch: Option<usize>,
+    /// TRL's `padding_free`: every teacher-forcing forward packs its micro-batch's rows
+    /// without padding into one row (positions restart per sequence, attention stays inside
+    /// each), so forward and backward cost only real tokens; the values are the padded ones.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub padding_free: bool,
     /// Seed of every random draw (each draw depends on (seed, step, index)).
     #[serde(default)]
     pub seed: u64,
