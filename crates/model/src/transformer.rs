@@ -29,6 +29,7 @@ use candle_nn::VarMap;
 use rand::{Rng, SeedableRng};
 use std::path::Path;
 
+mod checkpointing;
 mod packed;
 pub use packed::PackedBatch;
 
@@ -158,8 +159,9 @@ pub struct Attention {
     head_dim: usize,
 }
 
-/// Per-forward inputs shared by all layers.
-struct Ctx<'a> {
+/// Per-forward inputs shared by all layers (cloned into a checkpointed layer's backward).
+#[derive(Clone)]
+struct Ctx {
     /// `[B, T, head_dim/2]` in the activation dtype.
     cos: Tensor,
     sin: Tensor,
@@ -171,7 +173,6 @@ struct Ctx<'a> {
     path: OpPath,
     /// A training forward (LoRA dropout on).
     train: bool,
-    _p: std::marker::PhantomData<&'a ()>,
 }
 
 /// RoPE of `x` `[B, H, T, D]` with `cos`/`sin` `[B, T, D/2]` (the mask-based paths).
@@ -341,6 +342,49 @@ impl DecoderLayer {
     }
 }
 
+impl DecoderLayer {
+    /// Replaces every tensor of the layer (weights, biases, adapters, norms) by `f` of it.
+    fn map_tensors(&mut self, f: &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<()> {
+        for l in self.linears_mut() {
+            l.weight = f(&l.weight)?;
+            if let Some(b) = &l.bias {
+                l.bias = Some(f(b)?);
+            }
+            if let Some(a) = &mut l.lora {
+                a.lora_a = f(&a.lora_a)?;
+                a.lora_b = f(&a.lora_b)?;
+            }
+        }
+        for n in [
+            Some(&mut self.input_layernorm),
+            Some(&mut self.post_attention_layernorm),
+            self.self_attn.q_norm.as_mut(),
+            self.self_attn.k_norm.as_mut(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            n.weight = f(&n.weight)?;
+        }
+        Ok(())
+    }
+
+    /// The seven projections, attention's then the MLP's.
+    fn linears_mut(&mut self) -> [&mut Linear; 7] {
+        let a = &mut self.self_attn;
+        let m = &mut self.mlp;
+        [
+            &mut a.q_proj,
+            &mut a.k_proj,
+            &mut a.v_proj,
+            &mut a.o_proj,
+            &mut m.gate_proj,
+            &mut m.up_proj,
+            &mut m.down_proj,
+        ]
+    }
+}
+
 /// The `model.*` module: embeddings, layers, final norm.
 #[derive(Debug, Clone)]
 pub struct Model {
@@ -375,6 +419,10 @@ pub struct Transformer {
     /// of [`crate::ops`] (the default) rather than compositions of candle ops; off only to
     /// compare the two (benchmarks, equivalence tests).
     pub training_kernels: bool,
+    /// TRL's `gradient_checkpointing`: differentiable forwards keep only each decoder
+    /// layer's input and recompute the layer's activations in the backward
+    /// ([`checkpointing`]); the same gradients for less memory, one more layer forward each.
+    pub gradient_checkpointing: bool,
 }
 
 /// Where `build` gets each parameter from.
@@ -516,6 +564,7 @@ impl Transformer {
             source_shards: 1,
             lora: None,
             training_kernels: true,
+            gradient_checkpointing: false,
         })
     }
 
@@ -614,39 +663,8 @@ impl Transformer {
 
     fn map_weights(&self, f: &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<Self> {
         let mut m = self.clone();
-        let mut lin = |l: &mut Linear| -> Result<()> {
-            l.weight = f(&l.weight)?;
-            if let Some(b) = &l.bias {
-                l.bias = Some(f(b)?);
-            }
-            if let Some(a) = &mut l.lora {
-                a.lora_a = f(&a.lora_a)?;
-                a.lora_b = f(&a.lora_b)?;
-            }
-            Ok(())
-        };
         for layer in &mut m.model.layers {
-            let a = &mut layer.self_attn;
-            lin(&mut a.q_proj)?;
-            lin(&mut a.k_proj)?;
-            lin(&mut a.v_proj)?;
-            lin(&mut a.o_proj)?;
-            lin(&mut layer.mlp.gate_proj)?;
-            lin(&mut layer.mlp.up_proj)?;
-            lin(&mut layer.mlp.down_proj)?;
-        }
-        for layer in &mut m.model.layers {
-            for n in [
-                Some(&mut layer.input_layernorm),
-                Some(&mut layer.post_attention_layernorm),
-                layer.self_attn.q_norm.as_mut(),
-                layer.self_attn.k_norm.as_mut(),
-            ]
-            .into_iter()
-            .flatten()
-            {
-                n.weight = f(&n.weight)?;
-            }
+            layer.map_tensors(f)?;
         }
         m.model.norm.weight = f(&m.model.norm.weight)?;
         m.model.embed_tokens = f(&m.model.embed_tokens)?;
@@ -886,7 +904,6 @@ impl Transformer {
             cu_seqlens,
             path,
             train: differentiable,
-            _p: std::marker::PhantomData,
         };
         let ids = input_ids.flatten_all()?;
         let x =
@@ -901,13 +918,20 @@ impl Transformer {
         self.model.norm.forward(&x, path)
     }
 
-    /// The decoder layers on embeddings `x` `[B, T, hidden]` (before the final norm).
+    /// The decoder layers on embeddings `x` `[B, T, hidden]` (before the final norm); each
+    /// layer checkpointed when `gradient_checkpointing` is on and the forward trains.
     fn decoder_stack(
         &self,
         mut x: Tensor,
         ctx: &Ctx,
         mut cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
+        if self.gradient_checkpointing && ctx.train && cache.is_none() {
+            for layer in &self.model.layers {
+                x = checkpointing::forward(layer, &x, ctx)?;
+            }
+            return Ok(x);
+        }
         for (i, layer) in self.model.layers.iter().enumerate() {
             let slot = cache.as_mut().map(|c| c.layer_mut(i));
             x = layer.forward(&x, ctx, slot)?;

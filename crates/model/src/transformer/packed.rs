@@ -87,7 +87,6 @@ impl Transformer {
             cu_seqlens: batch.cu_seqlens.clone(),
             path,
             train: true,
-            _p: std::marker::PhantomData,
         };
         let ids = Tensor::new(batch.ids.as_slice(), &self.device)?;
         let x =
