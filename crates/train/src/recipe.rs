@@ -602,6 +602,11 @@ pub struct TrainSection {
     /// each), so forward and backward cost only real tokens; the values are the padded ones.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub padding_free: bool,
+    /// TRL's `gradient_checkpointing`: the backward recomputes each decoder layer's
+    /// activations instead of keeping them (same gradients, less memory, one more forward
+    /// per layer). CPU only (`[model] device = "cpu"`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gradient_checkpointing: bool,
     /// Seed of every random draw (each draw depends on (seed, step, index)).
     #[serde(default)]
     pub seed: u64,

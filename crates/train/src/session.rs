@@ -395,6 +395,7 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
     };
     let mut model = model;
     model.padding_free = recipe.train.padding_free;
+    model.transformer.gradient_checkpointing = recipe.train.gradient_checkpointing;
     let lora_base = match &lora {
         Some(cfg) => Some(model.enable_lora(cfg, seed, recipe.model.path.as_deref(), &run_dir)?),
         None => None,

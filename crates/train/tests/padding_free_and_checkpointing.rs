@@ -3,7 +3,9 @@
 //! log-probs at given ids, top-K) and every parameter's gradient equal the padded path's, on
 //! the built-in tiny model and an HF fixture; a whole run with all three loss channels
 //! (hint's top-K, replay's DPO and teacher KL, μ = 2 old log-probs, a reference model) logs
-//! the same metrics with and without it.
+//! the same metrics with and without it, and with `[train] gradient_checkpointing` (each
+//! layer's activations recomputed in the backward). Bad values of both keys are refused
+//! naming the key.
 
 use std::path::Path;
 
@@ -159,7 +161,7 @@ seed = 11
 eval_every = 0
 checkpoint_every = 0
 num_iterations = 2
-PADDING_FREE
+KEYS
 
 [warmup]
 steps = 3
@@ -171,29 +173,35 @@ traces = ["builtin:scripted"]
 "#
 );
 
-fn run(dir: &Path, padding_free: bool) -> Vec<Value> {
-    let recipe = dir.join(format!("recipe-{padding_free}.toml"));
-    let line = if padding_free {
-        "padding_free = true"
-    } else {
-        ""
-    };
-    std::fs::write(&recipe, RECIPE.replace("PADDING_FREE", line)).unwrap();
-    let run_dir = dir.join(format!("run-{padding_free}"));
+/// The metrics of a run of [`RECIPE`] with the `[train]` lines `keys`.
+fn run(dir: &Path, name: &str, keys: &str) -> Vec<Value> {
+    let recipe = dir.join(format!("{name}.toml"));
+    std::fs::write(&recipe, RECIPE.replace("KEYS", keys)).unwrap();
+    let run_dir = dir.join(name);
     train_quietly(&recipe, &run_dir).unwrap();
     train_metrics(&run_dir)
 }
 
 #[test]
-fn a_padding_free_run_logs_the_padded_runs_metrics() {
+fn padding_free_and_checkpointed_runs_log_the_padded_runs_metrics() {
     let tmp = tempfile::tempdir().unwrap();
-    let padded = run(tmp.path(), false);
-    let packed = run(tmp.path(), true);
+    let padded = run(tmp.path(), "padded", "");
     assert_eq!(padded.len(), 3);
-    assert_eq!(packed.len(), 3);
+    for (name, keys) in [
+        ("padding_free", "padding_free = true"),
+        ("gradient_checkpointing", "gradient_checkpointing = true"),
+        ("both", "padding_free = true\ngradient_checkpointing = true"),
+    ] {
+        let other = run(tmp.path(), name, keys);
+        assert_eq!(other.len(), 3, "{name}");
+        assert_same_metrics(&padded, &other, name);
+    }
+}
+
+fn assert_same_metrics(padded: &[Value], other: &[Value], what: &str) {
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-4 * a.abs().max(b.abs()).max(1e-3);
     let mut checked = 0;
-    for (a, b) in padded.iter().zip(&packed) {
+    for (a, b) in padded.iter().zip(other) {
         for key in [
             "grad_norm",
             "loss/rlvr",
@@ -208,24 +216,47 @@ fn a_padding_free_run_logs_the_padded_runs_metrics() {
             };
             assert!(
                 close(x, y),
-                "step {}: {key} {x} (padded) vs {y} (padding_free)",
+                "step {}: {key} {x} (padded) vs {y} ({what})",
                 a["step"]
             );
             checked += 1;
         }
     }
-    assert_eq!(checked, 21);
+    assert_eq!(checked, 21, "{what}");
+}
+
+fn refusal(text: &str) -> String {
+    match composer_train::recipe::parse_recipe(text, Path::new("bad.toml")) {
+        Ok(_) => panic!("accepted:\n{text}"),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
+/// The tiny recipe on `[model] device`, with `[train]` line `line`.
+fn on_device(device: &str, line: &str) -> String {
+    let model = format!("[model]\ndevice = \"{device}\"\n\n[model.builtin_tiny]");
+    format!(
+        "{}\n[train]\n{line}\n",
+        tiny_model_and_task!().replace("[model.builtin_tiny]", &model)
+    )
 }
 
 #[test]
-fn a_non_boolean_padding_free_is_refused_naming_the_key() {
-    let text = concat!(
-        tiny_model_and_task!(),
-        "\n[train]\npadding_free = \"yes\"\n"
+fn bad_values_are_refused_naming_the_key() {
+    for key in ["padding_free", "gradient_checkpointing"] {
+        let err = refusal(&on_device("cpu", &format!("{key} = \"yes\"")));
+        assert!(err.contains(key), "{err}");
+    }
+    // The checkpointed layer's op has a CPU forward only: refused at parse time elsewhere.
+    let err = refusal(&on_device("cuda:0", "gradient_checkpointing = true"));
+    assert!(
+        err.contains("bad.toml")
+            && err.contains("`[train] gradient_checkpointing` = true is not supported")
+            && err.contains("\"cuda:0\""),
+        "{err}"
     );
-    let err = match composer_train::recipe::parse_recipe(text, Path::new("bad.toml")) {
-        Ok(_) => panic!("padding_free = \"yes\" was accepted"),
-        Err(e) => format!("{e:#}"),
-    };
-    assert!(err.contains("padding_free"), "{err}");
+    let ok = |text: &str| composer_train::recipe::parse_recipe(text, Path::new("ok.toml")).unwrap();
+    ok(&on_device("cpu", "gradient_checkpointing = true"));
+    // padding_free runs on every device (off the CPU, packed attention segment by segment).
+    ok(&on_device("cuda:0", "padding_free = true"));
 }
