@@ -590,8 +590,8 @@ pub struct TrainSection {
     /// Micro-batches whose gradients are accumulated inside one mini-batch.
     #[serde(default = "one_usize")]
     pub gradient_accumulation_steps: usize,
-    /// Token budget of one micro-batch (padded rows × row length, TRL/verl-style dynamic
-    /// micro-batching): each of the `gradient_accumulation_steps` micro-batches is split
+    /// Token budget of one micro-batch (padded rows × row length; with `padding_free` the
+    /// real tokens; TRL/verl-style dynamic micro-batching): each of the `gradient_accumulation_steps` micro-batches is split
     /// further, in order, into micro-batches of at most this many tokens; the gradients of
     /// all of them are accumulated. A single row longer than the budget trains alone. Unset:
     /// no limit.
