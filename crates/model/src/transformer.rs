@@ -17,6 +17,10 @@
 //! path ([`Transformer::forward_train`]) uses the ops of [`crate::ops`] with a backward (on the
 //! CPU in f32/f64: custom kernels, attention over the batch packed as variable-length
 //! segments; elsewhere: the same maths composed from differentiable candle ops).
+//! The training path also takes sequences packed without padding
+//! ([`Transformer::forward_hidden_packed`], `packed`) and can recompute each layer's
+//! activations in the backward instead of keeping them (`gradient_checkpointing`,
+//! `checkpointing`).
 
 use crate::checkpoint::{self, LoadedCheckpoint};
 use crate::config::ModelConfig;
@@ -421,7 +425,8 @@ pub struct Transformer {
     pub training_kernels: bool,
     /// TRL's `gradient_checkpointing`: differentiable forwards keep only each decoder
     /// layer's input and recompute the layer's activations in the backward
-    /// ([`checkpointing`]); the same gradients for less memory, one more layer forward each.
+    /// (module `transformer::checkpointing`); the same gradients for less memory, one more
+    /// layer forward each.
     pub gradient_checkpointing: bool,
 }
 
