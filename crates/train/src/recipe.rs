@@ -591,9 +591,9 @@ pub struct TrainSection {
     #[serde(default = "one_usize")]
     pub gradient_accumulation_steps: usize,
     /// Token budget of one micro-batch (padded rows × row length; with `padding_free` the
-    /// real tokens; TRL/verl-style dynamic micro-batching): each of the `gradient_accumulation_steps` micro-batches is split
-    /// further, in order, into micro-batches of at most this many tokens; the gradients of
-    /// all of them are accumulated. A single row longer than the budget trains alone. Unset:
+    /// real tokens; TRL/verl-style dynamic micro-batching): each of the
+    /// `gradient_accumulation_steps` micro-batches is split further, in order, into
+    /// micro-batches of at most this many tokens; the gradients of all of them are accumulated. A single row longer than the budget trains alone. Unset:
     /// no limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens_per_microbatch: Option<usize>,
