@@ -61,13 +61,12 @@ pub fn snapshot_files(
         .collect()
 }
 
+/// One stored weight snapshot: (policy version step, weights by name, its file).
+pub type Snapshot = (usize, HashMap<String, Tensor>, PathBuf);
+
 /// The weights a checkpoint of step `m` carries for later steps: (step, weights, file),
 /// oldest first; none when it has no `async-weights/` (a boundary checkpoint).
-pub fn read_snapshots(
-    checkpoint: &Path,
-    m: usize,
-    device: &Device,
-) -> Result<Vec<(usize, HashMap<String, Tensor>, PathBuf)>> {
+pub fn read_snapshots(checkpoint: &Path, m: usize, device: &Device) -> Result<Vec<Snapshot>> {
     let dir = checkpoint.join(SNAPSHOT_DIR);
     if !dir.is_dir() {
         return Ok(vec![]);
