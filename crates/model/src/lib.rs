@@ -60,4 +60,4 @@ pub use score::{score, score_with_temperature};
 pub use score_cli::{score_cli, ScoreInput, ScoreOptions};
 pub use threads::configure_cpu_threads;
 pub use tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
-pub use transformer::{KvCache, Transformer};
+pub use transformer::{KvCache, PackedBatch, Transformer};

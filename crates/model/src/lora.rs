@@ -279,6 +279,21 @@ pub struct LoraDropout {
 }
 
 impl LoraDropout {
+    /// A dropout on a copy of this one's stream at its current state: it draws exactly the
+    /// masks this one draws next, without advancing it (a checkpointed layer's recomputation
+    /// must see its forward's masks).
+    pub(crate) fn fork(&self) -> Result<LoraDropout> {
+        let rng = self
+            .rng
+            .lock()
+            .map_err(|_| anyhow::anyhow!("LoRA dropout RNG lock poisoned"))?
+            .clone();
+        Ok(LoraDropout {
+            p: self.p,
+            rng: Arc::new(Mutex::new(rng)),
+        })
+    }
+
     /// `x` with each entry zeroed with probability `p` and the rest scaled by `1 / (1 − p)`.
     fn apply(&self, x: &Tensor) -> Result<Tensor> {
         let n = x.elem_count();

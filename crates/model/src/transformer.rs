@@ -17,6 +17,10 @@
 //! path ([`Transformer::forward_train`]) uses the ops of [`crate::ops`] with a backward (on the
 //! CPU in f32/f64: custom kernels, attention over the batch packed as variable-length
 //! segments; elsewhere: the same maths composed from differentiable candle ops).
+//! The training path also takes sequences packed without padding
+//! ([`Transformer::forward_hidden_packed`], `packed`) and can recompute each layer's
+//! activations in the backward instead of keeping them (`gradient_checkpointing`,
+//! `checkpointing`).
 
 use crate::checkpoint::{self, LoadedCheckpoint};
 use crate::config::ModelConfig;
@@ -28,6 +32,10 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::VarMap;
 use rand::{Rng, SeedableRng};
 use std::path::Path;
+
+mod checkpointing;
+mod packed;
+pub use packed::PackedBatch;
 
 /// Which implementation of the non-matmul ops a forward uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,8 +163,9 @@ pub struct Attention {
     head_dim: usize,
 }
 
-/// Per-forward inputs shared by all layers.
-struct Ctx<'a> {
+/// Per-forward inputs shared by all layers (cloned into a checkpointed layer's backward).
+#[derive(Clone)]
+struct Ctx {
     /// `[B, T, head_dim/2]` in the activation dtype.
     cos: Tensor,
     sin: Tensor,
@@ -168,7 +177,6 @@ struct Ctx<'a> {
     path: OpPath,
     /// A training forward (LoRA dropout on).
     train: bool,
-    _p: std::marker::PhantomData<&'a ()>,
 }
 
 /// RoPE of `x` `[B, H, T, D]` with `cos`/`sin` `[B, T, D/2]` (the mask-based paths).
@@ -219,7 +227,7 @@ impl Attention {
             Some(n) => n.forward(&k, ctx.path)?,
             None => k,
         };
-        if ctx.path == OpPath::Kernels && cache.is_none() {
+        if !ctx.cu_seqlens.is_empty() && cache.is_none() {
             return self.forward_packed(&q, &k, &v, ctx);
         }
         let q = q.transpose(1, 2)?.contiguous()?;
@@ -261,19 +269,28 @@ impl Attention {
         self.o_proj.forward_with(&out, ctx.train)
     }
 
-    /// The kernel path from projected `q` `[B, T, H, D]`, `k`/`v` `[B, T, Hkv, D]`: the batch
-    /// is packed as `B·T` tokens (a free reshape) and attended segment by segment.
+    /// Attention over packed segments from projected `q` `[B, T, H, D]`, `k`/`v`
+    /// `[B, T, Hkv, D]`: the `B·T` tokens (a free reshape) attended segment by segment of
+    /// `ctx.cu_seqlens` (the kernel path's padded batch, or a padding-free packed row).
     fn forward_packed(&self, q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let (b, t, nh, hd) = q.dims4()?;
         let nkv = self.num_kv_heads;
         let n = b * t;
         let cos = ctx.cos.reshape((n, hd / 2))?;
         let sin = ctx.sin.reshape((n, hd / 2))?;
-        let q = crate::ops::rope(&q.reshape((n, nh, hd))?, &cos, &sin)?;
-        let k = crate::ops::rope(&k.reshape((n, nkv, hd))?, &cos, &sin)?;
+        let q = q.reshape((n, nh, hd))?;
+        let k = k.reshape((n, nkv, hd))?;
         let v = v.reshape((n, nkv, hd))?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let out = crate::ops::causal_attention_varlen(&q, &k, &v, &ctx.cu_seqlens, scale)?;
+        let out = if ctx.path == OpPath::Kernels {
+            let q = crate::ops::rope(&q, &cos, &sin)?;
+            let k = crate::ops::rope(&k, &cos, &sin)?;
+            crate::ops::causal_attention_varlen(&q, &k, &v, &ctx.cu_seqlens, scale)?
+        } else {
+            let q = crate::ops::rope_composed(&q, &cos, &sin)?;
+            let k = crate::ops::rope_composed(&k, &cos, &sin)?;
+            crate::ops::causal_attention_varlen_composed(&q, &k, &v, &ctx.cu_seqlens, scale)?
+        };
         self.o_proj
             .forward_with(&out.reshape((b, t, nh * hd))?, ctx.train)
     }
@@ -329,6 +346,49 @@ impl DecoderLayer {
     }
 }
 
+impl DecoderLayer {
+    /// Replaces every tensor of the layer (weights, biases, adapters, norms) by `f` of it.
+    fn map_tensors(&mut self, f: &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<()> {
+        for l in self.linears_mut() {
+            l.weight = f(&l.weight)?;
+            if let Some(b) = &l.bias {
+                l.bias = Some(f(b)?);
+            }
+            if let Some(a) = &mut l.lora {
+                a.lora_a = f(&a.lora_a)?;
+                a.lora_b = f(&a.lora_b)?;
+            }
+        }
+        for n in [
+            Some(&mut self.input_layernorm),
+            Some(&mut self.post_attention_layernorm),
+            self.self_attn.q_norm.as_mut(),
+            self.self_attn.k_norm.as_mut(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            n.weight = f(&n.weight)?;
+        }
+        Ok(())
+    }
+
+    /// The seven projections, attention's then the MLP's.
+    fn linears_mut(&mut self) -> [&mut Linear; 7] {
+        let a = &mut self.self_attn;
+        let m = &mut self.mlp;
+        [
+            &mut a.q_proj,
+            &mut a.k_proj,
+            &mut a.v_proj,
+            &mut a.o_proj,
+            &mut m.gate_proj,
+            &mut m.up_proj,
+            &mut m.down_proj,
+        ]
+    }
+}
+
 /// The `model.*` module: embeddings, layers, final norm.
 #[derive(Debug, Clone)]
 pub struct Model {
@@ -363,6 +423,11 @@ pub struct Transformer {
     /// of [`crate::ops`] (the default) rather than compositions of candle ops; off only to
     /// compare the two (benchmarks, equivalence tests).
     pub training_kernels: bool,
+    /// TRL's `gradient_checkpointing`: differentiable forwards keep only each decoder
+    /// layer's input and recompute the layer's activations in the backward
+    /// (module `transformer::checkpointing`); the same gradients for less memory, one more
+    /// layer forward each.
+    pub gradient_checkpointing: bool,
 }
 
 /// Where `build` gets each parameter from.
@@ -504,6 +569,7 @@ impl Transformer {
             source_shards: 1,
             lora: None,
             training_kernels: true,
+            gradient_checkpointing: false,
         })
     }
 
@@ -602,39 +668,8 @@ impl Transformer {
 
     fn map_weights(&self, f: &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<Self> {
         let mut m = self.clone();
-        let mut lin = |l: &mut Linear| -> Result<()> {
-            l.weight = f(&l.weight)?;
-            if let Some(b) = &l.bias {
-                l.bias = Some(f(b)?);
-            }
-            if let Some(a) = &mut l.lora {
-                a.lora_a = f(&a.lora_a)?;
-                a.lora_b = f(&a.lora_b)?;
-            }
-            Ok(())
-        };
         for layer in &mut m.model.layers {
-            let a = &mut layer.self_attn;
-            lin(&mut a.q_proj)?;
-            lin(&mut a.k_proj)?;
-            lin(&mut a.v_proj)?;
-            lin(&mut a.o_proj)?;
-            lin(&mut layer.mlp.gate_proj)?;
-            lin(&mut layer.mlp.up_proj)?;
-            lin(&mut layer.mlp.down_proj)?;
-        }
-        for layer in &mut m.model.layers {
-            for n in [
-                Some(&mut layer.input_layernorm),
-                Some(&mut layer.post_attention_layernorm),
-                layer.self_attn.q_norm.as_mut(),
-                layer.self_attn.k_norm.as_mut(),
-            ]
-            .into_iter()
-            .flatten()
-            {
-                n.weight = f(&n.weight)?;
-            }
+            layer.map_tensors(f)?;
         }
         m.model.norm.weight = f(&m.model.norm.weight)?;
         m.model.embed_tokens = f(&m.model.embed_tokens)?;
@@ -874,22 +909,39 @@ impl Transformer {
             cu_seqlens,
             path,
             train: differentiable,
-            _p: std::marker::PhantomData,
         };
         let ids = input_ids.flatten_all()?;
-        let mut x =
+        let x =
             self.model
                 .embed_tokens
                 .index_select(&ids, 0)?
                 .reshape((b, t, self.cfg.hidden_size))?;
-        for (i, layer) in self.model.layers.iter().enumerate() {
-            let slot = cache.as_mut().map(|c| c.layer_mut(i));
-            x = layer.forward(&x, &ctx, slot)?;
-        }
+        let x = self.decoder_stack(x, &ctx, cache.as_deref_mut())?;
         if let Some(c) = cache {
             c.len = past + t;
         }
         self.model.norm.forward(&x, path)
+    }
+
+    /// The decoder layers on embeddings `x` `[B, T, hidden]` (before the final norm); each
+    /// layer checkpointed when `gradient_checkpointing` is on and the forward trains.
+    fn decoder_stack(
+        &self,
+        mut x: Tensor,
+        ctx: &Ctx,
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        if self.gradient_checkpointing && ctx.train && cache.is_none() {
+            for layer in &self.model.layers {
+                x = checkpointing::forward(layer, &x, ctx)?;
+            }
+            return Ok(x);
+        }
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            let slot = cache.as_mut().map(|c| c.layer_mut(i));
+            x = layer.forward(&x, ctx, slot)?;
+        }
+        Ok(x)
     }
 
     /// Additive attention mask `[B|1, 1, 1, T, past+T]` (0 = attend, -inf = masked): causal,

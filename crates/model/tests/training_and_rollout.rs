@@ -27,38 +27,53 @@ fn params(temperature: f64, max_new_tokens: usize) -> SamplingParams {
 
 #[test]
 fn every_trainable_tensor_gets_a_nonzero_gradient() {
+    // The padded forward and the padding-free packed one, each with and without per-layer
+    // gradient checkpointing (whose weight gradients come from the layer's recomputation).
     for name in FIXTURES {
-        let (model, varmap) =
-            Transformer::load_trainable(&fixture(name), &Device::Cpu, DType::F32).expect("load");
-        let ids = Tensor::new(&[[5u32, 17, 99, 3, 250, 42, 7, 300]], &Device::Cpu).unwrap();
-        let logits = model
-            .forward_train(&ids.narrow(1, 0, 7).unwrap(), None)
-            .unwrap();
-        let targets = ids.narrow(1, 1, 7).unwrap();
-        let loss = token_logprobs(&logits, &targets)
-            .unwrap()
-            .mean_all()
-            .unwrap()
-            .neg()
-            .unwrap();
-        let grads = loss.backward().unwrap();
-        let vars = varmap.data().lock().unwrap();
-        assert!(!vars.is_empty());
-        for (key, var) in vars.iter() {
-            let g = grads
-                .get(var.as_tensor())
-                .unwrap_or_else(|| panic!("{name}: no gradient for {key}"));
-            let norm = g
-                .sqr()
+        for (packed, checkpointing) in [(false, false), (false, true), (true, false), (true, true)]
+        {
+            let (mut model, varmap) =
+                Transformer::load_trainable(&fixture(name), &Device::Cpu, DType::F32)
+                    .expect("load");
+            model.gradient_checkpointing = checkpointing;
+            let what = format!("{name} packed={packed} checkpointing={checkpointing}");
+            let seq = [5u32, 17, 99, 3, 250, 42, 7, 300];
+            let ids = Tensor::new(&[seq], &Device::Cpu).unwrap();
+            let logits = if packed {
+                let batch = composer_model::PackedBatch::from_sequences(&[&seq[..4], &seq[4..7]]);
+                let h = model.forward_hidden_packed(&batch).unwrap();
+                model.logits(&h.unsqueeze(0).unwrap()).unwrap()
+            } else {
+                model
+                    .forward_train(&ids.narrow(1, 0, 7).unwrap(), None)
+                    .unwrap()
+            };
+            let targets = ids.narrow(1, 1, 7).unwrap();
+            let loss = token_logprobs(&logits, &targets)
                 .unwrap()
-                .sum_all()
+                .mean_all()
                 .unwrap()
-                .to_scalar::<f32>()
+                .neg()
                 .unwrap();
-            assert!(
-                norm > 0.0 && norm.is_finite(),
-                "{name}: zero/non-finite gradient for {key}"
-            );
+            let grads = loss.backward().unwrap();
+            let vars = varmap.data().lock().unwrap();
+            assert!(!vars.is_empty());
+            for (key, var) in vars.iter() {
+                let g = grads
+                    .get(var.as_tensor())
+                    .unwrap_or_else(|| panic!("{what}: no gradient for {key}"));
+                let norm = g
+                    .sqr()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert!(
+                    norm > 0.0 && norm.is_finite(),
+                    "{what}: zero/non-finite gradient for {key}"
+                );
+            }
         }
     }
 }

@@ -3,6 +3,7 @@
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
+use composer_model::PackedBatch;
 
 use crate::model::PolicyModel;
 
@@ -18,6 +19,9 @@ pub struct TokenBatch {
     pub completion_positions: Vec<Vec<usize>>,
     /// L.
     pub len: usize,
+    /// Per row, its number of real (non-padding) input tokens; the padding-free forward
+    /// packs exactly these.
+    pub row_lens: Vec<usize>,
 }
 
 /// Builds a batch from (prompt, completion) id pairs, right-padded with `pad`.
@@ -33,6 +37,7 @@ pub fn token_batch(pairs: &[(&[u32], &[u32])], pad: u32, device: &Device) -> Res
     let mut targets = vec![pad; b * l];
     let mut mask = vec![0f32; b * l];
     let mut positions = Vec::with_capacity(b);
+    let mut row_lens = Vec::with_capacity(b);
     for (r, (p, c)) in pairs.iter().enumerate() {
         let seq: Vec<u32> = p.iter().chain(c.iter()).copied().collect();
         let mut pos = Vec::new();
@@ -45,6 +50,7 @@ pub fn token_batch(pairs: &[(&[u32], &[u32])], pad: u32, device: &Device) -> Res
             }
         }
         positions.push(pos);
+        row_lens.push(seq.len().saturating_sub(1));
     }
     Ok(TokenBatch {
         input: Tensor::from_vec(input, (b, l), device)?,
@@ -52,6 +58,7 @@ pub fn token_batch(pairs: &[(&[u32], &[u32])], pad: u32, device: &Device) -> Res
         mask: Tensor::from_vec(mask, (b, l), device)?,
         completion_positions: positions,
         len: l,
+        row_lens,
     })
 }
 
@@ -74,7 +81,9 @@ pub struct TokenStats {
 /// (u32) and each position's own top-`top_k`, of `model` at temperature `t` (logits divided
 /// by t, as TRL's trainer does). The LM head runs fused and chunked
 /// ([`composer_model::head_logprobs`]) over the completion-target positions, so no
-/// `[B, L, V]` logits exist and prompt positions cost no head FLOPs.
+/// `[B, L, V]` logits exist and prompt positions cost no head FLOPs. With the model's
+/// `padding_free`, the decoder runs on the rows packed without padding (one row of
+/// `Σ row_lens` tokens) and the values land in the same `[B, L]` layout.
 pub fn token_stats(
     model: &PolicyModel,
     batch: &TokenBatch,
@@ -84,23 +93,42 @@ pub fn token_stats(
 ) -> Result<TokenStats> {
     let (b, l) = batch.input.dims2()?;
     let dev = batch.input.device();
-    let hidden = model.hidden(&batch.input)?;
-    let hsz = hidden.dim(D::Minus1)?;
-    // The rows the head runs on, and for every (b, l) slot its row (or the zero row N).
-    let rows: Vec<u32> = batch
+    // Final hidden states one row per token, and the row of each (b, l) slot's token.
+    let (hidden, hidden_row): (Tensor, Box<dyn Fn(usize) -> usize>) =
+        if model.padding_free && batch.row_lens.iter().any(|&n| n > 0) {
+            let ids: Vec<Vec<u32>> = batch.input.to_vec2()?;
+            let seqs: Vec<&[u32]> = ids
+                .iter()
+                .zip(&batch.row_lens)
+                .map(|(row, &n)| &row[..n])
+                .collect();
+            let packed = PackedBatch::from_sequences(&seqs);
+            let starts = packed.cu_seqlens.clone();
+            let hidden = model.transformer.forward_hidden_packed(&packed)?;
+            (hidden, Box::new(move |slot| starts[slot / l] + slot % l))
+        } else {
+            let hidden = model.hidden(&batch.input)?;
+            let hsz = hidden.dim(D::Minus1)?;
+            (hidden.reshape((b * l, hsz))?, Box::new(|slot| slot))
+        };
+    // The slots the head runs on, and for every (b, l) slot its head row (or the zero row N).
+    let slots: Vec<usize> = batch
         .completion_positions
         .iter()
         .flatten()
-        .map(|&p| p as u32)
+        .copied()
         .collect();
-    let n = rows.len();
+    let n = slots.len();
     let mut slot_to_row = vec![n as u32; b * l];
-    for (j, &p) in rows.iter().enumerate() {
-        slot_to_row[p as usize] = j as u32;
+    for (j, &p) in slots.iter().enumerate() {
+        slot_to_row[p] = j as u32;
     }
+    let hidden_rows: Vec<u32> = slots.iter().map(|&p| hidden_row(p) as u32).collect();
+    let hidden_rows = Tensor::from_vec(hidden_rows, n, dev)?;
+    let rows: Vec<u32> = slots.iter().map(|&p| p as u32).collect();
     let rows = Tensor::from_vec(rows, n, dev)?;
     let slot_to_row = Tensor::from_vec(slot_to_row, b * l, dev)?;
-    let hidden = hidden.reshape((b * l, hsz))?.index_select(&rows, 0)?;
+    let hidden = hidden.index_select(&hidden_rows, 0)?;
     let targets = batch.targets.reshape((b * l, 1))?.index_select(&rows, 0)?;
     let k_extra = match extra_ids {
         Some(x) => x.dim(D::Minus1)?,
@@ -175,6 +203,7 @@ mod tests {
         let tb = token_batch(&[(&[5, 6], &[7, 8]), (&[5], &[9])], 0, &Device::Cpu).unwrap();
         assert_eq!(tb.len, 3);
         assert_eq!(tb.completion_positions, vec![vec![1, 2], vec![3]]);
+        assert_eq!(tb.row_lens, vec![3, 1]);
         let m: Vec<Vec<f32>> = tb.mask.to_vec2().unwrap();
         assert_eq!(m, vec![vec![0.0, 1.0, 1.0], vec![1.0, 0.0, 0.0]]);
     }

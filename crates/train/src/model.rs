@@ -124,6 +124,9 @@ pub struct PolicyModel {
     /// The HF checkpoint directory it was loaded from (tokenizer files, chat template and
     /// generation config are copied from it into checkpoints); None for the built-in model.
     pub source_dir: Option<PathBuf>,
+    /// `[train] padding_free`: teacher-forcing forwards pack a batch's rows without padding
+    /// ([`crate::batch::token_stats`]); the same values, no FLOPs on padding.
+    pub padding_free: bool,
 }
 
 /// The `mix_seed` index of the LoRA streams (apart from sampling's): the adapters' init is
@@ -139,6 +142,7 @@ impl PolicyModel {
             transformer,
             varmap,
             source_dir: None,
+            padding_free: false,
         })
     }
 
@@ -150,6 +154,7 @@ impl PolicyModel {
             transformer,
             varmap,
             source_dir: Some(dir.to_path_buf()),
+            padding_free: false,
         })
     }
 
@@ -244,6 +249,7 @@ impl PolicyModel {
             transformer,
             varmap,
             source_dir: self.source_dir.clone(),
+            padding_free: self.padding_free,
         })
     }
 

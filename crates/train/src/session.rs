@@ -88,8 +88,9 @@ impl Session {
         }
         self.reference = Some(match &self.recipe.loss.reference.ref_model_path {
             Some(p) => {
-                let r = PolicyModel::load_hf(p, self.model.device())
+                let mut r = PolicyModel::load_hf(p, self.model.device())
                     .with_context(|| format!("key `[loss] ref_model_path` = {}", p.display()))?;
+                r.padding_free = self.model.padding_free;
                 if r.vocab_size() != self.model.vocab_size() {
                     bail!(
                         "key `[loss] ref_model_path`: {} has vocab_size {}, the policy {}",
@@ -334,6 +335,8 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
         _ => bail!("key `[model]`: set `path` or `builtin_tiny`"),
     };
     let mut model = model;
+    model.padding_free = recipe.train.padding_free;
+    model.transformer.gradient_checkpointing = recipe.train.gradient_checkpointing;
     let lora_base = match &lora {
         Some(cfg) => Some(model.enable_lora(cfg, seed, recipe.model.path.as_deref(), &run_dir)?),
         None => None,

@@ -225,7 +225,7 @@ pub fn train_on_batch(
                 .flat_map(|c| {
                     let micro: Vec<usize> = c.iter().flat_map(|&gi| gi * g..(gi + 1) * g).collect();
                     match tr.max_tokens_per_microbatch {
-                        Some(budget) => split_by_tokens(&micro, &row_len, budget),
+                        Some(budget) => split_by_tokens(&micro, &row_len, budget, !tr.padding_free),
                         None => vec![micro],
                     }
                 })
@@ -351,24 +351,31 @@ pub fn train_on_batch(
     Ok(stats)
 }
 
-/// Splits `samples` in order into micro-batches whose padded size (rows × the longest row's
-/// `row_len`) stays within `budget` tokens; a row longer than the budget forms its own.
+/// Splits `samples` in order into micro-batches whose size stays within `budget` tokens: the
+/// padded size (rows × the longest row's `row_len`) when `padded`, else the real tokens (the
+/// sum of `row_len`, `[train] padding_free`); a row longer than the budget forms its own.
 pub fn split_by_tokens(
     samples: &[usize],
     row_len: &dyn Fn(usize) -> usize,
     budget: usize,
+    padded: bool,
 ) -> Vec<Vec<usize>> {
     let mut out: Vec<Vec<usize>> = Vec::new();
     let mut cur: Vec<usize> = Vec::new();
-    let mut longest = 0;
+    let (mut longest, mut total) = (0, 0);
     for &i in samples {
         let len = row_len(i);
-        let wide = longest.max(len);
-        if !cur.is_empty() && (cur.len() + 1) * wide > budget {
+        let size = if padded {
+            (cur.len() + 1) * longest.max(len)
+        } else {
+            total + len
+        };
+        if !cur.is_empty() && size > budget {
             out.push(std::mem::take(&mut cur));
-            longest = 0;
+            (longest, total) = (0, 0);
         }
         longest = longest.max(len);
+        total += len;
         cur.push(i);
     }
     if !cur.is_empty() {

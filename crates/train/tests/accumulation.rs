@@ -141,10 +141,20 @@ fn token_budget_splits_in_order_and_counts_padding() {
     // 2 rows × 5 = 10 fits; adding a row to a micro-batch whose longest row is 5 (3 × 5 = 15)
     // would not.
     assert_eq!(
-        split_by_tokens(&all, &len, 10),
+        split_by_tokens(&all, &len, 10, true),
         vec![vec![0, 1], vec![2, 3], vec![4], vec![5]]
     );
-    assert_eq!(split_by_tokens(&all, &len, 1000), vec![all.clone()]);
+    assert_eq!(split_by_tokens(&all, &len, 1000, true), vec![all.clone()]);
     // A row longer than the budget trains alone; nothing is dropped.
-    assert_eq!(split_by_tokens(&[4], &len, 3), vec![vec![4]]);
+    assert_eq!(split_by_tokens(&[4], &len, 3, true), vec![vec![4]]);
+    // padding_free counts real tokens: rows 0-2 hold 3 + 3 + 5 = 11 (padded: 3 × 5 = 15).
+    assert_eq!(
+        split_by_tokens(&all, &len, 11, false),
+        vec![vec![0, 1, 2], vec![3, 4], vec![5]]
+    );
+    assert_eq!(
+        split_by_tokens(&all, &len, 11, true),
+        vec![vec![0, 1], vec![2, 3], vec![4], vec![5]]
+    );
+    assert_eq!(split_by_tokens(&[4], &len, 3, false), vec![vec![4]]);
 }

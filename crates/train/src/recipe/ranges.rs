@@ -103,6 +103,15 @@ pub fn validate_ranges(r: &Recipe, origin: &Path) -> Result<()> {
         }
     }
 
+    // The checkpointed layer's custom op has a CPU forward only.
+    if r.train.gradient_checkpointing && r.model.device.trim() != "cpu" {
+        bail!(
+            "recipe {file}: key `[train] gradient_checkpointing` = true is not supported with \
+             `[model] device` = {:?}; allowed: gradient_checkpointing = false, or device = \"cpu\"",
+            r.model.device
+        );
+    }
+
     let d = &r.data;
     // With `[env]` the env's reward replaces the verifiers, so an empty list is fine there.
     if d.verifiers.is_empty() && r.env.is_none() {

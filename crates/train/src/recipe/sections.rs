@@ -306,13 +306,23 @@ pub struct TrainSection {
     /// Micro-batches whose gradients are accumulated inside one mini-batch.
     #[serde(default = "one_usize")]
     pub gradient_accumulation_steps: usize,
-    /// Token budget of one micro-batch (padded rows × row length, TRL/verl-style dynamic
-    /// micro-batching): each of the `gradient_accumulation_steps` micro-batches is split
-    /// further, in order, into micro-batches of at most this many tokens; the gradients of
-    /// all of them are accumulated. A single row longer than the budget trains alone. Unset:
-    /// no limit.
+    /// Token budget of one micro-batch (padded rows × row length; with `padding_free` the
+    /// real tokens; TRL/verl-style dynamic micro-batching): each of the
+    /// `gradient_accumulation_steps` micro-batches is split further, in order, into
+    /// micro-batches of at most this many tokens; the gradients of all of them are
+    /// accumulated. A single row longer than the budget trains alone. Unset: no limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens_per_microbatch: Option<usize>,
+    /// TRL's `padding_free`: every teacher-forcing forward packs its micro-batch's rows
+    /// without padding into one row (positions restart per sequence, attention stays inside
+    /// each), so forward and backward cost only real tokens; the values are the padded ones.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub padding_free: bool,
+    /// TRL's `gradient_checkpointing`: the backward recomputes each decoder layer's
+    /// activations instead of keeping them (same gradients, less memory, one more forward
+    /// per layer). CPU only (`[model] device = "cpu"`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gradient_checkpointing: bool,
     /// Seed of every random draw (each draw depends on (seed, step, index)).
     #[serde(default)]
     pub seed: u64,
