@@ -262,8 +262,42 @@ fn overlong_prompts_are_reported_by_file_and_line_or_skipped() {
         "skip.toml",
         &recipe_text("\noverlong_prompts = \"skip\""),
     );
-    let out = fresh(&recipe, &tmp.path().join("run-skip"), false).unwrap();
-    assert_eq!(out.steps_completed, 1);
+    let (out, log) = logged(|| fresh(&recipe, &tmp.path().join("run-skip"), false));
+    assert_eq!(out.unwrap().steps_completed, 1);
+    // Row 1 is the eval row (eval_size = 1); the long row 3 is a training row.
+    assert!(
+        log.contains("skipped 1 training and 0 eval prompts"),
+        "the skip is not reported with its count: {log}"
+    );
+}
+
+/// A `Write` into a shared buffer, for capturing this thread's log.
+#[derive(Clone, Default)]
+struct LogBuffer(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogBuffer {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Runs `f` with this thread's `tracing` events (warn and above) captured; returns its
+/// result and the log text.
+fn logged<T>(f: impl FnOnce() -> T) -> (T, String) {
+    let buf = LogBuffer::default();
+    let writer = buf.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(move || writer.clone())
+        .finish();
+    let out = tracing::subscriber::with_default(subscriber, f);
+    let text = String::from_utf8_lossy(&buf.0.lock().unwrap()).into_owned();
+    (out, text)
 }
 
 /// Unmounts the tmpfs when the test ends (pass or fail).
