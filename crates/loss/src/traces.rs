@@ -138,7 +138,16 @@ pub struct TraceStore {
 impl TraceStore {
     /// Load and validate a JSONL trace file. Errors name the file and the 1-based line.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
+        Self::load_checked(path.as_ref(), None)
+    }
+
+    /// [`TraceStore::load`], also refusing a token id (prompt, completion or top-K) that is
+    /// not below `vocab_size`: the error names the file and line, before any training.
+    pub fn load_within_vocab(path: impl AsRef<Path>, vocab_size: usize) -> Result<Self> {
+        Self::load_checked(path.as_ref(), Some(vocab_size))
+    }
+
+    fn load_checked(path: &Path, vocab_size: Option<usize>) -> Result<Self> {
         let name = path.display().to_string();
         let file = File::open(path).map_err(|source| LossError::Io {
             path: name.clone(),
@@ -164,6 +173,21 @@ impl TraceStore {
                 line: i + 1,
                 message,
             })?;
+            if let Some(vocab) = vocab_size {
+                let outside = (trace.prompt_ids.iter())
+                    .chain(&trace.completion_ids)
+                    .chain(trace.topk_ids.iter().flatten())
+                    .find(|&&id| id as usize >= vocab);
+                if let Some(id) = outside {
+                    return Err(LossError::TraceFile {
+                        path: name.clone(),
+                        line: i + 1,
+                        message: format!(
+                            "token id {id} is outside the model's vocabulary of {vocab}"
+                        ),
+                    });
+                }
+            }
             traces.push(trace);
         }
         Ok(Self {

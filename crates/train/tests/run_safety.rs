@@ -300,6 +300,48 @@ fn logged<T>(f: impl FnOnce() -> T) -> (T, String) {
     (out, text)
 }
 
+#[test]
+fn replay_trace_with_a_token_id_outside_the_vocabulary_is_refused_naming_the_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = |id: u32| {
+        format!(
+            r#"{{"teacher": "t", "prompt_ids": [1, 2], "completion_ids": [{id}], "topk_ids": [[{id}]], "topk_logprobs": [[-0.1]], "reward": 1.0, "passed": true}}"#
+        )
+    };
+    // Line 1 is fine, line 2 blank, line 3 has an id far beyond the tiny model's vocabulary:
+    // the error names line 3 (not "trace #2").
+    let traces = write(
+        tmp.path(),
+        "traces.jsonl",
+        &format!(
+            "{}
+
+{}
+",
+            trace(3),
+            trace(100_000)
+        ),
+    );
+    let text = format!(
+        "{ONE_STEP}
+[replay]
+traces = [{:?}]
+",
+        traces.display().to_string()
+    );
+    let recipe = write(tmp.path(), "replay.toml", &text);
+    let run = tmp.path().join("run");
+    let e = error_of("trace id outside the vocabulary", || {
+        fresh(&recipe, &run, false)
+    });
+    assert!(e.contains("traces.jsonl:3:") && e.contains("100000"), "{e}");
+    assert!(e.contains("vocabulary"), "{e}");
+    // Refused before training: no step ran, no checkpoint was written.
+    assert!(!run.join("checkpoint").exists());
+    let trained = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default();
+    assert!(!trained.contains("\"train\""), "{trained}");
+}
+
 /// Unmounts the tmpfs when the test ends (pass or fail).
 struct Mounted(PathBuf);
 
