@@ -147,7 +147,19 @@ fn child_train() {
         return;
     }
     let dir = PathBuf::from(dir);
-    let recipe = write_recipe(dir.parent().unwrap(), SMALL);
+    // CHILD_MODE=async: the same recipe in the async layout.
+    let text = match std::env::var("CHILD_MODE").as_deref() {
+        Ok("async") => {
+            let t = SMALL.replace(
+                "[train]\n",
+                "[train]\nmode = \"async\"\nmax_staleness = 1\n",
+            );
+            assert_ne!(t, SMALL, "SMALL has no [train] section");
+            t
+        }
+        _ => SMALL.to_string(),
+    };
+    let recipe = write_recipe(dir.parent().unwrap(), &text);
     match run_train(&opts(&recipe, &dir)) {
         Ok(o) => println!(
             "CHILD OK steps={} skipped={}",
@@ -228,6 +240,50 @@ fn non_finite_steps_are_skipped_then_the_run_stops() {
             (composer_train::trainer::NAN_HOOK_ENV, "4,5,6".into()),
         ],
     );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("non-finite") && stdout.contains("checkpoint"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&dir.join("checkpoint").display().to_string()),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn non_finite_async_steps_are_skipped_then_the_run_stops() {
+    let tmp = tempfile::tempdir().unwrap();
+    let child = |name: &str, steps: &str| {
+        let dir = tmp.path().join(name);
+        let out = run_child(
+            "child_train",
+            &[
+                ("CHILD_RUN_DIR", dir.display().to_string()),
+                ("CHILD_MODE", "async".into()),
+                (composer_train::trainer::NAN_HOOK_ENV, steps.into()),
+            ],
+        );
+        (dir, out)
+    };
+    // One NaN step: skipped and counted, the run finishes.
+    let (dir, out) = child("one", "2");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("CHILD OK steps=6 skipped=1"),
+        "{stdout}"
+    );
+    let lines = read_metrics(&dir.join("metrics.jsonl")).unwrap();
+    let s2 = lines
+        .iter()
+        .find(|r| r["step"] == 2 && r["kind"] == "train")
+        .unwrap();
+    assert_eq!(s2["skipped"], true);
+    // The async layout ran (only it reports what its trainer actor consumed).
+    assert!(s2.get("actors/consumed").is_some(), "not async: {s2}");
+    // Three in a row: the run stops, naming the reason and the last good checkpoint.
+    let (dir, out) = child("three", "4,5,6");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success(), "{stdout}");
     assert!(
