@@ -342,6 +342,69 @@ traces = [{:?}]
     assert!(!trained.contains("\"train\""), "{trained}");
 }
 
+#[test]
+fn dataset_prompt_with_a_token_id_outside_the_vocabulary_is_refused_naming_the_line() {
+    // Dataset rows carry text, not ids: an id outside the model's vocabulary comes from a
+    // tokenizer larger than the embedding. The HF fixture's tokenizer gets one added token
+    // with id = vocab_size (384), which a prompt on line 2 uses.
+    let shared = std::env::var("COMPOSER_SHARED")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared")));
+    let fixture = shared.join("fixtures/hf-tiny/qwen2-tiny");
+    if !fixture.join("config.json").is_file() {
+        let ci = std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "0" && v != "false");
+        assert!(!ci, "fixture {} missing but CI is set", fixture.display());
+        eprintln!("SKIPPED: fixture {} not found", fixture.display());
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    copy_dir(&fixture, &model);
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    let vocab = cfg["vocab_size"].as_u64().unwrap();
+    let tok_path = model.join("tokenizer.json");
+    let mut tok: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tok_path).unwrap()).unwrap();
+    tok["added_tokens"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({
+            "id": vocab, "content": "<|beyond|>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": false
+        }));
+    std::fs::write(&tok_path, tok.to_string()).unwrap();
+    let data = write(
+        tmp.path(),
+        "data.jsonl",
+        "{\"prompt\": \"1+1=\", \"answer\": \"2\"}\n{\"prompt\": \"<|beyond|>2+2=\", \"answer\": \"4\"}\n",
+    );
+    let eval = write(
+        tmp.path(),
+        "eval.jsonl",
+        "{\"prompt\": \"3+3=\", \"answer\": \"6\"}\n",
+    );
+    let text = format!(
+        "[model]\npath = {:?}\n[data]\ndataset = {:?}\neval_dataset = {:?}\n[rollout]\n\
+         num_generations = 2\nmax_completion_length = 3\n[train]\nsteps = 1\nprompts_per_step = 1\n",
+        model.display().to_string(),
+        data.display().to_string(),
+        eval.display().to_string()
+    );
+    let recipe = write(tmp.path(), "recipe.toml", &text);
+    let run = tmp.path().join("run");
+    let e = error_of("prompt id outside the vocabulary", || {
+        fresh(&recipe, &run, false)
+    });
+    assert!(
+        e.contains("data.jsonl line 2")
+            && e.contains(&format!("token id {vocab}"))
+            && e.contains("vocabulary"),
+        "{e}"
+    );
+    assert!(!run.join("checkpoint").exists());
+}
+
 /// Unmounts the tmpfs when the test ends (pass or fail).
 struct Mounted(PathBuf);
 
