@@ -1,8 +1,9 @@
 //! Issue 19: a short object-store outage mid-round must not make the replica exit. A real S3
 //! server (moto, from the venv of ../shared/s3/start-server.sh) owned by this test is stopped
-//! (SIGSTOP: every request hangs and times out) for longer than the old fixed retry schedule
-//! (~6 s of back-off) while the replica publishes and closes a round, then continued; the
-//! replica rides it out on the default `store_retry_budget_s` and finishes its rounds.
+//! (SIGSTOP: every request hangs and times out) for 30 s (the issue's fault matrix: "S3
+//! server paused for 30 s") while the replica publishes and closes a round, then continued;
+//! the replica rides it out on the default `store_retry_budget_s` (90 s), logs each retry,
+//! and finishes its rounds.
 //!
 //! The moto venv: `$S3_VENV`, else `<workspace>/.s3-venv` (where .ci/run creates it). Missing:
 //! SKIPPED locally, a failure under `CI`.
@@ -11,6 +12,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use composer_diloco::toy::{self, Dataset};
@@ -110,12 +112,41 @@ fn moto_bin() -> Option<PathBuf> {
     None
 }
 
+/// How long the store is paused.
+const OUTAGE_S: u64 = 30;
+
+/// A `Write` into a shared buffer: the process's log, captured.
+#[derive(Clone, Default)]
+struct LogBuffer(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogBuffer {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_survives_a_store_outage_mid_round() {
     let Some(bin) = moto_bin() else {
         return;
     };
     let moto = Moto::start(&bin);
+    // This test binary holds only this test, so a global subscriber sees every retry,
+    // whichever runtime thread logs it.
+    let log = LogBuffer::default();
+    let writer = log.clone();
+    tracing::subscriber::set_global_default(
+        tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::WARN)
+            .with_writer(move || writer.clone())
+            .finish(),
+    )
+    .unwrap();
     // This test binary holds only this test, so setting the process environment is safe. A
     // short request timeout makes every call during the outage fail fast and be retried.
     for (k, v) in [
@@ -135,6 +166,10 @@ async fn replica_survives_a_store_outage_mid_round() {
     let mut config = DilocoConfig::new(2, 1);
     config.poll_interval_s = 0.05;
     config.quorum_timeout_s = 60.0;
+    assert!(
+        config.store_retry_budget_s > OUTAGE_S as f64,
+        "the default budget must cover the outage"
+    );
     let params = toy::init_params(5).unwrap();
     let data = Dataset::new(5, 256, 16).unwrap();
     let mut replica = DilocoReplica::join(store, prefix, "0", config, &params)
@@ -145,13 +180,13 @@ async fn replica_survives_a_store_outage_mid_round() {
     for step in 0..6 {
         let (x, y) = data.batch(step, 0, 1, 8).unwrap();
         toy::sgd_step(&params, &x, &y, 0.1).unwrap();
-        // Round 1 closes at step index 3: stop the store just before it, for 12 s (the old
-        // schedule gave up after ~6.2 s of back-off plus six 0.5 s timeouts).
+        // Round 1 closes at step index 3: stop the store just before it, for 30 s (the old
+        // fixed schedule gave up after ~6.2 s of back-off plus six 0.5 s timeouts).
         let resumer = (step == 3).then(|| {
             moto.signal("-STOP");
             let pid = moto.child.id().to_string();
             std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_secs(12));
+                std::thread::sleep(Duration::from_secs(OUTAGE_S));
                 let _ = Command::new("kill").args(["-CONT", &pid]).status();
             })
         });
@@ -166,5 +201,18 @@ async fn replica_survives_a_store_outage_mid_round() {
         }
     }
     assert_eq!(rounds, vec![0, 1, 2]);
+    // Each retry during the outage was logged, naming the operation and the budget.
+    let text = String::from_utf8_lossy(&log.0.lock().unwrap()).into_owned();
+    let retries: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("failed (attempt") && l.contains("retrying in"))
+        .collect();
+    assert!(
+        retries.len() >= 2
+            && retries
+                .iter()
+                .all(|l| l.contains("store_retry_budget_s 90 left")),
+        "expected per-retry log lines:\n{text}"
+    );
     assert!(moto.http("GET", "/").is_some(), "moto is back");
 }
