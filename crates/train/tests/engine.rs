@@ -346,6 +346,8 @@ fn record_traces_writes_the_trace_store_format() {
         model_dir: model.clone(),
         data: tmp.path().join("data.jsonl"),
         out: out.clone(),
+        append: false,
+        teacher: None,
         num_samples: 2,
         top_k: 4,
         max_new_tokens: 5,
