@@ -202,9 +202,16 @@ struct RecordTracesArgs {
     /// "openenv_tools"`), so the episodes are rendered as the policy's are.
     #[arg(long)]
     recipe: Option<PathBuf>,
-    /// Trace file to write (truncated).
+    /// Trace file to write (truncated unless --append).
     #[arg(long)]
     out: PathBuf,
+    /// Append to --out (one store for several teachers); refused if the store's traces were
+    /// recorded with another tokenizer or top-K.
+    #[arg(long, conflicts_with = "repo_tasks")]
+    append: bool,
+    /// The teacher's name in the traces (default: the --model directory's name).
+    #[arg(long, conflicts_with = "repo_tasks")]
+    teacher: Option<String>,
     /// Completions per prompt.
     #[arg(long, default_value_t = 1)]
     num_samples: usize,
@@ -511,6 +518,8 @@ fn run(cli: Cli) -> Result<()> {
                     model_dir,
                     data,
                     out: a.out,
+                    append: a.append,
+                    teacher: a.teacher,
                     num_samples: a.num_samples,
                     top_k: a.top_k,
                     max_new_tokens: a.max_new_tokens,

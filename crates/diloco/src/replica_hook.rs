@@ -20,7 +20,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Var;
-use composer_telemetry::TrainProgress;
+use composer_telemetry::metric_keys::KIND_DILOCO;
+use composer_telemetry::{keys, TrainProgress};
 use composer_train::recipe::TrainMode;
 use composer_train::trainer::{Session, StepExtras, StepHook, TrainOptions};
 use composer_train::{run_train_with, Interrupt};
@@ -197,20 +198,27 @@ impl StepHook for ReplicaHook {
         let mut extras = StepExtras::default();
         extras
             .keys
-            .insert("diloco/replica".into(), json!(self.replica_id));
+            .insert(keys::DILOCO_REPLICA.into(), json!(self.replica_id));
         if let Some(report) = rt.block_on(diloco.after_inner_step(vars))? {
-            extras.lines.push(json!({
-                "step": step,
-                "kind": "diloco",
-                "diloco/round": report.round,
-                "diloco/fragment": report.fragment,
-                "diloco/replicas": report.replicas_in_quorum,
-                "diloco/bytes": report.bytes_up + report.bytes_down,
-                "diloco/bytes_up": report.bytes_up,
-                "diloco/bytes_down": report.bytes_down,
-                "diloco/rejected": report.rejected_keys,
-                "time/outer_sync_s": report.outer_sync_s,
-            }));
+            let line: serde_json::Map<String, serde_json::Value> = [
+                (keys::STEP, json!(step)),
+                (keys::KIND, json!(KIND_DILOCO)),
+                (keys::DILOCO_ROUND, json!(report.round)),
+                (keys::DILOCO_FRAGMENT, json!(report.fragment)),
+                (keys::DILOCO_REPLICAS, json!(report.replicas_in_quorum)),
+                (
+                    keys::DILOCO_BYTES,
+                    json!(report.bytes_up + report.bytes_down),
+                ),
+                (keys::DILOCO_BYTES_UP, json!(report.bytes_up)),
+                (keys::DILOCO_BYTES_DOWN, json!(report.bytes_down)),
+                (keys::DILOCO_REJECTED, json!(report.rejected_keys)),
+                (keys::TIME_OUTER_SYNC, json!(report.outer_sync_s)),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+            extras.lines.push(serde_json::Value::Object(line));
             self.round_note = format!(
                 "diloco r{} f{} quorum {}/{} {:.1} MB{}",
                 report.round,

@@ -51,6 +51,11 @@ pub struct Trace {
     /// Absent: every position is the teacher's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_mask: Option<Vec<u8>>,
+    /// Fingerprint of the tokenizer the ids belong to (`record-traces` writes the sha256 of
+    /// the teacher's tokenizer.json), so traces of another tokenizer are not appended to the
+    /// same store. Absent: unknown (scripted traces, older stores).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
 }
 
 impl Trace {

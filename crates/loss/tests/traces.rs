@@ -14,6 +14,7 @@ fn trace(teacher: &str, prompt: &[u32], passed: bool) -> Trace {
         reward: if passed { 1.0 } else { 0.0 },
         passed,
         loss_mask: None,
+        tokenizer: None,
     }
 }
 

@@ -1,4 +1,5 @@
-//! Decoder-only transformer for the Llama, Qwen2 and Qwen3 families, in one file.
+//! Decoder-only transformer for the Llama, Qwen2 and Qwen3 families (one module; packed
+//! sequences and gradient checkpointing in its `packed` and `checkpointing` submodules).
 //!
 //! Family traits (all share: token embedding, pre-norm RMSNorm decoder layers, rotary
 //! position embedding with `rope_theta` (rotate-half layout), grouped-query attention,

@@ -165,6 +165,7 @@ schema! {
     LR = "lr", Scalar, Scalar, Train, "learning rate used for the step";
     HINT_SAMPLES = "hint/samples", Count, Scalar, Train, "samples that received a hint this step";
     REPLAY_DPO_PAIRS = "replay/dpo_pairs", Count, Scalar, Train, "DPO preference pairs trained on this step";
+    REPLAY_ROWS_WITHOUT_TRACE = "replay/rows_without_trace", Count, Scalar, Train, "training prompts no passing teacher trace covers (the replay channel skips them; 0 without traces)";
     TIME_ROLLOUT = "time/rollout_s", Seconds, Scalar, Train, "τ_R: generating rollouts";
     TIME_REWARD = "time/reward_s", Seconds, Scalar, Train, "τ_V: environments, verifiers and reward";
     TIME_TRAIN = "time/train_s", Seconds, Scalar, Train, "τ_T: trainer forward, backward and optimizer";

@@ -4,10 +4,11 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
-use composer_loss::{Trace, TraceWriter};
+use composer_loss::{Trace, TraceStore, TraceWriter};
 use composer_model::{GenerationRequest, Policy, SamplingParams};
+use sha2::{Digest, Sha256};
 
 use crate::data::{self, Message};
 use crate::prompts::render_messages;
@@ -21,8 +22,13 @@ pub struct RecordTracesOptions {
     pub model_dir: PathBuf,
     /// JSONL prompts (`prompt` or `messages`, and `answer`), as `[data] dataset`.
     pub data: PathBuf,
-    /// Trace file to write (JSONL, truncated).
+    /// Trace file to write (JSONL; truncated unless `append`).
     pub out: PathBuf,
+    /// Append to `out` (a store of several teachers) instead of truncating it. The store's
+    /// traces must have been recorded with the same tokenizer and top-K; refused otherwise.
+    pub append: bool,
+    /// The teacher's name in the traces (default: the checkpoint directory's name).
+    pub teacher: Option<String>,
     /// Completions per prompt.
     pub num_samples: usize,
     /// Top-K recorded per position.
@@ -66,7 +72,12 @@ pub fn record_traces(o: &RecordTracesOptions) -> Result<RecordSummary> {
     }])
     .context("--verifier")?;
     let max = reward.max_reward();
-    let teacher = teacher_name(&o.model_dir);
+    let teacher = match &o.teacher {
+        Some(t) if t.trim().is_empty() => bail!("--teacher: empty name"),
+        Some(t) => t.clone(),
+        None => teacher_name(&o.model_dir),
+    };
+    let fingerprint = tokenizer_fingerprint(&o.model_dir)?;
     let params = SamplingParams {
         temperature: o.temperature,
         top_p: 1.0,
@@ -75,7 +86,13 @@ pub fn record_traces(o: &RecordTracesOptions) -> Result<RecordSummary> {
         stop_token_ids: policy.sampling.stop_token_ids.clone(),
         ..Default::default()
     };
-    let mut writer = TraceWriter::create(&o.out).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut writer = if o.append {
+        check_appendable(&o.out, &fingerprint, o.top_k, &o.model_dir)?;
+        TraceWriter::append(&o.out)
+    } else {
+        TraceWriter::create(&o.out)
+    }
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut summary = RecordSummary {
         traces: 0,
         passed: 0,
@@ -114,6 +131,7 @@ pub fn record_traces(o: &RecordTracesOptions) -> Result<RecordSummary> {
                     reward: r,
                     passed,
                     loss_mask: None,
+                    tokenizer: Some(fingerprint.clone()),
                 })
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             summary.traces += 1;
@@ -174,4 +192,49 @@ fn teacher_name(dir: &Path) -> String {
         .map(|n| n.to_string_lossy().to_string())
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| "teacher".into())
+}
+
+/// sha256 (hex) of the checkpoint's tokenizer.json: the identity of the token ids in its traces.
+fn tokenizer_fingerprint(model_dir: &Path) -> Result<String> {
+    let path = model_dir.join("tokenizer.json");
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(format!("sha256:{:x}", Sha256::digest(&bytes)))
+}
+
+/// With `--append`: the existing store at `out` (if any) must load as a trace store, and every
+/// trace in it must carry this teacher's tokenizer fingerprint and top-K width; the error
+/// names the store's line at fault.
+fn check_appendable(out: &Path, fingerprint: &str, top_k: usize, model_dir: &Path) -> Result<()> {
+    if !out.exists() {
+        return Ok(());
+    }
+    let store = TraceStore::load(out)
+        .map_err(|e| anyhow::anyhow!("--append: {} is not a trace store: {e}", out.display()))?;
+    for (i, t) in store.traces.iter().enumerate() {
+        let line = i + 1;
+        match &t.tokenizer {
+            None => bail!(
+                "--append: {} trace #{line} (teacher {:?}) carries no tokenizer fingerprint, so it cannot be shown to match {}'s tokenizer; record into a new store",
+                out.display(),
+                t.teacher,
+                model_dir.display()
+            ),
+            Some(f) if f != fingerprint => bail!(
+                "--append: {} trace #{line} (teacher {:?}) was recorded with tokenizer {f}, but {} has tokenizer {fingerprint}: one store holds one tokenizer's ids",
+                out.display(),
+                t.teacher,
+                model_dir.display()
+            ),
+            Some(_) => {}
+        }
+        if t.k() != 0 && t.k() != top_k {
+            bail!(
+                "--append: {} trace #{line} (teacher {:?}) has top-K {}, this recording --top-k {top_k}: one store holds one K",
+                out.display(),
+                t.teacher,
+                t.k()
+            );
+        }
+    }
+    Ok(())
 }

@@ -87,6 +87,7 @@ pub fn scripted_trace(
         reward: 1.0,
         passed: true,
         loss_mask: None,
+        tokenizer: None,
     }
 }
 

@@ -444,6 +444,7 @@ pub fn episode_trace(
         reward: ep.final_reward,
         passed: ep.final_reward >= pass_reward - 1e-9,
         loss_mask: mask.contains(&0).then_some(mask),
+        tokenizer: None,
     })
 }
 

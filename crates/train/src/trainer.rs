@@ -507,6 +507,7 @@ pub(crate) fn end_step(
         (keys::LR): stats.lr,
         (keys::HINT_SAMPLES): stats.hinted,
         (keys::REPLAY_DPO_PAIRS): stats.dpo_pairs,
+        (keys::REPLAY_ROWS_WITHOUT_TRACE): s.rows_without_trace,
         (keys::TIME_ROLLOUT): rollout_s,
         (keys::TIME_REWARD): reward_s,
         (keys::TIME_TRAIN): train_s,

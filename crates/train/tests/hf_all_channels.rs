@@ -53,6 +53,8 @@ fn hf_messages_recipe_with_kl_all_channels_and_dynamic_sampling_trains_five_step
         model_dir: model.clone(),
         data: data.clone(),
         out: traces.clone(),
+        append: false,
+        teacher: None,
         num_samples: 4,
         top_k: 4,
         max_new_tokens: 6,
@@ -180,4 +182,171 @@ checkpoint_every = 0
         }
     }
     assert!(samples >= 5 * 2 * 4, "{samples}");
+}
+
+/// Records `rows` with teacher `model` (named `teacher`) into `out`; every completion passes
+/// (the regex `.*`), so every recorded prompt is covered.
+fn record(
+    model: &Path,
+    teacher: &str,
+    rows: &Path,
+    out: &Path,
+    append: bool,
+    top_k: usize,
+) -> anyhow::Result<composer_train::record_traces::RecordSummary> {
+    record_traces(&RecordTracesOptions {
+        model_dir: model.to_path_buf(),
+        data: rows.to_path_buf(),
+        out: out.to_path_buf(),
+        append,
+        teacher: Some(teacher.into()),
+        num_samples: 2,
+        top_k,
+        max_new_tokens: 4,
+        temperature: 1.0,
+        seed: 3,
+        verifier: "regex".into(),
+        verifier_pattern: Some(".*".into()),
+        device: "cpu".into(),
+    })
+}
+
+#[test]
+fn two_teachers_recorded_into_one_store_are_replayed_and_uncovered_rows_are_counted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let student = fixture("qwen2-tiny");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(student.join("reference.json")).unwrap())
+            .unwrap();
+    let data = tmp.path().join("rows.jsonl");
+    write_rows(&data, &reference["chat_template_example"]["messages"]);
+    let lines: Vec<String> = std::fs::read_to_string(&data)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    assert_eq!(lines.len(), 4);
+    // Teacher A covers rows 1-2, teacher B (another family, same tokenizer) row 3; row 4 has
+    // no trace.
+    let rows_a = tmp.path().join("a.jsonl");
+    std::fs::write(&rows_a, format!("{}\n{}\n", lines[0], lines[1])).unwrap();
+    let rows_b = tmp.path().join("b.jsonl");
+    std::fs::write(&rows_b, format!("{}\n", lines[2])).unwrap();
+    let store = tmp.path().join("traces.jsonl");
+    std::fs::write(&store, "stale content from an earlier run\n").unwrap();
+    // Without --append the store is truncated (the stale line goes).
+    let a = record(&student, "teacher-a", &rows_a, &store, false, 4).unwrap();
+    let b = record(
+        &fixture("llama-tiny"),
+        "teacher-b",
+        &rows_b,
+        &store,
+        true,
+        4,
+    )
+    .unwrap();
+    assert_eq!((a.traces, b.traces), (4, 2));
+    let loaded = composer_loss::TraceStore::load(&store).unwrap();
+    assert_eq!(loaded.traces.len(), 6);
+    assert_eq!(loaded.teachers(), vec!["teacher-a", "teacher-b"]);
+
+    // Appending with another tokenizer or another top-K is refused, naming the store.
+    let other = tmp.path().join("other-tokenizer");
+    std::fs::create_dir(&other).unwrap();
+    for f in std::fs::read_dir(&student).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, other.join(f.file_name().unwrap())).unwrap();
+    }
+    let mut tj = std::fs::read_to_string(other.join("tokenizer.json")).unwrap();
+    tj.push('\n');
+    std::fs::write(other.join("tokenizer.json"), tj).unwrap();
+    let e = format!(
+        "{:#}",
+        record(&other, "teacher-c", &rows_b, &store, true, 4).unwrap_err()
+    );
+    assert!(
+        e.contains("--append") && e.contains("traces.jsonl") && e.contains("tokenizer"),
+        "{e}"
+    );
+    let e = format!(
+        "{:#}",
+        record(&student, "teacher-c", &rows_b, &store, true, 3).unwrap_err()
+    );
+    assert!(e.contains("top-K 4") && e.contains("--top-k 3"), "{e}");
+    let not_traces = tmp.path().join("not-traces.jsonl");
+    std::fs::write(&not_traces, "{\"hello\": 1}\n").unwrap();
+    let e = format!(
+        "{:#}",
+        record(&student, "teacher-c", &rows_b, &not_traces, true, 4).unwrap_err()
+    );
+    assert!(
+        e.contains("not a trace store") && e.contains("line 1"),
+        "{e}"
+    );
+    // A store whose traces carry no tokenizer fingerprint (scripted, older) is refused too.
+    let unmarked = tmp.path().join("unmarked.jsonl");
+    let mut t: Value = serde_json::to_value(&loaded.traces[0]).unwrap();
+    t.as_object_mut().unwrap().remove("tokenizer");
+    std::fs::write(&unmarked, format!("{t}\n")).unwrap();
+    let e = format!(
+        "{:#}",
+        record(&student, "teacher-c", &rows_b, &unmarked, true, 4).unwrap_err()
+    );
+    assert!(e.contains("no tokenizer fingerprint"), "{e}");
+    // The refused appends wrote nothing.
+    assert_eq!(
+        composer_loss::TraceStore::load(&store)
+            .unwrap()
+            .traces
+            .len(),
+        6
+    );
+
+    let recipe = tmp.path().join("recipe.toml");
+    std::fs::write(
+        &recipe,
+        format!(
+            r#"
+[model]
+path = {student:?}
+
+[data]
+dataset = {data:?}
+verifiers = [{{ kind = "regex", weight = 1.0, pattern = "A" }}]
+
+[rollout]
+num_generations = 2
+max_completion_length = 4
+
+[loss]
+replay_weight = 1.0
+
+[replay]
+traces = [{store:?}]
+teacher_weights = [0.5]
+
+[train]
+steps = 1
+prompts_per_step = 4
+seed = 5
+eval_every = 0
+checkpoint_every = 0
+"#
+        ),
+    )
+    .unwrap();
+    let run = tmp.path().join("run");
+    run_train(&TrainOptions {
+        recipe_path: Some(recipe),
+        quiet: true,
+        run_dir_override: Some(run.clone()),
+        ..Default::default()
+    })
+    .unwrap();
+    let lines = train_metrics(&run);
+    assert_eq!(lines.len(), 1);
+    let l = &lines[0];
+    assert_eq!(l["replay/rows_without_trace"], 1, "{l}");
+    let replay = l["loss/replay"].as_f64().unwrap();
+    assert!(replay.is_finite() && replay != 0.0, "{l}");
 }
