@@ -12,6 +12,8 @@
 //! | `reinforce_plus_plus` | whiten(r) over all tokens: (r_i − μ_tok) / sqrt(σ²_tok + 1e-8) (verl, γ = 1) |
 //! | `reinforce_plus_plus_baseline` | whiten(r_i − mean_g) over all tokens (verl) |
 //! | `opo` | r_i − Σ_g |o_j| r_j / Σ_g |o_j| (verl) |
+//! | `grpo_passk` | best of the group: (r_max − r_second) / (std_g + ε); others 0 (verl) |
+//! | `remax` | r_i − b_i, b_i the reward of the prompt's greedy completion (verl) |
 use crate::{LossError, Result};
 use serde::{Deserialize, Serialize};
 
@@ -43,6 +45,11 @@ pub enum AdvantageEstimator {
     ReinforcePlusPlusBaseline,
     /// Optimal (length-weighted) baseline.
     Opo,
+    /// verl's Pass@k: only each group's best completion gets an advantage.
+    GrpoPassk,
+    /// verl's ReMax: the reward of the prompt's greedy completion is the baseline (see
+    /// [`compute_remax_advantages`]; [`compute_advantages`] refuses it).
+    Remax,
 }
 
 /// How several reward functions combine (TRL's `multi_objective_aggregation`).
@@ -409,8 +416,69 @@ pub fn compute_advantages(
     lengths: &[usize],
     group_size: usize,
 ) -> Result<Vec<f64>> {
+    if cfg.estimator == AdvantageEstimator::Remax {
+        return Err(remax_needs_baselines());
+    }
     let n = rewards_per_func.len();
     check_groups(n, group_size)?;
+    let weights = reward_weights(cfg, rewards_per_func)?;
+    match cfg.multi_objective_aggregation {
+        MultiRewardAggregation::SumThenNormalize => {
+            let summed = weighted_sums(rewards_per_func, &weights);
+            match cfg.estimator {
+                AdvantageEstimator::Grpo => group_advantages_with(
+                    &summed,
+                    group_size,
+                    cfg.scale_rewards,
+                    cfg.std_epsilon,
+                    cfg.singleton_group,
+                ),
+                AdvantageEstimator::Rloo => rloo_advantages(&summed, group_size),
+                AdvantageEstimator::ReinforcePlusPlus => {
+                    reinforce_plus_plus_advantages(&summed, lengths)
+                }
+                AdvantageEstimator::ReinforcePlusPlusBaseline => {
+                    reinforce_plus_plus_baseline_advantages(&summed, lengths, group_size)
+                }
+                AdvantageEstimator::Opo => opo_advantages(&summed, lengths, group_size),
+                AdvantageEstimator::GrpoPassk => {
+                    let norm_by_std = match cfg.scale_rewards {
+                        StdScaling::Group => true,
+                        StdScaling::None => false,
+                        StdScaling::Batch => {
+                            return Err(LossError::Config {
+                                key: "scale_rewards",
+                                message: "estimator `grpo_passk` normalises within the group \
+                                          (verl `norm_adv_by_std_in_grpo`); allowed: \
+                                          `group` or `none`, not `batch`"
+                                    .into(),
+                            })
+                        }
+                    };
+                    grpo_passk_advantages(&summed, group_size, norm_by_std, cfg.std_epsilon)
+                }
+                AdvantageEstimator::Remax => Err(remax_needs_baselines()),
+            }
+        }
+        MultiRewardAggregation::NormalizeThenSum => {
+            let mut summed = vec![0.0; n];
+            for (kk, w) in weights.iter().enumerate() {
+                let col: Vec<f64> = rewards_per_func.iter().map(|r| r[kk]).collect();
+                let norm = group_advantages(&col, group_size, StdScaling::Group)?;
+                for (s, v) in summed.iter_mut().zip(norm) {
+                    *s += w * v;
+                }
+            }
+            let m = mean(&summed);
+            let s = std_unbiased(&summed);
+            Ok(summed.iter().map(|x| (x - m) / (s + 1e-4)).collect())
+        }
+    }
+}
+
+/// The per-reward-function weights (`reward_weights`, default all 1), checked against the
+/// rows' width (every row must have the same number of rewards).
+fn reward_weights(cfg: &AdvantageConfig, rewards_per_func: &[Vec<f64>]) -> Result<Vec<f64>> {
     let k = rewards_per_func.first().map_or(0, |r| r.len());
     if let Some(i) = rewards_per_func.iter().position(|r| r.len() != k) {
         return Err(LossError::Input {
@@ -428,42 +496,55 @@ pub fn compute_advantages(
             message: format!("{} weights for {k} reward functions", weights.len()),
         });
     }
-    match cfg.multi_objective_aggregation {
-        MultiRewardAggregation::SumThenNormalize => {
-            let summed: Vec<f64> = rewards_per_func
-                .iter()
-                .map(|r| r.iter().zip(&weights).map(|(x, w)| x * w).sum())
-                .collect();
-            match cfg.estimator {
-                AdvantageEstimator::Grpo => group_advantages_with(
-                    &summed,
-                    group_size,
-                    cfg.scale_rewards,
-                    cfg.std_epsilon,
-                    cfg.singleton_group,
-                ),
-                AdvantageEstimator::Rloo => rloo_advantages(&summed, group_size),
-                AdvantageEstimator::ReinforcePlusPlus => {
-                    reinforce_plus_plus_advantages(&summed, lengths)
-                }
-                AdvantageEstimator::ReinforcePlusPlusBaseline => {
-                    reinforce_plus_plus_baseline_advantages(&summed, lengths, group_size)
-                }
-                AdvantageEstimator::Opo => opo_advantages(&summed, lengths, group_size),
-            }
-        }
-        MultiRewardAggregation::NormalizeThenSum => {
-            let mut summed = vec![0.0; n];
-            for (kk, w) in weights.iter().enumerate() {
-                let col: Vec<f64> = rewards_per_func.iter().map(|r| r[kk]).collect();
-                let norm = group_advantages(&col, group_size, StdScaling::Group)?;
-                for (s, v) in summed.iter_mut().zip(norm) {
-                    *s += w * v;
-                }
-            }
-            let m = mean(&summed);
-            let s = std_unbiased(&summed);
-            Ok(summed.iter().map(|x| (x - m) / (s + 1e-4)).collect())
-        }
+    Ok(weights)
+}
+
+fn weighted_sums(rows: &[Vec<f64>], weights: &[f64]) -> Vec<f64> {
+    rows.iter()
+        .map(|r| r.iter().zip(weights).map(|(x, w)| x * w).sum())
+        .collect()
+}
+
+/// verl's ReMax on several reward functions: the completions' rewards and their greedy
+/// baselines' rewards (`baselines_per_func[i]`: reward function k's score of the greedy
+/// completion of completion i's prompt) are combined with the same `reward_weights`, then
+/// A_i = r_i − b_i ([`remax_advantages`]).
+pub fn compute_remax_advantages(
+    cfg: &AdvantageConfig,
+    rewards_per_func: &[Vec<f64>],
+    baselines_per_func: &[Vec<f64>],
+) -> Result<Vec<f64>> {
+    if cfg.multi_objective_aggregation != MultiRewardAggregation::SumThenNormalize {
+        return Err(LossError::Config {
+            key: "multi_objective_aggregation",
+            message: "estimator `remax` combines rewards as `sum_then_normalize` only".into(),
+        });
+    }
+    let weights = reward_weights(cfg, rewards_per_func)?;
+    if baselines_per_func.len() != rewards_per_func.len()
+        || baselines_per_func.iter().any(|b| b.len() != weights.len())
+    {
+        return Err(LossError::Input {
+            field: "baselines_per_func",
+            message: format!(
+                "{} baseline rows for {} completions of {} reward functions each",
+                baselines_per_func.len(),
+                rewards_per_func.len(),
+                weights.len()
+            ),
+        });
+    }
+    remax_advantages(
+        &weighted_sums(rewards_per_func, &weights),
+        &weighted_sums(baselines_per_func, &weights),
+    )
+}
+
+fn remax_needs_baselines() -> LossError {
+    LossError::Config {
+        key: "estimator",
+        message: "`remax` needs the rewards of the greedy baseline completions: call \
+                  compute_remax_advantages"
+            .into(),
     }
 }

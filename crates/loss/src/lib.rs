@@ -32,8 +32,8 @@ pub mod traces;
 mod util;
 
 pub use advantages::{
-    compute_advantages, filter_zero_variance_groups, group_advantages, group_advantages_with,
-    grpo_passk_advantages, opo_advantages, reinforce_plus_plus_advantages,
+    compute_advantages, compute_remax_advantages, filter_zero_variance_groups, group_advantages,
+    group_advantages_with, grpo_passk_advantages, opo_advantages, reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages, remax_advantages, rloo_advantages, AdvantageConfig,
     AdvantageEstimator, DynamicSamplingResult, MultiRewardAggregation, SingletonGroup, StdScaling,
 };

@@ -201,6 +201,7 @@ schema! {
     IDLE_TRAINER = "idle/trainer_s", Seconds, Scalar, Train, "seconds the trainer waited for a scored batch (async mode)";
     DYNAMIC_SAMPLING_DROPPED_GROUPS = "dynamic_sampling/dropped_groups", Count, Scalar, Train, "groups dropped this step by dynamic sampling (all rewards equal)";
     DYNAMIC_SAMPLING_ROUNDS = "dynamic_sampling/rounds", Count, Scalar, Train, "generation rounds dynamic sampling needed to fill the step's batch";
+    REMAX_BASELINE_REWARD = "remax/baseline_reward", Reward, Scalar, Train, "mean over the step's samples of the reward of their prompt's greedy completion (ReMax's baseline)";
     ACTORS_CONSUMED = "actors/consumed", Count, Scalar, Train, "items trained on this step (async mode)";
     EVAL_ACCURACY = "eval/accuracy", Ratio, Scalar, Eval, "held-out accuracy";
     WARMUP_LOSS = "warmup/loss", Nats, Scalar, Eval, "loss of the supervised warm-up (the step-0 eval line)";

@@ -283,6 +283,7 @@ pub(crate) struct StepReport {
     pub(crate) step: usize,
     pub(crate) batch: RolloutBatch,
     pub(crate) rewards: Rewards,
+    pub(crate) advantages: Vec<f64>,
     pub(crate) stats: TrainStats,
     /// With dynamic sampling: (zero-variance groups dropped, sampling rounds).
     pub(crate) dynamic_sampling: Option<(usize, usize)>,
@@ -310,6 +311,7 @@ impl Trainer<PolicyModel> for TrainActor<'_> {
             step,
             batch,
             rewards,
+            advantages,
             stats,
             dynamic_sampling,
         })
@@ -332,13 +334,10 @@ fn merge_steps(items: Vec<ScoredStep>) -> (RolloutBatch, Rewards, Option<(usize,
         prompts: vec![],
         samples: vec![],
         texts: vec![],
+        // The baselines are already in the rewards.
+        greedy_texts: None,
     };
-    let mut rewards = Rewards {
-        total: vec![],
-        per_func: vec![],
-        passed: vec![],
-        latency_s: vec![],
-    };
+    let mut rewards = Rewards::default();
     let mut dynamic: Option<(usize, usize)> = None;
     for item in items {
         if let Some((d, r)) = item.dynamic_sampling {
@@ -357,6 +356,7 @@ fn merge_steps(items: Vec<ScoredStep>) -> (RolloutBatch, Rewards, Option<(usize,
         rewards.per_func.extend(item.rewards.per_func);
         rewards.passed.extend(item.rewards.passed);
         rewards.latency_s.extend(item.rewards.latency_s);
+        rewards.remax_baseline.extend(item.rewards.remax_baseline);
     }
     (batch, rewards, dynamic)
 }

@@ -237,6 +237,7 @@ impl EnvRollout {
             prompts,
             samples,
             texts,
+            greedy_texts: None,
         })
     }
 
@@ -329,6 +330,8 @@ impl EnvRollout {
             per_func: Vec::with_capacity(rewards.len()),
             passed: Vec::with_capacity(rewards.len()),
             latency_s: env_s,
+            // ReMax is refused with `[env]` (no greedy baseline episodes).
+            remax_baseline: vec![],
         };
         for r in rewards {
             let mut parts = vec![0.0; n_parts];

@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
+use composer_loss::AdvantageEstimator;
 use composer_model::{EngineConfig, SamplingParams};
 use tokenizers::Tokenizer;
 
@@ -97,10 +98,27 @@ pub fn sample_rollouts(
         .iter()
         .map(|x| chartok::decode(tok, &x.completion_ids))
         .collect();
+    // ReMax's baseline (verl `gen_max`): one greedy completion per prompt, same weights.
+    let greedy_texts = if recipe.loss.advantage.estimator == AdvantageEstimator::Remax {
+        let params = SamplingParams {
+            temperature: 0.0,
+            ..sampling_params(recipe, stop_ids)
+        };
+        let greedy = sampling::sample(model, &prompt_ids, 1, &params, policy_version, |_| 0)?;
+        Some(
+            greedy
+                .iter()
+                .map(|x| chartok::decode(tok, &x.completion_ids))
+                .collect(),
+        )
+    } else {
+        None
+    };
     Ok(RolloutBatch {
         prompts,
         samples,
         texts,
+        greedy_texts,
     })
 }
 
@@ -187,6 +205,8 @@ pub fn fill_groups(
         prompts: vec![],
         samples: vec![],
         texts: vec![],
+        // The kept samples' baselines are already in their rewards.
+        greedy_texts: None,
     };
     let mut kept_rewards = Rewards::default();
     let mut dropped = 0;

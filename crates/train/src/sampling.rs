@@ -35,6 +35,9 @@ pub struct RolloutBatch {
     pub samples: Vec<Rollout>,
     /// Decoded completion texts.
     pub texts: Vec<String>,
+    /// With `[loss] estimator = "remax"`: per prompt, the text of its greedy (temperature 0)
+    /// completion, sampled by the same weights; its reward is the prompt's baseline.
+    pub greedy_texts: Option<Vec<String>>,
 }
 
 /// Samples `n` completions of every prompt in one batched, KV-cached `generate` call.

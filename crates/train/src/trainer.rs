@@ -279,6 +279,7 @@ fn run_sync(s: &mut Session, run: &mut RunLog, hook: &mut dyn StepHook) -> Resul
             step,
             batch: &batch,
             rewards: &rewards,
+            advantages: &advantages,
             stats: &stats,
             walls: &walls,
         };
@@ -379,6 +380,7 @@ impl<'s> Hooks<TrainActor<'s>, StepReport> for StepHooks<'_> {
             step: r.step,
             batch: &r.batch,
             rewards: &r.rewards,
+            advantages: &r.advantages,
             stats: &r.stats,
             walls: &walls,
         };
@@ -423,6 +425,7 @@ pub(crate) struct StepDone<'a> {
     pub(crate) step: usize,
     pub(crate) batch: &'a RolloutBatch,
     pub(crate) rewards: &'a Rewards,
+    pub(crate) advantages: &'a [f64],
     pub(crate) stats: &'a TrainStats,
     pub(crate) walls: &'a StepWalls,
 }
@@ -442,6 +445,7 @@ pub(crate) fn end_step(
         step,
         batch,
         rewards,
+        advantages,
         stats,
         walls,
     } = *done;
@@ -522,6 +526,10 @@ pub(crate) fn end_step(
     if stats.non_finite {
         line[keys::SKIPPED] = json!(true);
     }
+    let baselines = rewards.remax_baseline_totals(&s.reward);
+    if !baselines.is_empty() {
+        line[keys::REMAX_BASELINE_REWARD] = json!(baselines.iter().sum::<f64>() / n);
+    }
     if let Some(obj) = line.as_object_mut() {
         obj.extend(extra);
     }
@@ -529,7 +537,7 @@ pub(crate) fn end_step(
     for l in &lines {
         run.metrics.write(l)?;
     }
-    crate::rewards::record_samples(&s.run_dir, step, batch, rewards)?;
+    crate::rewards::record_samples(&s.run_dir, step, batch, rewards, advantages, &baselines)?;
 
     let every = s.recipe.train.eval_every;
     let mut eval_acc = None;

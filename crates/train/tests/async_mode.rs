@@ -271,3 +271,43 @@ fn async_dynamic_sampling_is_the_sync_one() {
         }
     }
 }
+
+/// ReMax in the async layout: the generator samples each prompt's greedy baseline with the
+/// step's pinned weights and the rewarder scores it, so with `max_staleness = 0` the run is
+/// the sync run, `remax/baseline_reward` included.
+#[test]
+fn async_remax_is_the_sync_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let remax = |mode: &str| {
+        let text = std::fs::read_to_string(recipe(tmp.path(), mode, 0, 3))
+            .unwrap()
+            .replacen("[loss]", "[loss]\nestimator = \"remax\"", 1);
+        let p = tmp.path().join(format!("remax-{mode}.toml"));
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let (sync_dir, async_dir) = (tmp.path().join("sync"), tmp.path().join("async0"));
+    run(&remax("sync"), &sync_dir);
+    run(&remax("async"), &async_dir);
+    let a = read_metrics(&sync_dir.join("metrics.jsonl")).unwrap();
+    let b = read_metrics(&async_dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(a.len(), b.len(), "number of metric lines");
+    for (la, lb) in a.iter().zip(&b) {
+        let (ca, cb) = (comparable(la), comparable(lb));
+        assert_eq!(
+            ca.iter().map(|x| &x.0).collect::<Vec<_>>(),
+            cb.iter().map(|x| &x.0).collect::<Vec<_>>()
+        );
+        for ((k, va), (_, vb)) in ca.iter().zip(&cb) {
+            match (va.as_f64(), vb.as_f64()) {
+                (Some(x), Some(y)) => {
+                    assert!((x - y).abs() <= 1e-6 * x.abs().max(1.0), "{k}: {x} vs {y}")
+                }
+                _ => assert_eq!(va, vb, "{k}"),
+            }
+        }
+    }
+    for l in train_metrics(&async_dir) {
+        assert!(l["remax/baseline_reward"].is_number(), "{l}");
+    }
+}

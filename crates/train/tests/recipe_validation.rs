@@ -249,3 +249,42 @@ fn repo_agent_recipe_parses_and_tool_keys_are_checked() {
     );
     assert!(err.contains("openenv_tools"), "{err}");
 }
+
+#[test]
+fn grpo_passk_and_remax_settings_they_cannot_honour_are_refused() {
+    // Pass@k needs a group (verl asserts at least 2 samples per group).
+    let text = with_key("rollout", "num_generations = 1")
+        .replace("[loss]", "[loss]\nestimator = \"grpo_passk\"");
+    let err = refusal(&text);
+    assert!(
+        err.contains("[rollout] num_generations") && err.contains("grpo_passk"),
+        "{err}"
+    );
+    let err = refusal(
+        &with_key("loss", "estimator = \"grpo_passk\"")
+            .replace("scale_rewards = \"group\"", "scale_rewards = \"batch\""),
+    );
+    assert!(
+        err.contains("[loss] scale_rewards") && err.contains("\"none\""),
+        "{err}"
+    );
+    // ReMax has no group constraint (verl has none): one generation per prompt is fine.
+    let text = with_key("rollout", "num_generations = 1")
+        .replace("[loss]", "[loss]\nestimator = \"remax\"");
+    parse_recipe(&text, Path::new("ok.toml")).unwrap();
+    let err = refusal(&with_key("loss", "estimator = \"remax\"").replace(
+        "[loss]",
+        "[loss]\nmulti_objective_aggregation = \"normalize_then_sum\"",
+    ));
+    assert!(err.contains("[loss] multi_objective_aggregation"), "{err}");
+    // No greedy baseline episodes with `[env]`.
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../recipes/repo_agent.toml");
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("[loss]", "[loss]\nestimator = \"remax\"");
+    let err = refusal(&text);
+    assert!(
+        err.contains("[loss] estimator") && err.contains("[env]") && err.contains("greedy"),
+        "{err}"
+    );
+}

@@ -78,6 +78,7 @@ pub fn validate_ranges(r: &Recipe, origin: &Path) -> Result<()> {
             | AdvantageEstimator::Rloo
             | AdvantageEstimator::ReinforcePlusPlusBaseline
             | AdvantageEstimator::Opo
+            | AdvantageEstimator::GrpoPassk
     );
     if ro.num_generations == 1 && group_relative {
         bail!(
@@ -86,6 +87,35 @@ pub fn validate_ranges(r: &Recipe, origin: &Path) -> Result<()> {
              (or `estimator = \"reinforce_plus_plus\"`, which normalises over the batch)",
             estimator_name(r.loss.advantage.estimator)
         );
+    }
+
+    let adv = &r.loss.advantage;
+    if adv.estimator == AdvantageEstimator::GrpoPassk
+        && adv.scale_rewards == composer_loss::StdScaling::Batch
+    {
+        bail!(
+            "recipe {file}: key `[loss] scale_rewards` = \"batch\" is not supported with \
+             `estimator = \"grpo_passk\"` (verl normalises Pass@k within the group); allowed: \
+             \"group\" or \"none\""
+        );
+    }
+    if adv.estimator == AdvantageEstimator::Remax {
+        if r.env.is_some() {
+            bail!(
+                "recipe {file}: key `[loss] estimator` = \"remax\" is not supported with `[env]`: \
+                 ReMax's baseline is the reward of a greedy completion of each prompt, and the \
+                 env rollout does not play a greedy baseline episode; allowed with `[env]`: \
+                 grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo, grpo_passk"
+            );
+        }
+        if adv.multi_objective_aggregation
+            != composer_loss::MultiRewardAggregation::SumThenNormalize
+        {
+            bail!(
+                "recipe {file}: key `[loss] multi_objective_aggregation` = \"normalize_then_sum\" \
+                 is not supported with `estimator = \"remax\"`; allowed: \"sum_then_normalize\""
+            );
+        }
     }
 
     // A budget below one completion could never hold a row of the batch.
