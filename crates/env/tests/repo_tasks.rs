@@ -10,6 +10,8 @@ use composer_env::repo::{
 };
 use serde_json::{json, Value};
 
+mod planted;
+
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("repo_tasks")
 }
@@ -224,23 +226,44 @@ fn attack_reading_hidden_tests_finds_nothing() {
     assert_eq!(submit(&mut ep), 0.0);
 }
 
+/// The graded function stays broken; runner configuration files that would install the
+/// correct one (if copied into the grading sandbox, or run by `site`/pytest) score 0, while the
+/// same patch in a graded file scores 1 (so the attack is real).
 #[test]
 fn attack_runner_configuration_files_score_zero() {
-    let patch = "import builtins\nbuiltins.AssertionError = type('N', (Exception,), {})\n";
-    let files = [
-        ("conftest.py", patch.to_string()),
-        ("textkit/conftest.py", patch.to_string()),
-        ("sitecustomize.py", patch.to_string()),
-        ("textkit/sitecustomize.py", patch.to_string()),
-        ("textkit/usercustomize.py", patch.to_string()),
-        ("textkit/evil.pth", "import sitecustomize\n".to_string()),
-        (
-            "pyproject.toml",
-            "[tool.pytest.ini_options]\naddopts = '-p no:x'\n".to_string(),
-        ),
-        ("textkit/setup.cfg", "[tool:pytest]\n".to_string()),
-    ];
+    let task = task_for("slugify");
+    let (file, correct) = original(&task);
+    let broken = std::fs::read_to_string(task.repo_dir().join(&file)).unwrap();
+    let module = file.trim_end_matches(".py").replace('/', ".");
+    let trapped = planted::booby_trapped_module(&broken);
+    let patch = planted::patch_source(&correct, &module);
+    let mut files: Vec<(&str, String)> = vec![(file.as_str(), trapped.clone())];
+    for p in planted::PLANTED {
+        files.push((p, planted::planted_content(p, &patch)));
+    }
+    let pytest_cfg = "[pytest]\naddopts = -p sitecustomize\n";
+    files.push(("pytest.ini", pytest_cfg.to_string()));
+    files.push((
+        "textkit/setup.cfg",
+        pytest_cfg.replace("[pytest]", "[tool:pytest]"),
+    ));
+    files.push((
+        "pyproject.toml",
+        "[tool.pytest.ini_options]\naddopts = '-p sitecustomize'\n".to_string(),
+    ));
     assert_eq!(attack("slugify", &files, &[]), 0.0);
+    let control = [
+        (file.as_str(), trapped),
+        (
+            planted::CONTROL,
+            planted::planted_content(planted::CONTROL, &patch),
+        ),
+    ];
+    assert_eq!(
+        attack("slugify", &control, &[]),
+        1.0,
+        "the patch itself must work"
+    );
 }
 
 #[test]
