@@ -548,3 +548,46 @@ fn episodes_can_move_between_threads() {
     )
     .is_ok());
 }
+
+/// Run by `repo_tasks_refuse_a_sandbox_without_private_root` in a process whose sandbox has
+/// namespaces disabled: episodes and the served env must refuse, naming the capability.
+#[test]
+#[ignore = "run in a child process by repo_tasks_refuse_a_sandbox_without_private_root"]
+fn no_private_root_child() {
+    assert!(!composer_sandbox::sandbox_capabilities().private_root);
+    let task = task_for("caesar");
+    let hidden = task.hidden_tests_dir().display().to_string();
+    let e = RepoEpisode::new(&task, EpisodeBudget::default())
+        .err()
+        .expect("an episode without a private root is refused");
+    let msg = format!("{e:#}");
+    assert!(
+        msg.contains("private_root") && msg.contains(&hidden),
+        "{msg}"
+    );
+    let e = composer_env::repo::RepoEnv::factory(&root().join("tasks"), EpisodeBudget::default())
+        .err()
+        .expect("serving without a private root is refused");
+    assert!(format!("{e:#}").contains("private_root"), "{e:#}");
+    println!("NO_PRIVATE_ROOT_CHILD_OK");
+}
+
+#[test]
+fn repo_tasks_refuse_a_sandbox_without_private_root() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "no_private_root_child",
+            "--nocapture",
+        ])
+        .env("COMPOSER_SANDBOX_NO_NAMESPACES", "1")
+        .output()
+        .expect("the test binary runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("NO_PRIVATE_ROOT_CHILD_OK"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
