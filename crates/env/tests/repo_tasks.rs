@@ -163,6 +163,47 @@ fn partial_fix_gets_partial_credit() {
     );
 }
 
+/// `[grade] reward = "all"`: the same half-right fix that gets 1/2 under "fraction" gets 0,
+/// the full fix gets 1.
+#[test]
+fn reward_all_is_all_or_nothing() {
+    let shipped = task_for("gcd");
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join(shipped.id());
+    let cp = std::process::Command::new("cp")
+        .arg("-r")
+        .arg(shipped.repo_dir().parent().unwrap())
+        .arg(&copy)
+        .status()
+        .unwrap();
+    assert!(cp.success());
+    let toml = copy.join("task.toml");
+    let text = std::fs::read_to_string(&toml).unwrap();
+    assert!(text.contains("reward = \"fraction\""));
+    std::fs::write(
+        &toml,
+        text.replace("reward = \"fraction\"", "reward = \"all\""),
+    )
+    .unwrap();
+    let task = composer_env::repo::load_task(&copy).unwrap();
+    let (file, right) = original(&task);
+    let half = right.replace(
+        "    a, b = abs(a), abs(b)\n",
+        "    a, b = abs(a), abs(b)\n    if a == 0:\n        return -1\n",
+    );
+    for (content, passed, reward) in [(half, 1, 0.0), (right, 2, 1.0)] {
+        let mut ep = episode(&task);
+        call(
+            &mut ep,
+            "write_file",
+            json!({"path": file, "content": content}),
+        )
+        .unwrap();
+        let g = ep.call_tool("submit", &json!({})).unwrap().grade.unwrap();
+        assert_eq!((g.passed, g.total, g.reward), (passed, 2, reward), "{g:?}");
+    }
+}
+
 /// Writes `module_prefix` + the original file (so the code is right but booby-trapped) or
 /// `replacement` as the whole file, then submits.
 fn attack(symbol: &str, files: &[(&str, String)], shell: &[&str]) -> f64 {
