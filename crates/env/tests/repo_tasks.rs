@@ -10,6 +10,8 @@ use composer_env::repo::{
 };
 use serde_json::{json, Value};
 
+mod planted;
+
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("repo_tasks")
 }
@@ -161,6 +163,47 @@ fn partial_fix_gets_partial_credit() {
     );
 }
 
+/// `[grade] reward = "all"`: the same half-right fix that gets 1/2 under "fraction" gets 0,
+/// the full fix gets 1.
+#[test]
+fn reward_all_is_all_or_nothing() {
+    let shipped = task_for("gcd");
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join(shipped.id());
+    let cp = std::process::Command::new("cp")
+        .arg("-r")
+        .arg(shipped.repo_dir().parent().unwrap())
+        .arg(&copy)
+        .status()
+        .unwrap();
+    assert!(cp.success());
+    let toml = copy.join("task.toml");
+    let text = std::fs::read_to_string(&toml).unwrap();
+    assert!(text.contains("reward = \"fraction\""));
+    std::fs::write(
+        &toml,
+        text.replace("reward = \"fraction\"", "reward = \"all\""),
+    )
+    .unwrap();
+    let task = composer_env::repo::load_task(&copy).unwrap();
+    let (file, right) = original(&task);
+    let half = right.replace(
+        "    a, b = abs(a), abs(b)\n",
+        "    a, b = abs(a), abs(b)\n    if a == 0:\n        return -1\n",
+    );
+    for (content, passed, reward) in [(half, 1, 0.0), (right, 2, 1.0)] {
+        let mut ep = episode(&task);
+        call(
+            &mut ep,
+            "write_file",
+            json!({"path": file, "content": content}),
+        )
+        .unwrap();
+        let g = ep.call_tool("submit", &json!({})).unwrap().grade.unwrap();
+        assert_eq!((g.passed, g.total, g.reward), (passed, 2, reward), "{g:?}");
+    }
+}
+
 /// Writes `module_prefix` + the original file (so the code is right but booby-trapped) or
 /// `replacement` as the whole file, then submits.
 fn attack(symbol: &str, files: &[(&str, String)], shell: &[&str]) -> f64 {
@@ -224,23 +267,44 @@ fn attack_reading_hidden_tests_finds_nothing() {
     assert_eq!(submit(&mut ep), 0.0);
 }
 
+/// The graded function stays broken; runner configuration files that would install the
+/// correct one (if copied into the grading sandbox, or run by `site`/pytest) score 0, while the
+/// same patch in a graded file scores 1 (so the attack is real).
 #[test]
 fn attack_runner_configuration_files_score_zero() {
-    let patch = "import builtins\nbuiltins.AssertionError = type('N', (Exception,), {})\n";
-    let files = [
-        ("conftest.py", patch.to_string()),
-        ("textkit/conftest.py", patch.to_string()),
-        ("sitecustomize.py", patch.to_string()),
-        ("textkit/sitecustomize.py", patch.to_string()),
-        ("textkit/usercustomize.py", patch.to_string()),
-        ("textkit/evil.pth", "import sitecustomize\n".to_string()),
-        (
-            "pyproject.toml",
-            "[tool.pytest.ini_options]\naddopts = '-p no:x'\n".to_string(),
-        ),
-        ("textkit/setup.cfg", "[tool:pytest]\n".to_string()),
-    ];
+    let task = task_for("slugify");
+    let (file, correct) = original(&task);
+    let broken = std::fs::read_to_string(task.repo_dir().join(&file)).unwrap();
+    let module = file.trim_end_matches(".py").replace('/', ".");
+    let trapped = planted::booby_trapped_module(&broken);
+    let patch = planted::patch_source(&correct, &module);
+    let mut files: Vec<(&str, String)> = vec![(file.as_str(), trapped.clone())];
+    for p in planted::PLANTED {
+        files.push((p, planted::planted_content(p, &patch)));
+    }
+    let pytest_cfg = "[pytest]\naddopts = -p sitecustomize\n";
+    files.push(("pytest.ini", pytest_cfg.to_string()));
+    files.push((
+        "textkit/setup.cfg",
+        pytest_cfg.replace("[pytest]", "[tool:pytest]"),
+    ));
+    files.push((
+        "pyproject.toml",
+        "[tool.pytest.ini_options]\naddopts = '-p sitecustomize'\n".to_string(),
+    ));
     assert_eq!(attack("slugify", &files, &[]), 0.0);
+    let control = [
+        (file.as_str(), trapped),
+        (
+            planted::CONTROL,
+            planted::planted_content(planted::CONTROL, &patch),
+        ),
+    ];
+    assert_eq!(
+        attack("slugify", &control, &[]),
+        1.0,
+        "the patch itself must work"
+    );
 }
 
 #[test]
@@ -524,4 +588,47 @@ fn episodes_can_move_between_threads() {
         json!({"path": "visible_tests/runtests.py"})
     )
     .is_ok());
+}
+
+/// Run by `repo_tasks_refuse_a_sandbox_without_private_root` in a process whose sandbox has
+/// namespaces disabled: episodes and the served env must refuse, naming the capability.
+#[test]
+#[ignore = "run in a child process by repo_tasks_refuse_a_sandbox_without_private_root"]
+fn no_private_root_child() {
+    assert!(!composer_sandbox::sandbox_capabilities().private_root);
+    let task = task_for("caesar");
+    let hidden = task.hidden_tests_dir().display().to_string();
+    let e = RepoEpisode::new(&task, EpisodeBudget::default())
+        .err()
+        .expect("an episode without a private root is refused");
+    let msg = format!("{e:#}");
+    assert!(
+        msg.contains("private_root") && msg.contains(&hidden),
+        "{msg}"
+    );
+    let e = composer_env::repo::RepoEnv::factory(&root().join("tasks"), EpisodeBudget::default())
+        .err()
+        .expect("serving without a private root is refused");
+    assert!(format!("{e:#}").contains("private_root"), "{e:#}");
+    println!("NO_PRIVATE_ROOT_CHILD_OK");
+}
+
+#[test]
+fn repo_tasks_refuse_a_sandbox_without_private_root() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "no_private_root_child",
+            "--nocapture",
+        ])
+        .env("COMPOSER_SANDBOX_NO_NAMESPACES", "1")
+        .output()
+        .expect("the test binary runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("NO_PRIVATE_ROOT_CHILD_OK"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -14,6 +14,8 @@ use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
+mod planted;
+
 fn tasks_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("repo_tasks/tasks")
 }
@@ -264,30 +266,43 @@ async fn attacks_over_the_wire_score_zero() {
             "{p}: {kind}"
         );
     }
-    // Runner configuration planted next to a wrong answer, and a module that patches
-    // builtins / json / sys.exit at import.
+    // The function stays broken; runner configuration that would install the correct one
+    // (if the grader copied or ran it) scores 0, the same patch in a graded file scores 1.
     let file = t.spec.removed[0].file.clone();
     let broken = std::fs::read_to_string(t.repo_dir().join(&file)).unwrap();
-    let patch = "import builtins\nbuiltins.AssertionError = type('N', (Exception,), {})\n";
-    for (path, content) in [
-        ("conftest.py", patch.to_string()),
-        ("textkit/sitecustomize.py", patch.to_string()),
-        ("textkit/usercustomize.py", patch.to_string()),
-        ("textkit/evil.pth", "import sitecustomize\n".to_string()),
-        (
-            file.as_str(),
-            format!(
-                "import builtins, sys, json\n\
-                 builtins.AssertionError = type('X', (Exception,), {{}})\n\
-                 builtins.NotImplementedError = StopIteration\n\
-                 json.dumps = lambda *a, **k: '{{\"status\": \"pass\"}}'\n\
-                 sys.exit = lambda *a: None\n{broken}"
-            ),
-        ),
-    ] {
-        ws.ok("write_file", json!({"path": path, "content": content}))
+    let correct = std::fs::read_to_string(source_dir().join(&file)).unwrap();
+    let module = file.trim_end_matches(".py").replace('/', ".");
+    let trapped = planted::booby_trapped_module(&broken);
+    let patch = planted::patch_source(&correct, &module);
+    ws.ok("write_file", json!({"path": file, "content": trapped}))
+        .await;
+    for p in planted::PLANTED {
+        let content = planted::planted_content(p, &patch);
+        ws.ok("write_file", json!({"path": p, "content": content}))
             .await;
     }
+    assert_eq!(ws.submit().await, 0.0);
+    ws.reset(t.id()).await;
+    ws.ok("write_file", json!({"path": file, "content": trapped}))
+        .await;
+    let content = planted::planted_content(planted::CONTROL, &patch);
+    ws.ok(
+        "write_file",
+        json!({"path": planted::CONTROL, "content": content}),
+    )
+    .await;
+    assert_eq!(ws.submit().await, 1.0, "the patch itself must work");
+    // A module that patches builtins / json / sys.exit at import.
+    ws.reset(t.id()).await;
+    let evil = format!(
+        "import builtins, sys, json\n\
+         builtins.AssertionError = type('X', (Exception,), {{}})\n\
+         builtins.NotImplementedError = StopIteration\n\
+         json.dumps = lambda *a, **k: '{{\"status\": \"pass\"}}'\n\
+         sys.exit = lambda *a: None\n{broken}"
+    );
+    ws.ok("write_file", json!({"path": file, "content": evil}))
+        .await;
     assert_eq!(ws.submit().await, 0.0);
     drop(ws);
     server.stop().await;

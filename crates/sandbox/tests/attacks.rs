@@ -810,27 +810,38 @@ fn escape_fork_bomb_is_contained() {
 #[test]
 fn escape_memory_across_a_process_tree_is_capped() {
     let caps = sandbox_capabilities();
-    // Each of 6 processes stays under the per-process address-space limit (1 GiB) but
-    // together they would take 1.8 GB; the tree's cap is 256 MiB.
+    // Each of 6 children takes 100 MB, which alone fits the tree's 256 MiB cap (and the
+    // per-process address-space limit); together they would hold 600 MB. All allocate within
+    // the first moments and then hold for 3 s, so the children that live through the hold held
+    // their memory at the same time: at most 2 of them can (3 x 100 MB > 256 MiB).
     let lim = SandboxLimits {
         memory_bytes: 256 << 20,
-        wall_time: Duration::from_secs(20),
+        wall_time: Duration::from_secs(30),
         ..SandboxLimits::default()
     };
     let code = r#"
 import os, time
+N = 100 * 1000 * 1000
 pids = []
 for i in range(6):
     pid = os.fork()
     if pid == 0:
-        block = bytearray(b"x" * (300 * 1024 * 1024))
-        print("child holds 300 MB", flush=True)
-        time.sleep(5)
+        try:
+            block = bytearray(N)
+            block[::4096] = b"x" * len(range(0, N, 4096))
+        except MemoryError:
+            print("child memoryerror", flush=True)
+            os._exit(3)
+        print("child holds 100 MB", flush=True)
+        time.sleep(3)
         os._exit(0)
     pids.append(pid)
-held = 0
 for pid in pids:
     _, status = os.waitpid(pid, 0)
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+        print("child survived", flush=True)
+    else:
+        print("child stopped %d" % status, flush=True)
 print("done", flush=True)
 "#;
     let r = run_python(code, &lim);
@@ -841,9 +852,22 @@ print("done", flush=True)
         );
         return;
     }
-    let held = r.stdout.matches("child holds").count();
-    assert!(held == 0, "a child got 300 MB under a 256 MiB cap: {r:#?}");
-    assert_eq!(r.outcome, Outcome::MemoryLimit, "{r:#?}");
+    let survived = r.stdout.matches("child survived").count();
+    assert!(
+        survived <= 2,
+        "{survived} children held 100 MB at once under a 256 MiB cap: {r:#?}"
+    );
+    let stopped = r.stdout.matches("child stopped").count();
+    let killed_tree = r.outcome == Outcome::MemoryLimit;
+    assert!(
+        killed_tree || stopped >= 4,
+        "the tree went over its cap without a kill or failed allocation: {r:#?}"
+    );
+    // Each child alone fits: the cap is on the total, not a per-process limit below 100 MB.
+    assert!(
+        r.stdout.contains("child holds 100 MB"),
+        "no child could take 100 MB: {r:#?}"
+    );
 }
 
 #[test]

@@ -10,7 +10,10 @@ use async_trait::async_trait;
 use serde_json::{json, Map, Value};
 
 use super::task::{load_tasks, RepoTask};
-use super::tools::{tool_specs, EpisodeBudget, RepoEpisode, ToolError, ToolErrorKind, ToolOutput};
+use super::tools::{
+    require_private_root, tool_specs, EpisodeBudget, RepoEpisode, ToolError, ToolErrorKind,
+    ToolOutput,
+};
 use super::{pick_task, RepoGrade};
 use crate::builtin::{new_episode_id, object};
 use crate::env::{render_observation, Action, Env, EnvError, EnvFactory, ResetOptions, StepResult};
@@ -61,7 +64,8 @@ fn invalid(loc: &str, msg: String, input: &Value) -> EnvError {
 
 impl RepoEnv {
     /// A factory of envs over the tasks in `tasks_dir` (loaded once, here: a bad task
-    /// directory is an error now, naming the task at fault).
+    /// directory is an error now, naming the task at fault; so is a sandbox without a
+    /// private root, see [`require_private_root`]).
     pub fn factory(tasks_dir: &Path, budget: EpisodeBudget) -> anyhow::Result<EnvFactory> {
         let tasks = load_tasks(tasks_dir)?;
         anyhow::ensure!(
@@ -69,6 +73,7 @@ impl RepoEnv {
             "no tasks in {} (expected <id>/task.toml directories)",
             tasks_dir.display()
         );
+        require_private_root(&tasks[0].hidden_tests_dir())?;
         let tasks = Arc::new(tasks);
         Ok(Arc::new(move || {
             Ok(Box::new(RepoEnv {

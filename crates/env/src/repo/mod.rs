@@ -20,7 +20,8 @@ pub use grade::{grade_working_copy, RepoGrade};
 pub use make_tasks::{make_tasks, MakeTasksReport};
 pub use task::{load_task, load_tasks, RepoRewardMode, RepoTask, TaskFile};
 pub use tools::{
-    tool_specs, EpisodeBudget, RepoEpisode, ToolError, ToolErrorKind, ToolOutput, ToolSpec,
+    require_private_root, tool_specs, EpisodeBudget, RepoEpisode, ToolError, ToolErrorKind,
+    ToolOutput, ToolSpec,
 };
 
 /// Picks a task by id, or by `seed` (modulo the number of tasks) when no id is given.

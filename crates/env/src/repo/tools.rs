@@ -2,12 +2,29 @@
 
 use std::time::Duration;
 
-use composer_sandbox::{Outcome, Sandbox, SandboxLimits};
+use composer_sandbox::{sandbox_capabilities, Outcome, Sandbox, SandboxLimits};
 use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::grade::{grade_working_copy, walk_files, RepoGrade};
 use super::task::RepoTask;
+
+/// Refuses repository tasks on a host whose sandbox has no private root: the task's files
+/// (hidden tests included) are on this host's disk, and without a private root an agent
+/// command, whatever its uid, could read world-readable paths such as `hidden_tests` by
+/// absolute path. `hidden_tests` names the directory at risk in the error.
+pub fn require_private_root(hidden_tests: &std::path::Path) -> anyhow::Result<()> {
+    let caps = sandbox_capabilities();
+    anyhow::ensure!(
+        caps.private_root,
+        "repository tasks need the sandbox capability `private_root` (user + mount \
+         namespaces), which this host lacks, so agent commands could read the hidden tests \
+         at {}; sandbox notes: {:?}",
+        hidden_tests.display(),
+        caps.notes
+    );
+    Ok(())
+}
 
 /// Longest text a tool returns before it is cut (with a note).
 const MAX_TOOL_OUTPUT: usize = 16 << 10;
@@ -155,7 +172,9 @@ pub struct RepoEpisode {
 
 impl RepoEpisode {
     /// Starts an episode of `task` in a fresh sandbox.
+    /// Errs when the sandbox has no private root ([`require_private_root`]).
     pub fn new(task: &RepoTask, budget: EpisodeBudget) -> anyhow::Result<RepoEpisode> {
+        require_private_root(&task.hidden_tests_dir())?;
         let limits = SandboxLimits {
             wall_time: Duration::from_secs(task.spec.limits.shell_timeout_s),
             cpu_time_s: task.spec.limits.shell_timeout_s,
