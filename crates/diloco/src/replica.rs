@@ -869,14 +869,7 @@ impl DilocoReplica {
     /// moves `round` past them (never backwards). Returns whether anything changed.
     pub async fn catch_up(&mut self) -> Result<bool> {
         let f_count = self.config.num_fragments as u64;
-        let mut rounds: Vec<u64> = self
-            .store
-            .list_dirs(self.keys.prefix())
-            .await?
-            .iter()
-            .filter_map(|d| d.strip_prefix("round-")?.parse().ok())
-            .collect();
-        rounds.sort_unstable_by(|a, b| b.cmp(a));
+        let rounds = self.store_rounds_newest_first().await?;
         let mut newest: Option<u64> = None;
         for f in 0..f_count {
             for &r in rounds.iter().filter(|r| *r % f_count == f) {
@@ -1020,9 +1013,8 @@ impl DilocoReplica {
         Ok(())
     }
 
-    /// The newest round whose global weights the store holds.
-    async fn newest_closed_round(&self) -> Result<Option<u64>> {
-        let f_count = self.config.num_fragments as u64;
+    /// The round numbers that have a folder in the store, newest first.
+    async fn store_rounds_newest_first(&self) -> Result<Vec<u64>> {
         let mut rounds: Vec<u64> = self
             .store
             .list_dirs(self.keys.prefix())
@@ -1031,6 +1023,13 @@ impl DilocoReplica {
             .filter_map(|d| d.strip_prefix("round-")?.parse().ok())
             .collect();
         rounds.sort_unstable_by(|a, b| b.cmp(a));
+        Ok(rounds)
+    }
+
+    /// The newest round whose global weights the store holds.
+    async fn newest_closed_round(&self) -> Result<Option<u64>> {
+        let f_count = self.config.num_fragments as u64;
+        let rounds = self.store_rounds_newest_first().await?;
         for r in rounds {
             let fragment = (r % f_count) as usize;
             if self.store.exists(&self.keys.global(r, fragment)).await? {
