@@ -316,8 +316,9 @@ struct ServeEnvArgs {
 enum BenchCommand {
     /// Training forward+backward and decode throughput (tokens/s) at batch 1, 16, 64.
     Model {
-        /// `small` (CPU-sized), `qwen2.5-0.5b` (random weights of that shape) or `qwen-vocab`
-        /// (hidden 64, 2 layers, Qwen's 151,936-token vocabulary: the LM head's memory).
+        /// `small` (CPU-sized), `qwen2.5-0.5b`, `qwen3-0.6b`, `qwen2.5-7b` (random weights of
+        /// that shape) or `qwen-vocab` (hidden 64, 2 layers, Qwen's 151,936-token vocabulary:
+        /// the LM head's memory).
         #[arg(long, default_value = "small")]
         shape: String,
         #[arg(long, default_value = "cpu")]
@@ -328,6 +329,12 @@ enum BenchCommand {
         /// Decode only (skip the training forward+backward).
         #[arg(long)]
         skip_train: bool,
+        /// Training only (skip decoding).
+        #[arg(long, conflicts_with = "skip_train")]
+        skip_decode: bool,
+        /// Train LoRA adapters of rank R on every projection over the frozen base.
+        #[arg(long, value_name = "R")]
+        lora: Option<usize>,
         /// Dtype of the training step and of decoding: f32, bf16 or f16 (default: bf16 on
         /// CUDA, f32 on CPU).
         #[arg(long)]
@@ -670,6 +677,8 @@ fn run(cli: Cli) -> Result<()> {
             device,
             batch,
             skip_train,
+            skip_decode,
+            lora,
             dtype,
             train_seq_len,
             json,
@@ -678,11 +687,30 @@ fn run(cli: Cli) -> Result<()> {
             let mut cfg = match shape.as_str() {
                 "small" => composer_model::bench::BenchConfig::small_cpu(),
                 "qwen2.5-0.5b" => composer_model::bench::BenchConfig::qwen2_5_0_5b(device.clone()),
+                "qwen3-0.6b" => composer_model::bench::BenchConfig {
+                    model: composer_model::ModelConfig::qwen3_0_6b(),
+                    ..composer_model::bench::BenchConfig::qwen2_5_0_5b(device.clone())
+                },
+                "qwen2.5-7b" => composer_model::bench::BenchConfig {
+                    model: composer_model::ModelConfig::qwen2_5_7b(),
+                    ..composer_model::bench::BenchConfig::qwen2_5_0_5b(device.clone())
+                },
                 "qwen-vocab" => composer_model::bench::BenchConfig::qwen_vocab_cpu(),
                 other => anyhow::bail!(
-                    "--shape {other:?} is not one of: small, qwen2.5-0.5b, qwen-vocab"
+                    "--shape {other:?} is not one of: small, qwen2.5-0.5b, qwen3-0.6b, qwen2.5-7b, qwen-vocab"
                 ),
             };
+            cfg.skip_decode = skip_decode;
+            cfg.lora_r = lora;
+            if let Some(t) = train_seq_len {
+                let need = t.max(cfg.prompt_len + cfg.decode_tokens);
+                if need > cfg.model.max_position_embeddings {
+                    anyhow::bail!(
+                        "--train-seq-len {t} is over the shape's max_position_embeddings = {}",
+                        cfg.model.max_position_embeddings
+                    );
+                }
+            }
             cfg.device = device;
             if let Some(b) = batch {
                 cfg.batch_sizes = b;

@@ -5,8 +5,12 @@ Run by hand on a GPU machine (not by CI), next to the Rust benchmark, on the sam
 
     python3 tools/bench_torch.py --device cuda --dtype bf16 --batch 1,16,64 --json
 
-Model: transformers' Qwen2ForCausalLM with the Qwen2.5-0.5B shape, random weights
-(initializer_range 0.02), attn_implementation="sdpa", eager mode (no torch.compile).
+Model: transformers' Qwen2ForCausalLM / Qwen3ForCausalLM with the shape of `--shape`
+(qwen2.5-0.5b, qwen3-0.6b, qwen2.5-7b), random weights (initializer_range 0.02) drawn on the
+device in `--dtype`, attn_implementation="sdpa", eager mode unless `--compile` (then the
+training step runs through `torch.compile(model)`; decoding is skipped). `--lora R`: PEFT
+adapters of rank R, alpha 2R, on all linear layers (`target_modules="all-linear"`), base frozen.
+Peak memory: `torch.cuda.max_memory_allocated()` after each row.
 
 - Training: tokens/s of forward + mean next-token NLL + backward, sequence length 512,
   parameters in `--dtype` (a bf16 step, like composer-rl's bench in bf16), 1 warm-up, median of
@@ -22,7 +26,7 @@ import statistics
 import time
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 
 def qwen2_5_0_5b_config():
@@ -44,6 +48,52 @@ def qwen2_5_0_5b_config():
     )
 
 
+def qwen3_0_6b_config():
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        pad_token_id=151643,
+    )
+
+
+def qwen2_5_7b_config():
+    return Qwen2Config(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        pad_token_id=151643,
+    )
+
+
+SHAPES = {
+    "qwen2.5-0.5b": (qwen2_5_0_5b_config, Qwen2ForCausalLM),
+    "qwen3-0.6b": (qwen3_0_6b_config, Qwen3ForCausalLM),
+    "qwen2.5-7b": (qwen2_5_7b_config, Qwen2ForCausalLM),
+}
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -59,14 +109,35 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--lora", type=int, default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
     torch.manual_seed(0)
-    cfg = qwen2_5_0_5b_config()
+    make_cfg, model_cls = SHAPES[args.shape]
+    cfg = make_cfg()
     cfg._attn_implementation = "sdpa"
-    model = Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype)
+    torch.set_default_dtype(dtype)
+    with device:
+        model = model_cls(cfg)
+    torch.set_default_dtype(torch.float32)
+    num_parameters = sum(p.numel() for p in model.parameters())
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+                       target_modules="all-linear"),
+        )
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    train_model = torch.compile(model) if args.compile else model
+    if args.compile:
+        args.skip_decode = True
     vocab = cfg.vocab_size
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:
@@ -78,7 +149,7 @@ def main():
             model.train()
 
             def step():
-                logits = model(input_ids=ids).logits[:, :-1]
+                logits = train_model(input_ids=ids).logits[:, :-1]
                 lp = torch.log_softmax(logits.float(), dim=-1)
                 nll = -lp.gather(-1, ids[:, 1:].unsqueeze(-1)).mean()
                 nll.backward()
@@ -93,7 +164,14 @@ def main():
                 sync(device)
                 times.append(time.perf_counter() - t0)
             train_tps = b * t / statistics.median(times)
-            torch.cuda.empty_cache() if device.type == "cuda" else None
+        peak_mb = torch.cuda.max_memory_allocated() / 1e6 if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        if args.skip_decode:
+            rows.append({"batch": b, "train_tokens_per_s": train_tps, "decode_tokens_per_s": None,
+                         "peak_gpu_mb": peak_mb})
+            continue
         model.eval()
         prompts = torch.tensor(
             [[(i * 31 + j * 17) % vocab for j in range(args.prompt_len)] for i in range(b)],
@@ -126,10 +204,15 @@ def main():
         sync(device)
         t_n = time.perf_counter() - t0
         decode_tps = b * (args.decode_tokens - 1) / max(t_n - t_one, 1e-9)
-        rows.append({"batch": b, "train_tokens_per_s": train_tps, "decode_tokens_per_s": decode_tps})
+        rows.append({"batch": b, "train_tokens_per_s": train_tps, "decode_tokens_per_s": decode_tps,
+                     "peak_gpu_mb": peak_mb})
+    mode = "torch.compile" if args.compile else "eager"
     report = {
-        "framework": f"torch {torch.__version__} eager, sdpa",
-        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "framework": f"torch {torch.__version__} {mode}, sdpa" + (f", peft LoRA r={args.lora}" if args.lora else ""),
+        "shape": args.shape,
+        "train_seq_len": args.train_seq_len,
+        "num_parameters": num_parameters,
+        "num_trainable_parameters": trainable,
         "device": str(device),
         "dtype": args.dtype,
         "rows": rows,
@@ -140,7 +223,8 @@ def main():
         print(f"torch bench: {report['num_parameters']/1e6:.1f}M params on {device} ({args.dtype})")
         for r in rows:
             tr = "-" if r["train_tokens_per_s"] is None else f"{r['train_tokens_per_s']:.0f}"
-            print(f"{r['batch']:>6} {tr:>16} {r['decode_tokens_per_s']:>16.0f}")
+            dec = "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.0f}"
+            print(f"{r['batch']:>6} {tr:>16} {dec:>16}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine (the `device` tool), from the repository root, with `.device/`
 # carried. Build `.device/` here first with tools/gpu_prepare.sh (CUDA binaries + fixtures).
-# Does everything in one call: CUDA parity and token-faithfulness tests, the model benchmark
-# in bf16 next to PyTorch eager on the same card; prints a
-# table last. Full logs go to $OUT.
+# One call does everything: the CUDA tests, `composer-rl train` end to end on the GPU (the
+# embedded default and an HF-checkpoint recipe, with checkpoint, resume and report), and the
+# benchmarks next to PyTorch on the same card; a table is printed last. Logs: $OUT/logs.tar.gz.
+#   SECTIONS="tests e2e bench05 compile05 bench06 bench7b" (default: all). Status lines and
+#   each benchmark's JSON are appended to $OUT/status.txt and $OUT/results.jsonl as they
+#   finish, so a call cut off by its time limit still returns what was done.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
-mkdir -p "$OUT"
-# .device/bins.tar.xz holds composer-rl and the CUDA test binaries (see gpu_prepare.sh).
+W=/tmp/gpu-work
+rm -rf "$W" && mkdir -p "$OUT" "$W"
+SECTIONS=${SECTIONS:-"tests e2e bench05 compile05 bench06 bench7b"}
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 D=/tmp/composer-device
 mkdir -p "$D"
 python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' .device/bins.tar.xz "$D"
@@ -17,93 +22,123 @@ for lib in "$NV"/*/lib /usr/local/cuda/lib64 /usr/local/nvidia/lib64; do
   [ -d "$lib" ] && LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}"
 done
 export LD_LIBRARY_PATH
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-
-export COMPOSER_SHARED=$PWD/.device/shared COMPOSER_TEST_DEVICE=cuda
-status=()
-[ -n "${SKIP_TESTS:-}" ] || for t in "$D"/tests/*; do
-  name=$(basename "$t")
-  if timeout 300 "$t" --test-threads 1 >"$OUT/test-$name.log" 2>&1; then
-    status+=("test $name: PASS ($(grep -o '[0-9]* passed' "$OUT/test-$name.log" | tail -1))")
-  else
-    status+=("test $name: FAIL (see test-$name.log)")
-    tail -30 "$OUT/test-$name.log"
-  fi
-done
-
 BIN=$D/composer-rl
-# One process per batch size, so that running out of memory at one size loses only that row.
-# Training at sequence length 256 (batch 64 x 512 with the 152k vocabulary runs out of memory
-# in both frameworks on 80 GB).
-# bf16 numerics: the fixtures scored on the GPU in bf16 (score's default there) against
-# transformers' f32 reference log-probs.
-python3 - "$D/composer-rl" .device/shared/fixtures/hf-tiny <<'PY' | tee "$OUT/bf16.txt"
-import json, subprocess, sys
-bin_, root = sys.argv[1], sys.argv[2]
-for name in ["llama-tiny", "qwen2-tiny", "qwen3-tiny"]:
-    ref = json.load(open(f"{root}/{name}/reference.json"))
-    worst, n = 0.0, 0
-    for case in ref["cases"]:
-        out = subprocess.run([bin_, "score", "--model", f"{root}/{name}", "--text", case["text"],
-                              "--device", "cuda", "--json"], capture_output=True, text=True)
-        if out.returncode != 0:
-            print(f"{name}: score failed: {out.stderr.strip()[-300:]}"); break
-        got = json.loads(out.stdout)["next_token_logprobs"]
-        want = case["next_token_logprobs"]
-        worst = max([worst] + [abs(a - b) for a, b in zip(got, want)]); n += len(want)
-    print(f"bf16 on CUDA vs transformers f32: {name}: max |d logprob| = {worst:.4f} over {n} tokens")
-PY
-for b in ${BATCHES:-1 16 64}; do
-  timeout 200 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json \
-    --batch "$b" --train-seq-len 256 >"$OUT/bench-candle-$b.json" 2>"$OUT/bench-candle-$b.err" \
-    || { echo "candle bench batch $b failed: $(grep -m1 -o 'error.*' "$OUT/bench-candle-$b.err"); decode only:"
-         timeout 120 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json \
-           --batch "$b" --skip-train >"$OUT/bench-candle-$b.json" 2>>"$OUT/bench-candle-$b.err"; }
-  timeout 150 python3 tools/bench_torch.py --device cuda --dtype bf16 --json \
-    --batch "$b" --train-seq-len 256 >"$OUT/bench-torch-$b.json" 2>"$OUT/bench-torch-$b.err" \
-    || { echo "torch bench batch $b failed: $(tail -1 "$OUT/bench-torch-$b.err"); decode only:"
-         timeout 120 python3 tools/bench_torch.py --device cuda --dtype bf16 --json \
-           --batch "$b" --skip-train >"$OUT/bench-torch-$b.json" 2>>"$OUT/bench-torch-$b.err"; }
-done
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"
+export COMPOSER_SHARED=$PWD/.device/shared
+status=()
+note() { status+=("$1"); echo "$1"; echo "$1" >>"$OUT/status.txt"; }
 
+# Runs a command while sampling the GPU's used memory every 50 ms; the peak (MiB) goes to
+# $W/<tag>.mem. Same method for both frameworks (it includes the CUDA context).
+gpumem() {
+  local tag=$1; shift
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 50 >"$W/$tag.memlog" 2>/dev/null &
+  local smi=$!
+  "$@"; local rc=$?
+  kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
+  sort -n "$W/$tag.memlog" | tail -1 >"$W/$tag.mem"
+  return $rc
+}
+
+if want tests; then
+  export COMPOSER_TEST_DEVICE=cuda
+  for t in "$D"/tests/*; do
+    name=$(basename "$t")
+    if timeout 200 "$t" --test-threads 1 >"$W/test-$name.log" 2>&1; then
+      note "test $name: PASS ($(grep -o '[0-9]* passed' "$W/test-$name.log" | tail -1))"
+    else
+      note "test $name: FAIL"; grep -E "panicked|FAILED|failed|Error" "$W/test-$name.log" | head -8
+    fi
+  done
+  unset COMPOSER_TEST_DEVICE
+fi
+
+if want e2e; then
+  # The embedded default on the GPU: warm-up + 20 RL steps, checkpoint, resume to 26, report.
+  sed 's/^\[model.builtin_tiny\]/[model]\ndevice = "cuda"\n\n[model.builtin_tiny]/' \
+    crates/train/src/default_recipe.toml >"$W/default_cuda.toml"
+  if timeout 240 "$BIN" train "$W/default_cuda.toml" --quiet --steps 20 --run-dir "$W/run-default" >"$W/e2e-default.log" 2>&1 \
+    && timeout 120 "$BIN" train "$W/default_cuda.toml" --quiet --resume "$W/run-default" --steps 26 >>"$W/e2e-default.log" 2>&1; then
+    acc=$(grep -o '"eval/accuracy":[0-9.]*' "$W/run-default/metrics.jsonl" | tail -1)
+    steps=$(grep -c '"step"' "$W/run-default/metrics.jsonl")
+    note "e2e embedded default on cuda: PASS (20 steps + resume to 26; $steps metric rows; last $acc; report: $(ls "$W/run-default" | grep -c report.html))"
+  else
+    note "e2e embedded default on cuda: FAIL"; tail -15 "$W/e2e-default.log"
+  fi
+  # An HF checkpoint (qwen2-tiny fixture), full fine-tune and LoRA, on the GPU.
+  python3 - "$W/rows.jsonl" <<'PY'
+import json, sys
+qs = ["What is 2+2?", "What is 3+4?", "Name a prime.", "Reverse 'abc'.", "Sort [3,1,2].",
+      "Say hi.", "Add 5 and 7.", "What is 9*9?"]
+with open(sys.argv[1], "w") as f:
+    for q in qs:
+        f.write(json.dumps({"messages": [{"role": "user", "content": q}], "answer": "x"}) + "\n")
+PY
+  for peft in false true; do
+    cat >"$W/hf-$peft.toml" <<TOML
+[model]
+path = "$COMPOSER_SHARED/fixtures/hf-tiny/qwen2-tiny"
+device = "cuda"
+use_peft = $peft
+[data]
+dataset = "$W/rows.jsonl"
+eval_dataset = "$W/rows.jsonl"
+verifiers = [{ kind = "regex", weight = 1.0, pattern = "a" }]
+[rollout]
+num_generations = 8
+max_completion_length = 32
+[train]
+steps = 4
+prompts_per_step = 8
+checkpoint_every = 2
+eval_every = 2
+[output]
+run_dir = "$W/run-hf-$peft"
+TOML
+    if timeout 150 "$BIN" train "$W/hf-$peft.toml" --quiet >"$W/e2e-hf-$peft.log" 2>&1 \
+      && timeout 100 "$BIN" train "$W/hf-$peft.toml" --quiet --resume "$W/run-hf-$peft" --steps 6 >>"$W/e2e-hf-$peft.log" 2>&1; then
+      note "e2e qwen2-tiny checkpoint on cuda (use_peft=$peft): PASS ($(grep -c '"step"' "$W/run-hf-$peft/metrics.jsonl") metric rows, resume to 6)"
+    else
+      note "e2e qwen2-tiny checkpoint on cuda (use_peft=$peft): FAIL"; tail -12 "$W/e2e-hf-$peft.log"
+    fi
+  done
+fi
+
+# bench <tag> <timeout> <command...>: JSON to $W/<tag>.json, stderr to $W/<tag>.err.
+bench() {
+  local tag=$1 limit=$2; shift 2
+  gpumem "$tag" timeout "$limit" "$@" >"$W/$tag.json" 2>"$W/$tag.err" \
+    || note "$tag failed: $(grep -m1 -iE 'error|out of memory' "$W/$tag.err" | cut -c1-200)"
+  python3 -c 'import json,sys; d=open(sys.argv[2]).read().strip(); m=open(sys.argv[3]).read().strip(); print(json.dumps({"tag": sys.argv[1], "report": json.loads(d) if d else None, "peak_mem_mib": float(m) if m else None}))' \
+    "$tag" "$W/$tag.json" "$W/$tag.mem" >>"$OUT/results.jsonl" 2>/dev/null
+}
+TORCH="python3 tools/bench_torch.py --device cuda --dtype bf16 --json"
+if want bench05; then
+  for b in 16 64; do
+    bench "c05-t$b" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch "$b" --train-seq-len 512 --skip-decode
+    bench "te05-t$b" 150 $TORCH --shape qwen2.5-0.5b --batch "$b" --train-seq-len 512 --skip-decode
+  done
+  bench "c05-d" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 1,16,64,256 --skip-train
+  bench "te05-d" 150 $TORCH --shape qwen2.5-0.5b --batch 1,64 --skip-train
+fi
+if want compile05; then
+  for b in 16 64; do
+    bench "tc05-t$b" 200 $TORCH --shape qwen2.5-0.5b --batch "$b" --train-seq-len 512 --compile
+  done
+fi
+if want bench06; then
+  bench "c06-t1" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode
+  bench "te06-t1" 150 $TORCH --shape qwen3-0.6b --batch 1 --train-seq-len 16384 --skip-decode
+fi
+if want bench7b; then
+  bench "c7-t8" 200 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 8 --train-seq-len 1024 --lora 16 --skip-decode
+  bench "te7-t8" 200 $TORCH --shape qwen2.5-7b --batch 8 --train-seq-len 1024 --lora 16 --skip-decode
+  bench "c7-d" 150 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 1,64 --skip-train
+fi
+
+tar -C "$W" -czf "$OUT/logs.tar.gz" . 2>/dev/null
 echo
 echo "=== summary ==="
-cat "$OUT/gpu.txt"
+cat "$W/gpu.txt"
 printf '%s\n' "${status[@]}"
-python3 - "$OUT" <<'EOF'
-import json, sys, os
-out = sys.argv[1]
-def load(n):
-    try:
-        return json.load(open(os.path.join(out, n)))
-    except Exception as e:
-        print(f"{n}: unreadable ({e})"); return None
-import glob
-def rows(prefix):
-    out = {}
-    for f in sorted(glob.glob(os.path.join(out_dir, prefix + "-*.json"))):
-        try:
-            r = json.load(open(f))
-        except Exception:
-            continue
-        for row in r["rows"]:
-            out[row["batch"]] = row
-        rows.meta = r
-    return out
-out_dir = out
-cr = rows("bench-candle"); cmeta = getattr(rows, "meta", None)
-tr_ = rows("bench-torch"); t = getattr(rows, "meta", None)
-if t:
-    print(f"Qwen2.5-0.5B shape, bf16, train seq 256, decode 128+64: composer-rl (candle) vs {t['framework']}")
-    print(f"{'batch':>5} | {'train tok/s candle':>18} {'torch':>10} {'ratio':>6} | {'decode tok/s candle':>19} {'torch':>10} {'ratio':>6}")
-    for batch in sorted(set(cr) | set(tr_)):
-        rc = cr.get(batch, {"batch": batch, "decode_tokens_per_s": None})
-        rt = tr_.get(batch, {"batch": batch, "decode_tokens_per_s": None})
-        tc, tt = rc.get("train_tokens_per_s"), rt.get("train_tokens_per_s")
-        tr = f"{tc:18.0f} {tt:10.0f} {tc/tt:6.2f}" if tc and tt else f"{'-':>18} {'-':>10} {'-':>6}"
-        dc, dt = rc["decode_tokens_per_s"], rt["decode_tokens_per_s"]
-        f = lambda x: f"{x:.0f}" if x else "OOM/fail"
-        ratio = f"{dc/dt:6.2f}" if dc and dt else "-"
-        tr = f"{f(tc):>18} {f(tt):>10} " + (f"{tc/tt:6.2f}" if tc and tt else "     -")
-        print(f"{batch:>5} | {tr} | {f(dc):>19} {f(dt):>10} {ratio:>6}")
-EOF
+python3 tools/gpu_summary.py "$W" "$(cat "$W/gpu.txt")"

@@ -4,11 +4,11 @@
 
 use crate::chunked_logprobs::HeadOptions;
 use crate::config::ModelConfig;
+use crate::lora::LoraConfig;
 use crate::rollout::{generate, GenerationRequest, SamplingParams};
 use crate::transformer::Transformer;
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::VarMap;
+use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -36,6 +36,11 @@ pub struct BenchConfig {
     pub train_iters: usize,
     /// Skip the training measurement (e.g. memory-bound GPU shapes).
     pub skip_train: bool,
+    /// Skip the decode measurement.
+    pub skip_decode: bool,
+    /// Train LoRA adapters of this rank on every projection (`all-linear`, alpha = 2r) over
+    /// the frozen base instead of every weight.
+    pub lora_r: Option<usize>,
 }
 
 impl BenchConfig {
@@ -57,6 +62,8 @@ impl BenchConfig {
             decode_tokens: 64,
             train_iters: 3,
             skip_train: false,
+            skip_decode: false,
+            lora_r: None,
         }
     }
 
@@ -83,6 +90,8 @@ impl BenchConfig {
             decode_tokens: 4,
             train_iters: 1,
             skip_train: false,
+            skip_decode: false,
+            lora_r: None,
         }
     }
 
@@ -107,6 +116,8 @@ impl BenchConfig {
             decode_tokens: 32,
             train_iters: 2,
             skip_train: false,
+            skip_decode: false,
+            lora_r: None,
         }
     }
 }
@@ -118,8 +129,8 @@ pub struct BenchRow {
     pub batch: usize,
     /// Training forward+backward tokens per second (None if skipped).
     pub train_tokens_per_s: Option<f64>,
-    /// Decode tokens per second (prefill excluded).
-    pub decode_tokens_per_s: f64,
+    /// Decode tokens per second (prefill excluded; None if skipped).
+    pub decode_tokens_per_s: Option<f64>,
     /// Peak RSS of the process (MB) right after this row's training steps (Linux; the
     /// high-water mark of everything before, too).
     pub peak_rss_after_train_mb: Option<f64>,
@@ -130,6 +141,10 @@ pub struct BenchRow {
 pub struct BenchReport {
     /// Parameter count.
     pub num_parameters: usize,
+    /// Trainable parameter count (the adapters under LoRA).
+    pub num_trainable_parameters: usize,
+    /// Training sequence length.
+    pub train_seq_len: usize,
     /// Device, in words.
     pub device: String,
     /// Dtype of the training step.
@@ -178,11 +193,15 @@ impl BenchReport {
                 .train_tokens_per_s
                 .map(|t| format!("{t:.0}"))
                 .unwrap_or_else(|| "-".into());
+            let decode = r
+                .decode_tokens_per_s
+                .map(|t| format!("{t:.0}"))
+                .unwrap_or_else(|| "-".into());
             s.push_str(&format!(
-                "{:>6} {:>16} {:>16.0} {:>22}\n",
+                "{:>6} {:>16} {:>16} {:>22}\n",
                 r.batch,
                 train,
-                r.decode_tokens_per_s,
+                decode,
                 mb(r.peak_rss_after_train_mb)
             ));
         }
@@ -222,24 +241,28 @@ pub fn train_step(model: &Transformer, input: &Tensor) -> Result<()> {
 
 /// Runs the benchmark and returns the numbers (also see [`BenchReport::table`]).
 pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
-    let (master_model, master_vars) = Transformer::random_init(&cfg.model, 0, &cfg.device)?;
-    let decode_model = master_model.to_dtype(cfg.decode_dtype)?;
-    // The training step differentiates with respect to variables in `train_dtype`.
-    let train_vars = VarMap::new();
-    for (name, var) in master_vars
-        .data()
-        .lock()
-        .map_err(|_| anyhow::anyhow!("VarMap lock poisoned"))?
-        .iter()
-    {
-        let v = Var::from_tensor(&var.as_tensor().to_dtype(cfg.train_dtype)?)?;
-        train_vars
-            .data()
-            .lock()
-            .map_err(|_| anyhow::anyhow!("VarMap lock poisoned"))?
-            .insert(name.clone(), v);
-    }
-    let train_model = Transformer::from_varmap(&cfg.model, &train_vars, &cfg.device)?;
+    // Weights drawn on the device in the training dtype: one copy of the model, trained
+    // directly (the benchmark measures the step, not the optimizer's master copy).
+    let (model, vars) =
+        Transformer::random_init_on_device(&cfg.model, cfg.train_dtype, &cfg.device)?;
+    let num_parameters = model.num_parameters();
+    let (train_model, num_trainable_parameters) = match cfg.lora_r {
+        None => (model, num_parameters),
+        Some(r) => {
+            let targets = vec!["all-linear".to_string()];
+            let lora = LoraConfig::new(r, 2.0 * r as f64, 0.0, Some(&targets))?;
+            let mut m = model.detached();
+            let adapters = m.add_lora(&lora, 0)?;
+            let n = adapters.all_vars().iter().map(|v| v.elem_count()).sum();
+            (m, n)
+        }
+    };
+    drop(vars);
+    let decode_model = if cfg.decode_dtype == cfg.train_dtype {
+        train_model.detached()
+    } else {
+        train_model.detached().to_dtype(cfg.decode_dtype)?
+    };
     let vocab = cfg.model.vocab_size as u32;
     let peak_rss_before_train_mb = peak_rss_mb();
     let mut rows = Vec::new();
@@ -260,36 +283,11 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
             Some((b * t * cfg.train_iters) as f64 / start.elapsed().as_secs_f64())
         };
         let peak_rss_after_train_mb = peak_rss_mb();
-        let requests: Vec<GenerationRequest> = (0..b)
-            .map(|i| GenerationRequest {
-                prompt_ids: (0..cfg.prompt_len)
-                    .map(|j| ((i * 31 + j * 17) as u32) % vocab)
-                    .collect(),
-                num_samples: 1,
-                seed: i as u64,
-            })
-            .collect();
-        let params = |n: usize| SamplingParams {
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
-            max_new_tokens: n,
-            stop_token_ids: Some(vec![]),
-            ..Default::default()
+        let decode_tokens_per_s = if cfg.skip_decode {
+            None
+        } else {
+            Some(decode_rate(cfg, &decode_model, b)?)
         };
-        // Decode rate = extra tokens / extra time between a 1-token and an N-token run, so
-        // the prefill is excluded.
-        generate(&decode_model, &requests, &params(2))?;
-        sync(&cfg.device)?;
-        let t0 = Instant::now();
-        generate(&decode_model, &requests, &params(1))?;
-        sync(&cfg.device)?;
-        let t_one = t0.elapsed().as_secs_f64();
-        let t0 = Instant::now();
-        generate(&decode_model, &requests, &params(cfg.decode_tokens))?;
-        sync(&cfg.device)?;
-        let t_n = t0.elapsed().as_secs_f64();
-        let decode_tokens_per_s = (b * (cfg.decode_tokens - 1)) as f64 / (t_n - t_one).max(1e-9);
         rows.push(BenchRow {
             batch: b,
             train_tokens_per_s,
@@ -298,13 +296,49 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         });
     }
     Ok(BenchReport {
-        num_parameters: master_model.num_parameters(),
+        num_parameters,
+        num_trainable_parameters,
+        train_seq_len: cfg.train_seq_len,
         device: format!("{:?}", cfg.device),
         train_dtype: cfg.train_dtype,
         decode_dtype: cfg.decode_dtype,
         peak_rss_before_train_mb,
         rows,
     })
+}
+
+/// Decode tokens/s at batch `b`: extra tokens over extra time between a 1-token and an
+/// N-token run, so the prefill is excluded.
+fn decode_rate(cfg: &BenchConfig, decode_model: &Transformer, b: usize) -> Result<f64> {
+    let vocab = cfg.model.vocab_size as u32;
+    let requests: Vec<GenerationRequest> = (0..b)
+        .map(|i| GenerationRequest {
+            prompt_ids: (0..cfg.prompt_len)
+                .map(|j| ((i * 31 + j * 17) as u32) % vocab)
+                .collect(),
+            num_samples: 1,
+            seed: i as u64,
+        })
+        .collect();
+    let params = |n: usize| SamplingParams {
+        temperature: 1.0,
+        top_p: 1.0,
+        top_k: 0,
+        max_new_tokens: n,
+        stop_token_ids: Some(vec![]),
+        ..Default::default()
+    };
+    generate(decode_model, &requests, &params(2))?;
+    sync(&cfg.device)?;
+    let t0 = Instant::now();
+    generate(decode_model, &requests, &params(1))?;
+    sync(&cfg.device)?;
+    let t_one = t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    generate(decode_model, &requests, &params(cfg.decode_tokens))?;
+    sync(&cfg.device)?;
+    let t_n = t0.elapsed().as_secs_f64();
+    Ok((b * (cfg.decode_tokens - 1)) as f64 / (t_n - t_one).max(1e-9))
 }
 
 fn dtype_name<S: serde::Serializer>(d: &DType, s: S) -> std::result::Result<S::Ok, S::Error> {

@@ -142,6 +142,36 @@ impl ModelConfig {
         }
     }
 
+    /// The Qwen3-0.6B shape (benchmark, random weights).
+    pub fn qwen3_0_6b() -> Self {
+        ModelConfig {
+            model_type: ModelType::Qwen3,
+            hidden_size: 1024,
+            intermediate_size: 3072,
+            num_hidden_layers: 28,
+            num_attention_heads: 16,
+            num_key_value_heads: 8,
+            head_dim: 128,
+            max_position_embeddings: 40960,
+            ..Self::qwen2_5_0_5b()
+        }
+    }
+
+    /// The Qwen2.5-7B shape (benchmark, random weights).
+    pub fn qwen2_5_7b() -> Self {
+        ModelConfig {
+            vocab_size: 152064,
+            hidden_size: 3584,
+            intermediate_size: 18944,
+            num_hidden_layers: 28,
+            num_attention_heads: 28,
+            num_key_value_heads: 4,
+            head_dim: 128,
+            tie_word_embeddings: false,
+            ..Self::qwen2_5_0_5b()
+        }
+    }
+
     /// Checks the invariants the forward pass relies on; names the offending key.
     pub fn validate(&self) -> Result<()> {
         let pos = |v: usize, k: &str| -> Result<()> {

@@ -29,7 +29,7 @@ pub use crate::kv_cache::KvCache;
 use crate::kv_cache::LayerKv;
 use crate::lora::{LoraAdapter, LoraConfig};
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor, Var, D};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use rand::{Rng, SeedableRng};
 use std::path::Path;
@@ -43,10 +43,12 @@ pub use packed::PackedBatch;
 enum OpPath {
     /// candle-nn fused kernels (no backward): rollouts and scoring.
     Fused,
-    /// Differentiable compositions of candle ops: training off the CPU, f64 with a cache.
+    /// Differentiable compositions of candle ops: training where no kernel applies (e.g.
+    /// f16), f64 with a cache.
     Differentiable,
-    /// The custom CPU ops of [`crate::ops`] (with a backward), attention over packed
-    /// segments: training (and f64 forwards) on the CPU without a KV cache.
+    /// The custom ops of [`crate::ops`] (with a backward): training without a KV cache on
+    /// the CPU (f32/f64; attention over packed segments) and on CUDA (f32/bf16; attention over
+    /// the padded batch with the fused masked softmax, as CUDA has no varlen kernel yet).
     Kernels,
 }
 
@@ -188,17 +190,6 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, path: OpPath) -> Result<Te
     }
 }
 
-fn softmax_last(x: &Tensor, path: OpPath) -> Result<Tensor> {
-    match path {
-        OpPath::Fused => Ok(candle_nn::ops::softmax_last_dim(&x.contiguous()?)?),
-        OpPath::Differentiable | OpPath::Kernels => {
-            let max = x.max_keepdim(D::Minus1)?.detach();
-            let e = x.broadcast_sub(&max)?.exp()?;
-            Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
-        }
-    }
-}
-
 impl Attention {
     fn forward(
         &self,
@@ -231,11 +222,27 @@ impl Attention {
         if !ctx.cu_seqlens.is_empty() && cache.is_none() {
             return self.forward_packed(&q, &k, &v, ctx);
         }
-        let q = q.transpose(1, 2)?.contiguous()?;
-        let k = k.transpose(1, 2)?.contiguous()?;
+        let (q, k) = if ctx.path == OpPath::Kernels {
+            // The RoPE kernel takes tokens × heads: rotate before moving heads forward.
+            let half = hd / 2;
+            let cos = ctx.cos.reshape((b * t, half))?;
+            let sin = ctx.sin.reshape((b * t, half))?;
+            let rot = |x: &Tensor, heads: usize| -> Result<Tensor> {
+                let y = crate::ops::rope(&x.reshape((b * t, heads, hd))?, &cos, &sin)?;
+                Ok(y.reshape((b, t, heads, hd))?
+                    .transpose(1, 2)?
+                    .contiguous()?)
+            };
+            (rot(&q, nh)?, rot(&k, nkv)?)
+        } else {
+            let q = q.transpose(1, 2)?.contiguous()?;
+            let k = k.transpose(1, 2)?.contiguous()?;
+            (
+                apply_rope(&q, &ctx.cos, &ctx.sin, ctx.path)?,
+                apply_rope(&k, &ctx.cos, &ctx.sin, ctx.path)?,
+            )
+        };
         let v = v.transpose(1, 2)?.contiguous()?;
-        let q = apply_rope(&q, &ctx.cos, &ctx.sin, ctx.path)?;
-        let k = apply_rope(&k, &ctx.cos, &ctx.sin, ctx.path)?;
         let (k, v) = match cache {
             Some((slot, reserved)) => slot.append(&k, &v, reserved)?,
             None => (k, v),
@@ -247,21 +254,33 @@ impl Attention {
         let q = q.reshape((b, nkv, n_rep * t, hd))?;
         let scale = 1.0 / (hd as f64).sqrt();
         let scores = (q.matmul(&k.t()?)? * scale)?;
-        let in_dtype = scores.dtype();
-        // Softmax in f32 for half-precision activations, as transformers does.
-        let scores = if in_dtype == DType::BF16 || in_dtype == DType::F16 {
-            scores.to_dtype(DType::F32)?
-        } else {
-            scores
+        let probs = match ctx.path {
+            OpPath::Fused => {
+                let in_dtype = scores.dtype();
+                // Softmax in f32 for half-precision activations, as transformers does.
+                let scores = scores.to_dtype(DType::F32)?;
+                let scores = match &ctx.mask {
+                    Some(m) => scores
+                        .reshape((b, nkv, n_rep, t, tk))?
+                        .broadcast_add(&m.to_dtype(DType::F32)?)?
+                        .reshape((b, nkv, n_rep * t, tk))?,
+                    None => scores,
+                };
+                candle_nn::ops::softmax_last_dim(&scores.contiguous()?)?.to_dtype(in_dtype)?
+            }
+            // The mask is [B|1, 1, 1, T, Tk]: one [T, Tk] plane per batch entry (or shared).
+            path => {
+                let mask = match &ctx.mask {
+                    Some(m) => Some(m.reshape((m.dim(0)?, t, tk))?),
+                    None => None,
+                };
+                if path == OpPath::Kernels {
+                    crate::ops::masked_softmax(&scores, mask.as_ref())?
+                } else {
+                    crate::ops::masked_softmax_composed(&scores, mask.as_ref())?
+                }
+            }
         };
-        let scores = match &ctx.mask {
-            Some(m) => scores
-                .reshape((b, nkv, n_rep, t, tk))?
-                .broadcast_add(&m.to_dtype(scores.dtype())?)?
-                .reshape((b, nkv, n_rep * t, tk))?,
-            None => scores,
-        };
-        let probs = softmax_last(&scores, ctx.path)?.to_dtype(in_dtype)?;
         let out = probs.matmul(&v)?; // [B, nkv, n_rep*T, hd]
         let out = out
             .reshape((b, nh, t, hd))?
@@ -650,6 +669,28 @@ impl Transformer {
         Ok((m, varmap))
     }
 
+    /// A randomly initialised model drawn on `device` itself in `dtype` (same distributions
+    /// as [`Transformer::random_init`], from the device's generator: not reproducible across
+    /// devices). For benchmarks of large shapes, where drawing billions of numbers on the host
+    /// and holding an f32 copy would take minutes and twice the memory.
+    pub fn random_init_on_device(
+        cfg: &ModelConfig,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Self, VarMap)> {
+        let varmap = VarMap::new();
+        let std = cfg.initializer_range as f32;
+        let m = Self::build(cfg, device, dtype, &mut |name, shape, init| {
+            let t = match init {
+                ParamInit::Ones => Tensor::ones(shape, dtype, device)?,
+                ParamInit::Zeros => Tensor::zeros(shape, dtype, device)?,
+                ParamInit::Normal => Tensor::randn(0f32, std, shape, device)?.to_dtype(dtype)?,
+            };
+            insert_var(&varmap, name, &t)
+        })?;
+        Ok((m, varmap))
+    }
+
     /// The same weights without gradient tracking (shares storage: in-place optimizer
     /// updates of the variables are visible). Used by rollouts so decoding builds no graph.
     pub fn detached(&self) -> Self {
@@ -846,8 +887,7 @@ impl Transformer {
         // without a cache (their attention does not read one).
         let kernels = self.training_kernels
             && cache.is_none()
-            && self.device.is_cpu()
-            && matches!(self.dtype, DType::F32 | DType::F64);
+            && crate::ops::kernels_apply_to(&self.device, self.dtype);
         let path = match (differentiable || self.dtype == DType::F64, kernels) {
             (true, true) => OpPath::Kernels,
             (true, false) => OpPath::Differentiable,
@@ -898,7 +938,7 @@ impl Transformer {
             .index_select(&pos, 0)?
             .reshape((b, t, half))?
             .to_dtype(self.dtype)?;
-        let (mask, cu_seqlens) = if path == OpPath::Kernels {
+        let (mask, cu_seqlens) = if path == OpPath::Kernels && self.device.is_cpu() {
             (None, packed_segments(&pads, t))
         } else {
             (self.build_mask(&pads, past, t)?, Vec::new())

@@ -7,6 +7,10 @@
 //!
 //! Gradients are those of the scalar `Σ out·R` for a fixed random `R`, so every output element
 //! feeds the check with its own weight.
+//!
+//! With `COMPOSER_TEST_DEVICE=cuda` (a `--features cuda` build on a GPU, tools/gpu_check.sh)
+//! the kernels run on the GPU in f32 and bf16 against the f64 composition on the CPU: the
+//! CUDA kernels against their CPU twins' reference. Varlen attention has a CPU kernel only.
 
 mod common;
 
@@ -41,16 +45,63 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// ‖a − b‖ / ‖b‖ over all elements.
+fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.dims(), b.dims());
+    let (a, b) = (flat(a), flat(b));
+    let num: f64 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// bf16 results are compared by relative norm (bf16 keeps 8 bits of mantissa; the inputs
+/// themselves are rounded), everything else by the largest absolute difference.
+const BF16_REL_TOL: f64 = 2e-2;
+
+fn assert_close(what: &str, got: &Tensor, want: &Tensor, dtype: DType, tol: f64) {
+    if dtype == DType::BF16 {
+        let e = rel_err(got, want);
+        assert!(e <= BF16_REL_TOL, "{what} {dtype:?}: relative error {e:e}");
+    } else {
+        let d = max_diff(got, want);
+        assert!(d <= tol, "{what} {dtype:?}: differs by {d:e}");
+    }
+}
+
+/// The dtypes (with the tolerance to use) the kernels are checked in on the test device: f64
+/// and f32 on the CPU, f32 and bf16 on CUDA.
+fn kernel_cases(tol: f64, tol32: f64) -> Vec<(DType, f64)> {
+    if common::test_device().is_cpu() {
+        vec![(DType::F64, tol), (DType::F32, tol32)]
+    } else {
+        vec![(DType::F32, tol32.max(1e-4)), (DType::BF16, BF16_REL_TOL)]
+    }
+}
+
 /// Output and the gradients of `Σ out·R` w.r.t. each input, for `f` applied to fresh
-/// variables holding `inputs` (cast to `dtype`).
+/// variables holding `inputs` (cast to `dtype`) on the CPU.
 fn run(inputs: &[Tensor], dtype: DType, f: &dyn Fn(&[Tensor]) -> Tensor) -> (Tensor, Vec<Tensor>) {
+    run_on(&Device::Cpu, inputs, dtype, f)
+}
+
+/// [`run`] on `device`; output and gradients come back on the CPU.
+fn run_on(
+    device: &Device,
+    inputs: &[Tensor],
+    dtype: DType,
+    f: &dyn Fn(&[Tensor]) -> Tensor,
+) -> (Tensor, Vec<Tensor>) {
     let vars: Vec<Var> = inputs
         .iter()
-        .map(|t| Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap())
+        .map(|t| Var::from_tensor(&t.to_dtype(dtype).unwrap().to_device(device).unwrap()).unwrap())
         .collect();
     let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let out = f(&ts);
-    let r = randn(out.dims(), 999, 1.0).to_dtype(dtype).unwrap();
+    let r = randn(out.dims(), 999, 1.0)
+        .to_dtype(dtype)
+        .unwrap()
+        .to_device(device)
+        .unwrap();
     let grads = (&out * r).unwrap().sum_all().unwrap().backward().unwrap();
     let g = vars
         .iter()
@@ -58,10 +109,11 @@ fn run(inputs: &[Tensor], dtype: DType, f: &dyn Fn(&[Tensor]) -> Tensor) -> (Ten
             grads
                 .get(v.as_tensor())
                 .expect("an input without gradient")
-                .clone()
+                .to_device(&Device::Cpu)
+                .unwrap()
         })
         .collect();
-    (out, g)
+    (out.to_device(&Device::Cpu).unwrap(), g)
 }
 
 /// The kernel in f64 equals the composition to `tol`; the kernel in f32 equals the f64
@@ -75,17 +127,13 @@ fn compare(
     tol32: f64,
 ) {
     let (out_ref, grads_ref) = run(inputs, DType::F64, composed);
-    for (dtype, tol) in [(DType::F64, tol), (DType::F32, tol32)] {
-        let (out, grads) = run(inputs, dtype, kernel);
+    let device = common::test_device();
+    for (dtype, tol) in kernel_cases(tol, tol32) {
+        let (out, grads) = run_on(&device, inputs, dtype, kernel);
         assert_eq!(out.dtype(), dtype, "{name}: output dtype");
-        let d = max_diff(&out, &out_ref);
-        assert!(d <= tol, "{name} {dtype:?}: forward differs by {d:e}");
+        assert_close(&format!("{name} forward"), &out, &out_ref, dtype, tol);
         for (i, (g, gr)) in grads.iter().zip(&grads_ref).enumerate() {
-            let d = max_diff(g, gr);
-            assert!(
-                d <= tol,
-                "{name} {dtype:?}: gradient of input {i} differs by {d:e}"
-            );
+            assert_close(&format!("{name} gradient of input {i}"), g, gr, dtype, tol);
         }
     }
 }
@@ -111,19 +159,83 @@ fn rope_matches_the_composition() {
     let x = randn(&[n, h, d], 3, 1.0);
     let angles = randn(&[n, d / 2], 4, 3.0);
     let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
-    for dtype in [DType::F64, DType::F32] {
-        let (c, s) = (cos.to_dtype(dtype).unwrap(), sin.to_dtype(dtype).unwrap());
-        let (c64, s64) = (cos.clone(), sin.clone());
-        let (out_ref, g_ref) = run(std::slice::from_ref(&x), DType::F64, &|t| {
-            ops::rope_composed(&t[0], &c64, &s64).unwrap()
-        });
-        let (out, g) = run(std::slice::from_ref(&x), dtype, &|t| {
+    let (c64, s64) = (cos.clone(), sin.clone());
+    let (out_ref, g_ref) = run(std::slice::from_ref(&x), DType::F64, &|t| {
+        ops::rope_composed(&t[0], &c64, &s64).unwrap()
+    });
+    let device = common::test_device();
+    for (dtype, tol) in kernel_cases(1e-13, 1e-5) {
+        let table = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&device).unwrap();
+        let (c, s) = (table(&cos), table(&sin));
+        let (out, g) = run_on(&device, std::slice::from_ref(&x), dtype, &|t| {
             ops::rope(&t[0], &c, &s).unwrap()
         });
-        let tol = if dtype == DType::F64 { 1e-13 } else { 1e-5 };
-        assert!(max_diff(&out, &out_ref) <= tol, "rope {dtype:?} forward");
-        assert!(max_diff(&g[0], &g_ref[0]) <= tol, "rope {dtype:?} gradient");
+        assert_close("rope forward", &out, &out_ref, dtype, tol);
+        assert_close("rope gradient", &g[0], &g_ref[0], dtype, tol);
     }
+}
+
+#[test]
+fn masked_softmax_matches_the_composition() {
+    // Scores [B, heads, T, Tk] with a per-batch causal + padding mask, a shared mask, and
+    // none; rows longer than one CUDA block (Tk = 300).
+    let (b, h, t, tk) = (2, 3, 5, 300);
+    let scores = randn(&[b, h, t, tk], 60, 4.0);
+    let mut m = vec![0f64; b * t * tk];
+    for bi in 0..b {
+        for i in 0..t {
+            for j in 0..tk {
+                // Row i sees keys ≤ tk − t + i; batch 1 also masks its first 7 keys.
+                if j > tk - t + i || (bi == 1 && j < 7) {
+                    m[(bi * t + i) * tk + j] = f64::NEG_INFINITY;
+                }
+            }
+        }
+    }
+    let mask = Tensor::from_vec(m, (b, t, tk), &Device::Cpu).unwrap();
+    let shared = mask.narrow(0, 0, 1).unwrap();
+    let device = common::test_device();
+    for (label, mk) in [
+        ("per-batch mask", Some(&mask)),
+        ("shared mask", Some(&shared)),
+        ("no mask", None),
+    ] {
+        let mref = mk.cloned();
+        let (out_ref, g_ref) = run(std::slice::from_ref(&scores), DType::F64, &|x| {
+            ops::masked_softmax_composed(&x[0], mref.as_ref()).unwrap()
+        });
+        let mdev = mk.map(|m| m.to_dtype(DType::F32).unwrap().to_device(&device).unwrap());
+        for (dtype, tol) in kernel_cases(1e-13, 1e-6) {
+            let (out, g) = run_on(&device, std::slice::from_ref(&scores), dtype, &|x| {
+                ops::masked_softmax(&x[0], mdev.as_ref()).unwrap()
+            });
+            assert_close(
+                &format!("masked_softmax {label} forward"),
+                &out,
+                &out_ref,
+                dtype,
+                tol,
+            );
+            assert_close(
+                &format!("masked_softmax {label} gradient"),
+                &g[0],
+                &g_ref[0],
+                dtype,
+                tol,
+            );
+        }
+    }
+    // Query heads stacked along the row axis ([B, 1, H·T, Tk], the transformer's GQA layout)
+    // give the same probabilities.
+    let stacked = scores.reshape((b, 1, h * t, tk)).unwrap();
+    let want = ops::masked_softmax_composed(&scores, Some(&mask)).unwrap();
+    let got = ops::masked_softmax(&stacked, Some(&mask)).unwrap();
+    assert!(max_diff(&got.reshape((b, h, t, tk)).unwrap(), &want) <= 1e-13);
+    let err = ops::masked_softmax(&scores, Some(&randn(&[3, t, tk], 1, 1.0))).unwrap_err();
+    assert!(
+        format!("{err:#}").contains("does not fit scores"),
+        "{err:#}"
+    );
 }
 
 #[test]
@@ -259,7 +371,7 @@ fn model_loss_grads(
             [5u32, 17, 99, 3, 250, 42, 7, 300, 11],
             [0, 0, 0, 8, 64, 9, 77, 12, 3],
         ],
-        &Device::Cpu,
+        model.device(),
     )
     .unwrap();
     let logits = model
@@ -278,21 +390,34 @@ fn model_loss_grads(
     (logits, out)
 }
 
+/// On the CPU in f64 the kernels (packed varlen attention) equal the compositions to 1e-11;
+/// on CUDA in f32 the CUDA kernels (masked-softmax attention over the padded batch) equal
+/// the compositions on the same device to f32 rounding.
 #[test]
 fn training_forward_with_kernels_equals_the_composition() {
+    let device = common::test_device();
+    let (dtype, tol) = if device.is_cpu() {
+        (DType::F64, 1e-11)
+    } else {
+        (DType::F32, 2e-3)
+    };
     for name in common::FIXTURES {
         let (mut model, varmap) =
-            Transformer::load_trainable(&common::fixture(name), &Device::Cpu, DType::F64).unwrap();
+            Transformer::load_trainable(&common::fixture(name), &device, dtype).unwrap();
         assert!(model.training_kernels, "kernels are the default");
         let (logits_k, grads_k) = model_loss_grads(&model, &varmap);
         model.training_kernels = false;
         let (logits_c, grads_c) = model_loss_grads(&model, &varmap);
         let d = max_diff(&logits_k, &logits_c);
-        assert!(d <= 1e-11, "{name}: logits differ by {d:e}");
+        assert!(d <= tol, "{name}: logits differ by {d:e}");
         assert_eq!(grads_k.len(), grads_c.len());
         for ((key, gk), (_, gc)) in grads_k.iter().zip(&grads_c) {
-            let d = max_diff(gk, gc);
-            assert!(d <= 1e-11, "{name}: gradient of {key} differs by {d:e}");
+            let d = if device.is_cpu() {
+                max_diff(gk, gc)
+            } else {
+                rel_err(gk, gc)
+            };
+            assert!(d <= tol, "{name}: gradient of {key} differs by {d:e}");
         }
     }
 }

@@ -8,7 +8,7 @@
 //! each query row's log-sum-exp, the backward recomputes scores tile by tile; no `[heads, N,
 //! N]` tensor exists either way.
 
-use super::{attention_cpu, kernels_apply, layout_slice, with_slice};
+use super::{attention_cpu, cpu_kernels_apply, layout_slice, with_slice};
 use anyhow::{bail, Context, Result};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use std::sync::Mutex;
@@ -63,7 +63,7 @@ fn check_inputs(
 
 /// Causal GQA attention of packed `q` `[N, Hq, D]`, `k`/`v` `[N, Hkv, D]` within the segments
 /// of `cu_seqlens`, scores scaled by `scale` → `[N, Hq, D]`. The custom op on the CPU
-/// (f32/f64), else [`causal_attention_varlen_composed`]. Differentiable in `q`, `k`, `v`.
+/// (f32/f64; no CUDA kernel yet), else [`causal_attention_varlen_composed`]. Differentiable in `q`, `k`, `v`.
 pub fn causal_attention_varlen(
     q: &Tensor,
     k: &Tensor,
@@ -72,7 +72,7 @@ pub fn causal_attention_varlen(
     scale: f64,
 ) -> Result<Tensor> {
     let (_, hq, hkv, _) = check_inputs(q, k, v, cu_seqlens)?;
-    if !kernels_apply(q) {
+    if !cpu_kernels_apply(q) {
         return causal_attention_varlen_composed(q, k, v, cu_seqlens, scale);
     }
     let op = VarlenAttention {

@@ -8,25 +8,47 @@
 //! flash-attention style (online softmax over key tiles, only the per-row log-sum-exp kept,
 //! scores recomputed tile by tile in the backward), so no `[heads, T, T]` tensor exists.
 //!
-//! Every public op dispatches: on the CPU with f32/f64 tensors it runs its custom op, elsewhere
-//! (CUDA, bf16) the differentiable composition (`*_composed`), which is also the reference the
-//! tests compare against.
+//! Every public op dispatches: on the CPU with f32/f64 tensors, and (built with `--features
+//! cuda`) on CUDA with f32/bf16 tensors, it runs its custom op (CUDA kernels in `kernels.cu`,
+//! launched by `cuda.rs`; the CPU kernels are their twins, tested in CI); elsewhere the
+//! differentiable composition (`*_composed`), which is also the reference the tests compare
+//! against. The varlen attention has a CPU kernel only: on CUDA the transformer attends over
+//! the padded batch with [`masked_softmax`] instead.
 
 mod attention;
 mod attention_cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod masked_softmax;
 mod rms_norm;
 mod rope;
 mod swiglu;
 
 pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, check_cu_seqlens};
+pub use masked_softmax::{masked_softmax, masked_softmax_composed};
 pub use rms_norm::{rms_norm, rms_norm_composed};
 pub use rope::{rope, rope_composed};
 pub use swiglu::{swiglu, swiglu_composed};
 
-use candle_core::{DType, Layout, Storage, Tensor, WithDType};
+use candle_core::{DType, Device, Layout, Storage, Tensor, WithDType};
 
-/// Whether the custom CPU kernels handle `t` (CPU device, f32 or f64).
+/// Whether the custom kernels handle tensors of `dtype` on `device`: the CPU with f32/f64,
+/// and CUDA with f32/bf16 when built with `--features cuda`.
+pub fn kernels_apply_to(device: &Device, dtype: DType) -> bool {
+    match device {
+        Device::Cpu => matches!(dtype, DType::F32 | DType::F64),
+        Device::Cuda(_) => cfg!(feature = "cuda") && matches!(dtype, DType::F32 | DType::BF16),
+        _ => false,
+    }
+}
+
+/// [`kernels_apply_to`] for `t`'s device and dtype.
 pub fn kernels_apply(t: &Tensor) -> bool {
+    kernels_apply_to(t.device(), t.dtype())
+}
+
+/// Whether the CPU kernels handle `t` (ops without a CUDA kernel, e.g. varlen attention).
+pub fn cpu_kernels_apply(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 

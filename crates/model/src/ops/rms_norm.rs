@@ -7,7 +7,7 @@ use super::{kernels_apply, layout_slice, par_map, par_rows, with_slice, Real};
 use anyhow::{bail, Context, Result};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, D};
 
-/// RMSNorm of `x` `[.., D]` with `weight` `[D]`: the custom op on the CPU (f32/f64), else
+/// RMSNorm of `x` `[.., D]` with `weight` `[D]`: the custom op (CPU f32/f64, CUDA f32/bf16), else
 /// [`rms_norm_composed`]. Differentiable with respect to both.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let d = x.dim(D::Minus1).context("rms_norm: x has no dimensions")?;
@@ -157,6 +157,18 @@ impl CustomOp2 for RmsNormOp {
         }
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let y = super::cuda::rms_norm_fwd((x, lx), (w, lw), self.eps)?;
+        Ok((y, lx.shape().clone()))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -164,6 +176,11 @@ impl CustomOp2 for RmsNormOp {
         _res: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let (dx, dw) = super::cuda::rms_norm_bwd(x, w, dy, self.eps)?;
+            return Ok((Some(dx), Some(dw)));
+        }
         let (dx, dw) = match x.dtype() {
             DType::F32 => self.bwd_typed::<f32>(x, w, dy)?,
             DType::F64 => self.bwd_typed::<f64>(x, w, dy)?,

@@ -9,7 +9,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, D};
 
 /// RoPE of `x` `[N, H, D]` (N tokens, H heads) with `cos`, `sin` `[N, D/2]` (each token's
-/// angles): the custom op on the CPU (f32/f64, tables in x's dtype), else [`rope_composed`].
+/// angles): the custom op (CPU f32/f64, CUDA f32/bf16; tables in x's dtype), else
+/// [`rope_composed`].
 /// Differentiable with respect to `x` (the tables are constants).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let (n, _h, d) = x
@@ -109,8 +110,18 @@ impl CustomOp1 for RopeOp {
         Ok((out, l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let y = super::cuda::rope((x, l), &self.cos, &self.sin, self.inverse)?;
+        Ok((y, l.shape().clone()))
+    }
+
     fn bwd(&self, _x: &Tensor, _res: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        if !matches!(dy.dtype(), DType::F32 | DType::F64) {
+        if !matches!(dy.dtype(), DType::F32 | DType::F64 | DType::BF16) {
             candle_core::bail!("rope kernel: unsupported gradient dtype {:?}", dy.dtype());
         }
         let inverse = RopeOp {

@@ -6,7 +6,8 @@ use super::{kernels_apply, layout_slice, par_rows, with_slice, Real};
 use anyhow::{bail, Result};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
-/// `silu(gate) · up` for two tensors of one shape: the custom op on the CPU (f32/f64), else
+/// `silu(gate) · up` for two tensors of one shape: the custom op (CPU f32/f64, CUDA
+/// f32/bf16), else
 /// [`swiglu_composed`]. Differentiable with respect to both.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if gate.dims() != up.dims() {
@@ -118,6 +119,18 @@ impl CustomOp2 for SwigluOp {
         Ok((out, lg.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+        u: &candle_core::CudaStorage,
+        lu: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let y = super::cuda::swiglu_fwd((g, lg), (u, lu))?;
+        Ok((y, lg.shape().clone()))
+    }
+
     fn bwd(
         &self,
         g: &Tensor,
@@ -125,6 +138,15 @@ impl CustomOp2 for SwigluOp {
         _res: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if g.device().is_cuda() {
+            let n = g.elem_count();
+            let both = super::cuda::swiglu_bwd(g, u, dy)?;
+            return Ok((
+                Some(both.narrow(0, 0, n)?.reshape(g.shape())?),
+                Some(both.narrow(0, n, n)?.reshape(u.shape())?),
+            ));
+        }
         let (dg, du) = match g.dtype() {
             DType::F32 => Self::bwd_typed::<f32>(g, u, dy)?,
             DType::F64 => Self::bwd_typed::<f64>(g, u, dy)?,

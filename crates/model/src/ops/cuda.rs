@@ -1,0 +1,392 @@
+//! Launchers of the CUDA kernels in `kernels.cu` (built to PTX by build.rs) for contiguous f32
+//! and bf16 storages. The ops' `cuda_fwd` and their backward ops call these; their CPU twins
+//! are the same ops' `cpu_fwd`, and `tests/ops_cuda.rs` compares the two on a GPU.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+use half::bf16;
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
+const MODULE: &str = "composer_model_ops";
+
+/// Dispatches `$body` with the type alias `$t` bound to the element type of `$dtype`.
+macro_rules! typed {
+    ($dtype:expr, $what:expr, |$t:ident| $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::BF16 => {
+                type $t = bf16;
+                $body
+            }
+            other => candle_core::bail!(
+                "{}: the CUDA kernel handles f32 and bf16, got {other:?}",
+                $what
+            ),
+        }
+    };
+}
+
+/// The kernel's exported name for `dtype` (`name_f32`, `name_bf16`).
+fn kernel_name(name: &str, dtype: DType) -> Result<String> {
+    match dtype {
+        DType::F32 => Ok(format!("{name}_f32")),
+        DType::BF16 => Ok(format!("{name}_bf16")),
+        other => candle_core::bail!("{name}: the CUDA kernel handles f32 and bf16, got {other:?}"),
+    }
+}
+
+/// The contiguous elements of `s` under `l` as a typed view.
+fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        candle_core::bail!("{what}: expected a contiguous tensor")
+    };
+    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
+}
+
+fn alloc<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
+    // SAFETY: every element is written by the kernel launched next.
+    unsafe { dev.alloc::<T>(n.max(1)) }
+}
+
+/// Threads per block of a row kernel over rows of `d` elements.
+fn row_threads(d: usize) -> u32 {
+    match d {
+        0..=256 => (d.div_ceil(32) * 32).max(32) as u32,
+        257..=4096 => 256,
+        _ => 512,
+    }
+}
+
+/// One block per row.
+fn rows_config(rows: usize, d: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.max(1) as u32, 1, 1),
+        block_dim: (row_threads(d), 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A grid-stride element-wise launch over `n` elements.
+fn elementwise_config(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 8192) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Runs a launcher on the CUDA storages of `inputs` (made contiguous) and wraps its output as
+/// a tensor of `shape` without a gradient graph (backward passes need none).
+fn on_tensors(
+    inputs: &[&Tensor],
+    shape: Shape,
+    what: &str,
+    f: impl FnOnce(&[(&CudaStorage, &Layout)]) -> Result<CudaStorage>,
+) -> Result<Tensor> {
+    let owned: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| t.contiguous())
+        .collect::<Result<_>>()?;
+    let guards: Vec<_> = owned.iter().map(|t| t.storage_and_layout()).collect();
+    let mut args = Vec::with_capacity(guards.len());
+    for (g, l) in &guards {
+        let Storage::Cuda(s) = &**g else {
+            candle_core::bail!("{what}: the CUDA kernel got a non-CUDA tensor")
+        };
+        args.push((s, *l));
+    }
+    let out = f(&args)?;
+    Ok(Tensor::from_storage(
+        Storage::Cuda(out),
+        shape,
+        BackpropOp::none(),
+        false,
+    ))
+}
+
+/// RMSNorm forward of `x` `[rows, d]` with `w` `[d]`.
+pub(crate) fn rms_norm_fwd(
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    eps: f64,
+) -> Result<CudaStorage> {
+    let dev = x.0.device().clone();
+    let dtype = x.0.dtype();
+    let d = w.1.shape().elem_count();
+    let rows = x.1.shape().elem_count() / d.max(1);
+    let (rows_i, d_i, eps_f) = (rows as i32, d as i32, eps as f32);
+    typed!(dtype, "rms_norm", |T| {
+        let (xv, wv) = (
+            view::<T>(x.0, x.1, "rms_norm")?,
+            view::<T>(w.0, w.1, "rms_norm")?,
+        );
+        let y = alloc::<T>(&dev, rows * d)?;
+        let f = dev.get_or_load_custom_func(&kernel_name("rms_norm_fwd", dtype)?, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&xv)
+            .arg(&wv)
+            .arg(&y)
+            .arg(&rows_i)
+            .arg(&d_i)
+            .arg(&eps_f);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(rows_config(rows, d)) }.w()?;
+        Ok(T::wrap_cuda_slice(y, dev))
+    })
+}
+
+/// RMSNorm backward: `(∂x, ∂w)`, ∂w summed over rows in f32 and cast to x's dtype.
+pub(crate) fn rms_norm_bwd(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let dtype = x.dtype();
+    let d = w.elem_count();
+    let rows = x.elem_count() / d.max(1);
+    let (rows_i, d_i, eps_f) = (rows as i32, d as i32, eps as f32);
+    let dx = on_tensors(&[x, w, dy], x.shape().clone(), "rms_norm backward", |a| {
+        let dev = a[0].0.device().clone();
+        typed!(dtype, "rms_norm backward", |T| {
+            let xv = view::<T>(a[0].0, a[0].1, "rms_norm")?;
+            let wv = view::<T>(a[1].0, a[1].1, "rms_norm")?;
+            let gv = view::<T>(a[2].0, a[2].1, "rms_norm")?;
+            let out = alloc::<T>(&dev, rows * d)?;
+            let f =
+                dev.get_or_load_custom_func(&kernel_name("rms_norm_bwd_dx", dtype)?, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&xv)
+                .arg(&wv)
+                .arg(&gv)
+                .arg(&out)
+                .arg(&rows_i)
+                .arg(&d_i)
+                .arg(&eps_f);
+            // SAFETY: the arguments match the kernel's signature.
+            unsafe { b.launch(rows_config(rows, d)) }.w()?;
+            Ok(T::wrap_cuda_slice(out, dev))
+        })
+    })?;
+    // ∂w: blocks stride over rows, sum columns in shared memory, add atomically into f32.
+    let dw = on_tensors(&[x, dy], Shape::from(d), "rms_norm backward", |a| {
+        let dev = a[0].0.device().clone();
+        let acc = dev.alloc_zeros::<f32>(d.max(1))?;
+        typed!(dtype, "rms_norm backward", |T| {
+            let xv = view::<T>(a[0].0, a[0].1, "rms_norm")?;
+            let gv = view::<T>(a[1].0, a[1].1, "rms_norm")?;
+            let f =
+                dev.get_or_load_custom_func(&kernel_name("rms_norm_bwd_dw", dtype)?, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&xv)
+                .arg(&gv)
+                .arg(&acc)
+                .arg(&rows_i)
+                .arg(&d_i)
+                .arg(&eps_f);
+            let cfg = LaunchConfig {
+                grid_dim: (rows.clamp(1, 264) as u32, 1, 1),
+                block_dim: (row_threads(d), 1, 1),
+                shared_mem_bytes: (d * 4) as u32,
+            };
+            // SAFETY: the arguments match the kernel's signature; d floats of shared memory.
+            unsafe { b.launch(cfg) }.w()?;
+            let out = alloc::<T>(&dev, d)?;
+            let f =
+                dev.get_or_load_custom_func(&kernel_name("cast_from_f32", dtype)?, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&acc).arg(&out).arg(&d_i);
+            // SAFETY: the arguments match the kernel's signature.
+            unsafe { b.launch(elementwise_config(d)) }.w()?;
+            Ok(T::wrap_cuda_slice(out, dev))
+        })
+    })?;
+    Ok((dx, dw))
+}
+
+/// RoPE of `x` `[n, h, d]` with `cos`/`sin` `[n, d/2]` (rotation back when `inverse`).
+pub(crate) fn rope(
+    x: (&CudaStorage, &Layout),
+    cos: &Tensor,
+    sin: &Tensor,
+    inverse: bool,
+) -> Result<CudaStorage> {
+    let dtype = x.0.dtype();
+    let (n, h, d) = x.1.shape().dims3()?;
+    let dev = x.0.device().clone();
+    let (n_i, h_i, d_i) = (n as i32, h as i32, d as i32);
+    let sign: f32 = if inverse { -1.0 } else { 1.0 };
+    let cos = cos.contiguous()?;
+    let sin = sin.contiguous()?;
+    let (cg, cl) = cos.storage_and_layout();
+    let (sg, sl) = sin.storage_and_layout();
+    let (Storage::Cuda(cs), Storage::Cuda(ss)) = (&*cg, &*sg) else {
+        candle_core::bail!("rope: the CUDA kernel got non-CUDA tables")
+    };
+    typed!(dtype, "rope", |T| {
+        let xv = view::<T>(x.0, x.1, "rope")?;
+        let (cv, sv) = (view::<T>(cs, cl, "rope")?, view::<T>(ss, sl, "rope")?);
+        let y = alloc::<T>(&dev, n * h * d)?;
+        let f = dev.get_or_load_custom_func(&kernel_name("rope", dtype)?, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&xv)
+            .arg(&cv)
+            .arg(&sv)
+            .arg(&y)
+            .arg(&n_i)
+            .arg(&h_i)
+            .arg(&d_i)
+            .arg(&sign);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(elementwise_config(n * h * d / 2)) }.w()?;
+        Ok(T::wrap_cuda_slice(y, dev))
+    })
+}
+
+/// SwiGLU forward `silu(g)·u`.
+pub(crate) fn swiglu_fwd(
+    g: (&CudaStorage, &Layout),
+    u: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    let dtype = g.0.dtype();
+    let dev = g.0.device().clone();
+    let n = g.1.shape().elem_count();
+    let n_u = n as u64;
+    typed!(dtype, "swiglu", |T| {
+        let (gv, uv) = (
+            view::<T>(g.0, g.1, "swiglu")?,
+            view::<T>(u.0, u.1, "swiglu")?,
+        );
+        let y = alloc::<T>(&dev, n)?;
+        let f = dev.get_or_load_custom_func(&kernel_name("swiglu_fwd", dtype)?, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&gv).arg(&uv).arg(&y).arg(&n_u);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(elementwise_config(n)) }.w()?;
+        Ok(T::wrap_cuda_slice(y, dev))
+    })
+}
+
+/// SwiGLU backward: `[∂g | ∂u]` as one `[2·n]` tensor.
+pub(crate) fn swiglu_bwd(g: &Tensor, u: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let dtype = g.dtype();
+    let n = g.elem_count();
+    let n_u = n as u64;
+    on_tensors(&[g, u, dy], Shape::from(2 * n), "swiglu backward", |a| {
+        let dev = a[0].0.device().clone();
+        typed!(dtype, "swiglu backward", |T| {
+            let gv = view::<T>(a[0].0, a[0].1, "swiglu")?;
+            let uv = view::<T>(a[1].0, a[1].1, "swiglu")?;
+            let dv = view::<T>(a[2].0, a[2].1, "swiglu")?;
+            let out = alloc::<T>(&dev, 2 * n)?;
+            let f = dev.get_or_load_custom_func(&kernel_name("swiglu_bwd", dtype)?, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&gv).arg(&uv).arg(&dv).arg(&out).arg(&n_u);
+            // SAFETY: the arguments match the kernel's signature.
+            unsafe { b.launch(elementwise_config(n)) }.w()?;
+            Ok(T::wrap_cuda_slice(out, dev))
+        })
+    })
+}
+
+/// Where the additive mask of a masked softmax is, and how rows map onto it.
+pub(crate) struct MaskShape {
+    /// Query positions per batch row (the mask's second axis).
+    pub t: usize,
+    /// Score rows per batch entry (heads × queries).
+    pub rows_per_batch: usize,
+    /// Leading size of the mask (1: shared by every batch entry).
+    pub mask_batches: usize,
+}
+
+/// Softmax over the last axis of `s` `[rows, tk]` plus an f32 `mask` `[mask_batches, t, tk]`.
+pub(crate) fn masked_softmax_fwd(
+    s: (&CudaStorage, &Layout),
+    mask: Option<&Tensor>,
+    shape: &MaskShape,
+) -> Result<CudaStorage> {
+    let dtype = s.0.dtype();
+    let dev = s.0.device().clone();
+    let dims = s.1.shape().dims();
+    let tk = *dims.last().unwrap_or(&1);
+    let rows = s.1.shape().elem_count() / tk.max(1);
+    let args = (
+        rows as i32,
+        tk as i32,
+        shape.t as i32,
+        shape.rows_per_batch as i32,
+        shape.mask_batches as i32,
+    );
+    let mask = mask.map(|m| m.contiguous()).transpose()?;
+    let guard = mask.as_ref().map(|m| m.storage_and_layout());
+    let mask_view = match &guard {
+        Some((g, l)) => {
+            let Storage::Cuda(ms) = &**g else {
+                candle_core::bail!("masked_softmax: the CUDA kernel got a non-CUDA mask")
+            };
+            Some(view::<f32>(ms, l, "masked_softmax mask")?)
+        }
+        None => None,
+    };
+    let null: u64 = 0;
+    typed!(dtype, "masked_softmax", |T| {
+        let sv = view::<T>(s.0, s.1, "masked_softmax")?;
+        let p = alloc::<T>(&dev, rows * tk)?;
+        let f =
+            dev.get_or_load_custom_func(&kernel_name("masked_softmax_fwd", dtype)?, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&sv);
+        match &mask_view {
+            Some(mv) => b.arg(mv),
+            None => b.arg(&null),
+        };
+        b.arg(&p)
+            .arg(&args.0)
+            .arg(&args.1)
+            .arg(&args.2)
+            .arg(&args.3)
+            .arg(&args.4);
+        // SAFETY: the arguments match the kernel's signature (a null mask pointer is allowed).
+        unsafe { b.launch(rows_config(rows, tk)) }.w()?;
+        Ok(T::wrap_cuda_slice(p, dev))
+    })
+}
+
+/// Masked softmax backward from the probabilities `p` and their gradient `dp`.
+pub(crate) fn masked_softmax_bwd(p: &Tensor, dp: &Tensor) -> Result<Tensor> {
+    let dtype = p.dtype();
+    let tk = p.dims().last().copied().unwrap_or(1);
+    let rows = p.elem_count() / tk.max(1);
+    let (rows_i, tk_i) = (rows as i32, tk as i32);
+    on_tensors(
+        &[p, dp],
+        p.shape().clone(),
+        "masked_softmax backward",
+        |a| {
+            let dev = a[0].0.device().clone();
+            typed!(dtype, "masked_softmax backward", |T| {
+                let pv = view::<T>(a[0].0, a[0].1, "masked_softmax")?;
+                let gv = view::<T>(a[1].0, a[1].1, "masked_softmax")?;
+                let out = alloc::<T>(&dev, rows * tk)?;
+                let f = dev.get_or_load_custom_func(
+                    &kernel_name("masked_softmax_bwd", dtype)?,
+                    MODULE,
+                    PTX,
+                )?;
+                let mut b = f.builder();
+                b.arg(&pv).arg(&gv).arg(&out).arg(&rows_i).arg(&tk_i);
+                // SAFETY: the arguments match the kernel's signature.
+                unsafe { b.launch(rows_config(rows, tk)) }.w()?;
+                Ok(T::wrap_cuda_slice(out, dev))
+            })
+        },
+    )
+}

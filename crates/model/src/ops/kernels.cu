@@ -1,0 +1,244 @@
+// CUDA kernels of the training ops (crates/model/src/ops): RMSNorm, RoPE, SwiGLU and the
+// masked softmax of attention, forward and backward, for f32 and bf16 tensors. Every kernel
+// reads and writes the tensor's dtype and computes in f32. Their CPU twins are the `cpu_fwd`
+// of the same candle custom ops (tested in CI); tools/gpu_check.sh runs the CUDA tests.
+// Built to PTX by crates/model/build.rs (`--features cuda`).
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16(x); }
+
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ float block_sum(float v) {
+  __shared__ float part[32];
+  __shared__ float total;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) total = v;
+  }
+  __syncthreads();
+  const float r = total;
+  __syncthreads();
+  return r;
+}
+
+__device__ float block_max(float v) {
+  __shared__ float part[32];
+  __shared__ float total;
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < (int)(blockDim.x >> 5) ? part[lane] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) total = v;
+  }
+  __syncthreads();
+  const float r = total;
+  __syncthreads();
+  return r;
+}
+
+// ---- RMSNorm: y = T(x·r)·w with r = 1/√(mean(x²) + ε), one block per row ----
+template <typename T>
+__device__ void rms_norm_fwd(const T* x, const T* w, T* y, int rows, int d, float eps) {
+  const int row = blockIdx.x;
+  if (row >= rows) return;
+  const T* xr = x + (size_t)row * d;
+  T* yr = y + (size_t)row * d;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    const float v = to_f(xr[i]);
+    ss += v * v;
+  }
+  const float r = rsqrtf(block_sum(ss) / d + eps);
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    // Rounded to T before the weight, as the composed op (and transformers) does.
+    const float n = to_f(from_f<T>(to_f(xr[i]) * r));
+    yr[i] = from_f<T>(n * to_f(w[i]));
+  }
+}
+
+// dx = r·g − x·r³·(Σ g·x)/D with g = dy·w; one block per row.
+template <typename T>
+__device__ void rms_norm_bwd_dx(const T* x, const T* w, const T* dy, T* dx, int rows, int d,
+                                float eps) {
+  const int row = blockIdx.x;
+  if (row >= rows) return;
+  const T* xr = x + (size_t)row * d;
+  const T* gr = dy + (size_t)row * d;
+  float ss = 0.f, gx = 0.f;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    const float v = to_f(xr[i]);
+    ss += v * v;
+    gx += to_f(gr[i]) * to_f(w[i]) * v;
+  }
+  const float r = rsqrtf(block_sum(ss) / d + eps);
+  const float c = r * r * r * block_sum(gx) / d;
+  T* out = dx + (size_t)row * d;
+  for (int i = threadIdx.x; i < d; i += blockDim.x)
+    out[i] = from_f<T>(r * to_f(gr[i]) * to_f(w[i]) - to_f(xr[i]) * c);
+}
+
+// dw += Σ_rows dy·x·r into f32 `dw` (zeroed by the caller): each block strides over rows,
+// accumulating per column in shared memory (d floats), then adds its partial sums.
+template <typename T>
+__device__ void rms_norm_bwd_dw(const T* x, const T* dy, float* dw, int rows, int d, float eps) {
+  extern __shared__ float acc[];
+  for (int i = threadIdx.x; i < d; i += blockDim.x) acc[i] = 0.f;
+  for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + (size_t)row * d;
+    const T* gr = dy + (size_t)row * d;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+      const float v = to_f(xr[i]);
+      ss += v * v;
+    }
+    const float r = rsqrtf(block_sum(ss) / d + eps);
+    // Each thread owns the same columns in every row: no race on acc.
+    for (int i = threadIdx.x; i < d; i += blockDim.x) acc[i] += to_f(gr[i]) * to_f(xr[i]) * r;
+  }
+  for (int i = threadIdx.x; i < d; i += blockDim.x) atomicAdd(&dw[i], acc[i]);
+}
+
+template <typename T>
+__device__ void cast_from_f32(const float* src, T* dst, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = from_f<T>(src[i]);
+}
+
+// ---- RoPE (rotate-half) of x [N, H, D] with cos/sin [N, D/2]; sign = −1 rotates back ----
+template <typename T>
+__device__ void rope(const T* x, const T* cos, const T* sin, T* y, int n, int h, int d,
+                     float sign) {
+  const int half = d / 2;
+  const size_t total = (size_t)n * h * half;
+  for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+       e += (size_t)gridDim.x * blockDim.x) {
+    const int i = (int)(e % half);
+    const size_t tok_head = e / half;
+    const size_t tok = tok_head / h;
+    const size_t base = tok_head * d;
+    const float c = to_f(cos[tok * half + i]);
+    const float s = sign * to_f(sin[tok * half + i]);
+    const float x1 = to_f(x[base + i]), x2 = to_f(x[base + i + half]);
+    y[base + i] = from_f<T>(x1 * c - x2 * s);
+    y[base + i + half] = from_f<T>(x2 * c + x1 * s);
+  }
+}
+
+// ---- SwiGLU: y = silu(g)·u; backward writes [∂g | ∂u] into one buffer of 2n ----
+template <typename T>
+__device__ void swiglu_fwd(const T* g, const T* u, T* y, size_t n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const float gv = to_f(g[i]);
+    const float s = 1.f / (1.f + __expf(-gv));
+    y[i] = from_f<T>(gv * s * to_f(u[i]));
+  }
+}
+
+template <typename T>
+__device__ void swiglu_bwd(const T* g, const T* u, const T* dy, T* out, size_t n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const float gv = to_f(g[i]), uv = to_f(u[i]), d = to_f(dy[i]);
+    const float s = 1.f / (1.f + __expf(-gv));
+    out[i] = from_f<T>(d * uv * s * (1.f + gv * (1.f - s)));
+    out[n + i] = from_f<T>(d * gv * s);
+  }
+}
+
+// ---- Softmax over the last axis of scores [rows, tk] plus an additive f32 mask ----
+// Row r is query i = r % t of batch b = r / rows_per_batch; the mask is [mask_batches, t, tk]
+// (mask_batches 1: shared by every batch), or absent (mask == nullptr).
+template <typename T>
+__device__ void masked_softmax_fwd(const T* s, const float* mask, T* p, int rows, int tk, int t,
+                                   int rows_per_batch, int mask_batches) {
+  const int row = blockIdx.x;
+  if (row >= rows) return;
+  const T* sr = s + (size_t)row * tk;
+  T* pr = p + (size_t)row * tk;
+  const float* mr = nullptr;
+  if (mask) {
+    const int b = mask_batches > 1 ? row / rows_per_batch : 0;
+    mr = mask + ((size_t)b * t + row % t) * tk;
+  }
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < tk; j += blockDim.x)
+    m = fmaxf(m, to_f(sr[j]) + (mr ? mr[j] : 0.f));
+  m = block_max(m);
+  float z = 0.f;
+  for (int j = threadIdx.x; j < tk; j += blockDim.x)
+    z += __expf(to_f(sr[j]) + (mr ? mr[j] : 0.f) - m);
+  const float inv = 1.f / block_sum(z);
+  for (int j = threadIdx.x; j < tk; j += blockDim.x)
+    pr[j] = from_f<T>(__expf(to_f(sr[j]) + (mr ? mr[j] : 0.f) - m) * inv);
+}
+
+// ∂s = p·(∂p − Σ_j ∂p_j·p_j), one block per row.
+template <typename T>
+__device__ void masked_softmax_bwd(const T* p, const T* dp, T* ds, int rows, int tk) {
+  const int row = blockIdx.x;
+  if (row >= rows) return;
+  const T* pr = p + (size_t)row * tk;
+  const T* gr = dp + (size_t)row * tk;
+  float dot = 0.f;
+  for (int j = threadIdx.x; j < tk; j += blockDim.x) dot += to_f(pr[j]) * to_f(gr[j]);
+  dot = block_sum(dot);
+  T* out = ds + (size_t)row * tk;
+  for (int j = threadIdx.x; j < tk; j += blockDim.x)
+    out[j] = from_f<T>(to_f(pr[j]) * (to_f(gr[j]) - dot));
+}
+
+#define INSTANTIATE(T, SFX)                                                                     \
+  extern "C" __global__ void rms_norm_fwd_##SFX(const T* x, const T* w, T* y, int rows, int d,  \
+                                                float eps) {                                    \
+    rms_norm_fwd<T>(x, w, y, rows, d, eps);                                                     \
+  }                                                                                             \
+  extern "C" __global__ void rms_norm_bwd_dx_##SFX(const T* x, const T* w, const T* dy, T* dx,  \
+                                                   int rows, int d, float eps) {                \
+    rms_norm_bwd_dx<T>(x, w, dy, dx, rows, d, eps);                                             \
+  }                                                                                             \
+  extern "C" __global__ void rms_norm_bwd_dw_##SFX(const T* x, const T* dy, float* dw,         \
+                                                   int rows, int d, float eps) {                \
+    rms_norm_bwd_dw<T>(x, dy, dw, rows, d, eps);                                                \
+  }                                                                                             \
+  extern "C" __global__ void cast_from_f32_##SFX(const float* src, T* dst, int n) {            \
+    cast_from_f32<T>(src, dst, n);                                                              \
+  }                                                                                             \
+  extern "C" __global__ void rope_##SFX(const T* x, const T* c, const T* s, T* y, int n, int h, \
+                                        int d, float sign) {                                    \
+    rope<T>(x, c, s, y, n, h, d, sign);                                                         \
+  }                                                                                             \
+  extern "C" __global__ void swiglu_fwd_##SFX(const T* g, const T* u, T* y, size_t n) {        \
+    swiglu_fwd<T>(g, u, y, n);                                                                  \
+  }                                                                                             \
+  extern "C" __global__ void swiglu_bwd_##SFX(const T* g, const T* u, const T* dy, T* out,     \
+                                              size_t n) {                                       \
+    swiglu_bwd<T>(g, u, dy, out, n);                                                            \
+  }                                                                                             \
+  extern "C" __global__ void masked_softmax_fwd_##SFX(const T* s, const float* mask, T* p,     \
+                                                      int rows, int tk, int t,                  \
+                                                      int rows_per_batch, int mask_batches) {   \
+    masked_softmax_fwd<T>(s, mask, p, rows, tk, t, rows_per_batch, mask_batches);               \
+  }                                                                                             \
+  extern "C" __global__ void masked_softmax_bwd_##SFX(const T* p, const T* dp, T* ds, int rows, \
+                                                      int tk) {                                 \
+    masked_softmax_bwd<T>(p, dp, ds, rows, tk);                                                 \
+  }
+
+INSTANTIATE(float, f32)
+INSTANTIATE(bf16, bf16)

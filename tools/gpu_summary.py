@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""The table printed last by tools/gpu_check.sh: training tokens/s, peak GPU memory and MFU for
+composer-rl next to PyTorch eager and torch.compile, and decode tokens/s against the HBM
+roofline. Reads the `<tag>.json` / `<tag>.mem` files that gpu_check.sh wrote into DIR.
+
+    python3 tools/gpu_summary.py DIR "GPU NAME, MEMORY, DRIVER"
+
+MFU = tokens/s × FLOPs per token / peak dense bf16 (989 TFLOP/s, H100/H200 SXM datasheet).
+FLOPs per token: 6·N (full training) or 4·N (LoRA: no weight gradients of the frozen base) for
+the matrix products, N excluding an untied input embedding (a lookup), plus causal attention
+6·L·H·d·T (half of the 12·L·H·d·T of full attention).
+Decode roofline: every step reads the bf16 weights once plus each row's KV cache (average
+context = prompt + half the new tokens), at the card's HBM bandwidth (H100 3.35, H200 4.8 TB/s).
+"""
+import json
+import os
+import sys
+
+SHAPES = {  # vocab, hidden, layers, heads, kv_heads, head_dim, tied
+    "qwen2.5-0.5b": (151936, 896, 24, 14, 2, 64, True),
+    "qwen3-0.6b": (151936, 1024, 28, 16, 8, 128, True),
+    "qwen2.5-7b": (152064, 3584, 28, 28, 4, 128, False),
+}
+PEAK_BF16 = 989e12
+
+
+def load(d, tag):
+    try:
+        rep = json.load(open(os.path.join(d, tag + ".json")))
+    except Exception:
+        return None
+    try:
+        rep["peak_mem_mib"] = float(open(os.path.join(d, tag + ".mem")).read().strip())
+    except Exception:
+        rep["peak_mem_mib"] = None
+    return rep
+
+
+def flops_per_token(shape, n_params, seq, lora):
+    v, h, layers, heads, _, hd, tied = SHAPES[shape]
+    n_matmul = n_params if tied else n_params - v * h
+    return (4 if lora else 6) * n_matmul + 6 * layers * heads * hd * seq
+
+
+def train_cell(rep, shape, seq, lora):
+    if not rep or not rep.get("rows") or rep["rows"][0].get("train_tokens_per_s") is None:
+        return None
+    tps = rep["rows"][0]["train_tokens_per_s"]
+    mfu = tps * flops_per_token(shape, rep["num_parameters"], seq, lora) / PEAK_BF16
+    return tps, rep["peak_mem_mib"], mfu
+
+
+def fmt(cell):
+    if cell is None:
+        return f"{'fail/OOM':>27}"
+    tps, mem, mfu = cell
+    m = f"{mem / 1024:.1f} GiB" if mem else "-"
+    return f"{tps:>9.0f} {m:>10} {100 * mfu:>5.1f}%"
+
+
+def main():
+    d, gpu = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else ""
+    bw = 4.8e12 if "H200" in gpu else 3.35e12
+    print("\ntraining (bf16, forward + next-token NLL + backward); cells: tokens/s, peak GPU memory, MFU")
+    print(f"{'workload':<34} | {'composer-rl':>27} | {'torch eager':>27} | {'torch.compile':>27} | ratio eager  compile")
+    rows = [
+        ("qwen2.5-0.5b", 16, 512, False, "c05-t16", "te05-t16", "tc05-t16"),
+        ("qwen2.5-0.5b", 64, 512, False, "c05-t64", "te05-t64", "tc05-t64"),
+        ("qwen3-0.6b", 1, 16384, False, "c06-t1", "te06-t1", None),
+        ("qwen2.5-7b", 8, 1024, True, "c7-t8", "te7-t8", None),
+    ]
+    for shape, b, seq, lora, ct, et, kt in rows:
+        c = train_cell(load(d, ct), shape, seq, lora)
+        e = train_cell(load(d, et), shape, seq, lora)
+        k = train_cell(load(d, kt), shape, seq, lora) if kt else None
+        if c is None and e is None and k is None and load(d, ct) is None and load(d, et) is None:
+            continue
+        r_e = f"{c[0] / e[0]:>5.2f}" if c and e else "    -"
+        r_k = f"{c[0] / k[0]:>7.2f}" if c and k else "      -"
+        name = f"{shape} {b}x{seq}" + (" LoRA r16" if lora else "")
+        print(f"{name:<34} | {fmt(c)} | {fmt(e)} | {fmt(k) if kt else f'{chr(45):>27}'} | {r_e}  {r_k}")
+
+    print("\ndecode (bf16, prompt 128, 64 new tokens, tokens/s excluding prefill; % of the HBM roofline)")
+    for shape, ct, et in [("qwen2.5-0.5b", "c05-d", "te05-d"), ("qwen2.5-7b", "c7-d", None)]:
+        c, e = load(d, ct), load(d, et) if et else None
+        if not c:
+            continue
+        v, h, layers, heads, kvh, hd, tied = SHAPES[shape]
+        wbytes = 2 * c["num_parameters"]
+        ers = {r["batch"]: r for r in (e or {}).get("rows", [])}
+        for r in c["rows"]:
+            b, tps = r["batch"], r["decode_tokens_per_s"]
+            if tps is None:
+                continue
+            kv = b * (128 + 32) * layers * 2 * kvh * hd * 2
+            roof = b / ((wbytes + kv) / bw)
+            et_ = ers.get(b, {}).get("decode_tokens_per_s")
+            tail = f" | HF generate {et_:>8.0f}  ratio {tps / et_:>5.1f}" if et_ else ""
+            print(f"{shape:<14} batch {b:>4}: {tps:>9.0f} tok/s  roofline {roof:>9.0f}  ({100 * tps / roof:>5.1f}%){tail}")
+
+
+if __name__ == "__main__":
+    main()
