@@ -1,0 +1,395 @@
+//! `[train] bf16` (TRL's key): the forward and backward of every training pass run on a bf16
+//! copy of the f32 master weights; gradients come back to f32, AdamW and its moments stay f32,
+//! checkpoints store the f32 masters, and rollouts sample with the bf16 copy. Checks: every
+//! trainable parameter (full model, HF fixture, LoRA adapters) gets a nonzero f32 gradient
+//! through the bf16 forward; the trainer's bf16 update on a batch is close to its f32 update
+//! on the same batch (and not equal to it: the bf16 path ran); a bf16 run with every loss
+//! channel and a reference policy keeps f32 masters in its checkpoints and resumes exactly;
+//! `fp16 = true` and a non-boolean `bf16` are refused naming the key.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use composer_train::batch::{token_batch, token_stats};
+use composer_train::model::{PolicyModel, TinyConfig};
+use composer_train::trainer::{
+    open_session, reward_batch, rollout_batch, step_advantages, train_on_batch,
+};
+use composer_train::{run_train, TrainOptions};
+use serde_json::Value;
+
+mod common;
+use common::{all_channels_rollout, hf_fixture, tiny_model_and_task, train_metrics};
+
+/// (prompt, completion) pairs of different lengths.
+const PAIRS: [(&[u32], &[u32]); 3] = [
+    (&[3, 9, 4], &[7, 2, 8, 1]),
+    (&[5], &[6, 2]),
+    (&[1, 2, 3, 4, 5], &[9]),
+];
+
+fn flat(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn l2(x: &[f64]) -> f64 {
+    x.iter().map(|v| v * v).sum::<f64>().sqrt()
+}
+
+fn tiny() -> PolicyModel {
+    let cfg = TinyConfig {
+        hidden_size: 16,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        intermediate_size: 24,
+        rope_theta: 10000.0,
+        rms_norm_eps: 1e-5,
+        init_std: 0.02,
+        max_position_embeddings: 64,
+        tie_word_embeddings: false,
+    }
+    .model_config(12, 0)
+    .unwrap();
+    PolicyModel::random_init(&cfg, 3, &Device::Cpu).unwrap()
+}
+
+/// The f32 gradient, by master name, of a loss using the target log-probs, the entropy and
+/// the top-3 log-probs (every head output the loss channels read).
+fn master_grads(model: &PolicyModel) -> HashMap<String, Tensor> {
+    let tb = token_batch(&PAIRS, 0, &Device::Cpu).unwrap();
+    let st = token_stats(model, &tb, 0.8, None, 3).unwrap();
+    assert_eq!(st.logprobs.dtype(), DType::F32, "log-probs are f32");
+    let loss = ((&st.logprobs * &tb.mask).unwrap().sum_all().unwrap()
+        + (&st.entropy * 0.3).unwrap().sum_all().unwrap()
+        + (st.topk_logprobs.as_ref().unwrap() * 0.1)
+            .unwrap()
+            .sum_all()
+            .unwrap())
+    .unwrap();
+    model.master_grads(&loss.backward().unwrap()).unwrap()
+}
+
+/// Every master is f32 and gets a finite, nonzero f32 gradient (the names in `zero_ok` may be
+/// exactly zero: LoRA's A while B is still 0).
+fn assert_every_master_gets_a_gradient(
+    what: &str,
+    model: &PolicyModel,
+    zero_ok: &dyn Fn(&str) -> bool,
+) {
+    assert_eq!(model.compute_dtype(), DType::BF16, "{what}");
+    let grads = master_grads(model);
+    let weights = model.weights().unwrap();
+    assert!(!weights.is_empty());
+    for (name, w) in &weights {
+        assert_eq!(w.dtype(), DType::F32, "{what}: master {name}");
+        let g = grads
+            .get(name)
+            .unwrap_or_else(|| panic!("{what}: {name} got no gradient"));
+        assert_eq!(g.dtype(), DType::F32, "{what}: gradient of {name}");
+        assert_eq!(g.dims(), w.dims(), "{what}: gradient of {name}");
+        let g = flat(g);
+        assert!(g.iter().all(|v| v.is_finite()), "{what}: {name}");
+        assert!(
+            zero_ok(name) || l2(&g) > 0.0,
+            "{what}: {name} got a zero gradient"
+        );
+    }
+}
+
+#[test]
+fn every_trainable_parameter_gets_an_f32_gradient_through_the_bf16_forward() {
+    // Built-in model: its bf16 gradients are close to the f32 model's.
+    let f32_model = tiny();
+    let want = master_grads(&f32_model);
+    let mut model = tiny();
+    model.set_compute_dtype(DType::BF16, 0).unwrap();
+    assert_every_master_gets_a_gradient("tiny", &model, &|_| false);
+    let got = master_grads(&model);
+    let (mut diff, mut norm) = (0f64, 0f64);
+    for (name, g) in &want {
+        let (a, b) = (flat(g), flat(&got[name]));
+        let d = a.iter().zip(&b).map(|(x, y)| (x - y).powi(2)).sum::<f64>();
+        // bf16 keeps 8 mantissa bits: each tensor's gradient within a few per cent.
+        assert!(
+            d.sqrt() <= 5e-2 * l2(&a),
+            "{name}: bf16 gradient off by {:e}",
+            d.sqrt() / l2(&a)
+        );
+        diff += d;
+        norm += l2(&a).powi(2);
+    }
+    let rel = (diff / norm).sqrt();
+    assert!(
+        rel > 0.0 && rel < 2e-2,
+        "bf16 vs f32 gradients: relative L2 {rel:e}"
+    );
+
+    // An HF checkpoint (Qwen3: q/k norms too).
+    let mut hf = PolicyModel::load_hf(&hf_fixture("qwen3-tiny"), &Device::Cpu).unwrap();
+    hf.set_compute_dtype(DType::BF16, 0).unwrap();
+    assert_every_master_gets_a_gradient("qwen3-tiny", &hf, &|_| false);
+
+    // LoRA: the adapters are the masters (f32), the frozen base is bf16.
+    let tmp = tempfile::tempdir().unwrap();
+    let mut lora = tiny();
+    let targets = ["q_proj".to_string(), "down_proj".to_string()];
+    let cfg = composer_model::LoraConfig::new(4, 8.0, 0.0, Some(&targets)).unwrap();
+    lora.enable_lora(&cfg, 5, None, tmp.path()).unwrap();
+    lora.set_compute_dtype(DType::BF16, 5).unwrap();
+    assert_eq!(lora.transformer.model.embed_tokens.dtype(), DType::BF16);
+    // B starts at 0, so A's gradient is 0 until B moves: B's must not be.
+    assert_every_master_gets_a_gradient("lora", &lora, &|n| n.contains("lora_A"));
+}
+
+/// The all-channels `[rollout]` / `[loss]` sections with a reference policy (`beta > 0`)
+/// that an EMA of the policy updates every 2 steps.
+fn all_channels_with_reference() -> String {
+    all_channels_rollout!().replace(
+        "replay_weight = 1.0\n",
+        "replay_weight = 1.0\nbeta = 0.05\nsync_ref_model = true\nref_model_sync_steps = 2\n\
+         ref_model_mixup_alpha = 0.5\n",
+    )
+}
+
+/// The tiny model with every loss channel and a reference policy.
+fn all_channels(extra_train: &str) -> String {
+    format!(
+        "{}{}{}",
+        tiny_model_and_task!(),
+        all_channels_with_reference(),
+        format!(
+            r#"
+[train]
+steps = 4
+prompts_per_step = 4
+seed = 11
+eval_every = 2
+checkpoint_every = 2
+num_iterations = 2
+mini_batches = 2
+gradient_accumulation_steps = 2
+{extra_train}
+
+[warmup]
+steps = 6
+batch_size = 8
+hint_fraction = 0.3
+
+[replay]
+traces = ["builtin:scripted"]
+"#
+        )
+    )
+}
+
+fn opts(recipe: &Path, run_dir: &Path) -> TrainOptions {
+    TrainOptions {
+        recipe_path: Some(recipe.to_path_buf()),
+        quiet: true,
+        run_dir_override: Some(run_dir.to_path_buf()),
+        ..Default::default()
+    }
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// Metric lines without wall-clock fields.
+fn stable_metrics(run_dir: &Path) -> Vec<Value> {
+    composer_telemetry::read_metrics(&run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .map(|mut l| {
+            l.as_object_mut().unwrap().retain(|k, _| {
+                !k.starts_with("time/") && k != "tokens_per_s" && k != "env/latency_s"
+            });
+            l
+        })
+        .collect()
+}
+
+fn safetensors_dtypes(path: &Path) -> Vec<(String, DType)> {
+    let t = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
+    assert!(!t.is_empty(), "{}", path.display());
+    t.into_iter().map(|(k, v)| (k, v.dtype())).collect()
+}
+
+#[test]
+fn bf16_run_keeps_f32_masters_and_resumes_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = write(tmp.path(), "bf16.toml", &all_channels("bf16 = true"));
+    let a = tmp.path().join("a");
+    assert_eq!(run_train(&opts(&recipe, &a)).unwrap().steps_completed, 4);
+    let lines = train_metrics(&a);
+    assert_eq!(lines.len(), 4);
+    for l in &lines {
+        for k in ["loss/rlvr", "loss/hint", "loss/replay", "kl", "grad_norm"] {
+            let v = l[k]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{k} missing in {l}"));
+            assert!(v.is_finite(), "{k} = {v}");
+        }
+        assert!(l["grad_norm"].as_f64().unwrap() > 0.0, "{l}");
+    }
+    // Masters, moments and the reference policy are stored in f32.
+    let ck = a.join("checkpoint");
+    for f in [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "reference.safetensors",
+    ] {
+        for (name, dt) in safetensors_dtypes(&ck.join(f)) {
+            assert_eq!(dt, DType::F32, "{f}: {name}");
+        }
+    }
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["dtype"], "float32");
+
+    // The bf16 path really ran: the f32 run of the same recipe logs other values.
+    let f32_recipe = write(tmp.path(), "f32.toml", &all_channels(""));
+    let f = tmp.path().join("f32");
+    run_train(&opts(&f32_recipe, &f)).unwrap();
+    assert_ne!(
+        train_metrics(&f)[0]["loss/rlvr"],
+        lines[0]["loss/rlvr"],
+        "bf16 and f32 runs logged the same loss"
+    );
+
+    // 2 steps, then resume to 4: the same metrics, bit for bit.
+    let b = tmp.path().join("b");
+    let mut o = opts(&recipe, &b);
+    o.max_steps_override = Some(2);
+    assert_eq!(run_train(&o).unwrap().steps_completed, 2);
+    let resumed = run_train(&TrainOptions {
+        resume: Some(b.clone()),
+        quiet: true,
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(resumed.steps_completed, 4);
+    assert_eq!(stable_metrics(&a), stable_metrics(&b));
+}
+
+#[test]
+fn bf16_update_is_close_to_the_f32_update_on_the_same_batch() {
+    // ε = 1 and no clipping: AdamW's first step is lr·g/(|g| + 1) ≈ lr·g, so the update is
+    // proportional to the gradient and comparing updates compares the gradients that reached
+    // the masters.
+    let recipe = |bf16: bool| {
+        format!(
+            "{}{}\n[optimizer]\nlr = 0.01\neps = 1.0\nmax_grad_norm = 0.0\n\n[train]\nsteps = 1\nprompts_per_step = 4\nseed = 2\ngradient_accumulation_steps = 2\nbf16 = {bf16}\n\n[replay]\ntraces = [\"builtin:scripted\"]\n",
+            tiny_model_and_task!(),
+            all_channels_with_reference(),
+        )
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let mut sessions = Vec::new();
+    for bf16 in [false, true] {
+        let name = format!("bf16-{bf16}");
+        let r = write(tmp.path(), &format!("{name}.toml"), &recipe(bf16));
+        sessions.push(open_session(&opts(&r, &tmp.path().join(name))).unwrap());
+    }
+    let (s32, s16) = sessions.split_at_mut(1);
+    let (s32, s16) = (&mut s32[0], &mut s16[0]);
+    assert_eq!(s16.model.compute_dtype(), DType::BF16);
+    // One batch (sampled by the f32 policy) for both.
+    let batch = rollout_batch(s32, 1).unwrap();
+    let rewards = reward_batch(s32, &batch);
+    // The untrained policy passes nothing (every advantage 0): fixed advantages of both signs
+    // give the policy-gradient channel a signal; replay's DPO pairs the scripted teacher's
+    // traces with the failing rollouts against the reference.
+    assert_eq!(
+        step_advantages(s32, &batch, &rewards).unwrap().len(),
+        batch.samples.len()
+    );
+    let adv: Vec<f64> = (0..batch.samples.len())
+        .map(|i| if i % 3 == 0 { 1.0 } else { -0.5 })
+        .collect();
+    let before: Vec<(String, Vec<f64>)> = s32
+        .model
+        .weights()
+        .unwrap()
+        .iter()
+        .map(|(n, t)| (n.clone(), flat(t)))
+        .collect();
+    assert_eq!(
+        before,
+        s16.model
+            .weights()
+            .unwrap()
+            .iter()
+            .map(|(n, t)| (n.clone(), flat(t)))
+            .collect::<Vec<_>>()
+    );
+    let mut deltas = Vec::new();
+    for s in [&mut *s32, &mut *s16] {
+        let stats = train_on_batch(s, 1, &batch, &rewards, &adv, false).unwrap();
+        assert_eq!(stats.updates, 1);
+        assert!(!stats.non_finite);
+        let after = s.model.weights().unwrap();
+        let d: Vec<Vec<f64>> = after
+            .iter()
+            .zip(&before)
+            .map(|((n, t), (n0, w0))| {
+                assert_eq!(n, n0);
+                assert_eq!(t.dtype(), DType::F32, "master {n}");
+                flat(t).iter().zip(w0).map(|(x, y)| x - y).collect()
+            })
+            .collect();
+        deltas.push(d);
+    }
+    let (mut diff, mut norm) = (0f64, 0f64);
+    for ((name, _), (d32, d16)) in before.iter().zip(deltas[0].iter().zip(&deltas[1])) {
+        assert!(
+            l2(d16) > 0.0,
+            "{name}: the bf16 step did not move its master"
+        );
+        diff += d32
+            .iter()
+            .zip(d16)
+            .map(|(x, y)| (x - y).powi(2))
+            .sum::<f64>();
+        norm += l2(d32).powi(2);
+    }
+    let rel = (diff / norm).sqrt();
+    assert!(
+        rel > 0.0,
+        "the bf16 update equals the f32 one: bf16 did not run"
+    );
+    assert!(rel < 2e-2, "bf16 vs f32 update: relative L2 {rel:e}");
+}
+
+#[test]
+fn fp16_and_bad_bf16_values_are_refused_naming_the_key() {
+    let refusal = |line: &str| {
+        let text = format!("{}\n[train]\n{line}\n", tiny_model_and_task!());
+        match composer_train::recipe::parse_recipe(&text, Path::new("bad.toml")) {
+            Ok(_) => panic!("accepted: {line}"),
+            Err(e) => format!("{e:#}"),
+        }
+    };
+    let err = refusal("fp16 = true");
+    assert!(
+        err.contains("bad.toml")
+            && err.contains("`[train] fp16` = true")
+            && err.contains("bf16 = true"),
+        "{err}"
+    );
+    let err = refusal("bf16 = \"yes\"");
+    assert!(err.contains("bf16"), "{err}");
+    for ok in ["fp16 = false", "bf16 = true", "bf16 = false"] {
+        let text = format!("{}\n[train]\n{ok}\n", tiny_model_and_task!());
+        composer_train::recipe::parse_recipe(&text, Path::new("ok.toml")).unwrap();
+    }
+}
