@@ -393,3 +393,67 @@ fn fp16_and_bad_bf16_values_are_refused_naming_the_key() {
         composer_train::recipe::parse_recipe(&text, Path::new("ok.toml")).unwrap();
     }
 }
+
+/// The bf16 weights the policy computes with: each master's name with its compute tensor.
+fn compute_weights(model: &PolicyModel) -> HashMap<String, Vec<f64>> {
+    model
+        .transformer
+        .named_tensors()
+        .into_iter()
+        .map(|(n, t)| {
+            assert_eq!(t.dtype(), DType::BF16, "{n}");
+            (n, flat(&t))
+        })
+        .collect()
+}
+
+/// Every master cast to bf16 equals the weight the forward reads: the copy is cast again
+/// after the warm-up's and the RL step's optimizer steps, and what an async generator gets
+/// (`sampling_copy`) holds exactly those values.
+fn assert_compute_is_the_cast_masters(what: &str, model: &PolicyModel) {
+    let compute = compute_weights(model);
+    for (name, master) in model.weights().unwrap() {
+        assert_eq!(master.dtype(), DType::F32, "{what}: {name}");
+        let cast = flat(&master.to_dtype(DType::BF16).unwrap());
+        assert_eq!(compute[&name], cast, "{what}: {name} is stale");
+    }
+    let copy = model.sampling_copy().unwrap();
+    assert_eq!(compute_weights(&copy), compute, "{what}: sampling copy");
+}
+
+#[test]
+fn the_compute_copy_follows_every_optimizer_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = format!(
+        "{}{}\n[train]\nsteps = 1\nprompts_per_step = 2\nbf16 = true\n\n[warmup]\nsteps = 2\nbatch_size = 4\n",
+        tiny_model_and_task!(),
+        all_channels_rollout!(),
+    );
+    let r = write(tmp.path(), "r.toml", &text);
+    let mut s = open_session(&opts(&r, &tmp.path().join("run"))).unwrap();
+    let masters = |s: &composer_train::session::Session| -> Vec<Vec<f64>> {
+        s.model
+            .weights()
+            .unwrap()
+            .iter()
+            .map(|(_, t)| flat(t))
+            .collect()
+    };
+    let initial = masters(&s);
+    assert_compute_is_the_cast_masters("initial", &s.model);
+    let w = s.recipe.warmup.clone().unwrap();
+    composer_train::trainer::warmup(&mut s, &w).unwrap();
+    assert!(
+        masters(&s) != initial,
+        "the warm-up did not move the masters"
+    );
+    assert_compute_is_the_cast_masters("after the warm-up", &s.model);
+    let batch = rollout_batch(&s, 1).unwrap();
+    let rewards = reward_batch(&s, &batch);
+    let adv: Vec<f64> = (0..batch.samples.len())
+        .map(|i| if i % 2 == 0 { 1.0 } else { -1.0 })
+        .collect();
+    let stats = train_on_batch(&mut s, 1, &batch, &rewards, &adv, false).unwrap();
+    assert_eq!(stats.updates, 1);
+    assert_compute_is_the_cast_masters("after an RL step", &s.model);
+}
