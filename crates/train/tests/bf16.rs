@@ -160,12 +160,8 @@ fn all_channels_with_reference() -> String {
 
 /// The tiny model with every loss channel and a reference policy.
 fn all_channels(extra_train: &str) -> String {
-    format!(
-        "{}{}{}",
-        tiny_model_and_task!(),
-        all_channels_with_reference(),
-        format!(
-            r#"
+    let train = format!(
+        r#"
 [train]
 steps = 4
 prompts_per_step = 4
@@ -185,7 +181,11 @@ hint_fraction = 0.3
 [replay]
 traces = ["builtin:scripted"]
 "#
-        )
+    );
+    format!(
+        "{}{}{train}",
+        tiny_model_and_task!(),
+        all_channels_with_reference()
     )
 }
 
@@ -306,15 +306,23 @@ fn assert_resume_is_exact(dir: &Path, name: &str, text: &str) -> PathBuf {
     })
     .unwrap();
     assert_eq!(resumed.steps_completed, 4, "{name}");
-    assert_eq!(
-        stable_metrics(&a),
-        stable_metrics(&b),
-        "{name}: resume differs"
-    );
-    for l in train_metrics(&a) {
-        let g = l["grad_norm"].as_f64().unwrap();
-        assert!(g.is_finite() && g > 0.0, "{name}: grad_norm {g}");
+    let (la, lb) = (stable_metrics(&a), stable_metrics(&b));
+    assert_eq!(la.len(), lb.len(), "{name}: metric lines");
+    for (x, y) in la.iter().zip(&lb) {
+        let (x, y) = (x.as_object().unwrap(), y.as_object().unwrap());
+        for k in x.keys().chain(y.keys()) {
+            assert_eq!(x.get(k), y.get(k), "{name}: {k} differs after resume");
+        }
     }
+    let norms: Vec<f64> = train_metrics(&a)
+        .iter()
+        .map(|l| l["grad_norm"].as_f64().unwrap())
+        .collect();
+    assert!(norms.iter().all(|g| g.is_finite()), "{name}: {norms:?}");
+    assert!(
+        norms.iter().any(|g| *g > 0.0),
+        "{name}: no gradient {norms:?}"
+    );
     a
 }
 
@@ -524,4 +532,47 @@ fn the_compute_copy_follows_every_optimizer_step() {
     let stats = train_on_batch(&mut s, 1, &batch, &rewards, &adv, false).unwrap();
     assert_eq!(stats.updates, 1);
     assert_compute_is_the_cast_masters("after an RL step", &s.model);
+}
+
+#[test]
+fn hf_checkpoint_trains_in_bf16_and_checkpoints_f32_masters() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = hf_fixture("qwen2-tiny");
+    let data = tmp.path().join("data.jsonl");
+    let rows: String = (1..=4)
+        .map(|i| {
+            format!(
+                "{{\"prompt\": \"{i} + {i} =\", \"answer\": \"{}\"}}\n",
+                2 * i
+            )
+        })
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let text = format!(
+        "[model]\npath = {model:?}\n\n[data]\ndataset = {data:?}\neval_dataset = {data:?}\n\n\
+         verifiers = [{{ kind = \"regex\", pattern = \"[aeiou]\" }}]\n\n\
+         [rollout]\nnum_generations = 4\nmax_completion_length = 4\n\n[loss]\nbeta = 0.05\n\n\
+         [train]\nsteps = 4\nprompts_per_step = 2\neval_every = 2\ncheckpoint_every = 2\n\
+         bf16 = true\n"
+    );
+    let a = assert_resume_is_exact(tmp.path(), "hf", &text);
+    let ck = a.join("checkpoint");
+    for f in [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "reference.safetensors",
+    ] {
+        for (name, dt) in safetensors_dtypes(&ck.join(f)) {
+            assert_eq!(dt, DType::F32, "{f}: {name}");
+        }
+    }
+    // The checkpoint loads as an HF model again, in the loaded checkpoint's dtype (f32).
+    let loaded = composer_model::Transformer::load(&ck, &Device::Cpu, DType::F32).unwrap();
+    assert_eq!(
+        loaded.cfg,
+        PolicyModel::load_hf(&model, &Device::Cpu)
+            .unwrap()
+            .config()
+            .clone()
+    );
 }
