@@ -3,8 +3,10 @@
 //! checkpoints store the f32 masters, and rollouts sample with the bf16 copy. Checks: every
 //! trainable parameter (full model, HF fixture, LoRA adapters) gets a nonzero f32 gradient
 //! through the bf16 forward; the trainer's bf16 update on a batch is close to its f32 update
-//! on the same batch (and not equal to it: the bf16 path ran); a bf16 run with every loss
-//! channel and a reference policy keeps f32 masters in its checkpoints and resumes exactly;
+//! on the same batch (and not equal to it: the bf16 path ran); the bf16 copy is cast again
+//! after every optimizer step and is what async generators get; bf16 runs (every loss
+//! channel with an EMA reference; LoRA; async; packed and checkpointed; an HF checkpoint with
+//! a `ref_model_path` reference) keep f32 masters in their checkpoints and resume exactly;
 //! `fp16 = true` and a non-boolean `bf16` are refused naming the key.
 
 use std::collections::HashMap;
@@ -551,11 +553,15 @@ fn hf_checkpoint_trains_in_bf16_and_checkpoints_f32_masters() {
     let text = format!(
         "[model]\npath = {model:?}\n\n[data]\ndataset = {data:?}\neval_dataset = {data:?}\n\n\
          verifiers = [{{ kind = \"regex\", pattern = \"[aeiou]\" }}]\n\n\
-         [rollout]\nnum_generations = 4\nmax_completion_length = 4\n\n[loss]\nbeta = 0.05\n\n\
+         [rollout]\nnum_generations = 4\nmax_completion_length = 4\n\n[loss]\nbeta = 0.05\nref_model_path = {model:?}\n\n\
          [train]\nsteps = 4\nprompts_per_step = 2\neval_every = 2\ncheckpoint_every = 2\n\
          bf16 = true\n"
     );
     let a = assert_resume_is_exact(tmp.path(), "hf", &text);
+    // The reference (`ref_model_path`, the same checkpoint) computes in bf16 too: at step 1
+    // it equals the policy bit for bit (an f32 reference would not).
+    let kl = train_metrics(&a)[0]["kl"].as_f64().unwrap();
+    assert_eq!(kl, 0.0, "step-1 KL to a bf16 copy of the same weights");
     let ck = a.join("checkpoint");
     for f in [
         "model.safetensors",
