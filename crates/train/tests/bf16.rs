@@ -534,6 +534,14 @@ fn the_compute_copy_follows_every_optimizer_step() {
     let stats = train_on_batch(&mut s, 1, &batch, &rewards, &adv, false).unwrap();
     assert_eq!(stats.updates, 1);
     assert_compute_is_the_cast_masters("after an RL step", &s.model);
+
+    // The non-finite guard: a NaN loss (the test hook) skips the step; neither the masters
+    // nor the copy move.
+    let before = masters(&s);
+    let stats = train_on_batch(&mut s, 2, &batch, &rewards, &adv, true).unwrap();
+    assert!(stats.non_finite && stats.updates == 0, "{stats:?}");
+    assert!(masters(&s) == before, "a non-finite step moved the masters");
+    assert_compute_is_the_cast_masters("after a skipped step", &s.model);
 }
 
 #[test]
