@@ -590,3 +590,25 @@ fn hf_checkpoint_trains_in_bf16_and_checkpoints_f32_masters() {
             .clone()
     );
 }
+
+#[test]
+fn deterministic_bf16_rollouts_score_bit_for_bit_as_the_trainer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = format!(
+        "{}{}\n[train]\nsteps = 2\nprompts_per_step = 2\neval_every = 0\nbf16 = true\n",
+        tiny_model_and_task!(),
+        all_channels_rollout!().replace(
+            "[rollout]\n",
+            "[rollout]\ndeterministic = true\ntemperature = 0.9\n"
+        ),
+    );
+    let r = write(tmp.path(), "det.toml", &text);
+    let run = tmp.path().join("run");
+    run_train(&opts(&r, &run)).unwrap();
+    let lines = train_metrics(&run);
+    assert_eq!(lines.len(), 2);
+    for l in &lines {
+        assert_eq!(l["mismatch/max_abs"].as_f64(), Some(0.0), "{l}");
+        assert_eq!(l["mismatch/kl"].as_f64(), Some(0.0), "{l}");
+    }
+}
