@@ -148,6 +148,22 @@ fn every_trainable_parameter_gets_an_f32_gradient_through_the_bf16_forward() {
     assert_eq!(lora.transformer.model.embed_tokens.dtype(), DType::BF16);
     // B starts at 0, so A's gradient is 0 until B moves: B's must not be.
     assert_every_master_gets_a_gradient("lora", &lora, &|n| n.contains("lora_A"));
+    // Loaded weights reach the bf16 copy: with B ≠ 0 every adapter gets a gradient.
+    let moved: HashMap<String, Tensor> = lora
+        .weights()
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| {
+            let t = if n.contains("lora_B") {
+                (t.ones_like().unwrap() * 0.01).unwrap()
+            } else {
+                t.copy().unwrap()
+            };
+            (n, t)
+        })
+        .collect();
+    lora.set_weights(&moved, Path::new("moved")).unwrap();
+    assert_every_master_gets_a_gradient("lora with B = 0.01", &lora, &|_| false);
 }
 
 /// The all-channels `[rollout]` / `[loss]` sections with a reference policy (`beta > 0`)
