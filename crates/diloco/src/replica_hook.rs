@@ -166,6 +166,8 @@ impl StepHook for ReplicaHook {
             }
             self.rt.block_on(diloco.load_state(&state, &vars))?;
         }
+        // With `[train] bf16` the forward reads a bf16 copy of the masters just written.
+        s.model.refresh_compute()?;
         // The vars now hold the global weights at the start of round `diloco.round()`, so the
         // replica continues at that round's first step: a replica (re)joining a run in
         // progress skips ahead to the run's position, and one resumed from a mid-round
@@ -188,7 +190,7 @@ impl StepHook for ReplicaHook {
         (step - 1) * self.config.num_replicas + self.replica_id + 1
     }
 
-    fn after_step(&mut self, _s: &mut Session, step: usize) -> Result<StepExtras> {
+    fn after_step(&mut self, s: &mut Session, step: usize) -> Result<StepExtras> {
         let replicas = self.config.num_replicas;
         let rt = &self.rt;
         let (diloco, vars) = self
@@ -199,7 +201,10 @@ impl StepHook for ReplicaHook {
         extras
             .keys
             .insert(keys::DILOCO_REPLICA.into(), json!(self.replica_id));
-        if let Some(report) = rt.block_on(diloco.after_inner_step(vars))? {
+        let report = rt.block_on(diloco.after_inner_step(vars))?;
+        // An outer step rewrote the masters: the bf16 compute copy (`[train] bf16`) follows.
+        s.model.refresh_compute()?;
+        if let Some(report) = report {
             let line: serde_json::Map<String, serde_json::Value> = [
                 (keys::STEP, json!(step)),
                 (keys::KIND, json!(KIND_DILOCO)),

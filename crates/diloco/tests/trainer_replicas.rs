@@ -161,6 +161,28 @@ fn two_trainer_replicas_in_processes_sync_through_a_folder() {
         .exists());
 }
 
+/// `[train] bf16 = true`: the replicas compute on bf16 copies of their f32 masters, which the
+/// outer steps overwrite (the hook casts the copy again); checkpoints keep the f32 masters.
+#[test]
+fn bf16_replicas_sync_through_a_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = tmp.path().join("recipe.toml");
+    let text = RECIPE.replace("[train]\n", "[train]\nbf16 = true\n");
+    assert_ne!(text, RECIPE);
+    std::fs::write(&recipe, text).unwrap();
+    let store = format!("file://{}", tmp.path().join("store").display());
+    let finals = run_both(&recipe, &store, tmp.path(), None);
+    assert_trained_together(&finals, tmp.path());
+    for i in 0..2 {
+        let ck = tmp
+            .path()
+            .join(format!("run-{i}/checkpoint/model.safetensors"));
+        for (name, t) in candle_core::safetensors::load(&ck, &candle_core::Device::Cpu).unwrap() {
+            assert_eq!(t.dtype(), candle_core::DType::F32, "replica {i}: {name}");
+        }
+    }
+}
+
 /// `[model] use_peft = true`: the replicas train and average only the LoRA adapters (the
 /// store holds PEFT-named adapter tensors, nothing of the frozen base), and each replica's
 /// checkpoint is a PEFT adapter.

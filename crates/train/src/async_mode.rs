@@ -321,7 +321,7 @@ impl Trainer<PolicyModel> for TrainActor<'_> {
         // The controller numbers versions by published steps; a skipped (non-finite) step
         // publishes unchanged weights under the next number, which is harmless.
         self.session.state.policy_version = policy_version;
-        let snapshot = Arc::new(self.session.model.snapshot()?);
+        let snapshot = Arc::new(self.session.model.sampling_copy()?);
         self.history.insert(policy_version, snapshot.clone());
         Ok(snapshot)
     }
@@ -391,7 +391,7 @@ impl<'a> AsyncActors<'a> {
                 .and_then(|v| v.trim().parse().ok()),
             batches_scored: 0,
         };
-        let initial = Arc::new(s.model.snapshot()?);
+        let initial = Arc::new(s.model.sampling_copy()?);
         let history = Arc::new(History::default());
         history.insert(s.state.policy_version, initial.clone());
         let floor_step = load_snapshots(s, &history)?;
@@ -442,7 +442,7 @@ fn load_snapshots(s: &Session, history: &History) -> Result<usize> {
     };
     let mut floor = m;
     for (j, tensors, path) in read_snapshots(&checkpoint, m, s.model.device())? {
-        let weights = s.model.snapshot()?;
+        let weights = s.model.sampling_copy()?;
         weights.set_weights(&tensors, &path)?;
         history.insert(version_of(j, m, s.state.policy_version), Arc::new(weights));
         floor = floor.min(j);

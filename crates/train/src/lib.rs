@@ -16,6 +16,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod env_batch;
 pub mod env_rollout;
+pub mod mixed_precision;
 pub mod model;
 pub mod optim;
 pub mod options;

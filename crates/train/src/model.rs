@@ -1,5 +1,6 @@
 //! The policy the trainer optimises: composer-model's [`Transformer`] over a `VarMap` of f32
-//! master weights. Two ways in, one forward pass:
+//! master weights (with `[train] bf16`, over a bf16 [`ComputeCopy`] of them; see
+//! [`crate::mixed_precision`]). Two ways in, one forward pass:
 //!
 //! - an HF checkpoint (`[model] path`), loaded by composer-model with its tokenizer, chat
 //!   template and every EOS id of `config.json` / `generation_config.json`;
@@ -7,14 +8,18 @@
 //!   from the recipe's keys, built by [`Transformer::random_init`] from a seed, with the
 //!   character tokenizer of [`crate::tokenizer`] and the ChatML template.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use composer_model::lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
 use composer_model::{LoraConfig, ModelConfig, ModelType, Transformer};
 use serde::{Deserialize, Serialize};
+
+use crate::mixed_precision::{self, ComputeCopy};
 
 /// Shape of the built-in tiny model (`[model.builtin_tiny]` in a recipe): a Qwen2-shaped
 /// decoder (q/k/v bias, RMSNorm, RoPE, grouped-query attention, SwiGLU).
@@ -116,11 +121,16 @@ impl TinyConfig {
 
 /// The trainable policy: the transformer, its f32 variables, and where it came from.
 pub struct PolicyModel {
-    /// The decoder; its tensors are the `varmap`'s variables.
+    /// The decoder; its tensors are the `varmap`'s variables, or with a compute copy
+    /// (`[train] bf16`) the copy's.
     pub transformer: Transformer,
     /// All trainable variables, by HF name; with LoRA only the adapters (PEFT names), the
-    /// base weights being frozen tensors of `transformer`.
+    /// base weights being frozen tensors of `transformer`. The f32 master weights the
+    /// optimizer updates and checkpoints store (a [`PolicyModel::sampling_copy`] of a bf16
+    /// policy holds bf16 values here: it is never trained).
     pub varmap: VarMap,
+    /// `[train] bf16`: the bf16 variables the forward and backward run on; None in f32.
+    compute: Option<ComputeCopy>,
     /// The HF checkpoint directory it was loaded from (tokenizer files, chat template and
     /// generation config are copied from it into checkpoints); None for the built-in model.
     pub source_dir: Option<PathBuf>,
@@ -141,6 +151,7 @@ impl PolicyModel {
         Ok(Self {
             transformer,
             varmap,
+            compute: None,
             source_dir: None,
             padding_free: false,
         })
@@ -153,6 +164,7 @@ impl PolicyModel {
         Ok(Self {
             transformer,
             varmap,
+            compute: None,
             source_dir: Some(dir.to_path_buf()),
             padding_free: false,
         })
@@ -171,6 +183,9 @@ impl PolicyModel {
         hf_path: Option<&Path>,
         run_dir: &Path,
     ) -> Result<PathBuf> {
+        if self.compute.is_some() {
+            bail!("LoRA adapters must be added before the compute dtype is set");
+        }
         let base = match hf_path {
             Some(p) => p.to_path_buf(),
             None => {
@@ -217,19 +232,102 @@ impl PolicyModel {
         self.transformer.forward_hidden(ids, None, None, true)
     }
 
-    /// An independent copy of the weights (one copy of every tensor): what the trainer
-    /// publishes to an async generator, and the frozen reference policy.
-    pub fn snapshot(&self) -> Result<PolicyModel> {
-        let varmap = VarMap::new();
-        {
-            let src = lock(&self.varmap)?;
-            let mut dst = lock(&varmap)?;
-            for (name, var) in src.iter() {
-                // `detach` shares the storage; `Var::from_tensor` of a non-variable copies it.
-                dst.insert(name.clone(), Var::from_tensor(&var.as_tensor().detach())?);
-            }
+    /// `[train] bf16`: from now on the forward and backward run on a copy of the variables
+    /// in `dtype` (a frozen LoRA base is cast once, here); the variables stay the f32
+    /// masters. Call after [`PolicyModel::enable_lora`]; with LoRA the adapters' dropout
+    /// restarts at the warm-up stream of `seed`, as after it. `DType::F32` changes nothing.
+    pub fn set_compute_dtype(&mut self, dtype: DType, seed: u64) -> Result<()> {
+        if dtype == DType::F32 {
+            return Ok(());
         }
-        let transformer = match self.lora() {
+        if self.compute.is_some() {
+            bail!(
+                "the policy already computes in {:?}",
+                self.transformer.dtype()
+            );
+        }
+        let compute = ComputeCopy::of(&self.varmap, dtype)?;
+        let mut transformer = match self.lora() {
+            Some(cfg) => {
+                let mut t = self.transformer.to_dtype(dtype)?;
+                t.attach_lora(cfg, &compute.varmap, 0)?;
+                t.reseed_lora_dropout(crate::seed::mix_seed(seed, 0, LORA_SEED_STREAM))?;
+                t
+            }
+            None => Transformer::from_varmap(self.config(), &compute.varmap, self.device())?,
+        };
+        transformer.gradient_checkpointing = self.transformer.gradient_checkpointing;
+        transformer.training_kernels = self.transformer.training_kernels;
+        transformer.source_shards = self.transformer.source_shards;
+        self.transformer = transformer;
+        self.compute = Some(compute);
+        Ok(())
+    }
+
+    /// The dtype the forward and backward run in (bf16 with `[train] bf16`, else f32).
+    pub fn compute_dtype(&self) -> DType {
+        self.transformer.dtype()
+    }
+
+    /// Casts the f32 masters into the compute copy again (nothing without one): after every
+    /// change of the masters (an optimizer step, loaded weights, an EMA update).
+    pub fn refresh_compute(&self) -> Result<()> {
+        match &self.compute {
+            Some(c) => c.refresh(&self.varmap),
+            None => Ok(()),
+        }
+    }
+
+    /// The gradient of every trainable variable in `store` (from a loss's backward), in f32
+    /// and keyed by the master's name: with a compute copy its bf16 gradients cast to f32.
+    pub fn master_grads(&self, store: &GradStore) -> Result<HashMap<String, Tensor>> {
+        match &self.compute {
+            Some(c) => c.master_grads(store),
+            None => mixed_precision::direct_grads(&self.varmap, store),
+        }
+    }
+
+    /// An independent copy of the weights (one copy of every tensor, the f32 masters and, in
+    /// bf16, a compute copy of them): the frozen reference policy, whose masters an EMA
+    /// (`sync_ref_model`) updates in f32.
+    pub fn snapshot(&self) -> Result<PolicyModel> {
+        let varmap = copy_vars(&self.varmap)?;
+        let compute = match &self.compute {
+            Some(c) => Some(ComputeCopy::of(&varmap, c.dtype)?),
+            None => None,
+        };
+        let transformer = self.frozen_over(compute.as_ref().map_or(&varmap, |c| &c.varmap))?;
+        Ok(PolicyModel {
+            transformer,
+            varmap,
+            compute,
+            source_dir: self.source_dir.clone(),
+            padding_free: self.padding_free,
+        })
+    }
+
+    /// The weights rollouts sample with, as an independent copy: what the trainer publishes
+    /// to an async generator. In f32 a [`PolicyModel::snapshot`]; in bf16 a copy of the
+    /// compute variables only (the values the synchronous loop samples with), which its
+    /// `varmap` holds: a sampling copy is never trained.
+    pub fn sampling_copy(&self) -> Result<PolicyModel> {
+        let Some(c) = &self.compute else {
+            return self.snapshot();
+        };
+        let varmap = copy_vars(&c.varmap)?;
+        Ok(PolicyModel {
+            transformer: self.frozen_over(&varmap)?,
+            varmap,
+            compute: None,
+            source_dir: self.source_dir.clone(),
+            padding_free: self.padding_free,
+        })
+    }
+
+    /// A transformer over `vars` (this model's variable names, in the compute dtype) that is
+    /// never trained.
+    fn frozen_over(&self, vars: &VarMap) -> Result<Transformer> {
+        match self.lora() {
             // The frozen base is shared (never written); only the adapter is copied. A copy
             // is never trained, so it has no dropout (TRL's reference model has none either):
             // its log-probs are a function of its weights alone, and a resumed run's
@@ -240,17 +338,11 @@ impl PolicyModel {
                     ..cfg.clone()
                 };
                 let mut t = self.transformer.clone();
-                t.attach_lora(&frozen, &varmap, 0)?;
-                t
+                t.attach_lora(&frozen, vars, 0)?;
+                Ok(t)
             }
-            None => Transformer::from_varmap(self.config(), &varmap, self.device())?,
-        };
-        Ok(PolicyModel {
-            transformer,
-            varmap,
-            source_dir: self.source_dir.clone(),
-            padding_free: self.padding_free,
-        })
+            None => Transformer::from_varmap(self.config(), vars, self.device()),
+        }
     }
 
     /// Every weight by name (shares storage with the variables).
@@ -266,11 +358,7 @@ impl PolicyModel {
 
     /// Overwrites every weight from `tensors` (by name); a missing or mis-shaped tensor is
     /// an error naming it and `origin`.
-    pub fn set_weights(
-        &self,
-        tensors: &std::collections::HashMap<String, Tensor>,
-        origin: &Path,
-    ) -> Result<()> {
+    pub fn set_weights(&self, tensors: &HashMap<String, Tensor>, origin: &Path) -> Result<()> {
         let data = lock(&self.varmap)?;
         for (name, var) in data.iter() {
             let t = tensors
@@ -284,9 +372,10 @@ impl PolicyModel {
                     var.dims()
                 );
             }
-            var.set(&t.to_dtype(DType::F32)?.to_device(var.device())?)?;
+            var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
         }
-        Ok(())
+        drop(data);
+        self.refresh_compute()
     }
 
     /// The file of a checkpoint directory holding the trainable weights: PEFT's
@@ -338,7 +427,21 @@ impl PolicyModel {
     }
 }
 
-fn lock(v: &VarMap) -> Result<std::sync::MutexGuard<'_, std::collections::HashMap<String, Var>>> {
+/// A new `VarMap` with a copy of every variable of `src`.
+fn copy_vars(src: &VarMap) -> Result<VarMap> {
+    let varmap = VarMap::new();
+    {
+        let src = lock(src)?;
+        let mut dst = lock(&varmap)?;
+        for (name, var) in src.iter() {
+            // `detach` shares the storage; `Var::from_tensor` of a non-variable copies it.
+            dst.insert(name.clone(), Var::from_tensor(&var.as_tensor().detach())?);
+        }
+    }
+    Ok(varmap)
+}
+
+fn lock(v: &VarMap) -> Result<std::sync::MutexGuard<'_, HashMap<String, Var>>> {
     v.data()
         .lock()
         .map_err(|_| anyhow::anyhow!("varmap lock poisoned"))

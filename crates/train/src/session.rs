@@ -91,6 +91,7 @@ impl Session {
                 let mut r = PolicyModel::load_hf(p, self.model.device())
                     .with_context(|| format!("key `[loss] ref_model_path` = {}", p.display()))?;
                 r.padding_free = self.model.padding_free;
+                r.set_compute_dtype(self.model.compute_dtype(), self.recipe.train.seed)?;
                 if r.vocab_size() != self.model.vocab_size() {
                     bail!(
                         "key `[loss] ref_model_path`: {} has vocab_size {}, the policy {}",
@@ -132,7 +133,8 @@ impl Session {
             .collect::<Result<_>>()?;
         composer_loss::ema_update(&vars, &student, rc.ref_model_mixup_alpha)
             .map_err(|e| anyhow::anyhow!("syncing the reference policy: {e}"))?;
-        Ok(())
+        drop(data);
+        reference.refresh_compute()
     }
 
     /// Prompt token ids of a text.
@@ -341,6 +343,11 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
         Some(cfg) => Some(model.enable_lora(cfg, seed, recipe.model.path.as_deref(), &run_dir)?),
         None => None,
     };
+    // After LoRA: the compute copy of a LoRA model is its adapters' (and a bf16 frozen base).
+    model.set_compute_dtype(
+        crate::mixed_precision::compute_dtype(recipe.train.bf16),
+        seed,
+    )?;
     if let Some(c) = &resume_ckpt {
         model.check_adapter_config(&c.dir)?;
         // An HF model without LoRA was loaded from the checkpoint directory itself.

@@ -122,7 +122,7 @@ pub fn warmup(s: &mut Session, w: &crate::recipe::WarmupSection) -> Result<f64> 
         let lp = batch::token_stats(&s.model, &tb, 1.0, None, 0)?.logprobs;
         let loss = batch::masked_mean(&lp.neg()?, &tb.mask)?;
         last = scalar(&loss)?;
-        let mut grads = collect_grads(&opt, &loss)?;
+        let mut grads = s.model.master_grads(&loss.backward()?)?;
         let names: Vec<String> = opt.vars.iter().map(|(n, _)| n.clone()).collect();
         let norm = optim::grad_norm(&names, &grads)?;
         if !last.is_finite() || !norm.is_finite() {
@@ -130,19 +130,9 @@ pub fn warmup(s: &mut Session, w: &crate::recipe::WarmupSection) -> Result<f64> 
         }
         optim::clip_grads(&mut grads, norm, s.recipe.optimizer.max_grad_norm)?;
         opt.step(&grads, w.lr)?;
+        s.model.refresh_compute()?;
     }
     Ok(last)
-}
-
-fn collect_grads(opt: &AdamW, loss: &Tensor) -> Result<HashMap<String, Tensor>> {
-    let store = loss.backward()?;
-    let mut out = HashMap::new();
-    for (name, var) in &opt.vars {
-        if let Some(g) = store.get(var.as_tensor()) {
-            out.insert(name.clone(), g.clone());
-        }
-    }
-    Ok(out)
 }
 
 /// μ passes over the batch; each pass splits it into `mini_batches` optimizer steps (by prompt
@@ -299,7 +289,8 @@ pub fn train_on_batch(
                     finite = false;
                     continue;
                 }
-                for (k, gk) in collect_grads(&s.opt, &loss)? {
+                // In f32 even when the forward ran in bf16: the accumulators are f32.
+                for (k, gk) in s.model.master_grads(&loss.backward()?)? {
                     let acc = match grads.remove(&k) {
                         Some(a) => (a + gk)?,
                         None => gk,
@@ -324,6 +315,8 @@ pub fn train_on_batch(
             );
             stats.lr = lr;
             s.opt.step(&grads, lr)?;
+            // The next micro-batch's forward (and the next rollouts) read the new weights.
+            s.model.refresh_compute()?;
             stats.updates += 1;
         }
     }

@@ -142,6 +142,15 @@ pub fn validate_ranges(r: &Recipe, origin: &Path) -> Result<()> {
         );
     }
 
+    // fp16's narrow exponent range underflows small gradients without loss scaling.
+    if r.train.fp16 {
+        bail!(
+            "recipe {file}: key `[train] fp16` = true is not supported: fp16 training needs \
+             dynamic loss scaling, which composer-rl does not implement; allowed: fp16 = false, \
+             or `[train] bf16 = true` (bf16 compute with f32 master weights, no loss scaling)"
+        );
+    }
+
     let d = &r.data;
     // With `[env]` the env's reward replaces the verifiers, so an empty list is fine there.
     if d.verifiers.is_empty() && r.env.is_none() {

@@ -323,6 +323,16 @@ pub struct TrainSection {
     /// per layer). CPU only (`[model] device = "cpu"`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub gradient_checkpointing: bool,
+    /// TRL's `bf16`: every training forward and backward runs on a bf16 copy of the f32
+    /// master weights (cast after each optimizer step); gradients are accumulated, clipped
+    /// and applied in f32, AdamW's moments are f32, checkpoints store the f32 masters, and
+    /// rollouts sample with the bf16 copy ([`crate::mixed_precision`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub bf16: bool,
+    /// TRL's `fp16`: refused when true (fp16 training needs loss scaling, which is not
+    /// implemented); accepted as false so TRL configs carry over.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fp16: bool,
     /// Seed of every random draw (each draw depends on (seed, step, index)).
     #[serde(default)]
     pub seed: u64,
