@@ -74,8 +74,11 @@ with open(sys.argv[1], "w") as f:
     for q in qs:
         f.write(json.dumps({"messages": [{"role": "user", "content": q}], "answer": "x"}) + "\n")
 PY
-  for peft in false true; do
-    cat >"$W/hf-$peft.toml" <<TOML
+  for variant in full lora bf16; do
+    peft=false; bf16=false
+    [ "$variant" = lora ] && peft=true
+    [ "$variant" = bf16 ] && bf16=true
+    cat >"$W/hf-$variant.toml" <<TOML
 [model]
 path = "$COMPOSER_SHARED/fixtures/hf-tiny/qwen2-tiny"
 device = "cuda"
@@ -92,14 +95,15 @@ steps = 4
 prompts_per_step = 8
 checkpoint_every = 2
 eval_every = 2
+bf16 = $bf16
 [output]
-run_dir = "$W/run-hf-$peft"
+run_dir = "$W/run-hf-$variant"
 TOML
-    if timeout 150 "$BIN" train "$W/hf-$peft.toml" --quiet >"$W/e2e-hf-$peft.log" 2>&1 \
-      && timeout 100 "$BIN" train "$W/hf-$peft.toml" --quiet --resume "$W/run-hf-$peft" --steps 6 >>"$W/e2e-hf-$peft.log" 2>&1; then
-      note "e2e qwen2-tiny checkpoint on cuda (use_peft=$peft): PASS ($(grep -c '"step"' "$W/run-hf-$peft/metrics.jsonl") metric rows, resume to 6)"
+    if timeout 150 "$BIN" train "$W/hf-$variant.toml" --quiet >"$W/e2e-hf-$variant.log" 2>&1 \
+      && timeout 100 "$BIN" train "$W/hf-$variant.toml" --quiet --resume "$W/run-hf-$variant" --steps 6 >>"$W/e2e-hf-$variant.log" 2>&1; then
+      note "e2e qwen2-tiny checkpoint on cuda ($variant): PASS ($(grep -c '"step"' "$W/run-hf-$variant/metrics.jsonl") metric rows, resume to 6; last $(grep -o '"loss/rlvr":[-0-9.e]*' "$W/run-hf-$variant/metrics.jsonl" | tail -1))"
     else
-      note "e2e qwen2-tiny checkpoint on cuda (use_peft=$peft): FAIL"; tail -12 "$W/e2e-hf-$peft.log"
+      note "e2e qwen2-tiny checkpoint on cuda ($variant): FAIL"; tail -12 "$W/e2e-hf-$variant.log"
     fi
   done
 fi

@@ -80,6 +80,13 @@ def main():
         name = f"{shape} {b}x{seq}" + (" LoRA r16" if lora else "")
         print(f"{name:<34} | {fmt(c)} | {fmt(e)} | {fmt(k) if kt else f'{chr(45):>27}'} | {r_e}  {r_k}")
 
+    print("\ncomposer-rl training step phases (s, synchronised): decoder forward / LM head + log-probs / backward")
+    for shape, b, seq, lora, ct, et, kt in rows:
+        rep = load(d, ct)
+        if rep and rep.get("rows") and rep["rows"][0].get("train_phase_s"):
+            f, h, bw = rep["rows"][0]["train_phase_s"]
+            print(f"{shape} {b}x{seq}{' LoRA' if lora else ''}: {f:.3f} / {h:.3f} / {bw:.3f}")
+
     print("\ndecode (bf16, prompt 128, 64 new tokens, tokens/s excluding prefill; % of the HBM roofline)")
     for shape, ct, et in [("qwen2.5-0.5b", "c05-d", "te05-d"), ("qwen2.5-7b", "c7-d", None)]:
         c, e = load(d, ct), load(d, et) if et else None

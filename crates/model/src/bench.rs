@@ -129,6 +129,9 @@ pub struct BenchRow {
     pub batch: usize,
     /// Training forward+backward tokens per second (None if skipped).
     pub train_tokens_per_s: Option<f64>,
+    /// Seconds of one extra training step's phases, synchronised between them: decoder
+    /// forward, LM head with log-probs, backward (None if training was skipped).
+    pub train_phase_s: Option<[f64; 3]>,
     /// Decode tokens per second (prefill excluded; None if skipped).
     pub decode_tokens_per_s: Option<f64>,
     /// Peak RSS of the process (MB) right after this row's training steps (Linux; the
@@ -223,20 +226,39 @@ pub fn bench_input(b: usize, t: usize, vocab: u32, device: &Device) -> Result<Te
 /// One training step as the trainer takes it: differentiable hidden states, the fused
 /// chunked head's next-token log-probs, backward of their negated mean.
 pub fn train_step(model: &Transformer, input: &Tensor) -> Result<()> {
+    train_step_phases(model, input, false).map(|_| ())
+}
+
+/// [`train_step`], returning the seconds of its three phases (decoder forward, LM head with
+/// log-probs, backward) when `timed` (the device is synchronised between phases).
+fn train_step_phases(model: &Transformer, input: &Tensor, timed: bool) -> Result<[f64; 3]> {
+    let mut marks = [0.0; 3];
+    let mut clock = Instant::now();
+    let mut lap = |i: usize, dev: &Device| -> Result<()> {
+        if timed {
+            sync(dev)?;
+            marks[i] = clock.elapsed().as_secs_f64();
+            clock = Instant::now();
+        }
+        Ok(())
+    };
     let (b, t) = input.dims2()?;
     let targets = input.narrow(1, 1, t - 1)?.reshape((b * (t - 1), 1))?;
     let hidden = model
         .forward_hidden(input, None, None, true)?
         .narrow(1, 0, t - 1)?
         .reshape((b * (t - 1), model.cfg.hidden_size))?;
+    lap(0, input.device())?;
     let loss = model
         .head_logprobs(&hidden, &targets, &HeadOptions::default())?
         .at_ids
         .to_dtype(DType::F32)?
         .mean_all()?
         .neg()?;
+    lap(1, input.device())?;
     let _grads = loss.backward()?;
-    Ok(())
+    lap(2, input.device())?;
+    Ok(marks)
 }
 
 /// Runs the benchmark and returns the numbers (also see [`BenchReport::table`]).
@@ -282,6 +304,12 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
             sync(&cfg.device)?;
             Some((b * t * cfg.train_iters) as f64 / start.elapsed().as_secs_f64())
         };
+        let train_phase_s = if cfg.skip_train {
+            None
+        } else {
+            let input = bench_input(b, cfg.train_seq_len, vocab, &cfg.device)?;
+            Some(train_step_phases(&train_model, &input, true)?)
+        };
         let peak_rss_after_train_mb = peak_rss_mb();
         let decode_tokens_per_s = if cfg.skip_decode {
             None
@@ -291,6 +319,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         rows.push(BenchRow {
             batch: b,
             train_tokens_per_s,
+            train_phase_s,
             decode_tokens_per_s,
             peak_rss_after_train_mb,
         });

@@ -17,9 +17,12 @@ use anyhow::{bail, Context, Result};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, D};
 
-/// Upper bound on the elements of one chunk's `[rows, vocab]` logits (64 MiB in f32); the
-/// backward holds a few tensors of this size at once.
+/// Upper bound on the elements of one chunk's `[rows, vocab]` logits on the CPU (64 MiB in
+/// f32); the backward holds a few tensors of this size at once.
 pub const DEFAULT_CHUNK_ELEMENTS: usize = 1 << 24;
+/// The same bound on a GPU (512 MiB in f32): with Qwen's 151,936-token vocabulary a chunk is
+/// 883 rows, so the head's matrix products stay large enough to run near the card's rate.
+pub const DEFAULT_GPU_CHUNK_ELEMENTS: usize = 1 << 27;
 
 /// What [`head_logprobs`] computes besides the gathered log-probs and the entropy.
 #[derive(Debug, Clone, Copy)]
@@ -28,7 +31,8 @@ pub struct HeadOptions {
     pub temperature: f64,
     /// Also select each row's `top_k` most likely ids (0 = none).
     pub top_k: usize,
-    /// Upper bound on one chunk's `rows × vocab` elements.
+    /// Upper bound on one chunk's `rows × vocab` elements; 0 = the device's default
+    /// ([`DEFAULT_CHUNK_ELEMENTS`] on the CPU, [`DEFAULT_GPU_CHUNK_ELEMENTS`] elsewhere).
     pub chunk_elements: usize,
 }
 
@@ -37,7 +41,7 @@ impl Default for HeadOptions {
         HeadOptions {
             temperature: 1.0,
             top_k: 0,
-            chunk_elements: DEFAULT_CHUNK_ELEMENTS,
+            chunk_elements: 0,
         }
     }
 }
@@ -70,9 +74,11 @@ fn chunk_rows(v: usize, chunk_elements: usize) -> usize {
     (chunk_elements / v.max(1)).max(1)
 }
 
-/// `log softmax(h·Wᵀ / T)` of one chunk, `[c, V]` in the work dtype, without a graph.
+/// `log softmax(h·Wᵀ / T)` of one chunk, `[c, V]` in the work dtype, without a graph. The
+/// product runs in the weights' dtype (bf16 on the matrix units for a bf16 model, as
+/// transformers computes bf16 logits), the softmax in f32 (f64 for f64).
 fn chunk_logsoftmax(h: &Tensor, w: &Tensor, temperature: f64) -> Result<Tensor> {
-    let z = h.matmul(&w.t()?)?;
+    let z = h.matmul(&w.t()?)?.to_dtype(work_dtype(h))?;
     let z = if temperature != 1.0 {
         (z / temperature)?
     } else {
@@ -85,12 +91,37 @@ fn chunk_logsoftmax(h: &Tensor, w: &Tensor, temperature: f64) -> Result<Tensor> 
 }
 
 /// The `k` largest entries of each row of `[c, V]` log-probs, as `[c, k]` u32 ids in
-/// decreasing order. On the CPU a size-k scan per row; elsewhere the device's sort.
+/// decreasing order. On the CPU a size-k scan per row; elsewhere `k` rounds of a row argmax
+/// that then masks the winner, on the device (candle's device sort needs shared memory for
+/// a whole row, which a 151,936-wide vocabulary exceeds).
 fn topk_rows(logp: &Tensor, k: usize) -> Result<Tensor> {
     if !matches!(logp.device(), Device::Cpu) {
-        let order = logp.arg_sort_last_dim(false)?;
-        return Ok(order.narrow(D::Minus1, 0, k)?.contiguous()?);
+        return topk_by_argmax(logp, k);
     }
+    topk_by_scan(logp, k)
+}
+
+/// [`topk_rows`] as `k` device passes of argmax-then-mask.
+fn topk_by_argmax(logp: &Tensor, k: usize) -> Result<Tensor> {
+    {
+        let mut rest = logp.clone();
+        let mut picks = Vec::with_capacity(k);
+        let neg_inf = Tensor::new(f32::NEG_INFINITY, logp.device())?
+            .to_dtype(logp.dtype())?
+            .broadcast_as(logp.shape())?;
+        let cols = Tensor::arange(0u32, logp.dim(1)? as u32, logp.device())?.unsqueeze(0)?;
+        for _ in 0..k {
+            let best = rest.argmax_keepdim(D::Minus1)?;
+            let hit = cols.broadcast_eq(&best)?;
+            rest = hit.where_cond(&neg_inf, &rest)?;
+            picks.push(best);
+        }
+        Ok(Tensor::cat(&picks, 1)?)
+    }
+}
+
+/// [`topk_rows`] on the host: one size-k scan per row.
+fn topk_by_scan(logp: &Tensor, k: usize) -> Result<Tensor> {
     let rows: Vec<Vec<f32>> = logp.to_dtype(DType::F32)?.to_vec2()?;
     let mut out = Vec::with_capacity(rows.len() * k);
     for row in &rows {
@@ -151,9 +182,14 @@ pub fn head_logprobs(
     }
     let top_k = opts.top_k.min(v);
     let dt = work_dtype(hidden);
-    let w = weight.detach().to_dtype(dt)?;
-    let hid = hidden.detach().to_dtype(dt)?;
-    let rows = chunk_rows(v, opts.chunk_elements);
+    let w = weight.detach().to_dtype(hidden.dtype())?;
+    let hid = hidden.detach();
+    let chunk_elements = match opts.chunk_elements {
+        0 if hidden.device().is_cpu() => DEFAULT_CHUNK_ELEMENTS,
+        0 => DEFAULT_GPU_CHUNK_ELEMENTS,
+        e => e,
+    };
+    let rows = chunk_rows(v, chunk_elements);
     let mut values = Vec::new();
     let mut all_ids = Vec::new();
     let mut start = 0;
@@ -267,11 +303,14 @@ impl CustomOp3 for FusedHead {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (n, width) = self.ids.dims2()?;
         let dt = work_dtype(hidden);
-        let w = weight.detach().to_dtype(dt)?;
-        let hid = hidden.detach().to_dtype(dt)?;
+        // Products in the model's dtype (bf16 matrix units for bf16), softmax algebra and the
+        // weight gradient's accumulation over chunks in the work dtype.
+        let mm = hidden.dtype();
+        let w = weight.detach().to_dtype(mm)?;
+        let hid = hidden.detach();
         let grad = grad_res.detach().to_dtype(dt)?;
         let entropy = res.detach().narrow(1, width, 1)?.to_dtype(dt)?;
-        let mut dw = w.zeros_like()?;
+        let mut dw = Tensor::zeros(w.shape(), dt, w.device())?;
         let mut dh = Vec::new();
         let mut start = 0;
         while start < n {
@@ -292,9 +331,9 @@ impl CustomOp3 for FusedHead {
             if width > 0 {
                 dz = dz.scatter_add(&self.ids.narrow(0, start, c)?, &g_ids.contiguous()?, 1)?;
             }
-            let dz = (dz / self.temperature)?;
+            let dz = (dz / self.temperature)?.to_dtype(mm)?;
             dh.push(dz.matmul(&w)?);
-            dw = (dw + dz.t()?.matmul(&h_c)?)?;
+            dw = (dw + dz.t()?.matmul(&h_c)?.to_dtype(dt)?)?;
             start += c;
         }
         let dh = if n == 0 {
@@ -307,5 +346,35 @@ impl CustomOp3 for FusedHead {
             Some(dw.to_dtype(weight.dtype())?),
             None,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The device top-K (argmax passes) selects what the host scan selects, in order.
+    #[test]
+    fn topk_by_argmax_equals_the_scan() {
+        let v = 1000;
+        let data: Vec<f32> = (0..7 * v)
+            .map(|i| ((i as f32 * 0.618_034).fract() * 40.0).floor() / 3.0)
+            .collect();
+        let logp = Tensor::from_vec(data, (7, v), &Device::Cpu).unwrap();
+        for k in [1, 5, 32] {
+            let a = topk_by_argmax(&logp, k).unwrap().to_vec2::<u32>().unwrap();
+            let b = topk_by_scan(&logp, k).unwrap().to_vec2::<u32>().unwrap();
+            let vals = logp.to_vec2::<f32>().unwrap();
+            for r in 0..7 {
+                // Equal values may be picked in another order; the selected values agree.
+                let va: Vec<f32> = a[r].iter().map(|&i| vals[r][i as usize]).collect();
+                let vb: Vec<f32> = b[r].iter().map(|&i| vals[r][i as usize]).collect();
+                assert_eq!(va, vb, "k {k} row {r}");
+                let mut ids = a[r].clone();
+                ids.sort();
+                ids.dedup();
+                assert_eq!(ids.len(), k, "k {k} row {r}: distinct ids");
+            }
+        }
     }
 }

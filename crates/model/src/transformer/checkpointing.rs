@@ -17,7 +17,7 @@
 //! taken before the forward, so the backward sees the forward's masks.
 
 use super::{Ctx, DecoderLayer};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, Var};
 use std::sync::{Arc, Mutex};
 
@@ -28,12 +28,6 @@ type GradSlots = Arc<Mutex<Vec<Option<Tensor>>>>;
 /// The layer's output for input `x` `[B, T, hidden]`, its activations recomputed in the
 /// backward. Gradients reach `x` and every trainable (variable) tensor of the layer.
 pub(super) fn forward(layer: &DecoderLayer, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
-    if !x.device().is_cpu() {
-        bail!(
-            "gradient_checkpointing: supported on the CPU only (the model is on {:?})",
-            x.device()
-        );
-    }
     // Taken before the forward draws its dropout masks.
     let replay = with_forked_dropout(layer)?;
     let mut plain = layer.clone();
@@ -106,12 +100,7 @@ impl CustomOp2 for Recompute {
         _token: &CpuStorage,
         _lt: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let y = self
-            .output
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("checkpoint output lock poisoned".into()))?
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("checkpointed layer applied twice".into()))?;
+        let y = self.take_output()?;
         let (storage, layout) = y.storage_and_layout();
         let candle_core::Storage::Cpu(s) = &*storage else {
             candle_core::bail!("checkpointed layer: output not on the CPU")
@@ -121,6 +110,24 @@ impl CustomOp2 for Recompute {
             _ => candle_core::bail!("checkpointed layer: output not a contiguous fresh tensor"),
         }
         Ok((s.clone(), y.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _x: &candle_core::CudaStorage,
+        _lx: &Layout,
+        _token: &candle_core::CudaStorage,
+        _lt: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let y = self.take_output()?;
+        let (storage, layout) = y.storage_and_layout();
+        let candle_core::Storage::Cuda(s) = &*storage else {
+            candle_core::bail!("checkpointed layer: output not on the GPU")
+        };
+        // The op must return an owned storage: one device copy of the layer's output.
+        Ok((s.try_clone(layout)?, y.shape().clone()))
     }
 
     fn bwd(
@@ -138,6 +145,15 @@ impl CustomOp2 for Recompute {
 }
 
 impl Recompute {
+    /// The graph-free forward's output (once).
+    fn take_output(&self) -> candle_core::Result<Tensor> {
+        self.output
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("checkpoint output lock poisoned".into()))?
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("checkpointed layer applied twice".into()))
+    }
+
     /// Re-runs the layer on `x` with the weights tracked, backpropagates `grad` (∂loss/∂y),
     /// stores the weights' gradients in the slots and returns ∂loss/∂x.
     fn recompute(&self, x: &Tensor, grad: &Tensor) -> Result<Tensor> {
@@ -183,6 +199,18 @@ impl CustomOp2 for ParamLink {
         _lw: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         Ok((token.clone(), layout.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        token: &candle_core::CudaStorage,
+        layout: &Layout,
+        _w: &candle_core::CudaStorage,
+        _lw: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        Ok((token.try_clone(layout)?, layout.shape().clone()))
     }
 
     fn bwd(

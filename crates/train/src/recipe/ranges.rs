@@ -133,15 +133,6 @@ pub fn validate_ranges(r: &Recipe, origin: &Path) -> Result<()> {
         }
     }
 
-    // The checkpointed layer's custom op has a CPU forward only.
-    if r.train.gradient_checkpointing && r.model.device.trim() != "cpu" {
-        bail!(
-            "recipe {file}: key `[train] gradient_checkpointing` = true is not supported with \
-             `[model] device` = {:?}; allowed: gradient_checkpointing = false, or device = \"cpu\"",
-            r.model.device
-        );
-    }
-
     // fp16's narrow exponent range underflows small gradients without loss scaling.
     if r.train.fp16 {
         bail!(
