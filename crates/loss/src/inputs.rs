@@ -4,9 +4,9 @@
 //!
 //! A leaf module: it imports nothing from the loss functions, so the channels (`rlvr`, `hint`,
 //! `replay`) depend on it and never the other way round.
-use crate::util::{check_float, check_shape, host1, host2};
+use crate::util::{check_float, check_shape, value};
 use crate::{LossError, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 /// Everything the loss reads for one micro-batch of `B` completions padded to `T` tokens
 /// (right padding). Modelled on PRIME-RL's `LossInputs`: named per-token tensors.
@@ -98,32 +98,34 @@ impl LossInputs {
         Ok((b, t))
     }
 
-    /// The advantages as host rows `[B][T]` (a `[B]` tensor is repeated over each row).
-    pub fn advantage_rows(&self) -> Result<Vec<Vec<f64>>> {
-        let (_, t) = self.dims()?;
+    /// The advantages as a `[B, T]` tensor on their device (a `[B]` tensor is repeated over
+    /// each row).
+    pub fn advantage_tensor(&self) -> Result<Tensor> {
+        let (b, t) = self.dims()?;
         if self.advantages.rank() == 2 {
-            return host2(&self.advantages);
+            return Ok(self.advantages.detach());
         }
-        Ok(host1(&self.advantages)?
-            .into_iter()
-            .map(|a| vec![a; t])
-            .collect())
+        Ok(self
+            .advantages
+            .detach()
+            .unsqueeze(1)?
+            .broadcast_as((b, t))?
+            .contiguous()?)
     }
 
-    /// The effective loss mask as host rows: `loss_mask`, with truncated completions zeroed
-    /// when `mask_truncated_completions` (TRL zeroes their `completion_mask`).
-    pub fn effective_mask(&self, mask_truncated_completions: bool) -> Result<Vec<Vec<f64>>> {
-        let mut m = host2(&self.loss_mask)?;
-        if mask_truncated_completions {
-            if let Some(tr) = &self.truncated {
-                for (row, &is_tr) in m.iter_mut().zip(tr) {
-                    if is_tr {
-                        row.iter_mut().for_each(|x| *x = 0.0);
-                    }
-                }
+    /// The effective `[B, T]` loss mask, on the mask's device: `loss_mask`, with truncated
+    /// completions zeroed when `mask_truncated_completions` (TRL zeroes their
+    /// `completion_mask`).
+    pub fn effective_mask(&self, mask_truncated_completions: bool) -> Result<Tensor> {
+        let m = self.loss_mask.detach();
+        match (&self.truncated, mask_truncated_completions) {
+            (Some(tr), true) => {
+                let keep: Vec<f64> = tr.iter().map(|&x| if x { 0.0 } else { 1.0 }).collect();
+                let keep = Tensor::from_vec(keep, (tr.len(), 1), m.device())?.to_dtype(m.dtype())?;
+                Ok(m.broadcast_mul(&keep)?)
             }
+            _ => Ok(m),
         }
-        Ok(m)
     }
 }
 
@@ -159,13 +161,9 @@ impl LossScale {
         let mut tokens = 0.0;
         let mut seqs = 0.0;
         for mb in micro_batches {
-            for row in mb.effective_mask(mask_truncated_completions)? {
-                let s: f64 = row.iter().sum();
-                tokens += s;
-                if s > 0.0 {
-                    seqs += 1.0;
-                }
-            }
+            let per_row = mb.effective_mask(mask_truncated_completions)?.sum(1)?;
+            tokens += value(&per_row.sum_all()?)?;
+            seqs += value(&per_row.gt(0.0)?.to_dtype(DType::F64)?.sum_all()?)?;
         }
         Ok(Self {
             global_active_tokens: tokens,
