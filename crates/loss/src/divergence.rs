@@ -70,7 +70,7 @@ impl DistillationAgg {
 /// SDPO's `add_tail`: append log(1 − Σ exp(x)) with the sum clamped below 1.
 pub(crate) fn add_tail(x: &Tensor) -> Result<Tensor> {
     let ls = logsumexp_last(x)?; // [B, T, 1]
-    // Where log Σp > −1e-7 the clamp is active: the value becomes the constant −1e-7.
+                                 // Where log Σp > −1e-7 the clamp is active: the value becomes the constant −1e-7.
     let c = gate(&ls.detach().gt(-1e-7)?, &ls)?;
     let one_minus_c = (c.ones_like()? - &c)?;
     let ls = ((ls * one_minus_c)? + (c * -1e-7)?)?;
@@ -111,5 +111,42 @@ pub fn divergence_per_token(
             key: "divergence",
             message: "sampled_token has no distribution form".into(),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn distillation_weights_are_the_mask_over_its_normaliser() {
+        let m = Tensor::new(&[[1f64, 1., 0.], [0., 0., 0.], [1., 1., 1.]], &Device::Cpu).unwrap();
+        let tok = DistillationAgg::TokenMean.weights(&m).unwrap();
+        let seq = DistillationAgg::SeqMeanTokenMean.weights(&m).unwrap();
+        let (t, s) = (tok.to_vec2::<f64>().unwrap(), seq.to_vec2::<f64>().unwrap());
+        assert_eq!(t[0], vec![0.2, 0.2, 0.0]);
+        assert_eq!(t[1], vec![0.0; 3]);
+        assert_eq!(s[0], vec![0.5 / 3.0, 0.5 / 3.0, 0.0]);
+        assert_eq!(s[1], vec![0.0; 3]);
+        assert_eq!(s[2], vec![1.0 / 9.0; 3]);
+    }
+
+    #[test]
+    fn add_tail_clamps_the_tail_where_the_top_k_holds_all_the_mass() {
+        // Row 0: two tokens with 0.5 + 0.25 of the mass; row 1: the whole mass (tail clamped).
+        let x = Tensor::new(
+            &[[[0.5f64.ln(), 0.25f64.ln()], [0.0, f64::NEG_INFINITY]]],
+            &Device::Cpu,
+        )
+        .unwrap();
+        let y = add_tail(&x)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec3::<f64>()
+            .unwrap();
+        assert!((y[0][0][2] - 0.25f64.ln()).abs() < 1e-12);
+        assert!((y[0][1][2] - (1.0 - (-1e-7f64).exp()).ln()).abs() < 1e-9);
     }
 }

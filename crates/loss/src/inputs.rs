@@ -121,7 +121,8 @@ impl LossInputs {
         match (&self.truncated, mask_truncated_completions) {
             (Some(tr), true) => {
                 let keep: Vec<f64> = tr.iter().map(|&x| if x { 0.0 } else { 1.0 }).collect();
-                let keep = Tensor::from_vec(keep, (tr.len(), 1), m.device())?.to_dtype(m.dtype())?;
+                let keep =
+                    Tensor::from_vec(keep, (tr.len(), 1), m.device())?.to_dtype(m.dtype())?;
                 Ok(m.broadcast_mul(&keep)?)
             }
             _ => Ok(m),
@@ -228,4 +229,55 @@ pub struct ReplayInputs {
     pub dpo: Option<DpoInputs>,
     /// Teacher traces' top-K distributions.
     pub teacher_kl: Option<TeacherKlInputs>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn effective_mask_and_advantages_are_tensors_on_the_inputs_device() {
+        let dev = Device::Cpu;
+        let lp = Tensor::zeros((3, 4), DType::F32, &dev).unwrap();
+        let mask = Tensor::new(
+            &[[1f32, 1., 0., 0.], [1., 1., 1., 1.], [1., 0., 0., 0.]],
+            &dev,
+        )
+        .unwrap();
+        let adv = Tensor::new(&[0.5f32, -1.0, 2.0], &dev).unwrap();
+        let mut inputs = LossInputs::new(lp, adv, mask.clone());
+        inputs.truncated = Some(vec![false, true, false]);
+        let kept = inputs.effective_mask(true).unwrap();
+        assert!(kept.device().same_device(&dev));
+        assert_eq!(
+            kept.to_vec2::<f32>().unwrap(),
+            vec![
+                vec![1., 1., 0., 0.],
+                vec![0., 0., 0., 0.],
+                vec![1., 0., 0., 0.]
+            ]
+        );
+        assert_eq!(
+            inputs
+                .effective_mask(false)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap(),
+            mask.to_vec2::<f32>().unwrap()
+        );
+        let a = inputs.advantage_tensor().unwrap();
+        assert_eq!(a.dims(), &[3, 4]);
+        assert_eq!(a.to_vec2::<f32>().unwrap()[1], vec![-1.0; 4]);
+        let scale = LossScale::local(&inputs, true).unwrap();
+        assert_eq!(
+            (scale.global_active_tokens, scale.global_sequences),
+            (3.0, 2.0)
+        );
+        let scale = LossScale::local(&inputs, false).unwrap();
+        assert_eq!(
+            (scale.global_active_tokens, scale.global_sequences),
+            (7.0, 3.0)
+        );
+    }
 }

@@ -234,19 +234,9 @@ pub fn teacher_kl_loss(
         let k = names.binary_search(&n).expect("every name is listed");
         onehot[k * b + i] = 1.0;
     }
-    let onehot =
-        Tensor::from_vec(onehot, (names.len(), b), m.device())?.to_dtype(m.dtype())?;
-    let row_sums = Tensor::cat(
-        &[
-            (kl.detach() * &m)?.sum_keepdim(1)?,
-            m.sum_keepdim(1)?,
-        ],
-        1,
-    )?;
-    let per: Vec<Vec<f64>> = onehot
-        .matmul(&row_sums)?
-        .to_dtype(DType::F64)?
-        .to_vec2()?;
+    let onehot = Tensor::from_vec(onehot, (names.len(), b), m.device())?.to_dtype(m.dtype())?;
+    let row_sums = Tensor::cat(&[(kl.detach() * &m)?.sum_keepdim(1)?, m.sum_keepdim(1)?], 1)?;
+    let per: Vec<Vec<f64>> = onehot.matmul(&row_sums)?.to_dtype(DType::F64)?.to_vec2()?;
     let totals = row_sums.sum(0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
     let (tot, n_tok) = (totals[0], totals[1]);
     let metrics = TeacherKlMetrics {

@@ -57,14 +57,12 @@ pub(crate) fn keep_or(cond: &Tensor, x: &Tensor, v: f64) -> Result<Tensor> {
 }
 
 /// torch.clamp with its gradient: the value `x` where `lo ≤ x ≤ hi` (gradient 1), else the
-/// bound as a constant (gradient 0): `x·g + c` with the gate g and the constant c decided on
-/// the detached value.
+/// bound as a constant (gradient 0), the choice made on the detached value.
 pub(crate) fn clamp_const(x: &Tensor, lo: f64, hi: f64) -> Result<Tensor> {
     let xd = x.detach();
     let inside = and(&xd.ge(lo)?, &xd.le(hi)?)?;
-    let below = select(&xd.lt(lo)?, lo, 0.0, &xd)?;
-    let c = xd.gt(hi)?.where_cond(&full_like(&xd, hi)?, &below)?;
-    Ok(((x * gate(&inside, x)?)? + c)?)
+    let bound = select(&xd.lt(lo)?, lo, hi, &xd)?;
+    Ok(inside.where_cond(x, &bound)?)
 }
 
 /// Σ x·m / max(1, Σ m) as a scalar tensor (TRL's `masked_mean`, local).
@@ -112,7 +110,9 @@ pub(crate) fn kth_smallest(values: &Tensor, active: &Tensor, k: usize) -> Result
     let v_act = keep_or(&act, &v, f64::INFINITY)?;
     let act_f = act.to_dtype(DType::F32)?;
     let need = (k + 1) as f64;
-    let count_le = |x: f64| -> Result<f64> { value(&(v_act.le(x)?.to_dtype(DType::F32)? * &act_f)?.sum_all()?) };
+    let count_le = |x: f64| -> Result<f64> {
+        value(&(v_act.le(x)?.to_dtype(DType::F32)? * &act_f)?.sum_all()?)
+    };
     let min_above = |lo: f64| -> Result<f64> {
         value(&keep_or(&v_act.gt(lo)?, &v_act, f64::INFINITY)?.min_all()?)
     };
@@ -208,4 +208,4 @@ pub(crate) fn masked_sum(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -62,11 +62,7 @@ pub(crate) fn ppo_clip_gates(r: &Tensor, adv: &Tensor, cfg: &RlvrConfig) -> Resu
 
 /// CISPO's detached IS weight (min(r, ε_high), or clip(r, 1−ε, 1+ε_high) two-sided) and its
 /// clip indicator (r > ε_high and A > 0).
-pub(crate) fn cispo_weight(
-    r: &Tensor,
-    adv: &Tensor,
-    cfg: &RlvrConfig,
-) -> Result<(Tensor, Tensor)> {
+pub(crate) fn cispo_weight(r: &Tensor, adv: &Tensor, cfg: &RlvrConfig) -> Result<(Tensor, Tensor)> {
     let r = r.detach();
     let eps_high = cfg.epsilon_high();
     let capped = match cfg.cispo_clip_mode {
@@ -202,8 +198,7 @@ pub(crate) fn sampler_is_weights(
         let n = value(&active.to_dtype(DType::F64)?.sum_all()?)?;
         if n > 0.0 {
             metrics.is_weight_mean = Some(value(&keep_or(&active, &w, 0.0)?.sum_all()?)? / n);
-            metrics.is_weight_min =
-                Some(value(&keep_or(&active, &w, f64::INFINITY)?.min_all()?)?);
+            metrics.is_weight_min = Some(value(&keep_or(&active, &w, f64::INFINITY)?.min_all()?)?);
             metrics.is_weight_max =
                 Some(value(&keep_or(&active, &w, f64::NEG_INFINITY)?.max_all()?)?);
         }

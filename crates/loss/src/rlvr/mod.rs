@@ -157,10 +157,13 @@ pub fn rlvr_loss(
 
     // Top-entropy mask.
     let entropy_mask: Option<Tensor> = if cfg.top_entropy_quantile < 1.0 {
-        let h = inputs.entropies.as_ref().ok_or_else(|| LossError::Missing {
-            field: "entropies",
-            reason: "top_entropy_quantile < 1 masks tokens by entropy".into(),
-        })?;
+        let h = inputs
+            .entropies
+            .as_ref()
+            .ok_or_else(|| LossError::Missing {
+                field: "entropies",
+                reason: "top_entropy_quantile < 1 masks tokens by entropy".into(),
+            })?;
         let em = gates::high_entropy_mask(h, &mask_t, cfg.top_entropy_quantile)?;
         metrics.entropy_masked_fraction = Some(1.0 - masked_mean_value(&em, &mask_t)?);
         Some(em)
@@ -214,9 +217,7 @@ pub fn rlvr_loss(
         }
         LossType::Gpg => (lp * &adv_t)?.neg()?,
         LossType::ClipCov => terms::clip_cov_per_token(cfg, lp, &coef1, &mask_t, &adv_t)?,
-        LossType::KlCov => {
-            terms::kl_cov_per_token(cfg, lp, &coef1, &log_ratio, &mask_t, &adv_t)?
-        }
+        LossType::KlCov => terms::kl_cov_per_token(cfg, lp, &coef1, &log_ratio, &mask_t, &adv_t)?,
         LossType::GeoMean => {
             pg_scalar = Some(terms::geo_mean_loss(cfg, &log_ratio, &mask_t, &adv_t)?);
             lp.zeros_like()?
