@@ -22,7 +22,7 @@ use crate::divergence::{add_tail, renorm};
 pub use crate::divergence::{divergence_per_token, DistillationAgg, HintDivergence, HintSupport};
 pub use crate::inputs::HintInputs;
 use crate::inputs::LossInputs;
-use crate::util::{gate, masked_sum, value};
+use crate::util::{gate, masked_sum, row_column, value};
 use crate::{LossError, Result};
 use candle_core::{Tensor, Var};
 use serde::{Deserialize, Serialize};
@@ -109,7 +109,7 @@ pub fn hint_loss(inputs: &LossInputs, cfg: &HintConfig) -> Result<(Tensor, HintM
         .iter()
         .map(|&h| if h { 1.0 } else { 0.0 })
         .collect();
-    let keep = Tensor::from_vec(keep, (b, 1), lp.device())?.to_dtype(lp.dtype())?;
+    let keep = row_column(&keep, lp)?;
     let m = inputs
         .loss_mask
         .detach()

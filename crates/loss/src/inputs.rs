@@ -4,7 +4,7 @@
 //!
 //! A leaf module: it imports nothing from the loss functions, so the channels (`rlvr`, `hint`,
 //! `replay`) depend on it and never the other way round.
-use crate::util::{check_float, check_shape, value};
+use crate::util::{check_float, check_shape, row_column, value};
 use crate::{LossError, Result};
 use candle_core::{DType, Tensor};
 
@@ -121,9 +121,7 @@ impl LossInputs {
         match (&self.truncated, mask_truncated_completions) {
             (Some(tr), true) => {
                 let keep: Vec<f64> = tr.iter().map(|&x| if x { 0.0 } else { 1.0 }).collect();
-                let keep =
-                    Tensor::from_vec(keep, (tr.len(), 1), m.device())?.to_dtype(m.dtype())?;
-                Ok(m.broadcast_mul(&keep)?)
+                Ok(m.broadcast_mul(&row_column(&keep, &m)?)?)
             }
             _ => Ok(m),
         }

@@ -20,7 +20,7 @@ use crate::divergence::{
     add_tail, divergence_per_token, DistillationAgg, HintDivergence, HintSupport,
 };
 pub use crate::inputs::{DpoInputs, ReplayInputs, TeacherKlInputs};
-use crate::util::{check_shape, const1, gate, logsumexp_last, select, value};
+use crate::util::{check_shape, const1, gate, logsumexp_last, row_column, select, value};
 use crate::{LossError, Result};
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
@@ -218,8 +218,7 @@ pub fn teacher_kl_loss(
         .iter()
         .map(|n| teacher_weights.get(n).copied().unwrap_or(1.0))
         .collect();
-    let w = Tensor::from_vec(w, (b, 1), m.device())?.to_dtype(m.dtype())?;
-    let wm = agg.weights(&m)?.broadcast_mul(&w)?;
+    let wm = agg.weights(&m)?.broadcast_mul(&row_column(&w, &m)?)?;
     let loss = (&kl * wm)?.sum_all()?;
     // Per-teacher sums: a one-hot [teachers, B] (host names) times the rows' [B, 2] sums of
     // m·KL and m, so only one number per teacher comes back.

@@ -25,6 +25,12 @@ pub(crate) fn const1(v: &[f64], like: &Tensor) -> Result<Tensor> {
     Ok(Tensor::from_vec(v.to_vec(), v.len(), like.device())?.to_dtype(like.dtype())?)
 }
 
+/// A `[B, 1]` column of per-row host values (flags, weights) with the dtype and device of
+/// `like`, to broadcast over a `[B, T]` tensor.
+pub(crate) fn row_column(v: &[f64], like: &Tensor) -> Result<Tensor> {
+    Ok(const1(v, like)?.unsqueeze(1)?)
+}
+
 /// A 0/1 `u8` condition as a float gate of `like`'s dtype.
 pub(crate) fn gate(cond: &Tensor, like: &Tensor) -> Result<Tensor> {
     Ok(cond.to_dtype(like.dtype())?)
