@@ -4,20 +4,21 @@
 //! parts, as in the references. Nothing per-token is copied to the host: only single numbers
 //! (metrics, counts, one order statistic at a time) are read back.
 use crate::{LossError, Result};
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Device, Tensor, D};
 
 /// One number read back from a scalar (or one-element) tensor, as f64.
 pub(crate) fn value(t: &Tensor) -> Result<f64> {
     Ok(t.detach()
-        .to_dtype(DType::F64)?
         .flatten_all()?
         .get(0)?
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F64)?
         .to_scalar::<f64>()?)
 }
 
 /// A tensor of `like`'s shape, dtype and device filled with `v`.
 pub(crate) fn full_like(like: &Tensor, v: f64) -> Result<Tensor> {
-    Ok(Tensor::full(v, like.shape(), like.device())?.to_dtype(like.dtype())?)
+    Ok((like.zeros_like()? + v)?)
 }
 
 /// A constant 1-D tensor of host data (lengths, flags) with the dtype and device of `like`.
