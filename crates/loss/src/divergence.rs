@@ -2,7 +2,7 @@
 //! hint channel (student vs hinted self) and the replay channel's teacher KL (student vs
 //! recorded teacher). A leaf module so both channels share one implementation without
 //! depending on each other.
-use crate::util::{const2, host3, logsumexp_last};
+use crate::util::{gate, logsumexp_last};
 use crate::{LossError, Result};
 use candle_core::{Tensor, D};
 use serde::{Deserialize, Serialize};
@@ -50,24 +50,18 @@ pub enum DistillationAgg {
 }
 
 impl DistillationAgg {
-    /// Per-token weights `[B][T]` whose dot product with the per-token loss is the aggregate;
-    /// `mask` is the (already hint/weight-applied) host mask.
-    pub(crate) fn weights(self, mask: &[Vec<f64>]) -> Vec<Vec<f64>> {
+    /// Per-token weights `[B, T]` whose dot product with the per-token loss is the aggregate;
+    /// `mask` is the (already hint/weight-applied) `[B, T]` float mask, on its device.
+    pub(crate) fn weights(self, mask: &Tensor) -> Result<Tensor> {
         match self {
             DistillationAgg::TokenMean => {
-                let n: f64 = mask.iter().flatten().sum::<f64>().max(1.0);
-                mask.iter()
-                    .map(|r| r.iter().map(|m| m / n).collect())
-                    .collect()
+                let n = mask.sum_all()?.maximum(1.0)?;
+                Ok(mask.broadcast_div(&n)?)
             }
             DistillationAgg::SeqMeanTokenMean => {
-                let b = mask.len().max(1) as f64;
-                mask.iter()
-                    .map(|r| {
-                        let n = r.iter().sum::<f64>().max(1.0);
-                        r.iter().map(|m| m / n / b).collect()
-                    })
-                    .collect()
+                let b = mask.dim(0)?.max(1) as f64;
+                let n = mask.sum_keepdim(1)?.maximum(1.0)?;
+                Ok((mask.broadcast_div(&n)? / b)?)
             }
         }
     }
@@ -76,23 +70,15 @@ impl DistillationAgg {
 /// SDPO's `add_tail`: append log(1 − Σ exp(x)) with the sum clamped below 1.
 pub(crate) fn add_tail(x: &Tensor) -> Result<Tensor> {
     let ls = logsumexp_last(x)?; // [B, T, 1]
-    let ls_h = host3(&ls)?;
-    // Where log Σp > −1e-7 the clamp is active: the value becomes the constant −1e-7.
-    let clamp_rows: Vec<Vec<f64>> = ls_h
-        .iter()
-        .map(|r| {
-            r.iter()
-                .map(|v| if v[0] > -1e-7 { 1.0 } else { 0.0 })
-                .collect()
-        })
-        .collect();
-    let c = const2(&clamp_rows, x)?.unsqueeze(D::Minus1)?;
+                                 // Where log Σp > −1e-7 the clamp is active: the value becomes the constant −1e-7.
+    let c = gate(&ls.detach().gt(-1e-7)?, &ls)?;
     let one_minus_c = (c.ones_like()? - &c)?;
     let ls = ((ls * one_minus_c)? + (c * -1e-7)?)?;
     let tail = (ls.exp()?.neg()? + 1.0)?.log()?;
     Ok(Tensor::cat(&[x, &tail], D::Minus1)?)
 }
 
+/// Renormalise log-probs over the last dim (log-softmax of log-probs).
 pub(crate) fn renorm(x: &Tensor) -> Result<Tensor> {
     Ok(x.broadcast_sub(&logsumexp_last(x)?)?)
 }
@@ -125,5 +111,42 @@ pub fn divergence_per_token(
             key: "divergence",
             message: "sampled_token has no distribution form".into(),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn distillation_weights_are_the_mask_over_its_normaliser() {
+        let m = Tensor::new(&[[1f64, 1., 0.], [0., 0., 0.], [1., 1., 1.]], &Device::Cpu).unwrap();
+        let tok = DistillationAgg::TokenMean.weights(&m).unwrap();
+        let seq = DistillationAgg::SeqMeanTokenMean.weights(&m).unwrap();
+        let (t, s) = (tok.to_vec2::<f64>().unwrap(), seq.to_vec2::<f64>().unwrap());
+        assert_eq!(t[0], vec![0.2, 0.2, 0.0]);
+        assert_eq!(t[1], vec![0.0; 3]);
+        assert_eq!(s[0], vec![0.5 / 3.0, 0.5 / 3.0, 0.0]);
+        assert_eq!(s[1], vec![0.0; 3]);
+        assert_eq!(s[2], vec![1.0 / 9.0; 3]);
+    }
+
+    #[test]
+    fn add_tail_clamps_the_tail_where_the_top_k_holds_all_the_mass() {
+        // Row 0: two tokens with 0.5 + 0.25 of the mass; row 1: the whole mass (tail clamped).
+        let x = Tensor::new(
+            &[[[0.5f64.ln(), 0.25f64.ln()], [0.0, f64::NEG_INFINITY]]],
+            &Device::Cpu,
+        )
+        .unwrap();
+        let y = add_tail(&x)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec3::<f64>()
+            .unwrap();
+        assert!((y[0][0][2] - 0.25f64.ln()).abs() < 1e-12);
+        assert!((y[0][1][2] - (1.0 - (-1e-7f64).exp()).ln()).abs() < 1e-9);
     }
 }

@@ -22,9 +22,9 @@ use crate::divergence::{add_tail, renorm};
 pub use crate::divergence::{divergence_per_token, DistillationAgg, HintDivergence, HintSupport};
 pub use crate::inputs::HintInputs;
 use crate::inputs::LossInputs;
-use crate::util::{const2, host2};
+use crate::util::{gate, masked_sum, row_column, value};
 use crate::{LossError, Result};
-use candle_core::{DType, Tensor, Var};
+use candle_core::{Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 /// Knobs of the hint channel. Defaults follow SDPO's `self_distillation` config (TRL 1.16's
@@ -104,14 +104,19 @@ pub fn hint_loss(inputs: &LossInputs, cfg: &HintConfig) -> Result<(Tensor, HintM
         });
     }
     let lp = &inputs.trainer_logprobs;
-    let mut m = host2(&inputs.loss_mask)?;
-    for (row, &h) in m.iter_mut().zip(&hint.has_hint) {
-        if !h {
-            row.iter_mut().for_each(|x| *x = 0.0);
-        }
-    }
-    let agg_t = const2(&cfg.loss_agg_mode.weights(&m), lp)?;
-    let n_tok: f64 = m.iter().flatten().sum();
+    let keep: Vec<f64> = hint
+        .has_hint
+        .iter()
+        .map(|&h| if h { 1.0 } else { 0.0 })
+        .collect();
+    let keep = row_column(&keep, lp)?;
+    let m = inputs
+        .loss_mask
+        .detach()
+        .to_dtype(lp.dtype())?
+        .broadcast_mul(&keep)?;
+    let agg_t = cfg.loss_agg_mode.weights(&m)?;
+    let n_tok = value(&m.sum_all()?)?;
 
     let per_token = match cfg.divergence {
         HintDivergence::SampledToken => {
@@ -161,41 +166,21 @@ pub fn hint_loss(inputs: &LossInputs, cfg: &HintConfig) -> Result<(Tensor, HintM
             divergence_per_token(&s2, &t2, d, cfg.alpha)?.to_dtype(lp.dtype())?
         }
     };
-    let div_h = host2(&per_token)?;
-    let div_mean = div_h
-        .iter()
-        .flatten()
-        .zip(m.iter().flatten())
-        .map(|(d, k)| d * k)
-        .sum::<f64>()
-        / n_tok.max(1.0);
+    let div_mean = value(&masked_sum(&per_token.detach(), &m)?)? / n_tok.max(1.0);
 
     let (per_token, is_mean, capped) = match cfg.is_clip {
         Some(cap) => {
-            let lp_h = host2(lp)?;
-            let old_h = match &inputs.old_logprobs {
-                Some(o) => host2(o)?,
-                None => lp_h.clone(),
+            let lpd = lp.detach();
+            let old = match &inputs.old_logprobs {
+                Some(o) => o.detach().to_dtype(lp.dtype())?,
+                None => lpd.clone(),
             };
-            let mut capped = 0.0;
-            let mut sum_w = 0.0;
-            let w: Vec<Vec<f64>> = (0..b)
-                .map(|i| {
-                    (0..t)
-                        .map(|j| {
-                            let r = (lp_h[i][j] - old_h[i][j]).clamp(-20.0, 20.0).exp();
-                            let w = r.min(cap);
-                            if r > cap {
-                                capped += m[i][j];
-                            }
-                            sum_w += w * m[i][j];
-                            w
-                        })
-                        .collect()
-                })
-                .collect();
+            let r = (lpd - old)?.clamp(-20.0, 20.0)?.exp()?;
+            let w = r.minimum(cap)?;
+            let capped = value(&masked_sum(&gate(&r.gt(cap)?, &r)?, &m)?)?;
+            let sum_w = value(&masked_sum(&w, &m)?)?;
             (
-                (per_token * const2(&w, lp)?)?,
+                (per_token * w)?,
                 sum_w / n_tok.max(1.0),
                 capped / n_tok.max(1.0),
             )
@@ -204,7 +189,7 @@ pub fn hint_loss(inputs: &LossInputs, cfg: &HintConfig) -> Result<(Tensor, HintM
     };
     let loss = (per_token * &agg_t)?.sum_all()?;
     let metrics = HintMetrics {
-        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        loss: value(&loss)?,
         hinted_samples: hint.has_hint.iter().filter(|h| **h).count() as f64,
         hinted_tokens: n_tok,
         divergence_mean: div_mean,

@@ -4,9 +4,9 @@
 //!
 //! A leaf module: it imports nothing from the loss functions, so the channels (`rlvr`, `hint`,
 //! `replay`) depend on it and never the other way round.
-use crate::util::{check_float, check_shape, host1, host2};
+use crate::util::{check_float, check_shape, row_column, value};
 use crate::{LossError, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 /// Everything the loss reads for one micro-batch of `B` completions padded to `T` tokens
 /// (right padding). Modelled on PRIME-RL's `LossInputs`: named per-token tensors.
@@ -98,32 +98,33 @@ impl LossInputs {
         Ok((b, t))
     }
 
-    /// The advantages as host rows `[B][T]` (a `[B]` tensor is repeated over each row).
-    pub fn advantage_rows(&self) -> Result<Vec<Vec<f64>>> {
-        let (_, t) = self.dims()?;
+    /// The advantages as a `[B, T]` tensor on their device (a `[B]` tensor is repeated over
+    /// each row).
+    pub fn advantage_tensor(&self) -> Result<Tensor> {
+        let (b, t) = self.dims()?;
         if self.advantages.rank() == 2 {
-            return host2(&self.advantages);
+            return Ok(self.advantages.detach());
         }
-        Ok(host1(&self.advantages)?
-            .into_iter()
-            .map(|a| vec![a; t])
-            .collect())
+        Ok(self
+            .advantages
+            .detach()
+            .unsqueeze(1)?
+            .broadcast_as((b, t))?
+            .contiguous()?)
     }
 
-    /// The effective loss mask as host rows: `loss_mask`, with truncated completions zeroed
-    /// when `mask_truncated_completions` (TRL zeroes their `completion_mask`).
-    pub fn effective_mask(&self, mask_truncated_completions: bool) -> Result<Vec<Vec<f64>>> {
-        let mut m = host2(&self.loss_mask)?;
-        if mask_truncated_completions {
-            if let Some(tr) = &self.truncated {
-                for (row, &is_tr) in m.iter_mut().zip(tr) {
-                    if is_tr {
-                        row.iter_mut().for_each(|x| *x = 0.0);
-                    }
-                }
+    /// The effective `[B, T]` loss mask, on the mask's device: `loss_mask`, with truncated
+    /// completions zeroed when `mask_truncated_completions` (TRL zeroes their
+    /// `completion_mask`).
+    pub fn effective_mask(&self, mask_truncated_completions: bool) -> Result<Tensor> {
+        let m = self.loss_mask.detach();
+        match (&self.truncated, mask_truncated_completions) {
+            (Some(tr), true) => {
+                let keep: Vec<f64> = tr.iter().map(|&x| if x { 0.0 } else { 1.0 }).collect();
+                Ok(m.broadcast_mul(&row_column(&keep, &m)?)?)
             }
+            _ => Ok(m),
         }
-        Ok(m)
     }
 }
 
@@ -159,13 +160,9 @@ impl LossScale {
         let mut tokens = 0.0;
         let mut seqs = 0.0;
         for mb in micro_batches {
-            for row in mb.effective_mask(mask_truncated_completions)? {
-                let s: f64 = row.iter().sum();
-                tokens += s;
-                if s > 0.0 {
-                    seqs += 1.0;
-                }
-            }
+            let per_row = mb.effective_mask(mask_truncated_completions)?.sum(1)?;
+            tokens += value(&per_row.sum_all()?)?;
+            seqs += value(&per_row.gt(0.0)?.to_dtype(DType::F64)?.sum_all()?)?;
         }
         Ok(Self {
             global_active_tokens: tokens,
@@ -230,4 +227,55 @@ pub struct ReplayInputs {
     pub dpo: Option<DpoInputs>,
     /// Teacher traces' top-K distributions.
     pub teacher_kl: Option<TeacherKlInputs>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn effective_mask_and_advantages_are_tensors_on_the_inputs_device() {
+        let dev = Device::Cpu;
+        let lp = Tensor::zeros((3, 4), DType::F32, &dev).unwrap();
+        let mask = Tensor::new(
+            &[[1f32, 1., 0., 0.], [1., 1., 1., 1.], [1., 0., 0., 0.]],
+            &dev,
+        )
+        .unwrap();
+        let adv = Tensor::new(&[0.5f32, -1.0, 2.0], &dev).unwrap();
+        let mut inputs = LossInputs::new(lp, adv, mask.clone());
+        inputs.truncated = Some(vec![false, true, false]);
+        let kept = inputs.effective_mask(true).unwrap();
+        assert!(kept.device().same_device(&dev));
+        assert_eq!(
+            kept.to_vec2::<f32>().unwrap(),
+            vec![
+                vec![1., 1., 0., 0.],
+                vec![0., 0., 0., 0.],
+                vec![1., 0., 0., 0.]
+            ]
+        );
+        assert_eq!(
+            inputs
+                .effective_mask(false)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap(),
+            mask.to_vec2::<f32>().unwrap()
+        );
+        let a = inputs.advantage_tensor().unwrap();
+        assert_eq!(a.dims(), &[3, 4]);
+        assert_eq!(a.to_vec2::<f32>().unwrap()[1], vec![-1.0; 4]);
+        let scale = LossScale::local(&inputs, true).unwrap();
+        assert_eq!(
+            (scale.global_active_tokens, scale.global_sequences),
+            (3.0, 2.0)
+        );
+        let scale = LossScale::local(&inputs, false).unwrap();
+        assert_eq!(
+            (scale.global_active_tokens, scale.global_sequences),
+            (7.0, 3.0)
+        );
+    }
 }

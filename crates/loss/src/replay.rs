@@ -20,7 +20,7 @@ use crate::divergence::{
     add_tail, divergence_per_token, DistillationAgg, HintDivergence, HintSupport,
 };
 pub use crate::inputs::{DpoInputs, ReplayInputs, TeacherKlInputs};
-use crate::util::{check_shape, const1, host1, host2, logsumexp_last};
+use crate::util::{check_shape, const1, gate, logsumexp_last, row_column, select, value};
 use crate::{LossError, Result};
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
@@ -110,28 +110,20 @@ pub fn dpo_loss(inputs: &DpoInputs, cfg: &DpoConfig) -> Result<(Tensor, DpoMetri
     let beta = cfg.beta;
     let per_pair = match cfg.loss_type {
         DpoLossType::Sigmoid => {
-            // −log σ(x) = relu(−x) + log(1 + e^{−|x|}), the branch chosen on the host.
+            // −log σ(x) = relu(−x) + log(1 + e^{−|x|}), the branch chosen by a detached
+            // comparison.
             let x = ((&h_c - &h_r)? * beta)?;
-            let xh = host1(&x)?;
-            let sign: Vec<f64> = xh
-                .iter()
-                .map(|v| if *v >= 0.0 { 1.0 } else { -1.0 })
-                .collect();
-            let neg: Vec<f64> = xh
-                .iter()
-                .map(|v| if *v < 0.0 { 1.0 } else { 0.0 })
-                .collect();
-            let abs = (&x * const1(&sign, &x)?)?;
-            let relu_neg = (x.neg()? * const1(&neg, &x)?)?;
+            let xd = x.detach();
+            let sign = select(&xd.ge(0.0)?, 1.0, -1.0, &xd)?;
+            let neg = gate(&xd.lt(0.0)?, &xd)?;
+            let abs = (&x * sign)?;
+            let relu_neg = (x.neg()? * neg)?;
             (relu_neg + (abs.neg()?.exp()? + 1.0)?.log()?)?
         }
         DpoLossType::Hinge => {
             let z = (((&h_c - &h_r)? * beta)?.neg()? + 1.0)?;
-            let on: Vec<f64> = host1(&z)?
-                .iter()
-                .map(|v| if *v > 0.0 { 1.0 } else { 0.0 })
-                .collect();
-            (z * const1(&on, pc)?)?
+            let on = gate(&z.detach().gt(0.0)?, &z)?;
+            (z * on)?
         }
         DpoLossType::Ipo => {
             let n = |v: &[usize], field: &'static str| -> Result<Vec<f64>> {
@@ -149,20 +141,14 @@ pub fn dpo_loss(inputs: &DpoInputs, cfg: &DpoConfig) -> Result<(Tensor, DpoMetri
         }
     };
     let loss = per_pair.mean_all()?;
-    let hc = host1(&h_c)?;
-    let hr = host1(&h_r)?;
+    let (rc, rr) = ((h_c.detach() * beta)?, (h_r.detach() * beta)?);
     let pf = p.max(1) as f64;
     let metrics = DpoMetrics {
-        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-        chosen_reward: hc.iter().map(|x| beta * x).sum::<f64>() / pf,
-        rejected_reward: hr.iter().map(|x| beta * x).sum::<f64>() / pf,
-        reward_accuracy: hc
-            .iter()
-            .zip(&hr)
-            .filter(|(c, r)| beta * **c > beta * **r)
-            .count() as f64
-            / pf,
-        reward_margin: hc.iter().zip(&hr).map(|(c, r)| beta * (c - r)).sum::<f64>() / pf,
+        loss: value(&loss)?,
+        chosen_reward: value(&rc.sum_all()?)? / pf,
+        rejected_reward: value(&rr.sum_all()?)? / pf,
+        reward_accuracy: value(&rc.gt(&rr)?.to_dtype(DType::F64)?.sum_all()?)? / pf,
+        reward_margin: value(&(&rc - &rr)?.sum_all()?)? / pf,
         pairs: p as f64,
     };
     Ok((loss, metrics))
@@ -226,38 +212,40 @@ pub fn teacher_kl_loss(
         HintSupport::Full => (s.clone(), te),
     };
     let kl = divergence_per_token(&s2, &t2, HintDivergence::ForwardKl, 0.0)?; // [B, T]
-    let m = host2(&inputs.loss_mask)?;
+    let m = inputs.loss_mask.detach().to_dtype(kl.dtype())?;
     let w: Vec<f64> = inputs
         .teachers
         .iter()
         .map(|n| teacher_weights.get(n).copied().unwrap_or(1.0))
         .collect();
-    let wm: Vec<Vec<f64>> = agg
-        .weights(&m)
-        .iter()
-        .zip(&w)
-        .map(|(r, wi)| r.iter().map(|x| x * wi).collect())
-        .collect();
-    let n_tok: f64 = m.iter().flatten().sum();
-    let loss = (&kl * crate::util::const2(&wm, &kl)?)?.sum_all()?;
-    let kl_h = host2(&kl)?;
-    let mut per: BTreeMap<String, (f64, f64)> = BTreeMap::new();
-    let mut tot = 0.0;
-    for i in 0..b {
-        let s_i: f64 = kl_h[i].iter().zip(&m[i]).map(|(a, b)| a * b).sum();
-        let n_i: f64 = m[i].iter().sum();
-        tot += s_i;
-        let e = per.entry(inputs.teachers[i].clone()).or_default();
-        e.0 += s_i;
-        e.1 += n_i;
+    let wm = agg.weights(&m)?.broadcast_mul(&row_column(&w, &m)?)?;
+    let loss = (&kl * wm)?.sum_all()?;
+    // Per-teacher sums: a one-hot [teachers, B] (host names) times the rows' [B, 2] sums of
+    // m·KL and m, so only one number per teacher comes back.
+    let names: Vec<&String> = {
+        let mut v: Vec<&String> = inputs.teachers.iter().collect();
+        v.sort();
+        v.dedup();
+        v
+    };
+    let mut onehot = vec![0f64; names.len() * b];
+    for (i, n) in inputs.teachers.iter().enumerate() {
+        let k = names.binary_search(&n).expect("every name is listed");
+        onehot[k * b + i] = 1.0;
     }
+    let onehot = Tensor::from_vec(onehot, (names.len(), b), m.device())?.to_dtype(m.dtype())?;
+    let row_sums = Tensor::cat(&[(kl.detach() * &m)?.sum_keepdim(1)?, m.sum_keepdim(1)?], 1)?;
+    let per: Vec<Vec<f64>> = onehot.matmul(&row_sums)?.to_dtype(DType::F64)?.to_vec2()?;
+    let totals = row_sums.sum(0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+    let (tot, n_tok) = (totals[0], totals[1]);
     let metrics = TeacherKlMetrics {
-        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        loss: value(&loss)?,
         kl_mean: tot / n_tok.max(1.0),
         tokens: n_tok,
-        per_teacher_kl: per
-            .into_iter()
-            .map(|(k, (s, n))| (k, s / n.max(1.0)))
+        per_teacher_kl: names
+            .iter()
+            .zip(&per)
+            .map(|(k, r)| ((*k).clone(), r[0] / r[1].max(1.0)))
             .collect(),
     };
     Ok((loss, metrics))
@@ -331,6 +319,6 @@ pub fn replay_loss(inputs: &ReplayInputs, cfg: &ReplayConfig) -> Result<(Tensor,
         field: "replay",
         reason: "the replay channel needs DPO pairs or teacher top-K traces".into(),
     })?;
-    metrics.loss = total.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    metrics.loss = value(&total)?;
     Ok((total, metrics))
 }

@@ -19,9 +19,9 @@ pub struct TokenBatch {
     pub completion_positions: Vec<Vec<usize>>,
     /// L.
     pub len: usize,
-    /// Per row, its number of real (non-padding) input tokens; the padding-free forward
-    /// packs exactly these.
-    pub row_lens: Vec<usize>,
+    /// Per row, its real (non-padding) input ids, kept from construction: the padding-free
+    /// forward packs exactly these without reading `input` back from the device.
+    pub row_inputs: Vec<Vec<u32>>,
 }
 
 /// Builds a batch from (prompt, completion) id pairs, right-padded with `pad`.
@@ -37,7 +37,7 @@ pub fn token_batch(pairs: &[(&[u32], &[u32])], pad: u32, device: &Device) -> Res
     let mut targets = vec![pad; b * l];
     let mut mask = vec![0f32; b * l];
     let mut positions = Vec::with_capacity(b);
-    let mut row_lens = Vec::with_capacity(b);
+    let mut row_inputs = Vec::with_capacity(b);
     for (r, (p, c)) in pairs.iter().enumerate() {
         let seq: Vec<u32> = p.iter().chain(c.iter()).copied().collect();
         let mut pos = Vec::new();
@@ -50,7 +50,7 @@ pub fn token_batch(pairs: &[(&[u32], &[u32])], pad: u32, device: &Device) -> Res
             }
         }
         positions.push(pos);
-        row_lens.push(seq.len().saturating_sub(1));
+        row_inputs.push(seq[..seq.len().saturating_sub(1)].to_vec());
     }
     Ok(TokenBatch {
         input: Tensor::from_vec(input, (b, l), device)?,
@@ -58,7 +58,7 @@ pub fn token_batch(pairs: &[(&[u32], &[u32])], pad: u32, device: &Device) -> Res
         mask: Tensor::from_vec(mask, (b, l), device)?,
         completion_positions: positions,
         len: l,
-        row_lens,
+        row_inputs,
     })
 }
 
@@ -83,7 +83,7 @@ pub struct TokenStats {
 /// ([`composer_model::head_logprobs`]) over the completion-target positions, so no
 /// `[B, L, V]` logits exist and prompt positions cost no head FLOPs. With the model's
 /// `padding_free`, the decoder runs on the rows packed without padding (one row of
-/// `Σ row_lens` tokens) and the values land in the same `[B, L]` layout.
+/// `Σ_r |row_inputs[r]|` tokens) and the values land in the same `[B, L]` layout.
 pub fn token_stats(
     model: &PolicyModel,
     batch: &TokenBatch,
@@ -95,13 +95,8 @@ pub fn token_stats(
     let dev = batch.input.device();
     // Final hidden states one row per token, and the row of each (b, l) slot's token.
     let (hidden, hidden_row): (Tensor, Box<dyn Fn(usize) -> usize>) =
-        if model.padding_free && batch.row_lens.iter().any(|&n| n > 0) {
-            let ids: Vec<Vec<u32>> = batch.input.to_vec2()?;
-            let seqs: Vec<&[u32]> = ids
-                .iter()
-                .zip(&batch.row_lens)
-                .map(|(row, &n)| &row[..n])
-                .collect();
+        if model.padding_free && batch.row_inputs.iter().any(|r| !r.is_empty()) {
+            let seqs: Vec<&[u32]> = batch.row_inputs.iter().map(Vec::as_slice).collect();
             let packed = PackedBatch::from_sequences(&seqs);
             let starts = packed.cu_seqlens.clone();
             let hidden = model.transformer.forward_hidden_packed(&packed)?;
@@ -184,9 +179,8 @@ pub fn token_stats(
 
 /// Sum of masked values divided by the mask's sum (0 when the mask is empty).
 pub fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    let n = mask.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-    let s = (x * mask)?.sum_all()?;
-    Ok((s / (n.max(1.0) as f64))?)
+    let n = mask.sum_all()?.maximum(1.0)?;
+    Ok(((x * mask)?.sum_all()? / n)?)
 }
 
 /// f32 scalar value.
@@ -203,8 +197,24 @@ mod tests {
         let tb = token_batch(&[(&[5, 6], &[7, 8]), (&[5], &[9])], 0, &Device::Cpu).unwrap();
         assert_eq!(tb.len, 3);
         assert_eq!(tb.completion_positions, vec![vec![1, 2], vec![3]]);
-        assert_eq!(tb.row_lens, vec![3, 1]);
+        assert_eq!(tb.row_inputs, vec![vec![5, 6, 7], vec![5]]);
+        let ids: Vec<Vec<u32>> = tb.input.to_vec2().unwrap();
+        for (row, real) in ids.iter().zip(&tb.row_inputs) {
+            assert_eq!(&row[..real.len()], real.as_slice());
+        }
         let m: Vec<Vec<f32>> = tb.mask.to_vec2().unwrap();
         assert_eq!(m, vec![vec![0.0, 1.0, 1.0], vec![1.0, 0.0, 0.0]]);
+    }
+
+    #[test]
+    fn masked_mean_divides_by_the_mask_sum_on_the_device() {
+        let x = Tensor::new(&[[1f32, 2., 3.], [4., 5., 6.]], &Device::Cpu).unwrap();
+        let m = Tensor::new(&[[1f32, 0., 1.], [0., 0., 1.]], &Device::Cpu).unwrap();
+        assert_eq!(
+            scalar(&masked_mean(&x, &m).unwrap()).unwrap(),
+            (10f32 / 3.0) as f64
+        );
+        let empty = m.zeros_like().unwrap();
+        assert_eq!(scalar(&masked_mean(&x, &empty).unwrap()).unwrap(), 0.0);
     }
 }

@@ -34,10 +34,11 @@
 //! exp(Σ_t m(log π_old − log μ)) (sequence), truncated to [C_min, C_max] or zeroed outside
 //! (TRL `vllm_importance_sampling_*`).
 use crate::inputs::{LossInputs, LossScale};
-use crate::util::{const1, const2, host2, masked_sum, sigmoid};
+use crate::util::{clamp_const, masked_mean_value, masked_sum, select, sigmoid, value};
 use crate::{LossError, Result};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 mod config;
+mod gates;
 mod terms;
 pub use config::*;
 
@@ -69,98 +70,6 @@ pub fn agg_loss(
     })
 }
 
-/// Linear-interpolation quantile (torch.quantile's default) of a non-empty sorted slice.
-fn quantile_sorted(sorted: &[f64], q: f64) -> f64 {
-    let pos = q * (sorted.len() - 1) as f64;
-    let lo = pos.floor() as usize;
-    let hi = pos.ceil() as usize;
-    sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo as f64)
-}
-
-/// TRL's `get_high_entropy_mask`: 1 where the token is active and its entropy is at least
-/// the `1 − top_entropy_quantile` quantile of the active tokens' entropies.
-fn high_entropy_mask(h: &[Vec<f64>], m: &[Vec<f64>], top_quantile: f64) -> Vec<Vec<f64>> {
-    let mut active: Vec<f64> = h
-        .iter()
-        .zip(m)
-        .flat_map(|(hr, mr)| {
-            hr.iter()
-                .zip(mr)
-                .filter(|(_, &mm)| mm > 0.0)
-                .map(|(&x, _)| x)
-        })
-        .collect();
-    if active.is_empty() {
-        return m.iter().map(|r| vec![0.0; r.len()]).collect();
-    }
-    active.sort_by(f64::total_cmp);
-    let thr = quantile_sorted(&active, 1.0 - top_quantile);
-    h.iter()
-        .zip(m)
-        .map(|(hr, mr)| {
-            hr.iter()
-                .zip(mr)
-                .map(|(&x, &mm)| if mm > 0.0 && x * mm >= thr { 1.0 } else { 0.0 })
-                .collect()
-        })
-        .collect()
-}
-
-/// Masked mean of host values (TRL's `global_masked_mean`, local).
-fn masked_mean(x: &[Vec<f64>], m: &[Vec<f64>]) -> f64 {
-    let (mut s, mut c) = (0.0, 0.0);
-    for (xr, mr) in x.iter().zip(m) {
-        for (&v, &mm) in xr.iter().zip(mr) {
-            s += v * mm;
-            c += mm;
-        }
-    }
-    s / c.max(1.0)
-}
-
-/// `x·g + c` with host gates: the value `x` where `lo ≤ x_h ≤ hi`, else the bound as a constant
-/// (zero gradient outside, as torch.clamp).
-pub(crate) fn clamp_const(
-    x: &Tensor,
-    x_h: &[Vec<f64>],
-    lo: f64,
-    hi: f64,
-) -> Result<(Tensor, Vec<Vec<f64>>)> {
-    let g: Vec<Vec<f64>> = x_h
-        .iter()
-        .map(|r| {
-            r.iter()
-                .map(|&v| f64::from(u8::from(v >= lo && v <= hi)))
-                .collect()
-        })
-        .collect();
-    let c: Vec<Vec<f64>> = x_h
-        .iter()
-        .map(|r| {
-            r.iter()
-                .map(|&v| {
-                    if v < lo {
-                        lo
-                    } else if v > hi {
-                        hi
-                    } else {
-                        0.0
-                    }
-                })
-                .collect()
-        })
-        .collect();
-    let h = x_h
-        .iter()
-        .map(|r| r.iter().map(|v| v.clamp(lo, hi)).collect())
-        .collect();
-    Ok((((x * const2(&g, x)?)? + const2(&c, x)?)?, h))
-}
-
-fn rows_of(v: &[f64], t: usize) -> Vec<Vec<f64>> {
-    v.iter().map(|&x| vec![x; t]).collect()
-}
-
 /// The RLVR loss of one micro-batch: `(scalar loss, metrics)`,
 /// `L = agg(w_IS · keep_H · keep_OPSM · ℓ(r, A) + β·KL) − entropy_coef · agg_H(H)`, with the
 /// per-token surrogate ℓ and the aggregation of `cfg.loss_type` (table in the module docs), w_IS
@@ -178,105 +87,91 @@ pub fn rlvr_loss(
     let (b, t) = inputs.validate()?;
     cfg.validate()?;
     let lp = &inputs.trainer_logprobs;
-    let m = inputs.effective_mask(cfg.mask_truncated_completions)?;
-    let mask_t = const2(&m, lp)?;
-    let adv = inputs.advantage_rows()?;
-    let adv_t = const2(&adv, lp)?;
-    let seq_len: Vec<f64> = m.iter().map(|r| r.iter().sum()).collect();
+    let dt = lp.dtype();
+    let mask_t = inputs
+        .effective_mask(cfg.mask_truncated_completions)?
+        .to_dtype(dt)?;
+    let adv_t = inputs.advantage_tensor()?.to_dtype(dt)?;
+    let seq_len = mask_t.sum(1)?;
     let old_t = match &inputs.old_logprobs {
-        Some(o) => o.detach().to_dtype(lp.dtype())?,
+        Some(o) => o.detach().to_dtype(dt)?,
         None => lp.detach(),
     };
-    let lp_h = host2(lp)?;
-    let old_h = host2(&old_t)?;
-    let eps_low = cfg.epsilon;
-    let eps_high = cfg.epsilon_high();
     let seq_level = cfg.importance_sampling_level == ImportanceSamplingLevel::Sequence;
     let mut metrics = RlvrMetrics {
-        active_tokens: seq_len.iter().sum(),
+        active_tokens: value(&seq_len.sum_all()?)?,
         ..Default::default()
     };
 
-    // Ratio r (tensor with gradient) and its host value.
+    // Ratio r (tensor with gradient).
     let raw_lr = (lp - &old_t)?;
-    let raw_lr_h: Vec<Vec<f64>> = (0..b)
-        .map(|i| (0..t).map(|j| lp_h[i][j] - old_h[i][j]).collect())
-        .collect();
-    let (log_ratio, lr_h) = match cfg.log_ratio_clamp {
-        Some(c) => clamp_const(&raw_lr, &raw_lr_h, -c, c)?,
-        None => (raw_lr.clone(), raw_lr_h.clone()),
+    let log_ratio = match cfg.log_ratio_clamp {
+        Some(c) => clamp_const(&raw_lr, -c, c)?,
+        None => raw_lr.clone(),
     };
-    let (coef1, coef1_h): (Tensor, Vec<Vec<f64>>) = if seq_level {
-        let lens: Vec<f64> = seq_len.iter().map(|l| l.max(1.0)).collect();
-        let s: Vec<f64> = (0..b)
-            .map(|i| (0..t).map(|j| raw_lr_h[i][j] * m[i][j]).sum::<f64>() / lens[i])
-            .collect();
+    let coef1 = if seq_level {
+        let lens = seq_len.maximum(1.0)?.unsqueeze(1)?;
         let lw = match cfg.sequence_ratio_gradient {
-            SequenceRatioGradient::Sequence => {
-                let lens_t = const1(&lens, lp)?.unsqueeze(1)?;
-                (&raw_lr * &mask_t)?
+            SequenceRatioGradient::Sequence => (&raw_lr * &mask_t)?
+                .sum_keepdim(1)?
+                .broadcast_div(&lens)?
+                .broadcast_as((b, t))?
+                .contiguous()?,
+            SequenceRatioGradient::Token => {
+                let s = (raw_lr.detach() * &mask_t)?
                     .sum_keepdim(1)?
-                    .broadcast_div(&lens_t)?
-                    .broadcast_as((b, t))?
-                    .contiguous()?
+                    .broadcast_div(&lens)?;
+                (lp - lp.detach())?.broadcast_add(&s)?
             }
-            SequenceRatioGradient::Token => ((lp - lp.detach())? + const2(&rows_of(&s, t), lp)?)?,
         };
-        let s_rows = rows_of(&s, t);
-        let (lw, lw_h) = match cfg.sequence_log_ratio_max {
-            Some(mx) => clamp_const(&lw, &s_rows, f64::NEG_INFINITY, mx)?,
-            None => (lw, s_rows),
+        let lw = match cfg.sequence_log_ratio_max {
+            Some(mx) => clamp_const(&lw, f64::NEG_INFINITY, mx)?,
+            None => lw,
         };
-        let host = lw_h
-            .iter()
-            .map(|r| r.iter().map(|x| x.exp()).collect())
-            .collect();
-        (lw.exp()?, host)
+        lw.exp()?
     } else {
-        let host = lr_h
-            .iter()
-            .map(|r| r.iter().map(|x| x.exp()).collect())
-            .collect();
-        (log_ratio.exp()?, host)
+        log_ratio.exp()?
     };
     // Metric helper: token level → masked mean; sequence level → mean over sequences.
-    let level_mean = |x: &[Vec<f64>]| -> f64 {
+    let level_mean = |x: &Tensor| -> Result<f64> {
         if seq_level {
-            x.iter().map(|r| r[0]).sum::<f64>() / (b.max(1) as f64)
+            if t == 0 {
+                return Ok(0.0);
+            }
+            Ok(value(&x.narrow(1, 0, 1)?.sum_all()?)? / (b.max(1) as f64))
         } else {
-            masked_mean(x, &m)
+            masked_mean_value(x, &mask_t)
         }
     };
-    metrics.mean_ratio = level_mean(&coef1_h);
+    metrics.mean_ratio = level_mean(&coef1.detach())?;
 
     // Always measured when the sampler's log-probs are known: the same log π_old − log μ the
     // importance-sampling correction below weights by.
     if let Some(smp) = &inputs.sampler_logprobs {
-        let (max_abs, kl) = terms::sampler_mismatch(&old_h, &host2(smp)?, &m);
+        let smp = smp.detach().to_dtype(dt)?;
+        let (max_abs, kl) = gates::sampler_mismatch(&old_t, &smp, &mask_t)?;
         metrics.mismatch_max_abs = Some(max_abs);
         metrics.mismatch_kl = Some(kl);
     }
-    let is_weights = terms::sampler_is_weights(inputs, cfg, &old_h, &m, &mut metrics)?;
+    let is_weights = gates::sampler_is_weights(inputs, cfg, &old_t, &mask_t, &mut metrics)?;
 
     // Top-entropy mask.
-    let ent_h = match &inputs.entropies {
-        Some(e) => Some(host2(e)?),
-        None => None,
-    };
-    let entropy_mask: Option<Vec<Vec<f64>>> = if cfg.top_entropy_quantile < 1.0 {
-        let h = ent_h.as_ref().ok_or_else(|| LossError::Missing {
-            field: "entropies",
-            reason: "top_entropy_quantile < 1 masks tokens by entropy".into(),
-        })?;
-        let em = high_entropy_mask(h, &m, cfg.top_entropy_quantile);
-        let kept = masked_mean(&em, &m);
-        metrics.entropy_masked_fraction = Some(1.0 - kept);
+    let entropy_mask: Option<Tensor> = if cfg.top_entropy_quantile < 1.0 {
+        let h = inputs
+            .entropies
+            .as_ref()
+            .ok_or_else(|| LossError::Missing {
+                field: "entropies",
+                reason: "top_entropy_quantile < 1 masks tokens by entropy".into(),
+            })?;
+        let em = gates::high_entropy_mask(h, &mask_t, cfg.top_entropy_quantile)?;
+        metrics.entropy_masked_fraction = Some(1.0 - masked_mean_value(&em, &mask_t)?);
         Some(em)
     } else {
         None
     };
-    if let Some(h) = &ent_h {
-        metrics.entropy = Some(masked_mean(h, &m));
+    if let Some(h) = &inputs.entropies {
+        metrics.entropy = Some(masked_mean_value(&h.detach().to_dtype(dt)?, &mask_t)?);
     }
 
     // Per-token surrogate (geo_mean yields its sequence-mean scalar directly).
@@ -285,128 +180,69 @@ pub fn rlvr_loss(
         LossType::Grpo | LossType::Bnpo | LossType::DrGrpo | LossType::Dapo | LossType::Luspo => {
             // −min(r̃·A, clip(r)·A) with r̃ = min(r, δ); each token's chosen coefficient is
             // g·r + c with g ∈ {0, 1} and c a constant (the clip bound when clipped).
-            let mut g = vec![vec![0.0; t]; b];
-            let mut c = vec![vec![0.0; t]; b];
-            let (mut low, mut high) = (vec![vec![0.0; t]; b], vec![vec![0.0; t]; b]);
-            for i in 0..b {
-                for j in 0..t {
-                    let a = adv[i][j];
-                    let r = coef1_h[i][j];
-                    let (g1, v1) = match cfg.delta {
-                        Some(d) if r > d => (0.0, d),
-                        _ => (1.0, r),
-                    };
-                    let v2 = r.clamp(1.0 - eps_low, 1.0 + eps_high);
-                    let g2 = f64::from(u8::from(r >= 1.0 - eps_low && r <= 1.0 + eps_high));
-                    let (mut gg, mut vv) = if v1 * a <= v2 * a { (g1, v1) } else { (g2, v2) };
-                    if cfg.dual_clip && a < 0.0 && vv > cfg.clip_ratio_c {
-                        gg = 0.0;
-                        vv = cfg.clip_ratio_c;
-                    }
-                    g[i][j] = gg;
-                    c[i][j] = if gg > 0.0 { 0.0 } else { vv };
-                    low[i][j] = f64::from(u8::from(r < 1.0 - eps_low && a < 0.0));
-                    high[i][j] = f64::from(u8::from(r > 1.0 + eps_high && a > 0.0));
-                }
-            }
-            let region: Vec<Vec<f64>> = low
-                .iter()
-                .zip(&high)
-                .map(|(l, h)| l.iter().zip(h).map(|(x, y)| x.max(*y)).collect())
-                .collect();
-            metrics.clip_ratio_low = level_mean(&low);
-            metrics.clip_ratio_high = level_mean(&high);
-            metrics.clip_ratio_region = level_mean(&region);
-            let coef = ((&coef1 * const2(&g, lp)?)? + const2(&c, lp)?)?;
+            let cg = gates::ppo_clip_gates(&coef1, &adv_t, cfg)?;
+            let region = cg.low.maximum(&cg.high)?;
+            metrics.clip_ratio_low = level_mean(&cg.low)?;
+            metrics.clip_ratio_high = level_mean(&cg.high)?;
+            metrics.clip_ratio_region = level_mean(&region)?;
+            let coef = ((&coef1 * &cg.g)? + &cg.c)?;
             (coef * &adv_t)?.neg()?
         }
         LossType::Cispo => {
-            let capped: Vec<Vec<f64>> = coef1_h
-                .iter()
-                .map(|r| {
-                    r.iter()
-                        .map(|&x| match cfg.cispo_clip_mode {
-                            CispoClipMode::UpperCap => x.min(eps_high),
-                            CispoClipMode::TwoSided => x.clamp(1.0 - eps_low, 1.0 + eps_high),
-                        })
-                        .collect()
-                })
-                .collect();
-            let clipped: Vec<Vec<f64>> = (0..b)
-                .map(|i| {
-                    (0..t)
-                        .map(|j| f64::from(u8::from(coef1_h[i][j] > eps_high && adv[i][j] > 0.0)))
-                        .collect()
-                })
-                .collect();
-            metrics.cispo_clip_ratio = Some(level_mean(&clipped));
-            ((const2(&capped, lp)? * &adv_t)? * lp)?.neg()?
+            let (capped, clipped) = gates::cispo_weight(&coef1, &adv_t, cfg)?;
+            metrics.cispo_clip_ratio = Some(level_mean(&clipped)?);
+            ((capped * &adv_t)? * lp)?.neg()?
         }
         LossType::Sapo => {
-            let taus: Vec<Vec<f64>> = adv
-                .iter()
-                .map(|r| {
-                    r.iter()
-                        .map(|&a| {
-                            if a > 0.0 {
-                                cfg.sapo_temperature_pos
-                            } else {
-                                cfg.sapo_temperature_neg
-                            }
-                        })
-                        .collect()
-                })
-                .collect();
-            let tau_t = const2(&taus, lp)?;
+            let tau_t = select(
+                &adv_t.gt(0.0)?,
+                cfg.sapo_temperature_pos,
+                cfg.sapo_temperature_neg,
+                lp,
+            )?;
             let gate = sigmoid(&((&coef1 - 1.0)? * &tau_t)?)?;
             let soft = ((gate * 4.0)? / &tau_t)?;
             (soft * &adv_t)?.neg()?
         }
         LossType::Vespo => {
-            let phi = terms::vespo_phi(cfg, &lp_h, &old_h, &m, &adv, is_weights.as_deref());
-            let n_phi: f64 = phi.iter().map(|r| r[0]).sum();
-            metrics.vespo_phi_mean = Some(n_phi / b.max(1) as f64);
-            ((const2(&phi, lp)? * &adv_t)? * lp)?.neg()?
+            let phi = terms::vespo_phi(cfg, lp, &old_t, &mask_t, &adv_t, is_weights.as_ref())?;
+            if t > 0 {
+                metrics.vespo_phi_mean =
+                    Some(value(&phi.narrow(1, 0, 1)?.sum_all()?)? / b.max(1) as f64);
+            }
+            ((phi * &adv_t)? * lp)?.neg()?
         }
-        LossType::Dppo => terms::dppo_per_token(
-            inputs,
-            cfg,
-            lp,
-            &old_t,
-            &lp_h,
-            &m,
-            &adv,
-            &adv_t,
-            &mut metrics,
-        )?,
+        LossType::Dppo => {
+            terms::dppo_per_token(inputs, cfg, lp, &old_t, &mask_t, &adv_t, &mut metrics)?
+        }
         LossType::Gpg => (lp * &adv_t)?.neg()?,
-        LossType::ClipCov => {
-            terms::clip_cov_per_token(cfg, lp, &coef1, &coef1_h, &lp_h, &m, &adv, &adv_t)?
-        }
-        LossType::KlCov => {
-            terms::kl_cov_per_token(cfg, lp, &coef1, &lr_h, &log_ratio, &lp_h, &m, &adv, &adv_t)?
-        }
+        LossType::ClipCov => terms::clip_cov_per_token(cfg, lp, &coef1, &mask_t, &adv_t)?,
+        LossType::KlCov => terms::kl_cov_per_token(cfg, lp, &coef1, &log_ratio, &mask_t, &adv_t)?,
         LossType::GeoMean => {
-            pg_scalar = Some(terms::geo_mean_loss(cfg, lp, &log_ratio, &lr_h, &m, &adv)?);
+            pg_scalar = Some(terms::geo_mean_loss(cfg, &log_ratio, &mask_t, &adv_t)?);
             lp.zeros_like()?
         }
     };
 
     if let Some(thr) = cfg.off_policy_mask_threshold {
-        let keep = terms::off_policy_mask(inputs, &lp_h, &old_h, &m, &adv, thr)?;
-        per_token = (per_token * const2(&keep, lp)?)?;
+        let behaviour = match &inputs.sampler_logprobs {
+            Some(s) => s.detach().to_dtype(dt)?,
+            None => old_t.clone(),
+        };
+        let keep = gates::off_policy_mask(&behaviour, lp, &mask_t, &adv_t, thr)?;
+        per_token = (per_token * keep)?;
     }
     if let Some(em) = &entropy_mask {
-        per_token = (per_token * const2(em, lp)?)?;
+        per_token = (per_token * em)?;
     }
     if let Some(w) = &is_weights {
         if cfg.loss_type != LossType::Vespo {
-            per_token = (per_token * const2(w, lp)?)?;
+            per_token = (per_token * w)?;
         }
     }
     let kl = if cfg.beta != 0.0 {
         let kl = terms::kl_term(inputs, cfg, lp, &coef1)?;
-        metrics.kl = Some(masked_mean(&host2(&kl)?, &m));
+        metrics.kl = Some(masked_mean_value(&kl, &mask_t)?);
         Some((kl * cfg.beta)?)
     } else {
         None
@@ -420,13 +256,12 @@ pub fn rlvr_loss(
         }
         Ok(match cfg.loss_type {
             LossType::Grpo | LossType::Sapo => {
-                let lens: Vec<f64> = seq_len.iter().map(|l| l.max(1.0)).collect();
-                let lens_t = const1(&lens, lp)?;
+                let lens_t = seq_len.maximum(1.0)?;
                 (((x * &mask_t)?.sum(1)? / lens_t)?.mean_all()? / nmb)?
             }
             LossType::Bnpo => {
-                let c: f64 = seq_len.iter().sum();
-                ((masked_sum(x, &mask_t)? / c.max(1.0))? / nmb)?
+                let c = seq_len.sum_all()?.maximum(1.0)?;
+                ((masked_sum(x, &mask_t)? / c)? / nmb)?
             }
             LossType::DrGrpo => {
                 let d = (b * cfg.max_completion_length) as f64;
@@ -456,7 +291,7 @@ pub fn rlvr_loss(
             aggregate(&x, cfg.loss_agg_mode)?
         }
     };
-    metrics.policy_loss = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    metrics.policy_loss = value(&loss)?;
 
     let loss = if cfg.entropy_coef != 0.0 {
         let h = inputs
@@ -466,19 +301,14 @@ pub fn rlvr_loss(
                 field: "entropies",
                 reason: format!("entropy_coef = {} adds an entropy bonus", cfg.entropy_coef),
             })?;
-        let h = h.to_dtype(lp.dtype())?;
-        let eff: Vec<Vec<f64>> = match &entropy_mask {
-            Some(em) => m
-                .iter()
-                .zip(em)
-                .map(|(a, b)| a.iter().zip(b).map(|(x, y)| x * y).collect())
-                .collect(),
-            None => m.clone(),
+        let h = h.to_dtype(dt)?;
+        let eff_t = match &entropy_mask {
+            Some(em) => (&mask_t * em)?,
+            None => mask_t.clone(),
         };
-        let eff_t = const2(&eff, lp)?;
         let local_mean = || -> Result<Tensor> {
-            let c: f64 = eff.iter().flatten().sum();
-            Ok(((masked_sum(&h, &eff_t)? / c.max(1.0))? / nmb)?)
+            let c = eff_t.sum_all()?.maximum(1.0)?;
+            Ok(((masked_sum(&h, &eff_t)? / c)? / nmb)?)
         };
         let bonus = if let Some(mode) = cfg.loss_agg_mode {
             agg_loss(&h, &eff_t, mode, scale, cfg.loss_scale_factor)?
@@ -495,6 +325,6 @@ pub fn rlvr_loss(
     } else {
         loss
     };
-    metrics.loss = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    metrics.loss = value(&loss)?;
     Ok((loss, metrics))
 }

@@ -1,0 +1,172 @@
+//! The parent side's process plumbing: output readers, pipes, waiting without reaping, and the
+//! fallback clean-up of a run's processes and files (by uid).
+use std::io::Read;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+
+use super::config::{CHANNEL_QUEUE, MAX_CHANNEL_BYTES, MAX_LINE_BYTES};
+
+/// Reads lines of a stream on its own thread (each line cut at [`MAX_LINE_BYTES`], reading
+/// stops after [`MAX_CHANNEL_BYTES`]).
+pub(super) fn spawn_line_reader<R: Read + Send + 'static>(r: R) -> mpsc::Receiver<Vec<u8>> {
+    let (tx, rx) = mpsc::sync_channel(CHANNEL_QUEUE);
+    std::thread::spawn(move || {
+        let mut reader = std::io::BufReader::new(r);
+        let mut total = 0usize;
+        loop {
+            let mut line = Vec::new();
+            let mut limited = std::io::Read::take(&mut reader, MAX_LINE_BYTES as u64);
+            match std::io::BufRead::read_until(&mut limited, b'\n', &mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    total += n;
+                    if tx.send(line).is_err() || total > MAX_CHANNEL_BYTES {
+                        break;
+                    }
+                }
+            }
+        }
+    });
+    rx
+}
+
+pub(super) fn spawn_reader<R: Read + Send + 'static>(
+    mut r: R,
+    max: usize,
+) -> mpsc::Receiver<(Vec<u8>, bool)> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut kept = Vec::new();
+        let mut truncated = false;
+        let mut buf = [0u8; 8192];
+        loop {
+            match r.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    let room = max.saturating_sub(kept.len());
+                    if n > room {
+                        truncated = true;
+                    }
+                    kept.extend_from_slice(&buf[..n.min(room)]);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
+        let _ = tx.send((kept, truncated));
+    });
+    rx
+}
+
+pub(super) fn pipe_cloexec() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: fds is a valid 2-element array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: pipe2 just returned two fresh descriptors that nothing else owns.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// True when `pid` has exited (it is left unreaped).
+pub(super) fn wait_exited_nowait(pid: libc::pid_t) -> std::io::Result<bool> {
+    loop {
+        // SAFETY: siginfo is plain data; waitid fills it.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let r = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+            )
+        };
+        if r == 0 {
+            // SAFETY: reading si_pid of a siginfo filled by waitid.
+            return Ok(unsafe { info.si_pid() } == pid);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Kills every process of `uid` (fallback cleanup without a pid namespace): a helper switches
+/// to that uid and sends SIGKILL to all processes it may signal, i.e. exactly that uid's.
+pub(super) fn reap_uid(uid: u32) {
+    let mut cmd = Command::new("/bin/true");
+    cmd.env_clear()
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // SAFETY: async-signal-safe syscalls only.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setgroups(0, std::ptr::null()) != 0
+                || libc::setresgid(uid, uid, uid) != 0
+                || libc::setresuid(uid, uid, uid) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            libc::kill(-1, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    if let Ok(mut c) = cmd.spawn() {
+        let _ = c.wait();
+    }
+}
+
+/// Fallback without a private /tmp (root only): removes what the run's uid left in the
+/// world-writable directories.
+pub(super) fn remove_files_of_uid(uid: u32, keep: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    for dir in ["/tmp", "/var/tmp", "/dev/shm"] {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path == keep {
+                // The sandbox's own directory (its working copy persists between runs).
+                continue;
+            }
+            match std::fs::symlink_metadata(&path) {
+                Ok(meta) if meta.uid() == uid && meta.is_dir() => {
+                    let _ = std::fs::remove_dir_all(&path);
+                }
+                Ok(meta) if meta.uid() == uid => {
+                    let _ = std::fs::remove_file(&path);
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Removes the working directory even if the sandbox made parts of it unreadable.
+pub(super) fn remove_dir_robust(dir: tempfile::TempDir) {
+    let path = dir.path().to_path_buf();
+    if dir.close().is_ok() {
+        return;
+    }
+    fn make_writable(p: &Path) {
+        use std::os::unix::fs::PermissionsExt;
+        if let Ok(meta) = std::fs::symlink_metadata(p) {
+            if meta.is_dir() {
+                let _ = std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700));
+                if let Ok(entries) = std::fs::read_dir(p) {
+                    for e in entries.flatten() {
+                        make_writable(&e.path());
+                    }
+                }
+            }
+        }
+    }
+    make_writable(&path);
+    let _ = std::fs::remove_dir_all(&path);
+}
