@@ -335,6 +335,9 @@ enum BenchCommand {
         /// Train LoRA adapters of rank R on every projection over the frozen base.
         #[arg(long, value_name = "R")]
         lora: Option<usize>,
+        /// Recompute each decoder layer's activations in the backward.
+        #[arg(long)]
+        gradient_checkpointing: bool,
         /// Dtype of the training step and of decoding: f32, bf16 or f16 (default: bf16 on
         /// CUDA, f32 on CPU).
         #[arg(long)]
@@ -679,6 +682,7 @@ fn run(cli: Cli) -> Result<()> {
             skip_train,
             skip_decode,
             lora,
+            gradient_checkpointing,
             dtype,
             train_seq_len,
             json,
@@ -702,6 +706,7 @@ fn run(cli: Cli) -> Result<()> {
             };
             cfg.skip_decode = skip_decode;
             cfg.lora_r = lora;
+            cfg.gradient_checkpointing = gradient_checkpointing;
             if let Some(t) = train_seq_len {
                 let need = t.max(cfg.prompt_len + cfg.decode_tokens);
                 if need > cfg.model.max_position_embeddings {

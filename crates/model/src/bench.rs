@@ -41,6 +41,8 @@ pub struct BenchConfig {
     /// Train LoRA adapters of this rank on every projection (`all-linear`, alpha = 2r) over
     /// the frozen base instead of every weight.
     pub lora_r: Option<usize>,
+    /// Recompute each decoder layer's activations in the backward (per-layer checkpointing).
+    pub gradient_checkpointing: bool,
 }
 
 impl BenchConfig {
@@ -64,6 +66,7 @@ impl BenchConfig {
             skip_train: false,
             skip_decode: false,
             lora_r: None,
+            gradient_checkpointing: false,
         }
     }
 
@@ -92,6 +95,7 @@ impl BenchConfig {
             skip_train: false,
             skip_decode: false,
             lora_r: None,
+            gradient_checkpointing: false,
         }
     }
 
@@ -118,6 +122,7 @@ impl BenchConfig {
             skip_train: false,
             skip_decode: false,
             lora_r: None,
+            gradient_checkpointing: false,
         }
     }
 }
@@ -280,6 +285,8 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         }
     };
     drop(vars);
+    let mut train_model = train_model;
+    train_model.gradient_checkpointing = cfg.gradient_checkpointing;
     let decode_model = if cfg.decode_dtype == cfg.train_dtype {
         train_model.detached()
     } else {
