@@ -68,6 +68,9 @@ def main():
         ("qwen2.5-0.5b", 64, 512, False, "c05-t64", "te05-t64", "tc05-t64"),
         ("qwen3-0.6b", 1, 16384, False, "c06-t1", "te06-t1", None),
         ("qwen2.5-7b", 8, 1024, True, "c7-t8", "te7-t8", None),
+        # composer-rl with gradient_checkpointing (per-layer recompute); torch without.
+        ("qwen2.5-0.5b", 64, 512, False, "c05-t64c", "te05-t64", None),
+        ("qwen2.5-7b", 8, 1024, True, "c7-t8c", "te7-t8", None),
     ]
     for shape, b, seq, lora, ct, et, kt in rows:
         c = train_cell(load(d, ct), shape, seq, lora)
@@ -84,8 +87,8 @@ def main():
     for shape, b, seq, lora, ct, et, kt in rows:
         rep = load(d, ct)
         if rep and rep.get("rows") and rep["rows"][0].get("train_phase_s"):
-            f, h, bw = rep["rows"][0]["train_phase_s"]
-            print(f"{shape} {b}x{seq}{' LoRA' if lora else ''}: {f:.3f} / {h:.3f} / {bw:.3f}")
+            fwd, head, bwd = rep["rows"][0]["train_phase_s"]
+            print(f"{shape} {b}x{seq}{' LoRA' if lora else ''}: {fwd:.3f} / {head:.3f} / {bwd:.3f}")
 
     print("\ndecode (bf16, prompt 128, 64 new tokens, tokens/s excluding prefill; % of the HBM roofline)")
     for shape, ct, et in [("qwen2.5-0.5b", "c05-d", "te05-d"), ("qwen2.5-7b", "c7-d", None)]:

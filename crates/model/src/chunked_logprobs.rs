@@ -310,7 +310,13 @@ impl CustomOp3 for FusedHead {
         let hid = hidden.detach();
         let grad = grad_res.detach().to_dtype(dt)?;
         let entropy = res.detach().narrow(1, width, 1)?.to_dtype(dt)?;
-        let mut dw = Tensor::zeros(w.shape(), dt, w.device())?;
+        // A frozen head (LoRA) gets no gradient: skip its products and buffer.
+        let head_trains = weight.track_op();
+        let mut dw = if head_trains {
+            Tensor::zeros(w.shape(), dt, w.device())?
+        } else {
+            Tensor::zeros(1, dt, w.device())?
+        };
         let mut dh = Vec::new();
         let mut start = 0;
         while start < n {
@@ -333,7 +339,9 @@ impl CustomOp3 for FusedHead {
             }
             let dz = (dz / self.temperature)?.to_dtype(mm)?;
             dh.push(dz.matmul(&w)?);
-            dw = (dw + dz.t()?.matmul(&h_c)?.to_dtype(dt)?)?;
+            if head_trains {
+                dw = (dw + dz.t()?.matmul(&h_c)?.to_dtype(dt)?)?;
+            }
             start += c;
         }
         let dh = if n == 0 {
@@ -343,7 +351,9 @@ impl CustomOp3 for FusedHead {
         };
         Ok((
             Some(dh.to_dtype(hidden.dtype())?),
-            Some(dw.to_dtype(weight.dtype())?),
+            head_trains
+                .then(|| dw.to_dtype(weight.dtype()))
+                .transpose()?,
             None,
         ))
     }

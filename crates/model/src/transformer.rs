@@ -77,7 +77,8 @@ impl Linear {
         let in_f = *dims.last().context("linear input has no dims")?;
         let rows: usize = dims[..dims.len() - 1].iter().product();
         let x2 = x.reshape((rows, in_f))?;
-        let y = x2.matmul(&self.weight.t()?)?;
+        // A frozen weight (LoRA's base) gets no gradient: only ∂x is formed.
+        let y = crate::ops::frozen_linear(&x2, &self.weight)?;
         let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,

@@ -421,3 +421,66 @@ fn training_forward_with_kernels_equals_the_composition() {
         }
     }
 }
+
+/// A frozen weight's product gives the plain product's value and input gradient, and no
+/// gradient for the weight (candle's matmul forms one); a trainable weight still gets its own.
+#[test]
+fn frozen_linear_forms_only_the_input_gradient() {
+    let device = common::test_device();
+    let dtype = if device.is_cpu() {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let x = Var::from_tensor(
+        &randn(&[7, 12], 70, 1.0)
+            .to_dtype(dtype)
+            .unwrap()
+            .to_device(&device)
+            .unwrap(),
+    )
+    .unwrap();
+    let w = randn(&[5, 12], 71, 1.0)
+        .to_dtype(dtype)
+        .unwrap()
+        .to_device(&device)
+        .unwrap();
+    let r = randn(&[7, 5], 72, 1.0)
+        .to_dtype(dtype)
+        .unwrap()
+        .to_device(&device)
+        .unwrap();
+    let frozen = ops::frozen_linear(x.as_tensor(), &w).unwrap();
+    let wt = w.t().unwrap();
+    let plain = x.as_tensor().matmul(&wt).unwrap();
+    let tol = if device.is_cpu() { 1e-12 } else { 1e-4 };
+    assert!(max_diff(&frozen, &plain) <= tol);
+    let gf = (&frozen * &r)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let gp = (&plain * &r)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(
+        max_diff(
+            gf.get(x.as_tensor()).unwrap(),
+            gp.get(x.as_tensor()).unwrap()
+        ) <= tol
+    );
+    assert!(gf.get(&w).is_none(), "the frozen weight got a gradient");
+    assert!(
+        gp.get(&wt).is_some(),
+        "candle's own matmul forms the weight's gradient"
+    );
+    // A trainable weight takes the plain path and gets its gradient.
+    let wv = Var::from_tensor(&w).unwrap();
+    let y = ops::frozen_linear(x.as_tensor(), wv.as_tensor()).unwrap();
+    let g = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    assert!(g.get(wv.as_tensor()).is_some());
+}

@@ -19,12 +19,14 @@ mod attention;
 mod attention_cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod frozen_linear;
 mod masked_softmax;
 mod rms_norm;
 mod rope;
 mod swiglu;
 
 pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, check_cu_seqlens};
+pub use frozen_linear::frozen_linear;
 pub use masked_softmax::{masked_softmax, masked_softmax_composed};
 pub use rms_norm::{rms_norm, rms_norm_composed};
 pub use rope::{rope, rope_composed};
