@@ -4,7 +4,7 @@
 # One call does everything: the CUDA tests, `composer-rl train` end to end on the GPU (the
 # embedded default and an HF-checkpoint recipe, with checkpoint, resume and report), and the
 # benchmarks next to PyTorch on the same card; a table is printed last. Logs: $OUT/logs.tar.gz.
-#   SECTIONS="tests e2e bench05 bench06 bench7b ckpt compile05" (default: all). Status lines and
+#   SECTIONS="tests e2e bench05 bench06 bench7b ckpt compile05" (default), or lora7b. Status lines and
 #   each benchmark's JSON are appended to $OUT/status.txt and $OUT/results.jsonl as they
 #   finish, so a call cut off by its time limit still returns what was done.
 set -u
@@ -145,6 +145,11 @@ fi
 if want ckpt; then
   # The same workloads with per-layer gradient checkpointing: memory against speed.
   bench "c05-t64c" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 64 --train-seq-len 512 --skip-decode --gradient-checkpointing
+  bench "c7-t8c" 200 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 8 --train-seq-len 1024 --lora 16 --skip-decode --gradient-checkpointing
+fi
+if want lora7b; then
+  # composer-rl alone: the 7B LoRA step with and without per-layer checkpointing.
+  bench "c7-t8" 200 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 8 --train-seq-len 1024 --lora 16 --skip-decode
   bench "c7-t8c" 200 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 8 --train-seq-len 1024 --lora 16 --skip-decode --gradient-checkpointing
 fi
 if want compile05; then

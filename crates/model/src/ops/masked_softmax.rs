@@ -128,7 +128,7 @@ impl MaskedSoftmax {
                 z += *p;
             }
             for p in p.iter_mut() {
-                *p = *p / z;
+                *p /= z;
             }
         });
         Ok(T::to_cpu_storage_owned(out))
