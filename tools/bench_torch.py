@@ -29,68 +29,29 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 
-def qwen2_5_0_5b_config():
-    return Qwen2Config(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=True,
-        initializer_range=0.02,
-        bos_token_id=151643,
-        eos_token_id=151643,
-        pad_token_id=151643,
-    )
-
-
-def qwen3_0_6b_config():
-    return Qwen3Config(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=True,
-        initializer_range=0.02,
-        bos_token_id=151643,
-        eos_token_id=151643,
-        pad_token_id=151643,
-    )
-
-
-def qwen2_5_7b_config():
-    return Qwen2Config(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=False,
-        initializer_range=0.02,
-        bos_token_id=151643,
-        eos_token_id=151643,
-        pad_token_id=151643,
-    )
-
-
+# Keys every shape shares (the Qwen2.5 / Qwen3 families), then each shape's own; the same
+# shapes as composer-model's `ModelConfig::qwen2_5_0_5b` / `qwen3_0_6b` / `qwen2_5_7b`.
+COMMON = dict(
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    initializer_range=0.02,
+    bos_token_id=151643,
+    eos_token_id=151643,
+    pad_token_id=151643,
+)
 SHAPES = {
-    "qwen2.5-0.5b": (qwen2_5_0_5b_config, Qwen2ForCausalLM),
-    "qwen3-0.6b": (qwen3_0_6b_config, Qwen3ForCausalLM),
-    "qwen2.5-7b": (qwen2_5_7b_config, Qwen2ForCausalLM),
+    "qwen2.5-0.5b": (Qwen2Config, Qwen2ForCausalLM, dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+        tie_word_embeddings=True)),
+    "qwen3-0.6b": (Qwen3Config, Qwen3ForCausalLM, dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, tie_word_embeddings=True)),
+    "qwen2.5-7b": (Qwen2Config, Qwen2ForCausalLM, dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+        tie_word_embeddings=False)),
 }
 
 
@@ -118,8 +79,8 @@ def main():
     device = torch.device(args.device)
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
     torch.manual_seed(0)
-    make_cfg, model_cls = SHAPES[args.shape]
-    cfg = make_cfg()
+    config_cls, model_cls, keys = SHAPES[args.shape]
+    cfg = config_cls(**COMMON, **keys)
     cfg._attn_implementation = "sdpa"
     torch.set_default_dtype(dtype)
     with device:
