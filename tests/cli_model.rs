@@ -305,3 +305,63 @@ fn prompts_longer_than_the_positions_fail_naming_the_limit() {
         );
     }
 }
+
+/// `bench model` on the CPU-sized shape with LoRA and gradient checkpointing: the JSON report
+/// counts only the adapters as trainable and times every phase; bad flags name themselves
+/// before any model is built.
+#[test]
+fn bench_model_runs_lora_with_checkpointing_and_refuses_bad_flags() {
+    let out = run_json(&[
+        "bench",
+        "model",
+        "--shape",
+        "small",
+        "--batch",
+        "2",
+        "--train-seq-len",
+        "16",
+        "--skip-decode",
+        "--lora",
+        "4",
+        "--gradient-checkpointing",
+        "--json",
+    ]);
+    let total = out["num_parameters"].as_u64().unwrap();
+    let trainable = out["num_trainable_parameters"].as_u64().unwrap();
+    assert!(
+        trainable > 0 && trainable < total / 10,
+        "{trainable} of {total}"
+    );
+    let row = &out["rows"][0];
+    assert!(row["train_tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(row["decode_tokens_per_s"].is_null());
+    let phases = row["train_phase_s"].as_array().unwrap();
+    assert_eq!(phases.len(), 3);
+    assert!(phases.iter().all(|p| p.as_f64().unwrap() >= 0.0));
+    for (args, want) in [
+        (
+            vec!["bench", "model", "--shape", "qwen9"],
+            "--shape \"qwen9\"",
+        ),
+        (
+            vec![
+                "bench",
+                "model",
+                "--shape",
+                "small",
+                "--train-seq-len",
+                "100000",
+            ],
+            "--train-seq-len 100000",
+        ),
+        (
+            vec!["bench", "model", "--shape", "small", "--dtype", "f8"],
+            "--dtype",
+        ),
+    ] {
+        let out = composer_rl(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+    }
+}

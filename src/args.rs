@@ -1,0 +1,319 @@
+//! The flags of each subcommand (clap derive structs), kept apart from the dispatch in
+//! `main.rs`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+
+pub(crate) fn train_help() -> String {
+    format!(
+        "A complete example recipe (every section, with comments):\n\n{}",
+        composer_train::EXAMPLE_RECIPE
+    )
+}
+
+#[derive(Args)]
+pub(crate) struct TrainArgs {
+    /// Recipe (TOML). Omit to run the embedded default.
+    pub(crate) recipe: Option<PathBuf>,
+    /// Continue the run in RUN_DIR from its last checkpoint.
+    #[arg(long, value_name = "RUN_DIR")]
+    pub(crate) resume: Option<PathBuf>,
+    /// Plain log lines instead of a progress bar.
+    #[arg(long)]
+    pub(crate) quiet: bool,
+    /// Override `[output] run_dir`.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) run_dir: Option<PathBuf>,
+    /// Start a fresh run even if the run directory already holds one (its metrics and
+    /// checkpoint are replaced).
+    #[arg(long, conflicts_with = "resume")]
+    pub(crate) overwrite: bool,
+    /// Override `[train] steps`.
+    #[arg(long)]
+    pub(crate) steps: Option<usize>,
+    /// Run as DiLoCo replica I (0-based) of the recipe's `[diloco]` section: train H inner
+    /// steps, then meet the other replicas through the object store for an outer step.
+    #[arg(long, value_name = "I")]
+    pub(crate) diloco_replica_id: Option<usize>,
+    /// Object store URL of the DiLoCo rendezvous (a folder path, file://, s3://BUCKET/PREFIX);
+    /// overrides `[diloco] store`.
+    #[arg(long, value_name = "URL", requires = "diloco_replica_id")]
+    pub(crate) diloco_store: Option<String>,
+}
+
+#[derive(Args)]
+pub(crate) struct GenerateArgs {
+    /// Checkpoint directory (config.json, model.safetensors, tokenizer.json).
+    #[arg(long)]
+    pub(crate) model: PathBuf,
+    /// Prompt text.
+    #[arg(long)]
+    pub(crate) prompt: String,
+    /// Render the prompt as one user message through the model's chat template.
+    #[arg(long)]
+    pub(crate) chat: bool,
+    /// Most tokens per sample (0 = none; at most 32768).
+    #[arg(long, default_value_t = 64)]
+    pub(crate) max_new_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) temperature: f64,
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) top_p: f64,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+    /// Samples of the prompt (1..=1024).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) num_samples: usize,
+    /// Print `{"samples":[...]}` as JSON.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// `cpu` or `cuda:N` (with the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    /// Batch-invariant decoding: log-probs equal `score --deterministic`'s bitwise (slower).
+    #[arg(long)]
+    pub(crate) deterministic: bool,
+}
+
+#[derive(Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["text", "ids", "batch"])))]
+pub(crate) struct ScoreArgs {
+    /// Checkpoint directory.
+    #[arg(long)]
+    pub(crate) model: PathBuf,
+    /// Text to score (tokenized without special tokens).
+    #[arg(long)]
+    pub(crate) text: Option<String>,
+    /// Exact token ids to score, e.g. `--ids 1,2,3` (commas or spaces).
+    #[arg(long, allow_hyphen_values = true)]
+    pub(crate) ids: Option<String>,
+    /// JSON Lines file of `{"prompt_ids":[...],"completion_ids":[...]}` rows: prints
+    /// `{"rows":[{"prompt_len","completion_logprobs"}]}` (JSON, whatever --json says).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) batch: Option<PathBuf>,
+    /// Score under log softmax(logits / T), the sampler's distribution at temperature T.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) temperature: f64,
+    /// Print `{"input_ids":[...],"next_token_logprobs":[...]}` as JSON.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// Batch-invariant scoring: equal bitwise to `generate --deterministic`'s log-probs.
+    #[arg(long)]
+    pub(crate) deterministic: bool,
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+}
+
+#[derive(Args)]
+pub(crate) struct RecordTracesArgs {
+    /// Teacher checkpoint directory (Hugging Face format).
+    #[arg(long, required_unless_present = "repo_tasks")]
+    pub(crate) model: Option<PathBuf>,
+    /// JSONL prompts: `prompt` or `messages` (rendered with the teacher's chat template), and
+    /// `answer`.
+    #[arg(long, required_unless_present = "repo_tasks")]
+    pub(crate) data: Option<PathBuf>,
+    /// Repository tasks (a `make-tasks` output, served by the recipe's `[env]` server): record
+    /// a scripted teacher's episodes on each instead of sampling `--model` on `--data`.
+    #[arg(long, requires_all = ["restore_from", "recipe"], conflicts_with_all = ["model", "data"])]
+    pub(crate) repo_tasks: Option<PathBuf>,
+    /// With --repo-tasks: the original repository (`make-tasks --repo`) the teacher restores
+    /// the removed files from.
+    #[arg(long)]
+    pub(crate) restore_from: Option<PathBuf>,
+    /// With --repo-tasks: the training recipe (`[model] path` and `[env] kind =
+    /// "openenv_tools"`), so the episodes are rendered as the policy's are.
+    #[arg(long)]
+    pub(crate) recipe: Option<PathBuf>,
+    /// Trace file to write (truncated unless --append).
+    #[arg(long)]
+    pub(crate) out: PathBuf,
+    /// Append to --out (one store for several teachers); refused if the store's traces were
+    /// recorded with another tokenizer or top-K.
+    #[arg(long, conflicts_with = "repo_tasks")]
+    pub(crate) append: bool,
+    /// The teacher's name in the traces (default: the --model directory's name).
+    #[arg(long, conflicts_with = "repo_tasks")]
+    pub(crate) teacher: Option<String>,
+    /// Completions per prompt.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) num_samples: usize,
+    /// Top-K ids and log-probs recorded per completion token.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) top_k: usize,
+    #[arg(long, default_value_t = 64)]
+    pub(crate) max_new_tokens: usize,
+    /// Sampling temperature (0 = greedy); recorded log-probs are at temperature 1.
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) temperature: f64,
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+    /// Verifier scoring completions against `answer`: exact | numeric | regex.
+    #[arg(long, default_value = "numeric")]
+    pub(crate) verifier: String,
+    /// The regex verifier's pattern (`{answer}` is replaced by the escaped answer).
+    #[arg(long)]
+    pub(crate) verifier_pattern: Option<String>,
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+}
+
+#[derive(Args)]
+pub(crate) struct PlanArgs {
+    /// Plan from a run's measured walls instead of a shape.
+    #[arg(long, value_name = "RUN_DIR")]
+    pub(crate) from_run: Option<PathBuf>,
+    /// Parameter count, e.g. 7e9.
+    #[arg(long)]
+    pub(crate) params: Option<f64>,
+    /// Mean completion length (tokens).
+    #[arg(long)]
+    pub(crate) mean_output: Option<f64>,
+    /// p95 completion length (tokens).
+    #[arg(long)]
+    pub(crate) p95_output: Option<f64>,
+    /// Prompt length (tokens).
+    #[arg(long)]
+    pub(crate) prompt_tokens: Option<f64>,
+    /// Completions per step.
+    #[arg(long)]
+    pub(crate) samples_per_step: Option<usize>,
+    /// Mean environment/verifier latency per call (s).
+    #[arg(long)]
+    pub(crate) env_latency: Option<f64>,
+    /// p95 environment latency (s).
+    #[arg(long)]
+    pub(crate) env_latency_p95: Option<f64>,
+    /// Concurrent environment calls.
+    #[arg(long)]
+    pub(crate) env_concurrency: Option<usize>,
+    /// Environment calls per sample.
+    #[arg(long)]
+    pub(crate) env_calls: Option<f64>,
+    /// Staleness the recipe tolerates (policy versions).
+    #[arg(long)]
+    pub(crate) staleness: Option<u32>,
+    /// GPU count.
+    #[arg(long)]
+    pub(crate) gpus: Option<usize>,
+    /// GPU kind: h100, h200, a100, l40s, cpu.
+    #[arg(long)]
+    pub(crate) gpu: Option<String>,
+    #[arg(long)]
+    pub(crate) layers: Option<usize>,
+    #[arg(long)]
+    pub(crate) hidden: Option<usize>,
+    #[arg(long)]
+    pub(crate) kv_heads: Option<usize>,
+    #[arg(long)]
+    pub(crate) head_dim: Option<usize>,
+    /// Achievable fraction of peak FLOP/s (default 0.4).
+    #[arg(long)]
+    pub(crate) mfu: Option<f64>,
+    /// Weight copies published per update.
+    #[arg(long)]
+    pub(crate) weight_copies: Option<usize>,
+    /// Print the plan as JSON.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct ServeEnvArgs {
+    /// Environment: `code` (sandboxed Python tasks), `echo`, or `repo` (repository tasks
+    /// with MCP tools, from `--tasks`; see REPO_ENV.md).
+    pub(crate) env: String,
+    /// Task directory of `repo` (`<id>/task.toml`, `repo/`, `visible_tests/`, `hidden_tests/`).
+    #[arg(long)]
+    pub(crate) tasks: Option<PathBuf>,
+    #[arg(long, default_value_t = 8000)]
+    pub(crate) port: u16,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub(crate) host: String,
+    /// Concurrent sessions (WebSocket and HTTP `/mcp`-made) before CAPACITY_REACHED.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) max_sessions: usize,
+}
+
+#[derive(Subcommand)]
+pub(crate) enum BenchCommand {
+    /// Training forward+backward and decode throughput (tokens/s) at batch 1, 16, 64.
+    Model {
+        /// `small` (CPU-sized), `qwen2.5-0.5b`, `qwen3-0.6b`, `qwen2.5-7b` (random weights of
+        /// that shape) or `qwen-vocab` (hidden 64, 2 layers, Qwen's 151,936-token vocabulary:
+        /// the LM head's memory).
+        #[arg(long, default_value = "small")]
+        shape: String,
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Batch sizes, comma separated.
+        #[arg(long, value_delimiter = ',')]
+        batch: Option<Vec<usize>>,
+        /// Decode only (skip the training forward+backward).
+        #[arg(long)]
+        skip_train: bool,
+        /// Training only (skip decoding).
+        #[arg(long, conflicts_with = "skip_train")]
+        skip_decode: bool,
+        /// Train LoRA adapters of rank R on every projection over the frozen base.
+        #[arg(long, value_name = "R")]
+        lora: Option<usize>,
+        /// Recompute each decoder layer's activations in the backward.
+        #[arg(long)]
+        gradient_checkpointing: bool,
+        /// Dtype of the training step and of decoding: f32, bf16 or f16 (default: bf16 on
+        /// CUDA, f32 on CPU).
+        #[arg(long)]
+        dtype: Option<String>,
+        /// Sequence length of the training step.
+        #[arg(long)]
+        train_seq_len: Option<usize>,
+        /// Print the numbers as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Sync vs async layouts on the embedded default with a deliberately slow verifier: wall
+    /// time to the target accuracy.
+    Async {
+        /// Seconds added to every sample's verification.
+        #[arg(long, default_value_t = 0.004)]
+        reward_latency_s: f64,
+        /// Staleness bounds of the async arms, comma separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,2")]
+        max_staleness: Vec<u64>,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long, default_value_t = 0.9)]
+        target: f64,
+        #[arg(long, default_value_t = 150)]
+        max_steps: usize,
+        #[arg(long, default_value = "runs/bench-async")]
+        out_dir: PathBuf,
+    },
+    /// RLVR alone vs + hint vs + hint + replay on the embedded default: samples to target accuracy.
+    Channels {
+        /// Seeds, comma separated.
+        #[arg(long, value_delimiter = ',', default_value = "0,1,2")]
+        seeds: Vec<u64>,
+        #[arg(long, default_value_t = 0.9)]
+        target: f64,
+        #[arg(long, default_value_t = 150)]
+        max_steps: usize,
+        #[arg(long, default_value = "runs/bench-channels")]
+        out_dir: PathBuf,
+        /// Arms to run, comma separated: rlvr, hint (RLVR + hint), hint+replay.
+        #[arg(long, value_delimiter = ',', default_value = "rlvr,hint,hint+replay")]
+        arms: Vec<String>,
+        /// Hint channel weight α in the arms with the hint channel.
+        #[arg(long, default_value_t = 1.0)]
+        hint_weight: f64,
+        /// Replay channel weight β in the hint+replay arm.
+        #[arg(long, default_value_t = 0.5)]
+        replay_weight: f64,
+    },
+}
