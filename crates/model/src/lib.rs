@@ -8,7 +8,9 @@
 //! - [`ops`]: training ops with a backward (RMSNorm, RoPE, SwiGLU, causal GQA attention over
 //!   variable-length packed rows), custom CPU kernels with candle compositions elsewhere.
 //! - [`kv_cache`]: the KV cache, grown in blocks and written in place.
-//! - [`lora`]: LoRA adapters (PEFT semantics and `adapter_model.safetensors` format), merge.
+//! - [`lora`]: LoRA adapters on a model (PEFT semantics and `adapter_model.safetensors`
+//!   format): add, attach, save, load, merge, export.
+//! - [`lora_adapter`]: the LoRA config and one projection's adapter (what the layers hold).
 //! - [`checkpoint`]: safetensors single-file and sharded I/O.
 //! - [`tokenizer`]: `tokenizer.json` wrapper and the Jinja chat template.
 //! - [`logprobs`]: per-token log-probs, entropy and top-K from logits (f32, differentiable).
@@ -35,6 +37,7 @@ pub mod engine;
 pub mod kv_cache;
 pub mod logprobs;
 pub mod lora;
+pub mod lora_adapter;
 pub mod ops;
 pub mod policy;
 mod prefill;

@@ -27,7 +27,7 @@ use crate::checkpoint::{self, LoadedCheckpoint};
 use crate::config::ModelConfig;
 pub use crate::kv_cache::KvCache;
 use crate::kv_cache::LayerKv;
-use crate::lora::{LoraAdapter, LoraConfig};
+use crate::lora_adapter::{LoraAdapter, LoraConfig};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
