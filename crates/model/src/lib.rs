@@ -15,6 +15,7 @@
 //! - [`tokenizer`]: `tokenizer.json` wrapper and the Jinja chat template.
 //! - [`logprobs`]: per-token log-probs, entropy and top-K from logits (f32, differentiable).
 //! - [`rollout`]: batched KV-cached sampling returning token ids + sampler log-probs.
+//! - [`sampling`]: the request/sample types and the token sampler (engine and deterministic).
 //! - [`engine`]: the rollout scheduler: continuous batching, shared prompt prefill, KV budget.
 //! - [`prefix_store`]: finished samples' KV rows kept so a continuation prefills only new tokens.
 //! - [`score`]: teacher-forced scoring.
@@ -43,6 +44,7 @@ pub mod policy;
 mod prefill;
 pub mod prefix_store;
 pub mod rollout;
+pub mod sampling;
 pub mod score;
 pub mod score_cli;
 pub mod threads;
