@@ -3,7 +3,8 @@
 //! offsets `cu_seqlens`, so projections, MLPs and attention run on real tokens only.
 //! Attention never crosses a segment boundary ([`crate::ops::causal_attention_varlen`]).
 
-use super::{Ctx, OpPath, Transformer};
+use super::layers::{Ctx, OpPath};
+use super::Transformer;
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
 
