@@ -260,7 +260,7 @@ pub struct LoraAdapter {
 
 /// Inverted dropout with its own seeded stream, shared by every adapter of a model, so a
 /// training step's masks are a function of the seed the trainer sets
-/// ([`Transformer::reseed_lora_dropout`]).
+/// ([`Transformer::reseed_lora_dropout`](crate::Transformer::reseed_lora_dropout)).
 #[derive(Debug, Clone)]
 pub struct LoraDropout {
     /// Drop probability.

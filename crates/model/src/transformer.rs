@@ -54,8 +54,9 @@ pub struct Model {
 
 /// A decoder-only causal LM: `model.*` plus `lm_head`, its config and RoPE tables.
 ///
-/// Weights are plain tensors; when built from a [`VarMap`] they are that map's variables
-/// (f32 master weights), so gradients of a training forward land on the optimizer's vars.
+/// Weights are plain tensors; when built from a [`VarMap`](candle_nn::VarMap) they are that
+/// map's variables (f32 master weights), so gradients of a training forward land on the
+/// optimizer's vars.
 #[derive(Debug, Clone)]
 pub struct Transformer {
     /// Architecture.
