@@ -75,12 +75,12 @@ pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
     }
     let single = dir.join(SINGLE_FILE);
     if !single.exists() {
-        if dir.join(crate::lora::ADAPTER_CONFIG_FILE).is_file() {
+        if dir.join(crate::lora_adapter::ADAPTER_CONFIG_FILE).is_file() {
             bail!(
                 "no weights in {}: it is a PEFT LoRA adapter ({}), not a model; write full \
                  weights with `composer-rl export {} --out DIR --merge` and use DIR",
                 dir.display(),
-                crate::lora::ADAPTER_CONFIG_FILE,
+                crate::lora_adapter::ADAPTER_CONFIG_FILE,
                 dir.display()
             );
         }

@@ -11,11 +11,11 @@
 //! the sampler's own `log softmax(logits / T)` ([`sampler_log_softmax`]).
 //!
 //! The price is throughput: no batching and no multi-token prefill (see BENCHMARKS.md,
-//! "Deterministic mode"). Same RNG streams as [`generate`](crate::rollout::generate), so the
+//! "Deterministic mode"). Same RNG streams as [`generate`](crate::generate), so the
 //! same seed samples from the same uniforms.
 
 use crate::kv_cache::KvCache;
-use crate::rollout::{
+use crate::sampling::{
     check_requests, empty_samples, next_tokens, sampler_log_softmax, Active, GenerationRequest,
     Sample, SamplingParams,
 };
@@ -47,7 +47,7 @@ impl<'a> SoloSequence<'a> {
     }
 }
 
-/// As [`generate`](crate::rollout::generate), batch-invariant: each sample decodes alone, its
+/// As [`generate`](crate::generate), batch-invariant: each sample decodes alone, its
 /// prompt fed one token at a time. Its log-probs equal [`score_deterministic`]'s on the same
 /// ids, bitwise.
 pub fn generate_deterministic(

@@ -33,31 +33,17 @@
 //! from the ChaCha8 stream `(request.seed, s)`, whenever it runs and whoever runs beside it.
 
 use crate::kv_cache::KvCache;
-use crate::prefill::prefill;
+use crate::prefill::{prefill, PrefillCounts};
 use crate::prefix_store::PrefixStore;
-use crate::rollout::{
+pub use crate::sampling::EngineConfig;
+use crate::sampling::{
     check_requests, empty_samples, next_tokens, Active, GenerationRequest, Sample, SamplingParams,
 };
 use crate::transformer::Transformer;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use std::collections::VecDeque;
-
-/// Scheduler knobs of the rollout engine (0 = no limit, everywhere).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct EngineConfig {
-    /// Most samples decoding at once.
-    pub max_running: usize,
-    /// Most KV slots the running batch may hold: rows × slots per row, padding and the
-    /// reserved decode room included. Memory: slots × layers × 2 × kv_heads × head_dim
-    /// elements. Not counted: the prompt KV held for a partly admitted request (at most one
-    /// prompt) and the transient copies while admitted rows are stacked in.
-    pub kv_token_budget: usize,
-    /// Prompt tokens per prefill forward (long prompts are prefilled in chunks).
-    pub prefill_chunk: usize,
-}
 
 /// The load of one decode step: one token sampled for each running row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -468,13 +454,17 @@ impl Admit<'_> {
                 .iter()
                 .map(|&r| requests[r].prompt_ids.as_slice())
                 .collect();
-            Some(prefill(
+            let mut counts = PrefillCounts::default();
+            let prefilled = prefill(
                 model,
                 &prompts,
                 self.prefill_chunk,
                 prompt_kv.store.as_deref_mut(),
-                stats,
-            )?)
+                &mut counts,
+            )?;
+            stats.prefill_tokens += counts.tokens;
+            stats.prefill_forwards += counts.forwards;
+            Some(prefilled)
         };
         // Source rows: the held prompt first (it is the queue's front request), then fresh rows.
         let mut held_rows = Vec::new();

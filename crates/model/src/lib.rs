@@ -8,11 +8,14 @@
 //! - [`ops`]: training ops with a backward (RMSNorm, RoPE, SwiGLU, causal GQA attention over
 //!   variable-length packed rows), custom CPU kernels with candle compositions elsewhere.
 //! - [`kv_cache`]: the KV cache, grown in blocks and written in place.
-//! - [`lora`]: LoRA adapters (PEFT semantics and `adapter_model.safetensors` format), merge.
+//! - [`lora`]: LoRA adapters on a model (PEFT semantics and `adapter_model.safetensors`
+//!   format): add, attach, save, load, merge, export.
+//! - [`lora_adapter`]: the LoRA config and one projection's adapter (what the layers hold).
 //! - [`checkpoint`]: safetensors single-file and sharded I/O.
 //! - [`tokenizer`]: `tokenizer.json` wrapper and the Jinja chat template.
 //! - [`logprobs`]: per-token log-probs, entropy and top-K from logits (f32, differentiable).
 //! - [`rollout`]: batched KV-cached sampling returning token ids + sampler log-probs.
+//! - [`sampling`]: the request/sample types and the token sampler (engine and deterministic).
 //! - [`engine`]: the rollout scheduler: continuous batching, shared prompt prefill, KV budget.
 //! - [`prefix_store`]: finished samples' KV rows kept so a continuation prefills only new tokens.
 //! - [`score`]: teacher-forced scoring.
@@ -35,11 +38,13 @@ pub mod engine;
 pub mod kv_cache;
 pub mod logprobs;
 pub mod lora;
+pub mod lora_adapter;
 pub mod ops;
 pub mod policy;
 mod prefill;
 pub mod prefix_store;
 pub mod rollout;
+pub mod sampling;
 pub mod score;
 pub mod score_cli;
 pub mod threads;

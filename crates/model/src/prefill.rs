@@ -1,23 +1,31 @@
 //! Prompt prefill for the rollout engine: left-padded batches fed in chunks, and prompts
 //! continued from a [`PrefixStore`] row (only their new tokens are fed).
 
-use crate::engine::EngineStats;
 use crate::kv_cache::KvCache;
 use crate::prefix_store::PrefixStore;
 use crate::transformer::Transformer;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 
+/// What prefill forwards did, for the caller's statistics (the engine's `EngineStats`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct PrefillCounts {
+    /// Real prompt tokens fed (padding not counted).
+    pub(crate) tokens: usize,
+    /// Forwards run (one per chunk).
+    pub(crate) forwards: usize,
+}
+
 /// Prefills `prompts` and returns their cache (rows in prompt order) and next-token logits
 /// `[prompts, V]`. A prompt that starts with a row of `store` feeds only the tokens after it
 /// onto that row; the others are left-padded into one batch. Prompts are fed `chunk` tokens
-/// per forward (0 = all at once).
+/// per forward (0 = all at once); `counts` gains the tokens and forwards fed.
 pub(crate) fn prefill(
     model: &Transformer,
     prompts: &[&[u32]],
     chunk: usize,
     mut store: Option<&mut PrefixStore>,
-    stats: &mut EngineStats,
+    counts: &mut PrefillCounts,
 ) -> Result<(KvCache, Tensor)> {
     let mut continued: Vec<Option<(KvCache, Tensor)>> = Vec::with_capacity(prompts.len());
     for p in prompts {
@@ -26,8 +34,8 @@ pub(crate) fn prefill(
             Some((stored, mut cache)) => {
                 cache.reserve(p.len());
                 let input = Tensor::new(&p[stored..], model.device())?.unsqueeze(0)?;
-                let last = feed(model, &mut cache, &input, chunk, stats)?;
-                stats.prefill_tokens += p.len() - stored;
+                let last = feed(model, &mut cache, &input, chunk, counts)?;
+                counts.tokens += p.len() - stored;
                 Some((cache, model.logits(&last)?.squeeze(1)?))
             }
             None => None,
@@ -42,7 +50,7 @@ pub(crate) fn prefill(
     let batch = if plain.is_empty() {
         None
     } else {
-        Some(prefill_batch(model, &plain, chunk, stats)?)
+        Some(prefill_batch(model, &plain, chunk, counts)?)
     };
     if continued.iter().all(Option::is_none) {
         return Ok(batch.expect("every prompt is in the batch"));
@@ -78,7 +86,7 @@ fn prefill_batch(
     model: &Transformer,
     prompts: &[&[u32]],
     chunk: usize,
-    stats: &mut EngineStats,
+    counts: &mut PrefillCounts,
 ) -> Result<(KvCache, Tensor)> {
     let max_len = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
     let mut ids = Vec::with_capacity(prompts.len() * max_len);
@@ -91,8 +99,8 @@ fn prefill_batch(
     let input = Tensor::from_vec(ids, (prompts.len(), max_len), model.device())?;
     let mut cache = KvCache::new(model.cfg.num_hidden_layers, pads);
     cache.reserve(max_len);
-    let last = feed(model, &mut cache, &input, chunk, stats)?;
-    stats.prefill_tokens += prompts.iter().map(|p| p.len()).sum::<usize>();
+    let last = feed(model, &mut cache, &input, chunk, counts)?;
+    counts.tokens += prompts.iter().map(|p| p.len()).sum::<usize>();
     Ok((cache, model.logits(&last)?.squeeze(1)?))
 }
 
@@ -103,7 +111,7 @@ fn feed(
     cache: &mut KvCache,
     input: &Tensor,
     chunk: usize,
-    stats: &mut EngineStats,
+    counts: &mut PrefillCounts,
 ) -> Result<Tensor> {
     let len = input.dim(1)?;
     let step = if chunk == 0 { len } else { chunk };
@@ -113,7 +121,7 @@ fn feed(
         let t = step.min(len - start);
         let hidden = model.forward_hidden(&input.narrow(1, start, t)?, None, Some(cache), false)?;
         last = Some(hidden.narrow(1, t - 1, 1)?);
-        stats.prefill_forwards += 1;
+        counts.forwards += 1;
         start += t;
     }
     match last {

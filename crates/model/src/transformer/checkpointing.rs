@@ -16,7 +16,7 @@
 //! LoRA dropout masks are redrawn in the recomputation from a fork of the dropout stream
 //! taken before the forward, so the backward sees the forward's masks.
 
-use super::{Ctx, DecoderLayer};
+use super::layers::{Ctx, DecoderLayer};
 use anyhow::{Context, Result};
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, Var};
 use std::sync::{Arc, Mutex};

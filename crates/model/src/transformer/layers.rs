@@ -1,0 +1,382 @@
+//! The decoder's layers, named as the checkpoint's modules: [`Linear`] (with an optional LoRA
+//! adapter), [`RmsNorm`], the RoPE tables, grouped-query [`Attention`], the SwiGLU [`Mlp`] and
+//! the pre-norm [`DecoderLayer`], each with its forward on every op path (fused inference
+//! kernels, differentiable compositions, the custom ops of [`crate::ops`]).
+
+use crate::config::ModelConfig;
+use crate::kv_cache::LayerKv;
+use crate::lora_adapter::LoraAdapter;
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+
+/// Which implementation of the non-matmul ops a forward uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum OpPath {
+    /// candle-nn fused kernels (no backward): rollouts and scoring.
+    Fused,
+    /// Differentiable compositions of candle ops: training where no kernel applies (e.g.
+    /// f16), f64 with a cache.
+    Differentiable,
+    /// The custom ops of [`crate::ops`] (with a backward): training without a KV cache on
+    /// the CPU (f32/f64; attention over packed segments) and on CUDA (f32/bf16; attention over
+    /// the padded batch with the fused masked softmax, as CUDA has no varlen kernel yet).
+    Kernels,
+}
+
+/// `y = x Wᵀ + b`, weights stored `[out, in]` as in PyTorch.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    /// `[out_features, in_features]`.
+    pub weight: Tensor,
+    /// `[out_features]`, if the projection has a bias.
+    pub bias: Option<Tensor>,
+    /// LoRA adapter (`lora_A` / `lora_B` of PEFT), if this projection is adapted.
+    pub lora: Option<LoraAdapter>,
+}
+
+impl Linear {
+    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_with(x, false)
+    }
+
+    /// `forward`, with the adapter's dropout active when `train`.
+    fn forward_with(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let in_f = *dims.last().context("linear input has no dims")?;
+        let rows: usize = dims[..dims.len() - 1].iter().product();
+        let x2 = x.reshape((rows, in_f))?;
+        // A frozen weight (LoRA's base) gets no gradient: only ∂x is formed.
+        let y = crate::ops::frozen_linear(&x2, &self.weight)?;
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        let y = match &self.lora {
+            Some(a) => (y + a.delta(&x2, train)?)?,
+            None => y,
+        };
+        let mut out_dims = dims;
+        *out_dims.last_mut().expect("non-empty") = self.weight.dim(0)?;
+        Ok(y.reshape(out_dims)?)
+    }
+}
+
+/// RMSNorm over the last dimension: `x / sqrt(mean(x²) + eps) * weight`.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    /// `[dim]`.
+    pub weight: Tensor,
+    /// Epsilon inside the square root.
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    pub(super) fn forward(&self, x: &Tensor, path: OpPath) -> Result<Tensor> {
+        match path {
+            OpPath::Fused => Ok(candle_nn::ops::rms_norm(
+                &x.contiguous()?,
+                &self.weight,
+                self.eps as f32,
+            )?),
+            OpPath::Differentiable => crate::ops::rms_norm_composed(x, &self.weight, self.eps),
+            OpPath::Kernels => crate::ops::rms_norm(x, &self.weight, self.eps),
+        }
+    }
+}
+
+/// Precomputed RoPE tables `cos`, `sin`: `[max_position_embeddings, head_dim / 2]`, f32.
+#[derive(Debug, Clone)]
+pub(super) struct Rope {
+    pub(super) cos: Tensor,
+    pub(super) sin: Tensor,
+}
+
+impl Rope {
+    pub(super) fn new(cfg: &ModelConfig, device: &Device) -> Result<Self> {
+        let half = cfg.head_dim / 2;
+        // Computed in f32 exactly as transformers' default RoPE does.
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0f32 / (cfg.rope_theta as f32).powf((2 * i) as f32 / cfg.head_dim as f32))
+            .collect();
+        let n = cfg.max_position_embeddings;
+        let mut cos = Vec::with_capacity(n * half);
+        let mut sin = Vec::with_capacity(n * half);
+        for p in 0..n {
+            for f in &inv_freq {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        Ok(Rope {
+            cos: Tensor::from_vec(cos, (n, half), device)?,
+            sin: Tensor::from_vec(sin, (n, half), device)?,
+        })
+    }
+}
+
+/// Self-attention with grouped-query heads (`self_attn.*` in the checkpoint).
+#[derive(Debug, Clone)]
+pub struct Attention {
+    /// `self_attn.q_proj`.
+    pub q_proj: Linear,
+    /// `self_attn.k_proj`.
+    pub k_proj: Linear,
+    /// `self_attn.v_proj`.
+    pub v_proj: Linear,
+    /// `self_attn.o_proj`.
+    pub o_proj: Linear,
+    /// `self_attn.q_norm` (Qwen3).
+    pub q_norm: Option<RmsNorm>,
+    /// `self_attn.k_norm` (Qwen3).
+    pub k_norm: Option<RmsNorm>,
+    pub(super) num_heads: usize,
+    pub(super) num_kv_heads: usize,
+    pub(super) head_dim: usize,
+}
+
+/// Per-forward inputs shared by all layers (cloned into a checkpointed layer's backward).
+#[derive(Clone)]
+pub(super) struct Ctx {
+    /// `[B, T, head_dim/2]` in the activation dtype.
+    pub(super) cos: Tensor,
+    pub(super) sin: Tensor,
+    /// Additive mask broadcastable to `[B, kv_heads, n_rep, T, T_past + T]`, or None (always
+    /// None on the kernel path, which uses `cu_seqlens`).
+    pub(super) mask: Option<Tensor>,
+    /// Kernel path: the batch's `B·T` slots as packed segments (see `packed_segments`).
+    pub(super) cu_seqlens: Vec<usize>,
+    pub(super) path: OpPath,
+    /// A training forward (LoRA dropout on).
+    pub(super) train: bool,
+}
+
+/// RoPE of `x` `[B, H, T, D]` with `cos`/`sin` `[B, T, D/2]` (the mask-based paths).
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, path: OpPath) -> Result<Tensor> {
+    match path {
+        OpPath::Fused => Ok(candle_nn::rotary_emb::rope(&x.contiguous()?, cos, sin)?),
+        OpPath::Differentiable | OpPath::Kernels => crate::ops::rope_composed(x, cos, sin),
+    }
+}
+
+impl Attention {
+    fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx,
+        cache: Option<(&mut LayerKv, usize)>,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let q = self
+            .q_proj
+            .forward_with(x, ctx.train)?
+            .reshape((b, t, nh, hd))?;
+        let k = self
+            .k_proj
+            .forward_with(x, ctx.train)?
+            .reshape((b, t, nkv, hd))?;
+        let v = self
+            .v_proj
+            .forward_with(x, ctx.train)?
+            .reshape((b, t, nkv, hd))?;
+        let q = match &self.q_norm {
+            Some(n) => n.forward(&q, ctx.path)?,
+            None => q,
+        };
+        let k = match &self.k_norm {
+            Some(n) => n.forward(&k, ctx.path)?,
+            None => k,
+        };
+        if !ctx.cu_seqlens.is_empty() && cache.is_none() {
+            return self.forward_packed(&q, &k, &v, ctx);
+        }
+        let (q, k) = if ctx.path == OpPath::Kernels {
+            // The RoPE kernel takes tokens × heads: rotate before moving heads forward.
+            let half = hd / 2;
+            let cos = ctx.cos.reshape((b * t, half))?;
+            let sin = ctx.sin.reshape((b * t, half))?;
+            let rot = |x: &Tensor, heads: usize| -> Result<Tensor> {
+                let y = crate::ops::rope(&x.reshape((b * t, heads, hd))?, &cos, &sin)?;
+                Ok(y.reshape((b, t, heads, hd))?
+                    .transpose(1, 2)?
+                    .contiguous()?)
+            };
+            (rot(&q, nh)?, rot(&k, nkv)?)
+        } else {
+            let q = q.transpose(1, 2)?.contiguous()?;
+            let k = k.transpose(1, 2)?.contiguous()?;
+            (
+                apply_rope(&q, &ctx.cos, &ctx.sin, ctx.path)?,
+                apply_rope(&k, &ctx.cos, &ctx.sin, ctx.path)?,
+            )
+        };
+        let v = v.transpose(1, 2)?.contiguous()?;
+        let (k, v) = match cache {
+            Some((slot, reserved)) => slot.append(&k, &v, reserved)?,
+            None => (k, v),
+        };
+        let tk = k.dim(2)?;
+        let n_rep = nh / nkv;
+        // Grouped-query attention without copying K/V: head h uses kv head h / n_rep, so
+        // the query heads of one group are stacked along the query axis.
+        let q = q.reshape((b, nkv, n_rep * t, hd))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let scores = (q.matmul(&k.t()?)? * scale)?;
+        let probs = match ctx.path {
+            OpPath::Fused => {
+                let in_dtype = scores.dtype();
+                // Softmax in f32 for half-precision activations, as transformers does.
+                let scores = scores.to_dtype(DType::F32)?;
+                let scores = match &ctx.mask {
+                    Some(m) => scores
+                        .reshape((b, nkv, n_rep, t, tk))?
+                        .broadcast_add(&m.to_dtype(DType::F32)?)?
+                        .reshape((b, nkv, n_rep * t, tk))?,
+                    None => scores,
+                };
+                candle_nn::ops::softmax_last_dim(&scores.contiguous()?)?.to_dtype(in_dtype)?
+            }
+            // The mask is [B|1, 1, 1, T, Tk]: one [T, Tk] plane per batch entry (or shared).
+            path => {
+                let mask = match &ctx.mask {
+                    Some(m) => Some(m.reshape((m.dim(0)?, t, tk))?),
+                    None => None,
+                };
+                if path == OpPath::Kernels {
+                    crate::ops::masked_softmax(&scores, mask.as_ref())?
+                } else {
+                    crate::ops::masked_softmax_composed(&scores, mask.as_ref())?
+                }
+            }
+        };
+        let out = probs.matmul(&v)?; // [B, nkv, n_rep*T, hd]
+        let out = out
+            .reshape((b, nh, t, hd))?
+            .transpose(1, 2)?
+            .reshape((b, t, nh * hd))?;
+        self.o_proj.forward_with(&out, ctx.train)
+    }
+
+    /// Attention over packed segments from projected `q` `[B, T, H, D]`, `k`/`v`
+    /// `[B, T, Hkv, D]`: the `B·T` tokens (a free reshape) attended segment by segment of
+    /// `ctx.cu_seqlens` (the kernel path's padded batch, or a padding-free packed row).
+    fn forward_packed(&self, q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let (b, t, nh, hd) = q.dims4()?;
+        let nkv = self.num_kv_heads;
+        let n = b * t;
+        let cos = ctx.cos.reshape((n, hd / 2))?;
+        let sin = ctx.sin.reshape((n, hd / 2))?;
+        let q = q.reshape((n, nh, hd))?;
+        let k = k.reshape((n, nkv, hd))?;
+        let v = v.reshape((n, nkv, hd))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let out = if ctx.path == OpPath::Kernels {
+            let q = crate::ops::rope(&q, &cos, &sin)?;
+            let k = crate::ops::rope(&k, &cos, &sin)?;
+            crate::ops::causal_attention_varlen(&q, &k, &v, &ctx.cu_seqlens, scale)?
+        } else {
+            let q = crate::ops::rope_composed(&q, &cos, &sin)?;
+            let k = crate::ops::rope_composed(&k, &cos, &sin)?;
+            crate::ops::causal_attention_varlen_composed(&q, &k, &v, &ctx.cu_seqlens, scale)?
+        };
+        self.o_proj
+            .forward_with(&out.reshape((b, t, nh * hd))?, ctx.train)
+    }
+}
+
+/// SwiGLU MLP (`mlp.*`).
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    /// `mlp.gate_proj`.
+    pub gate_proj: Linear,
+    /// `mlp.up_proj`.
+    pub up_proj: Linear,
+    /// `mlp.down_proj`.
+    pub down_proj: Linear,
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor, path: OpPath, train: bool) -> Result<Tensor> {
+        let gate = self.gate_proj.forward_with(x, train)?;
+        let up = self.up_proj.forward_with(x, train)?;
+        let h = match path {
+            OpPath::Kernels => crate::ops::swiglu(&gate, &up)?,
+            OpPath::Fused | OpPath::Differentiable => crate::ops::swiglu_composed(&gate, &up)?,
+        };
+        self.down_proj.forward_with(&h, train)
+    }
+}
+
+/// One pre-norm decoder layer (`model.layers.N`).
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    /// `self_attn`.
+    pub self_attn: Attention,
+    /// `mlp`.
+    pub mlp: Mlp,
+    /// `input_layernorm`.
+    pub input_layernorm: RmsNorm,
+    /// `post_attention_layernorm`.
+    pub post_attention_layernorm: RmsNorm,
+}
+
+impl DecoderLayer {
+    pub(super) fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx,
+        cache: Option<(&mut LayerKv, usize)>,
+    ) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x, ctx.path)?;
+        let x = (x + self.self_attn.forward(&h, ctx, cache)?)?;
+        let h = self.post_attention_layernorm.forward(&x, ctx.path)?;
+        Ok((&x + self.mlp.forward(&h, ctx.path, ctx.train)?)?)
+    }
+}
+
+impl DecoderLayer {
+    /// Replaces every tensor of the layer (weights, biases, adapters, norms) by `f` of it.
+    pub(super) fn map_tensors(
+        &mut self,
+        f: &mut dyn FnMut(&Tensor) -> Result<Tensor>,
+    ) -> Result<()> {
+        for l in self.linears_mut() {
+            l.weight = f(&l.weight)?;
+            if let Some(b) = &l.bias {
+                l.bias = Some(f(b)?);
+            }
+            if let Some(a) = &mut l.lora {
+                a.lora_a = f(&a.lora_a)?;
+                a.lora_b = f(&a.lora_b)?;
+            }
+        }
+        for n in [
+            Some(&mut self.input_layernorm),
+            Some(&mut self.post_attention_layernorm),
+            self.self_attn.q_norm.as_mut(),
+            self.self_attn.k_norm.as_mut(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            n.weight = f(&n.weight)?;
+        }
+        Ok(())
+    }
+
+    /// The seven projections, attention's then the MLP's.
+    pub(super) fn linears_mut(&mut self) -> [&mut Linear; 7] {
+        let a = &mut self.self_attn;
+        let m = &mut self.mlp;
+        [
+            &mut a.q_proj,
+            &mut a.k_proj,
+            &mut a.v_proj,
+            &mut a.o_proj,
+            &mut m.gate_proj,
+            &mut m.up_proj,
+            &mut m.down_proj,
+        ]
+    }
+}
