@@ -74,7 +74,7 @@ async fn a_cut_short_restoration_is_graded_and_rewarded() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cut_short_episode_without_the_fix_scores_zero_with_a_report() {
+async fn a_cut_short_episode_that_restored_nothing_scores_zero_with_a_report() {
     let ep = one_turn(&turn("list_files", json!({}))).await;
     assert_eq!(ep.end, EpisodeEnd::MaxTurns);
     let last = ep.turns.last().expect("one turn");
