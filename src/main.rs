@@ -286,6 +286,9 @@ fn run(cli: Cli) -> Result<()> {
             for (what, why) in &report.skipped {
                 println!("skipped {what}: {why}");
             }
+            for (test, error) in &report.failing_on_original {
+                println!("not used (fails on the original): {test}: {error}");
+            }
             Ok(())
         }
         Command::Export {

@@ -7,6 +7,27 @@ use std::time::Duration;
 
 use composer_sandbox::*;
 
+/// Whether `CI` is set (as the other crates' tests read it).
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "0" && v != "false")
+}
+
+/// A protection `test` checks is missing on this machine: a failure under `CI` (a CI run
+/// must prove the containment, never skip it), else a loud SKIPPED line. Only a protection
+/// switched off on purpose by its variable (`disabled_by`, e.g. the README's
+/// `COMPOSER_SANDBOX_NO_NAMESPACES=1` run) may skip under `CI`.
+fn protection_missing(test: &str, what: &str, disabled_by: &[&str], caps: &Capabilities) {
+    let on_purpose = disabled_by.iter().find(|v| std::env::var_os(v).is_some());
+    assert!(
+        !in_ci() || on_purpose.is_some(),
+        "{test}: {what} is missing on this machine but CI is set: the containment cannot be \
+         checked ({:?})",
+        caps.notes
+    );
+    let why = on_purpose.map_or(String::new(), |v| format!(" ({v} is set)"));
+    eprintln!("SKIPPED: {test}: {what}{why} ({:?})", caps.notes);
+}
+
 /// A marker no test file, process or path of this run shares with another.
 fn marker(tag: &str) -> String {
     let nanos = std::time::SystemTime::now()
@@ -226,9 +247,11 @@ fn attack_reading_hidden_tests_next_to_a_working_copy_fails() {
             "hidden tests leaked: {r:#?}"
         );
     } else {
-        eprintln!(
-            "SKIPPED: no private root here, host files are readable ({:?})",
-            caps.notes
+        protection_missing(
+            "attack_reading_hidden_tests_next_to_a_working_copy_fails",
+            "no private root: host files are readable",
+            &["COMPOSER_SANDBOX_NO_NAMESPACES"],
+            &caps,
         );
     }
     // The symlinks the sandbox made do not fool the trusted side either.
@@ -577,9 +600,11 @@ print("TMP", os.listdir("/tmp"), "ROOT", sorted(os.listdir("/")))
     assert_eq!(r.outcome, Outcome::Completed, "{r:#?}");
     let caps = sandbox_capabilities();
     if !caps.private_root {
-        eprintln!(
-            "SKIPPED: no private root here, host files are readable ({:?})",
-            caps.notes
+        protection_missing(
+            "escape_host_files_are_invisible",
+            "no private root: host files are readable",
+            &["COMPOSER_SANDBOX_NO_NAMESPACES"],
+            &caps,
         );
         return;
     }
@@ -633,9 +658,11 @@ except OSError as e:
     let r = run_python(&code, &limits());
     let _ = std::fs::remove_file(&path);
     if !caps.private_root || !caps.network_namespace {
-        eprintln!(
-            "SKIPPED: no private root / network namespace here, host sockets are reachable ({:?})",
-            caps.notes
+        protection_missing(
+            "escape_host_unix_sockets_are_unreachable",
+            "no private root / network namespace: host sockets are reachable",
+            &["COMPOSER_SANDBOX_NO_NAMESPACES"],
+            &caps,
         );
         return;
     }
@@ -661,7 +688,12 @@ fn escape_tcp_to_localhost_is_blocked() {
     );
     let r = run_python(&code, &limits());
     if !caps.network_namespace {
-        eprintln!("SKIPPED: no network namespace here ({:?})", caps.notes);
+        protection_missing(
+            "escape_tcp_to_localhost_is_blocked",
+            "no network namespace",
+            &["COMPOSER_SANDBOX_NO_NAMESPACES"],
+            &caps,
+        );
         return;
     }
     assert!(r.stdout.starts_with("blocked"), "{r:#?}");
@@ -846,9 +878,14 @@ print("done", flush=True)
 "#;
     let r = run_python(code, &lim);
     if caps.cgroup.is_none() {
-        eprintln!(
-            "SKIPPED: no cgroup here, only per-process RLIMIT_AS ({:?})",
-            caps.notes
+        protection_missing(
+            "escape_memory_across_a_process_tree_is_capped",
+            "no cgroup: only a per-process RLIMIT_AS",
+            &[
+                "COMPOSER_SANDBOX_NO_CGROUP",
+                "COMPOSER_SANDBOX_NO_NAMESPACES",
+            ],
+            &caps,
         );
         return;
     }
@@ -897,7 +934,15 @@ print("spawn", subprocess.run(["/bin/echo", "hi"], capture_output=True).stdout.d
     assert!(r.stdout.contains("fork 7"), "{r:#?}");
     assert!(r.stdout.contains("spawn hi"), "{r:#?}");
     if !caps.seccomp {
-        eprintln!("SKIPPED: no seccomp filter here ({:?})", caps.notes);
+        protection_missing(
+            "escape_kernel_surface_is_filtered",
+            "no seccomp filter",
+            &[
+                "COMPOSER_SANDBOX_NO_SECCOMP",
+                "COMPOSER_SANDBOX_NO_NAMESPACES",
+            ],
+            &caps,
+        );
         return;
     }
     for name in [
@@ -932,4 +977,68 @@ fn sandbox_runs_report_missing_commands_and_keep_only_stdio() {
     let fds: Vec<&str> = r.stdout.split_whitespace().collect();
     // `ls` itself holds one more descriptor: the directory it lists.
     assert!(fds.len() <= 4, "inherited descriptors: {fds:?}");
+}
+
+/// Run by `a_missing_protection_fails_under_ci_and_skips_elsewhere` in a child process.
+#[test]
+#[ignore = "run in a child process by a_missing_protection_fails_under_ci_and_skips_elsewhere"]
+fn missing_protection_child() {
+    protection_missing(
+        "missing_protection_child",
+        "no seccomp filter",
+        &["COMPOSER_SANDBOX_NO_SECCOMP"],
+        &sandbox_capabilities(),
+    );
+    println!("MISSING_PROTECTION_CHILD_SKIPPED");
+}
+
+#[test]
+fn a_missing_protection_fails_under_ci_and_skips_elsewhere() {
+    // (CI value, COMPOSER_SANDBOX_NO_SECCOMP set) -> the child skips.
+    for (ci, off, skips) in [
+        (Some("true"), false, false),
+        (Some("1"), false, false),
+        (None, false, true),
+        (Some("false"), false, true),
+        (Some("true"), true, true),
+    ] {
+        let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+        cmd.args([
+            "--ignored",
+            "--exact",
+            "missing_protection_child",
+            "--nocapture",
+        ]);
+        cmd.env_remove("CI")
+            .env_remove("COMPOSER_SANDBOX_NO_SECCOMP");
+        if let Some(v) = ci {
+            cmd.env("CI", v);
+        }
+        if off {
+            cmd.env("COMPOSER_SANDBOX_NO_SECCOMP", "1");
+        }
+        let out = cmd.output().expect("the test binary runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let case = format!("CI={ci:?} off={off}\n{stdout}\n{stderr}");
+        if skips {
+            assert!(out.status.success(), "{case}");
+            assert!(
+                stdout.contains("MISSING_PROTECTION_CHILD_SKIPPED"),
+                "{case}"
+            );
+            assert!(
+                stderr.contains("SKIPPED: missing_protection_child: no seccomp filter"),
+                "{case}"
+            );
+        } else {
+            assert!(!out.status.success(), "{case}");
+            assert!(
+                stdout.contains("no seccomp filter is missing on this machine but CI is set")
+                    || stderr
+                        .contains("no seccomp filter is missing on this machine but CI is set"),
+                "{case}"
+            );
+        }
+    }
 }

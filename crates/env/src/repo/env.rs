@@ -267,6 +267,34 @@ impl Env for RepoEnv {
         }))
     }
 
+    /// An episode the trainer cut short (its turn limit or token budget, before `submit`) is
+    /// graded now, as `submit` would grade it (REPO_ENV.md: an episode ends at submit, a turn
+    /// limit or a token budget, and is graded); the grade is not counted as a tool call.
+    /// `None` without an episode; an episode that already ended gives its grade again.
+    async fn end_truncated(&mut self) -> Result<Option<StepResult>, EnvError> {
+        let Some(mut episode) = self.episode.take() else {
+            return Ok(None);
+        };
+        // Grading runs the hidden tests (seconds): off the async workers.
+        let (episode, grade) = tokio::task::spawn_blocking(move || {
+            let grade = episode.finish();
+            (episode, grade)
+        })
+        .await
+        .map_err(|e| EnvError::Server {
+            code: "EXECUTION_ERROR".into(),
+            message: format!("grading the cut-short episode panicked: {e}"),
+        })?;
+        self.episode = Some(episode);
+        let mut r = self.result(
+            json!({"metadata": {"grade": grade_json(&grade), "truncated": true}}),
+            true,
+        );
+        r.text = format!("episode cut short: {}", grade.feedback());
+        r.feedback = Some(grade.feedback());
+        Ok(Some(r))
+    }
+
     async fn close(&mut self) -> Result<(), EnvError> {
         self.end_episode().await;
         Ok(())

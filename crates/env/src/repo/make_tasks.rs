@@ -75,6 +75,9 @@ pub struct MakeTasksReport {
     pub created: Vec<String>,
     /// `(function, reason)` of the candidates left out.
     pub skipped: Vec<(String, String)>,
+    /// `(test, error)` of the repository's tests that fail on the unmodified repository
+    /// (never used as hidden tests; when none passes, [`make_tasks`] refuses instead).
+    pub failing_on_original: Vec<(String, String)>,
 }
 
 fn sandbox_with(files: &[(String, Vec<u8>)]) -> Result<Sandbox> {
@@ -132,7 +135,92 @@ fn test_modules(repo: &Path, scan: &Scan, tests: &[&TestFn]) -> Result<Vec<(Stri
 /// The test functions that reference the removed code and pass on the original but fail on
 /// the broken copy become the hidden tests, the first of them also the visible test.
 /// Candidates without such tests are skipped (listed in the report).
+///
+/// Refused before any scanning: a `repo_dir` that is not a directory, an `out_dir` that
+/// exists and is not an empty directory (stale tasks would be served with the new ones),
+/// cannot be created or written, or lies inside `repo_dir` (it would be scanned as part of
+/// the repository). Refused after the first test run: a repository without test functions,
+/// or whose tests all fail on the unmodified code. An `out_dir` this call created is removed
+/// again when it fails.
 pub fn make_tasks(repo_dir: &Path, out_dir: &Path) -> Result<MakeTasksReport> {
+    let created_out = check_dirs(repo_dir, out_dir)?;
+    let made = build(repo_dir, out_dir);
+    if made.is_err() && created_out {
+        let _ = std::fs::remove_dir_all(out_dir);
+    }
+    made
+}
+
+/// The checks of [`make_tasks`] on its two directories, before the expensive work; creates
+/// `out_dir` (returns whether it was created here).
+fn check_dirs(repo_dir: &Path, out_dir: &Path) -> Result<bool> {
+    match std::fs::metadata(repo_dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => bail!(
+            "the repository (--repo) {} is not a directory",
+            repo_dir.display()
+        ),
+        Err(e) => bail!(
+            "the repository (--repo) {} cannot be read: {e}",
+            repo_dir.display()
+        ),
+    }
+    let existed = match std::fs::symlink_metadata(out_dir) {
+        Ok(m) if m.is_dir() => {
+            let mut entries = std::fs::read_dir(out_dir)
+                .with_context(|| format!("reading the output (--out) {}", out_dir.display()))?;
+            if let Some(first) = entries.next() {
+                let first = first?.file_name();
+                bail!(
+                    "the output (--out) {} is not empty (it holds {:?}): make-tasks writes \
+                     into a new or empty directory, so that no stale task is served with the \
+                     new ones",
+                    out_dir.display(),
+                    first
+                );
+            }
+            true
+        }
+        Ok(_) => bail!(
+            "the output (--out) {} exists and is not a directory",
+            out_dir.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => bail!(
+            "the output (--out) {} cannot be read: {e}",
+            out_dir.display()
+        ),
+    };
+    std::fs::create_dir_all(out_dir)
+        .with_context(|| format!("the output (--out) {} cannot be created", out_dir.display()))?;
+    let refuse = |msg: String| -> Result<bool> {
+        if !existed {
+            let _ = std::fs::remove_dir_all(out_dir);
+        }
+        bail!(msg)
+    };
+    let probe = out_dir.join(".make-tasks-probe");
+    if let Err(e) = std::fs::write(&probe, b"") {
+        return refuse(format!(
+            "the output (--out) {} is not writable: {e}",
+            out_dir.display()
+        ));
+    }
+    let _ = std::fs::remove_file(&probe);
+    let (repo_real, out_real) = (repo_dir.canonicalize()?, out_dir.canonicalize()?);
+    if out_real.starts_with(&repo_real) {
+        return refuse(format!(
+            "the output (--out) {} is inside the repository (--repo) {}: the tasks would be \
+             scanned as part of the repository; choose a directory outside it",
+            out_dir.display(),
+            repo_dir.display()
+        ));
+    }
+    Ok(!existed)
+}
+
+/// [`make_tasks`] after its directory checks.
+fn build(repo_dir: &Path, out_dir: &Path) -> Result<MakeTasksReport> {
     let all = walk_files(repo_dir)?;
     let mut files = Vec::new();
     for rel in all.iter().filter(|p| {
@@ -152,6 +240,13 @@ pub fn make_tasks(repo_dir: &Path, out_dir: &Path) -> Result<MakeTasksReport> {
         )
     })?;
     drop(scanner);
+    if scan.tests.is_empty() {
+        bail!(
+            "no test functions in {}: make-tasks needs `test_*` functions in test modules \
+             (`test_*.py`, or modules under a `tests/` directory)",
+            repo_dir.display()
+        );
+    }
     // The task's repo/: everything but the test modules.
     let base: Vec<(String, Vec<u8>)> = files
         .into_iter()
@@ -174,8 +269,27 @@ pub fn make_tasks(repo_dir: &Path, out_dir: &Path) -> Result<MakeTasksReport> {
         &test_modules(repo_dir, &scan, &all_tests)?,
         BUDGET,
     )?;
-    let passing: BTreeSet<String> = verdicts.into_iter().filter(|v| v.1).map(|v| v.0).collect();
     drop(original);
+    let failing_on_original: Vec<(String, String)> = verdicts
+        .iter()
+        .filter(|v| !v.1)
+        .map(|v| (v.0.clone(), v.2.clone()))
+        .collect();
+    let passing: BTreeSet<String> = verdicts.into_iter().filter(|v| v.1).map(|v| v.0).collect();
+    if passing.is_empty() {
+        let shown: Vec<String> = failing_on_original
+            .iter()
+            .take(5)
+            .map(|(t, e)| format!("{t}: {e}"))
+            .collect();
+        bail!(
+            "the repository's tests fail on the unmodified repository {} (all {} of them; \
+             make-tasks needs tests that pass before anything is removed): {}",
+            repo_dir.display(),
+            failing_on_original.len(),
+            shown.join("; ")
+        );
+    }
     let maker = Maker {
         repo_dir,
         out_dir,
@@ -184,8 +298,10 @@ pub fn make_tasks(repo_dir: &Path, out_dir: &Path) -> Result<MakeTasksReport> {
         passing: &passing,
     };
 
-    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    let mut report = MakeTasksReport::default();
+    let mut report = MakeTasksReport {
+        failing_on_original,
+        ..MakeTasksReport::default()
+    };
     for f in &scan.functions {
         let label = format!("{}:{}", f.file, f.name);
         let Some((_, orig)) = base.iter().find(|(r, _)| r == &f.file) else {
@@ -291,7 +407,17 @@ pub fn make_tasks(repo_dir: &Path, out_dir: &Path) -> Result<MakeTasksReport> {
         maker.make(candidate, label, &mut report)?;
     }
     if report.created.is_empty() {
-        bail!("no task could be made from {}", repo_dir.display());
+        let why: Vec<String> = report
+            .skipped
+            .iter()
+            .take(10)
+            .map(|(what, why)| format!("{what}: {why}"))
+            .collect();
+        bail!(
+            "no task could be made from {}: {}",
+            repo_dir.display(),
+            why.join("; ")
+        );
     }
     Ok(report)
 }
