@@ -2,6 +2,12 @@
 //! one), implemented by [`RemoteEnv`] over WebSocket `/ws` with openenv 0.10's gym-style
 //! actions (`{"type":"list_tools"}`, `{"type":"call_tool","tool_name","arguments"}`), and the
 //! parsing of what such a server answers ([`ToolDef`], [`ToolCallOutcome`]).
+//!
+//! A server whose action class is its own (openenv's `create_app` with an env-specific
+//! action) refuses those steps; its tools are then listed and called over MCP JSON-RPC
+//! (`{"type":"mcp"}` frames on the same session), which carries no reward and never ends the
+//! episode. Checked against the `openenv` package's own server in
+//! tests/openenv_mcp_client.rs.
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
@@ -70,6 +76,57 @@ pub fn parse_tool_listing(v: &Value) -> Result<Vec<ToolDef>, EnvError> {
     tools.iter().map(ToolDef::from_listing).collect()
 }
 
+/// The tools of a `list_tools` step's observation. openenv's `MCPEnvironment` reports a
+/// listing that failed on its side as an empty `tools` with `metadata.error` and
+/// `metadata.error_type` (`list_tools_failed`): that is an error naming the server's reason,
+/// not an env without tools.
+fn listing_from_observation(obs: &Map<String, Value>) -> Result<Vec<ToolDef>, EnvError> {
+    let failure = obs
+        .get("metadata")
+        .and_then(|m| m.get("error"))
+        .filter(|e| !e.is_null());
+    let listed = obs
+        .get("tools")
+        .and_then(Value::as_array)
+        .is_some_and(|t| !t.is_empty());
+    if let (Some(error), false) = (failure, listed) {
+        let code = obs
+            .get("metadata")
+            .and_then(|m| m.get("error_type"))
+            .and_then(Value::as_str)
+            .unwrap_or("list_tools_failed");
+        return Err(EnvError::Server {
+            code: code.to_string(),
+            message: format!(
+                "the server's tool listing failed: {}",
+                error
+                    .as_str()
+                    .map_or_else(|| error.to_string(), str::to_string)
+            ),
+        });
+    }
+    parse_tool_listing(&Value::Object(obs.clone()))
+}
+
+/// The error class of a JSON-RPC `tools/call` error, by openenv `MCPEnvironment`'s own rule
+/// for tool exceptions (`_async_handle_call_tool`: "not found" / "unknown tool", then
+/// "invalid" / "argument"), plus pydantic's "validation error" and JSON-RPC's invalid-params
+/// code (-32602), so a call has the same class on both paths.
+fn rpc_error_type(code: i64, message: &str) -> &'static str {
+    let m = message.to_lowercase();
+    if m.contains("not found") || m.contains("unknown tool") {
+        "tool_not_found"
+    } else if code == -32602
+        || m.contains("invalid")
+        || m.contains("argument")
+        || m.contains("validation error")
+    {
+        "invalid_args"
+    } else {
+        "execution_error"
+    }
+}
+
 /// What one tool call came back with.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ToolCallOutcome {
@@ -131,6 +188,29 @@ impl ToolCallOutcome {
             done: step.done,
             observation: step.observation,
         }
+    }
+
+    /// Parses a JSON-RPC `tools/call` response (`{result}`: a `CallToolResult`, or
+    /// `{error: {code, message}}`) as the outcome of a gym-style step with the same result
+    /// or error would be; JSON-RPC carries no reward and never ends the episode.
+    pub fn from_rpc(tool_name: &str, reply: &Value) -> Result<ToolCallOutcome, EnvError> {
+        let observation = if let Some(err) = reply.get("error").filter(|e| !e.is_null()) {
+            let message = err
+                .get("message")
+                .and_then(Value::as_str)
+                .map_or_else(|| err.to_string(), str::to_string);
+            let code = err.get("code").and_then(Value::as_i64).unwrap_or(0);
+            json!({"tool_name": tool_name, "result": null, "error":
+                {"error_type": rpc_error_type(code, &message), "message": message}})
+        } else if let Some(result) = reply.get("result") {
+            json!({"tool_name": tool_name, "result": result, "error": null})
+        } else {
+            return Err(EnvError::Protocol(format!(
+                "tools/call `{tool_name}`: a JSON-RPC response without `result` or `error`: {reply:.300}"
+            )));
+        };
+        let step = StepResult::from_wire(&json!({"observation": observation}))?;
+        Ok(ToolCallOutcome::from_step(step))
     }
 
     /// Hidden tests passed and total, when the reply carries a grade: an object with numeric
@@ -220,20 +300,22 @@ impl ToolEnv for RemoteEnv {
     }
 
     async fn list_tools(&mut self) -> Result<Vec<ToolDef>, EnvError> {
-        match Env::step(self, json!({"type": "list_tools"})).await {
-            Ok(step) => parse_tool_listing(&Value::Object(step.observation)),
-            // A server without the gym-style action: ask over JSON-RPC (`tools/list`).
-            Err(EnvError::InvalidAction { .. }) => {
-                let reply = self
-                    .mcp(json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}))
-                    .await?;
-                if let Some(err) = reply.get("error") {
-                    return Err(EnvError::Protocol(format!("tools/list: {err}")));
-                }
-                parse_tool_listing(reply.get("result").unwrap_or(&Value::Null))
+        if !self.tools_over_rpc {
+            match Env::step(self, json!({"type": "list_tools"})).await {
+                Ok(step) => return listing_from_observation(&step.observation),
+                // A server whose action class is its own refuses the gym-style action
+                // (VALIDATION_ERROR) but serves its tools over JSON-RPC: use that from now on.
+                Err(EnvError::InvalidAction { .. }) => self.tools_over_rpc = true,
+                Err(e) => return Err(e),
             }
-            Err(e) => Err(e),
         }
+        let reply = self
+            .mcp(json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}))
+            .await?;
+        if let Some(err) = reply.get("error") {
+            return Err(EnvError::Protocol(format!("tools/list: {err}")));
+        }
+        parse_tool_listing(reply.get("result").unwrap_or(&Value::Null))
     }
 
     async fn call_tool(
@@ -241,6 +323,13 @@ impl ToolEnv for RemoteEnv {
         name: &str,
         arguments: Value,
     ) -> Result<ToolCallOutcome, EnvError> {
+        if self.tools_over_rpc {
+            let reply = self
+                .mcp(json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                             "params": {"name": name, "arguments": arguments}}))
+                .await?;
+            return ToolCallOutcome::from_rpc(name, &reply);
+        }
         let action = json!({"type": "call_tool", "tool_name": name, "arguments": arguments});
         match Env::step(self, action).await {
             Ok(step) => Ok(ToolCallOutcome::from_step(step)),
@@ -288,6 +377,57 @@ mod tests {
         assert!(parse_tool_listing(&json!({"tools": [{"description": "no name"}]})).is_err());
         assert!(parse_tool_listing(&json!({"tools": [{"name": "a", "inputSchema": 3}]})).is_err());
         assert!(parse_tool_listing(&json!({})).is_err());
+    }
+
+    #[test]
+    fn a_failed_listing_is_an_error_with_the_servers_reason() {
+        // openenv MCPEnvironment's shape when its MCP client fails to list.
+        let failed = json!({"tools": [], "metadata": {"error": "registry down", "error_type": "list_tools_failed"}});
+        match listing_from_observation(failed.as_object().unwrap()) {
+            Err(EnvError::Server { code, message }) => {
+                assert_eq!(code, "list_tools_failed");
+                assert!(message.contains("registry down"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let listed = json!({"tools": [{"name": "a"}], "metadata": {}});
+        assert_eq!(
+            listing_from_observation(listed.as_object().unwrap()).unwrap()[0].name,
+            "a"
+        );
+    }
+
+    #[test]
+    fn json_rpc_results_and_errors_read_like_steps() {
+        let ok = ToolCallOutcome::from_rpc(
+            "add",
+            &json!({"jsonrpc": "2.0", "id": 1, "result": {"content": [{"type": "text", "text": "7"}], "structured_content": {"result": 7}, "data": 7, "is_error": false}}),
+        )
+        .unwrap();
+        assert_eq!(
+            (ok.text.as_str(), ok.error_type, ok.done),
+            ("7", None, false)
+        );
+        assert_eq!(ok.observation["tool_name"], "add");
+        for (code, message, class) in [
+            (-32603, "Unknown tool: 'nope'", "tool_not_found"),
+            (-32603, "1 validation error for call[add]", "invalid_args"),
+            (-32602, "Missing 'name' in params", "invalid_args"),
+            (
+                -32603,
+                "Error calling tool 'divide': division by zero",
+                "execution_error",
+            ),
+        ] {
+            let bad = ToolCallOutcome::from_rpc(
+                "t",
+                &json!({"jsonrpc": "2.0", "id": 1, "error": {"code": code, "message": message, "data": null}}),
+            )
+            .unwrap();
+            assert_eq!(bad.error_type.as_deref(), Some(class), "{message}");
+            assert_eq!(bad.text, format!("Error ({class}): {message}"));
+        }
+        assert!(ToolCallOutcome::from_rpc("t", &json!({"jsonrpc": "2.0", "id": 1})).is_err());
     }
 
     #[test]

@@ -26,6 +26,25 @@ fn fast_config() -> OpenEnvClientConfig {
     }
 }
 
+/// Serves the fixture app `module` from `$OPENENV_MCP_VENV` (None: skipped) and connects.
+async fn serve(module: &str, test: &str) -> Option<(PyServer, OpenEnvClient, tempfile::TempDir)> {
+    let venv = service_var("OPENENV_MCP_VENV", test)?;
+    let logs = tempfile::tempdir().unwrap();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut server = PyServer::spawn_app(
+        &PathBuf::from(venv),
+        free_port(),
+        logs.path(),
+        &fixtures,
+        module,
+    );
+    server.wait_healthy().await;
+    let client = OpenEnvClient::connect(&server.url(), fast_config())
+        .await
+        .unwrap();
+    Some((server, client, logs))
+}
+
 fn reset_to(target: &str) -> ResetOptions {
     let mut opts = ResetOptions::default();
     opts.extra.insert("target".into(), json!(target));
@@ -34,25 +53,14 @@ fn reset_to(target: &str) -> ResetOptions {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn our_tool_client_plays_an_episode_on_the_openenv_packages_mcp_server() {
-    let Some(venv) = service_var(
-        "OPENENV_MCP_VENV",
+    let Some((server, client, _logs)) = serve(
+        "openenv_mcp_env",
         "our_tool_client_plays_an_episode_on_the_openenv_packages_mcp_server",
-    ) else {
+    )
+    .await
+    else {
         return;
     };
-    let logs = tempfile::tempdir().unwrap();
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let mut server = PyServer::spawn_app(
-        &PathBuf::from(venv),
-        free_port(),
-        logs.path(),
-        &fixtures,
-        "openenv_mcp_env",
-    );
-    server.wait_healthy().await;
-    let client = OpenEnvClient::connect(&server.url(), fast_config())
-        .await
-        .unwrap();
     // The package's /schema shows the tool interface (CallToolAction).
     let interface = client.mcp_tool_interface();
     assert!(
@@ -69,8 +77,7 @@ async fn our_tool_client_plays_an_episode_on_the_openenv_packages_mcp_server() {
     let first = ToolEnv::reset(&mut env, reset_to("7")).await.unwrap();
     assert!(!first.done);
     assert_eq!(
-        first.observation["metadata"]["statement"],
-        "Use the tools to compute 7, then submit it.",
+        first.observation["metadata"]["statement"], "Use the tools to compute 7, then submit it.",
         "{:?}",
         first.observation
     );
@@ -176,4 +183,97 @@ async fn our_tool_client_plays_an_episode_on_the_openenv_packages_mcp_server() {
     // The server itself never failed a request (FastMCP does log `divide`'s exception).
     let log = server.log_tail();
     assert!(!log.contains("Exception in ASGI"), "server log:\n{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_that_failed_on_the_packages_server_is_an_error_naming_why() {
+    let Some((_server, client, _logs)) = serve(
+        "openenv_mcp_env",
+        "a_listing_that_failed_on_the_packages_server_is_an_error_naming_why",
+    )
+    .await
+    else {
+        return;
+    };
+    let mut env = client.tool_session();
+    let mut opts = ResetOptions::default();
+    opts.extra.insert("break_listing".into(), json!(true));
+    ToolEnv::reset(&mut env, opts).await.unwrap();
+    // MCPEnvironment answers `{"tools": [], "metadata": {"error", "error_type"}}`.
+    match env.list_tools().await {
+        Err(composer_env::EnvError::Server { code, message }) => {
+            assert_eq!(code, "list_tools_failed");
+            assert!(
+                message.contains("the tool registry is unavailable"),
+                "{message}"
+            );
+        }
+        other => panic!("a failed listing read as {other:?}"),
+    }
+    // The session survives: tools still work.
+    let echoed = env
+        .call_tool("echo", json!({"message": "ok"}))
+        .await
+        .unwrap();
+    assert_eq!(echoed.text, "ok");
+    ToolEnv::close(&mut env).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_env_with_its_own_action_class_is_played_over_json_rpc() {
+    let Some((_server, client, _logs)) = serve(
+        "openenv_mcp_env_own_action",
+        "an_env_with_its_own_action_class_is_played_over_json_rpc",
+    )
+    .await
+    else {
+        return;
+    };
+    // Its /schema shows its own action, so even a plain session may play it.
+    assert_eq!(client.mcp_tool_interface(), None, "{}", client.schema());
+    let mut env = client.tool_session();
+    ToolEnv::reset(&mut env, reset_to("3")).await.unwrap();
+    // The gym-style `list_tools` step is refused (VALIDATION_ERROR); the listing comes
+    // over JSON-RPC, and so do the calls from then on.
+    let tools = env.list_tools().await.unwrap();
+    let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["echo", "add", "divide", "submit"]);
+    let sum = env.call_tool("add", json!({"a": 1, "b": 2})).await.unwrap();
+    assert_eq!(
+        (sum.text.as_str(), sum.error_type.as_deref()),
+        ("3", None),
+        "{sum:?}"
+    );
+    let unknown = env.call_tool("nope", json!({})).await.unwrap();
+    assert_eq!(unknown.error_type.as_deref(), Some("tool_not_found"));
+    let bad_args = env
+        .call_tool("add", json!({"a": "x", "b": 1}))
+        .await
+        .unwrap();
+    assert_eq!(
+        bad_args.error_type.as_deref(),
+        Some("invalid_args"),
+        "{bad_args:?}"
+    );
+    let raised = env
+        .call_tool("divide", json!({"a": 1, "b": 0}))
+        .await
+        .unwrap();
+    assert_eq!(raised.error_type.as_deref(), Some("execution_error"));
+    assert!(raised.text.contains("division by zero"), "{}", raised.text);
+    // JSON-RPC has no reward or done: the tool runs, the episode goes on.
+    let submitted = env
+        .call_tool("submit", json!({"answer": "3"}))
+        .await
+        .unwrap();
+    assert_eq!(
+        (submitted.text.as_str(), submitted.done, submitted.reward),
+        ("submitted '3'", false, None)
+    );
+    // The env's own actions still go through `step`.
+    let own = Env::step(&mut env, json!({"guess": "3"})).await.unwrap();
+    assert!(own.observation["metadata"]["error"]
+        .as_str()
+        .is_some_and(|e| e.contains("GuessAction")));
+    ToolEnv::close(&mut env).await.unwrap();
 }

@@ -48,6 +48,9 @@ pub struct RemoteEnv {
     episode_deadline: Option<Instant>,
     /// Made by [`OpenEnvClient::tool_session`]: tool actions are expected.
     mcp_tools: bool,
+    /// The server refused the gym-style `list_tools` step (an env with an action class of
+    /// its own), so tools are listed and called over MCP JSON-RPC (`crate::ToolEnv`).
+    pub(crate) tools_over_rpc: bool,
     /// Connection failures retried past since the pool last asked
     /// ([`Env::take_retried_failures`]).
     retried: Vec<EnvError>,
@@ -61,6 +64,7 @@ impl RemoteEnv {
             conn: None,
             episode_deadline: None,
             mcp_tools,
+            tools_over_rpc: false,
             retried: Vec::new(),
         }
     }
