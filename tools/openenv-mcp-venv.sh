@@ -2,7 +2,8 @@
 # Makes (or reuses) a venv with OpenEnv's Python clients of the MCP-tool interface:
 # `openenv` 0.10.0 (MCPToolClient, GenericEnvClient), for the test that drives
 # `composer-rl serve-env repo` with them (crates/env/tests/serve_repo_python.rs,
-# `$OPENENV_MCP_VENV`). `openenv` and `openenv-core` install the same import package, so this
+# `$OPENENV_MCP_VENV`), and its MCPEnvironment server for the tests of our client against
+# it (crates/env/tests/openenv_mcp_client.rs, crates/train/tests/openenv_mcp_tool_chat.rs). `openenv` and `openenv-core` install the same import package, so this
 # is a venv of its own, next to the openenv-core 0.3.0 one of ../shared/openenv.
 #
 # Usage: tools/openenv-mcp-venv.sh [DIR]   (default ./.openenv-mcp-venv); prints DIR.
