@@ -48,6 +48,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                         cfg.model.max_position_embeddings
                     );
                 }
+                cfg.train_seq_len = t;
             }
             cfg.device = device;
             if let Some(b) = batch {
@@ -58,9 +59,6 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                 let d = parse_dtype(&d).context("--dtype")?;
                 cfg.train_dtype = d;
                 cfg.decode_dtype = d;
-            }
-            if let Some(t) = train_seq_len {
-                cfg.train_seq_len = t;
             }
             let report = composer_model::bench::run(&cfg)?;
             if json {

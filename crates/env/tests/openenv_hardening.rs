@@ -205,14 +205,7 @@ async fn mcp_tool_server_is_refused_at_the_first_reset() {
         return;
     };
     let logs = tempfile::tempdir().unwrap();
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let mut server = PyServer::spawn_app(
-        &PathBuf::from(venv),
-        free_port(),
-        logs.path(),
-        &fixtures,
-        "mcp_tool_app",
-    );
+    let mut server = PyServer::spawn_app(&PathBuf::from(venv), logs.path(), "mcp_tool_app");
     server.wait_healthy().await;
     let client = OpenEnvClient::connect(&server.url(), fast_config())
         .await

@@ -8,10 +8,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use common::{free_port, service_var, PyServer};
+use common::{service_var, PyServer};
 use composer_env::{
     parse_tool_listing, Env, OpenEnvClient, OpenEnvClientConfig, ResetOptions, ToolEnv,
 };
@@ -30,14 +30,7 @@ fn fast_config() -> OpenEnvClientConfig {
 async fn serve(module: &str, test: &str) -> Option<(PyServer, OpenEnvClient, tempfile::TempDir)> {
     let venv = service_var("OPENENV_MCP_VENV", test)?;
     let logs = tempfile::tempdir().unwrap();
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let mut server = PyServer::spawn_app(
-        &PathBuf::from(venv),
-        free_port(),
-        logs.path(),
-        &fixtures,
-        module,
-    );
+    let mut server = PyServer::spawn_app(&PathBuf::from(venv), logs.path(), module);
     server.wait_healthy().await;
     let client = OpenEnvClient::connect(&server.url(), fast_config())
         .await

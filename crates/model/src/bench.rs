@@ -273,7 +273,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
     let (model, vars) =
         Transformer::random_init_on_device(&cfg.model, cfg.train_dtype, &cfg.device)?;
     let num_parameters = model.num_parameters();
-    let (train_model, num_trainable_parameters) = match cfg.lora_r {
+    let (mut train_model, num_trainable_parameters) = match cfg.lora_r {
         None => (model, num_parameters),
         Some(r) => {
             let targets = vec!["all-linear".to_string()];
@@ -285,7 +285,6 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         }
     };
     drop(vars);
-    let mut train_model = train_model;
     train_model.gradient_checkpointing = cfg.gradient_checkpointing;
     let decode_model = if cfg.decode_dtype == cfg.train_dtype {
         train_model.detached()

@@ -13,6 +13,7 @@
 //! Work precision is f32 (f64 for f64 inputs, for gradient checks); the returned log-probs
 //! are in that precision and the gradients are cast back to the inputs' dtypes.
 
+use crate::ops::work_dtype;
 use anyhow::{bail, Context, Result};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, D};
@@ -61,14 +62,6 @@ pub struct HeadLogprobs {
     pub topk_logprobs: Option<Tensor>,
 }
 
-fn work_dtype(t: &Tensor) -> DType {
-    if t.dtype() == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 /// Rows per chunk for a vocabulary of `v` under `chunk_elements`.
 fn chunk_rows(v: usize, chunk_elements: usize) -> usize {
     (chunk_elements / v.max(1)).max(1)
@@ -78,7 +71,7 @@ fn chunk_rows(v: usize, chunk_elements: usize) -> usize {
 /// product runs in the weights' dtype (bf16 on the matrix units for a bf16 model, as
 /// transformers computes bf16 logits), the softmax in f32 (f64 for f64).
 fn chunk_logsoftmax(h: &Tensor, w: &Tensor, temperature: f64) -> Result<Tensor> {
-    let z = h.matmul(&w.t()?)?.to_dtype(work_dtype(h))?;
+    let z = h.matmul(&w.t()?)?.to_dtype(work_dtype(h.dtype()))?;
     let z = if temperature != 1.0 {
         (z / temperature)?
     } else {
@@ -103,21 +96,19 @@ fn topk_rows(logp: &Tensor, k: usize) -> Result<Tensor> {
 
 /// [`topk_rows`] as `k` device passes of argmax-then-mask.
 fn topk_by_argmax(logp: &Tensor, k: usize) -> Result<Tensor> {
-    {
-        let mut rest = logp.clone();
-        let mut picks = Vec::with_capacity(k);
-        let neg_inf = Tensor::new(f32::NEG_INFINITY, logp.device())?
-            .to_dtype(logp.dtype())?
-            .broadcast_as(logp.shape())?;
-        let cols = Tensor::arange(0u32, logp.dim(1)? as u32, logp.device())?.unsqueeze(0)?;
-        for _ in 0..k {
-            let best = rest.argmax_keepdim(D::Minus1)?;
-            let hit = cols.broadcast_eq(&best)?;
-            rest = hit.where_cond(&neg_inf, &rest)?;
-            picks.push(best);
-        }
-        Ok(Tensor::cat(&picks, 1)?)
+    let mut rest = logp.clone();
+    let mut picks = Vec::with_capacity(k);
+    let neg_inf = Tensor::new(f32::NEG_INFINITY, logp.device())?
+        .to_dtype(logp.dtype())?
+        .broadcast_as(logp.shape())?;
+    let cols = Tensor::arange(0u32, logp.dim(1)? as u32, logp.device())?.unsqueeze(0)?;
+    for _ in 0..k {
+        let best = rest.argmax_keepdim(D::Minus1)?;
+        let hit = cols.broadcast_eq(&best)?;
+        rest = hit.where_cond(&neg_inf, &rest)?;
+        picks.push(best);
     }
+    Ok(Tensor::cat(&picks, 1)?)
 }
 
 /// [`topk_rows`] on the host: one size-k scan per row.
@@ -181,7 +172,7 @@ pub fn head_logprobs(
         }
     }
     let top_k = opts.top_k.min(v);
-    let dt = work_dtype(hidden);
+    let dt = work_dtype(hidden.dtype());
     let w = weight.detach().to_dtype(hidden.dtype())?;
     let hid = hidden.detach();
     let chunk_elements = match opts.chunk_elements {
@@ -302,7 +293,7 @@ impl CustomOp3 for FusedHead {
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (n, width) = self.ids.dims2()?;
-        let dt = work_dtype(hidden);
+        let dt = work_dtype(hidden.dtype());
         // Products in the model's dtype (bf16 matrix units for bf16), softmax algebra and the
         // weight gradient's accumulation over chunks in the work dtype.
         let mm = hidden.dtype();
@@ -310,13 +301,11 @@ impl CustomOp3 for FusedHead {
         let hid = hidden.detach();
         let grad = grad_res.detach().to_dtype(dt)?;
         let entropy = res.detach().narrow(1, width, 1)?.to_dtype(dt)?;
-        // A frozen head (LoRA) gets no gradient: skip its products and buffer.
-        let head_trains = weight.track_op();
-        let mut dw = if head_trains {
-            Tensor::zeros(w.shape(), dt, w.device())?
-        } else {
-            Tensor::zeros(1, dt, w.device())?
-        };
+        // A frozen head (LoRA) gets no gradient: no products, no buffer.
+        let mut dw = weight
+            .track_op()
+            .then(|| Tensor::zeros(w.shape(), dt, w.device()))
+            .transpose()?;
         let mut dh = Vec::new();
         let mut start = 0;
         while start < n {
@@ -339,8 +328,8 @@ impl CustomOp3 for FusedHead {
             }
             let dz = (dz / self.temperature)?.to_dtype(mm)?;
             dh.push(dz.matmul(&w)?);
-            if head_trains {
-                dw = (dw + dz.t()?.matmul(&h_c)?.to_dtype(dt)?)?;
+            if let Some(acc) = dw.as_mut() {
+                *acc = (&*acc + dz.t()?.matmul(&h_c)?.to_dtype(dt)?)?;
             }
             start += c;
         }
@@ -351,9 +340,7 @@ impl CustomOp3 for FusedHead {
         };
         Ok((
             Some(dh.to_dtype(hidden.dtype())?),
-            head_trains
-                .then(|| dw.to_dtype(weight.dtype()))
-                .transpose()?,
+            dw.map(|g| g.to_dtype(weight.dtype())).transpose()?,
             None,
         ))
     }

@@ -240,6 +240,19 @@ fn stable_metrics(run_dir: &Path) -> Vec<Value> {
         .collect()
 }
 
+/// The checkpoint's weights, optimizer state and reference policy are all f32.
+fn assert_masters_are_f32(ck: &Path) {
+    for f in [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "reference.safetensors",
+    ] {
+        for (name, dt) in safetensors_dtypes(&ck.join(f)) {
+            assert_eq!(dt, DType::F32, "{f}: {name}");
+        }
+    }
+}
+
 fn safetensors_dtypes(path: &Path) -> Vec<(String, DType)> {
     let t = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
     assert!(!t.is_empty(), "{}", path.display());
@@ -265,15 +278,7 @@ fn bf16_run_keeps_f32_masters_and_resumes_exactly() {
     }
     // Masters, moments and the reference policy are stored in f32.
     let ck = a.join("checkpoint");
-    for f in [
-        "model.safetensors",
-        "optimizer.safetensors",
-        "reference.safetensors",
-    ] {
-        for (name, dt) in safetensors_dtypes(&ck.join(f)) {
-            assert_eq!(dt, DType::F32, "{f}: {name}");
-        }
-    }
+    assert_masters_are_f32(&ck);
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["dtype"], "float32");
@@ -587,15 +592,7 @@ fn hf_checkpoint_trains_in_bf16_and_checkpoints_f32_masters() {
     let kl = train_metrics(&a)[0]["kl"].as_f64().unwrap();
     assert_eq!(kl, 0.0, "step-1 KL to a bf16 copy of the same weights");
     let ck = a.join("checkpoint");
-    for f in [
-        "model.safetensors",
-        "optimizer.safetensors",
-        "reference.safetensors",
-    ] {
-        for (name, dt) in safetensors_dtypes(&ck.join(f)) {
-            assert_eq!(dt, DType::F32, "{f}: {name}");
-        }
-    }
+    assert_masters_are_f32(&ck);
     // The checkpoint loads as an HF model again, in the loaded checkpoint's dtype (f32).
     let loaded = composer_model::Transformer::load(&ck, &Device::Cpu, DType::F32).unwrap();
     assert_eq!(

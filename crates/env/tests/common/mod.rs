@@ -151,15 +151,12 @@ impl PyServer {
         s
     }
 
-    /// Starts a server running the ASGI app `module:app` from `app_dir` with the venv's
-    /// openenv-core (e.g. an MCP tool env), instead of the echo env.
-    pub fn spawn_app(
-        venv: &Path,
-        port: u16,
-        log_dir: &Path,
-        app_dir: &Path,
-        module: &str,
-    ) -> PyServer {
+    /// Starts a server on a free port running the ASGI app `module:app` of this crate's
+    /// `tests/fixtures/` with the venv's openenv package (e.g. an MCP tool env), instead of
+    /// the echo env.
+    pub fn spawn_app(venv: &Path, log_dir: &Path, module: &str) -> PyServer {
+        let app_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        let port = free_port();
         let mut s = PyServer {
             child: None,
             venv: venv.to_path_buf(),
@@ -167,7 +164,7 @@ impl PyServer {
             max_sessions: 1,
             extra_args: Vec::new(),
             log: log_dir.join(format!("openenv-{port}.log")),
-            app: Some((app_dir.to_path_buf(), module.to_string())),
+            app: Some((app_dir, module.to_string())),
         };
         s.start();
         s

@@ -5,9 +5,9 @@
 //!
 //! Backward: `∂s = p ⊙ (∂p − Σⱼ ∂pⱼ·pⱼ)` per row; the mask gets no gradient.
 
-use super::{kernels_apply, layout_slice, par_rows, Real};
+use super::{kernels_apply, layout_slice, par_rows, work_dtype, Real};
 use anyhow::{bail, Context, Result};
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor, D};
 
 /// `softmax(scores + mask)` over the last axis. `scores` is `[B, …, R·T, Tk]`: rows ordered
 /// with the query position innermost (query heads of a group may be stacked along the row
@@ -39,11 +39,7 @@ pub fn masked_softmax(scores: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> 
     if !kernels_apply(scores) {
         return masked_softmax_composed(scores, mask);
     }
-    let work = if scores.dtype() == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
+    let work = work_dtype(scores.dtype());
     let op = MaskedSoftmax {
         mask: mask.map(|m| m.to_dtype(work)?.contiguous()).transpose()?,
         t,
@@ -57,11 +53,7 @@ pub fn masked_softmax(scores: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> 
 /// reference of the tests.
 pub fn masked_softmax_composed(scores: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
     let dtype = scores.dtype();
-    let work = if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
+    let work = work_dtype(dtype);
     let dims = scores.dims().to_vec();
     let (b, tk) = (dims[0], dims[dims.len() - 1]);
     let s = scores.to_dtype(work)?;

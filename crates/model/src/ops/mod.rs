@@ -49,6 +49,16 @@ pub fn kernels_apply(t: &Tensor) -> bool {
     kernels_apply_to(t.device(), t.dtype())
 }
 
+/// The dtype reductions and softmaxes are computed in for activations of `dtype`: f64 for
+/// f64, f32 otherwise (bf16/f16 activations are widened, as transformers does).
+pub(crate) fn work_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
 /// Whether the CPU kernels handle `t` (ops without a CUDA kernel, e.g. varlen attention).
 pub fn cpu_kernels_apply(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)

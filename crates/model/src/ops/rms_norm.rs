@@ -3,7 +3,7 @@
 //! With `r = (mean(x²) + ε)^(-1/2)` per row and `g = ∂y·w`:
 //! `∂x = r·g − x·r³·(Σ g·x)/D` and `∂w = Σ_rows ∂y·x·r`.
 
-use super::{kernels_apply, layout_slice, par_map, par_rows, with_slice, Real};
+use super::{kernels_apply, layout_slice, par_map, par_rows, with_slice, work_dtype, Real};
 use anyhow::{bail, Context, Result};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, D};
 
@@ -30,12 +30,7 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
 /// (f64 for f64 input), cast back, then scale by the weight.
 pub fn rms_norm_composed(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
-    let work = if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
-    let xf = x.to_dtype(work)?;
+    let xf = x.to_dtype(work_dtype(dtype))?;
     let inv = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
         .sqrt()?
         .recip()?;
