@@ -339,12 +339,15 @@ fn record_traces_for_repo_tasks_refuses_bad_input_with_the_cause() {
         assert!(!out.status.success());
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
-    // The original repository lacks the removed file: the task and the file are named.
+    // The original repository lacks the removed file: the (first) task and the file are named.
     let empty = tmp.path().join("empty");
     std::fs::create_dir(&empty).unwrap();
     let err = run(&recipe, &empty);
+    let first =
+        &composer_env::repo::load_tasks(&Path::new(ROOT).join("crates/env/repo_tasks/tasks"))
+            .unwrap()[0];
     assert!(
-        err.contains("task textkit-numbers") && err.contains("textkit/numbers.py"),
+        err.contains(&format!("task {}", first.id())) && err.contains(&first.spec.removed[0].file),
         "{err}"
     );
     // A recipe without a tool env, or with too few turns for the teacher, names the key.

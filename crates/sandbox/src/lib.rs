@@ -18,6 +18,7 @@ mod exec;
 mod grading;
 mod sandbox;
 mod seccomp;
+mod session;
 mod tasks;
 
 use std::path::Path;
@@ -29,6 +30,7 @@ use serde::{Deserialize, Serialize};
 pub use exec::{sandbox_capabilities, Capabilities};
 pub use grading::grade;
 pub use sandbox::Sandbox;
+pub use session::Session;
 
 use exec::RawRun;
 pub use tasks::{builtin_reference_solutions, builtin_tasks};

@@ -45,6 +45,11 @@ impl Sandbox {
         self.dirs.work()
     }
 
+    /// The sandbox's host directories (for starting commands in it).
+    pub(crate) fn dirs(&self) -> &SandboxDirs {
+        &self.dirs
+    }
+
     /// The limits every run of this sandbox gets (the timeout is per call).
     pub fn limits(&self) -> &SandboxLimits {
         &self.limits

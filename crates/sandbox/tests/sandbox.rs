@@ -536,3 +536,23 @@ fn plain_values_round_trip_and_subclasses_are_refused() {
         r.feedback
     );
 }
+
+/// A module rewritten with the same size within the same second runs its new code (Python
+/// checks cached bytecode by mtime and size only; the sandbox writes none).
+#[test]
+fn a_rewritten_module_never_runs_stale_bytecode() {
+    let sb = Sandbox::new(limits()).expect("sandbox");
+    let run = |body: &str| {
+        sb.write_file("m.py", format!("def f():\n    {body}\n").as_bytes())
+            .unwrap();
+        sb.run(
+            &["python3", "-c", "import m; print(m.f())"],
+            b"",
+            Duration::from_secs(20),
+        )
+    };
+    let before = run("return 'old value'");
+    assert_eq!(before.stdout.trim(), "old value", "{before:?}");
+    let after = run("return 'new value'");
+    assert_eq!(after.stdout.trim(), "new value", "{after:?}");
+}

@@ -1,43 +1,54 @@
 //! Grading a repository episode so that the candidate's code cannot game it.
 //!
 //! ```text
-//! parent (trusted, Rust)
-//!  ├─ grading sandbox: a fresh copy of the task's repo/ + the working copy's source_files
-//!  │     python3 -I -S -B -c COMPUTE: imports the candidate's modules, calls the requested
-//!  │     functions on decoded plain arguments, answers with exact-type encoded values
-//!  └─ judge sandbox: empty; python3 -I -S -B -c JUDGE, hidden test modules on stdin
-//!        runs every `test_*` function with repository imports replaced by proxies
+//! parent (trusted, Rust): forwards each line, never runs Python itself
+//!  ├─ judge sandbox: empty; python3 -I -S -B -c JUDGE, hidden test modules on stdin
+//!  │     runs every `test_*` function with repository imports replaced by stand-ins
+//!  └─ grading sandbox: a fresh copy of the task's repo/ + the working copy's source_files
+//!        one python3 -I -S -B -c COMPUTE per hidden test (a fresh import, a fresh state):
+//!        imports the candidate's modules and serves the judge's requests
 //! ```
 //!
-//! The judge never loads candidate code: an `import pkg.mod` in a hidden test gives a proxy,
-//! and a call through it is answered from a per-test memo of the candidate's earlier answers
-//! (in call order). A call not answered yet ends that test as *pending* with the request (the
-//! arguments only). The parent gathers the pending requests of all tests, has the grading
-//! sandbox compute them in one fresh process, adds the answers to the memo and runs the judge
-//! again, until no test is pending (tests are deterministic; a changed call fails the test).
-//! So:
+//! The judge never loads candidate code: `import pkg.mod` in a hidden test gives a stand-in
+//! (`Remote`), and each attribute read, call or operator on it is a request the parent forwards
+//! to the candidate's process of that test; the reply is a plain value (exact built-in types)
+//! or a reference to an object that stays in the candidate's process (instances, iterators,
+//! bound methods), which the test can use in turn. Repository classes become local classes (so
+//! `isinstance` and `except pkg.Error` work) and the repository's exceptions are raised in the
+//! judge as instances of them; the test's own callables (`key=lambda ...`) are called back. So
+//! tests of classes, stateful objects, generators and exceptions grade like plain functions.
+//! What keeps it honest:
 //! - hidden tests and expected values never exist in a sandbox where candidate code runs (the
-//!   judge's sandbox gets them on stdin; the grading sandbox only sees call arguments);
-//! - the verdict comes from the judge's stdout, a process the candidate never runs in; the
-//!   candidate's output is only parsed as id-tagged answers, so `os._exit(0)`, patched
-//!   builtins/`assert`, or printed "passed" lines at most change claimed return values (a
-//!   missing answer is a failed call);
-//! - values are plain: the harness encodes exact built-in types only, so an object whose
-//!   `__eq__` is always true cannot be returned; the judge decodes fresh built-ins;
+//!   judge's sandbox gets them on stdin; the candidate's process only sees the requests:
+//!   call arguments, attribute names, and the operands of operators on its own objects);
+//! - the verdict comes from the judge's fd 3, a process the candidate never runs in; whatever
+//!   the candidate writes is at most a claim about what its code returned (a malformed or
+//!   unexpected message fails the test);
+//! - a reference is never equal to, unequal to or ordered against a plain value (the judge does
+//!   not ask the code), so an object whose `__eq__`/`__lt__` answers True cannot pass
+//!   `assert f(x) == y` or `assert abs(f(x) - y) < eps`; a `__exit__` cannot swallow a failed
+//!   assert;
+//! - a failure of the candidate's process (no answer, a crash, an exit, SystemExit, a time-out,
+//!   StopIteration/AttributeError where they would steer the test's control flow) fails the test
+//!   even when the test catches exceptions;
 //! - the grading copy holds only the files matching `[grade] source_files`, never runner
 //!   configuration (`conftest.py`, `sitecustomize.py`, `*.pth`, ...), and Python runs with
 //!   `-I -S` (no site, no user site, no environment).
 //!
-//! Limits: hidden tests must reach repository code through functions of plain values
-//! (`None`/bool/int/float/str/bytes/list/tuple/set/frozenset/dict); returning other objects
-//! (class instances, generators) fails the call; in-place changes to arguments are not seen.
+//! Each test runs against a fresh process of the code: the requests the test module made at
+//! its top are made again there first, in order, so module-level objects exist (fresh) in
+//! every test, as if the module had just been imported; changes a test makes to them are not
+//! seen by the next test (under pytest they would be).
+//!
+//! Limits: the test's own non-callable objects cannot be passed to the code; two of the code's
+//! objects compare by the code's own `__eq__` (a candidate may rewrite it, as it may rewrite any
+//! graded file); module-level requests must be deterministic to be replayed.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use composer_sandbox::{with_plain_values, NetworkPolicy, Outcome, Sandbox, SandboxLimits};
+use composer_sandbox::{with_plain_values, NetworkPolicy, Sandbox, SandboxLimits, Session};
 use serde::Serialize;
 use serde_json::{json, Value};
 
@@ -47,8 +58,6 @@ use super::task::{RepoRewardMode, RepoTask};
 /// (one encoding for both graders).
 const JUDGE_PY: &str = include_str!("judge.py");
 const COMPUTE_PY: &str = include_str!("compute.py");
-/// Judge/compute rounds before the remaining pending tests fail.
-const MAX_ROUNDS: usize = 100;
 /// Names never taken from the working copy, whatever the globs say.
 const FORBIDDEN: &[&str] = &[
     "conftest.py",
@@ -245,7 +254,8 @@ fn limits(wall: Duration) -> SandboxLimits {
 
 /// Runs the hidden tests `files` against the code in `code` (a sandbox holding the repository
 /// to test) through the judge/compute protocol of this module. Returns `(test, passed, error)`
-/// per test function in file order. Errs only when the judge itself fails.
+/// per test function in file order. Errs only when the judge itself fails (or the grading
+/// runs out of `budget`).
 pub fn run_hidden_tests(
     code: &Sandbox,
     modules: &[String],
@@ -253,113 +263,134 @@ pub fn run_hidden_tests(
     budget: Duration,
 ) -> Result<Vec<(String, bool, String)>> {
     let deadline = Instant::now() + budget;
-    let judge = Sandbox::new(limits(Duration::from_secs(30)))?;
+    let judge_box = Sandbox::new(limits(budget + JUDGE_GRACE))?;
     let judge_py = with_plain_values(JUDGE_PY);
-    let mut memo: BTreeMap<String, Vec<Value>> = BTreeMap::new();
+    let judge = judge_box.start(
+        &["python3", "-I", "-S", "-B", "-c", &judge_py],
+        budget + JUDGE_GRACE,
+    )?;
+    let spec = json!({"modules": modules, "files": files});
+    judge.send_line(spec.to_string().as_bytes());
+    let mut candidate = Candidate::new(code, deadline);
     let mut verdicts: Vec<(String, bool, String)> = Vec::new();
-    for _round in 0..MAX_ROUNDS {
-        let spec = json!({"modules": modules, "files": files, "memo": memo});
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let run = judge.run(
-            &["python3", "-I", "-S", "-B", "-c", &judge_py],
-            format!("{spec}\n").as_bytes(),
-            remaining.clamp(Duration::from_secs(5), Duration::from_secs(30)),
-        );
-        if let Outcome::SandboxError(e) = &run.outcome {
-            bail!("judge sandbox: {e}");
-        }
-        let mut done = false;
-        let mut pending: Vec<(String, Value)> = Vec::new();
-        verdicts.clear();
-        for line in run.stdout.lines() {
-            let Ok(v) = serde_json::from_str::<Value>(line) else {
-                continue;
-            };
-            if v["done"] == true {
-                done = true;
-            } else if let Some(file) = v["file"].as_str() {
-                let err = v["error"].as_str().unwrap_or("").to_string();
-                verdicts.push((format!("{file}::<module>"), false, err));
-            } else if let Some(test) = v["test"].as_str() {
-                match v["status"].as_str() {
-                    Some("pass") => verdicts.push((test.to_string(), true, String::new())),
-                    Some("pending") => {
-                        verdicts.push((test.to_string(), false, "no answer".into()));
-                        pending.push((test.to_string(), v["request"].clone()));
-                    }
-                    _ => {
-                        let err = v["error"].as_str().unwrap_or("failed").to_string();
-                        verdicts.push((test.to_string(), false, err));
-                    }
-                }
-            }
-        }
-        if !done {
-            bail!(
-                "the judge did not finish ({:?}): {}",
-                run.outcome,
-                run.stderr.chars().take(2000).collect::<String>()
-            );
-        }
-        if pending.is_empty() {
-            return Ok(verdicts);
-        }
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let answers = if remaining.is_zero() {
-            BTreeMap::new()
-        } else {
-            compute(code, &pending, remaining)
+    let mut done = false;
+    while let Some(line) = judge.recv_line(deadline + JUDGE_GRACE) {
+        let Ok(msg) = serde_json::from_slice::<Value>(&line) else {
+            continue;
         };
-        for (i, (test, request)) in pending.into_iter().enumerate() {
-            let res = answers.get(&i).cloned().unwrap_or_else(|| {
-                json!({"ok": false, "type": "", "error": "the code's process ended before \
-                       answering (crashed, exited, or ran out of time)"})
-            });
-            memo.entry(test)
-                .or_default()
-                .push(json!({"req": request, "res": res}));
+        if msg["done"] == true {
+            done = true;
+            break;
+        } else if msg.get("begin").is_some() {
+            candidate.restart();
+        } else if let Some(why) = msg.get("kill") {
+            candidate.kill(format!("the judge stopped the code's process: {why}"));
+        } else if let Some(request) = msg.get("rpc") {
+            let reply = candidate.forward(request);
+            judge.send_line(reply.to_string().as_bytes());
+        } else if let Some(file) = msg["file"].as_str() {
+            let err = msg["error"].as_str().unwrap_or("").to_string();
+            verdicts.push((format!("{file}::<module>"), false, err));
+        } else if let Some(test) = msg["test"].as_str() {
+            let passed = msg["status"] == "pass";
+            let err = if passed {
+                String::new()
+            } else {
+                msg["error"].as_str().unwrap_or("failed").to_string()
+            };
+            verdicts.push((test.to_string(), passed, err));
         }
     }
-    for v in verdicts.iter_mut().filter(|v| v.2 == "no answer") {
-        v.2 = "too many sequential calls to the code".into();
+    drop(candidate);
+    if !done {
+        let run = judge.finish();
+        let why = if Instant::now() >= deadline {
+            "grading ran out of time".to_string()
+        } else {
+            format!("{:?}", run.outcome)
+        };
+        bail!(
+            "the judge did not finish ({why}): {}",
+            run.stderr.chars().take(2000).collect::<String>()
+        );
     }
     Ok(verdicts)
 }
 
-/// Has the code's sandbox answer `pending` requests in one fresh process; id → answer.
-fn compute(
-    code: &Sandbox,
-    pending: &[(String, Value)],
-    budget: Duration,
-) -> BTreeMap<usize, Value> {
-    let requests: Vec<Value> = pending
-        .iter()
-        .enumerate()
-        .map(|(i, (_, r))| {
-            let mut r = r.clone();
-            r["id"] = json!(i);
-            r
-        })
-        .collect();
-    let per_call = format!("{:.1}", budget.as_secs_f64().min(10.0));
-    let compute_py = with_plain_values(COMPUTE_PY);
-    let run = code.run(
-        &["python3", "-I", "-S", "-B", "-c", &compute_py, &per_call],
-        Value::Array(requests).to_string().as_bytes(),
-        budget,
-    );
-    let mut out = BTreeMap::new();
-    for line in run.stdout.lines() {
-        let Ok(v) = serde_json::from_str::<Value>(line) else {
-            continue;
-        };
-        if let Some(id) = v["id"].as_u64().map(|i| i as usize) {
-            if id < pending.len() && v.is_object() {
-                out.entry(id).or_insert(v);
-            }
+/// Longest the code's process may stay silent when it has the turn (one call, with its
+/// nested callbacks).
+const PER_CALL: Duration = Duration::from_secs(10);
+/// The judge's time beyond the grading budget (it reports the last verdicts).
+const JUDGE_GRACE: Duration = Duration::from_secs(5);
+
+/// The candidate's process of the current hidden test: started at the test's first request,
+/// killed when the next test begins (every test gets a fresh process, like a fresh import).
+struct Candidate<'a> {
+    code: &'a Sandbox,
+    deadline: Instant,
+    session: Option<Session>,
+    dead: Option<String>,
+    compute_py: String,
+}
+
+impl<'a> Candidate<'a> {
+    fn new(code: &'a Sandbox, deadline: Instant) -> Self {
+        Candidate {
+            code,
+            deadline,
+            session: None,
+            dead: None,
+            compute_py: with_plain_values(COMPUTE_PY),
         }
     }
-    out
+
+    fn restart(&mut self) {
+        self.session = None;
+        self.dead = None;
+    }
+
+    fn kill(&mut self, why: String) {
+        self.session = None;
+        self.dead = Some(why);
+    }
+
+    /// Sends the judge's message to the code's process and returns what goes back to the
+    /// judge: `{"code": message}` (the process's next JSON object line; anything else it
+    /// writes is dropped) or `{"dead": why}`.
+    fn forward(&mut self, request: &Value) -> Value {
+        if self.session.is_none() && self.dead.is_none() {
+            let remaining = self.deadline.saturating_duration_since(Instant::now());
+            let argv = ["python3", "-I", "-S", "-B", "-c", self.compute_py.as_str()];
+            match self
+                .code
+                .start(&argv, remaining.max(Duration::from_millis(1)))
+            {
+                Ok(s) => self.session = Some(s),
+                Err(e) => self.dead = Some(format!("the code's process did not start: {e:#}")),
+            }
+        }
+        if let Some(why) = &self.dead {
+            return json!({ "dead": why });
+        }
+        let session = self.session.as_ref().expect("started above");
+        let turn_deadline = self.deadline.min(Instant::now() + PER_CALL);
+        if session.send_line(request.to_string().as_bytes()) {
+            while let Some(line) = session.recv_line(turn_deadline) {
+                if let Ok(v @ Value::Object(_)) = serde_json::from_slice::<Value>(&line) {
+                    return json!({ "code": v });
+                }
+            }
+        }
+        let why = if Instant::now() >= self.deadline {
+            "grading ran out of time"
+        } else if Instant::now() >= turn_deadline {
+            "the code took too long to answer"
+        } else {
+            "the code's process ended before answering (crashed or exited)"
+        };
+        self.kill(why.to_string());
+        json!({ "dead": why })
+    }
 }
 
 /// Grades the working copy at `working` (the episode's sandbox directory, read on the trusted

@@ -1,5 +1,6 @@
 # composer-env make-tasks scanner: prints JSON describing the repository in the working
-# directory: top-level functions of non-test modules (with their body's line range), each
+# directory: top-level functions and public methods of top-level classes of non-test modules
+# (with their body's line range), each
 # non-test module's public API (for module-deletion tasks) and the test functions of test
 # modules (with their line range and the names they reference).
 import ast
@@ -30,6 +31,18 @@ def api_of(tree):
         api.append({"name": node.name, "signature": sig,
                     "doc": ast.get_docstring(node) or ""})
     return api
+
+
+def defs(tree):
+    """Public top-level functions, and public methods of public top-level classes, as
+    (node, class name or "")."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            yield node, ""
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for sub in node.body:
+                if isinstance(sub, ast.FunctionDef) and not sub.name.startswith("_"):
+                    yield sub, node.name
 
 
 def main():
@@ -63,9 +76,7 @@ def main():
             if os.path.basename(rel) != "__init__.py":
                 modules.append({"file": rel, "doc": ast.get_docstring(tree) or "",
                                 "api": api_of(tree)})
-            for node in tree.body:
-                if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                    continue
+            for node, owner in defs(tree):
                 body = node.body
                 doc = ast.get_docstring(node)
                 if doc is not None and len(body) > 1:
@@ -75,7 +86,8 @@ def main():
                 if body[0].lineno <= node.lineno or body[0].col_offset == 0:
                     continue
                 indent = body[0].col_offset
-                functions.append({"file": rel, "name": node.name, "doc": doc or "",
+                name = owner + "." + node.name if owner else node.name
+                functions.append({"file": rel, "name": name, "doc": doc or "",
                                   "body_start": body[0].lineno, "body_end": body[-1].end_lineno,
                                   "indent": indent})
     print(json.dumps({"functions": functions, "tests": tests, "headers": headers,

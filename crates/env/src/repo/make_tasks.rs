@@ -42,6 +42,7 @@ struct ApiItem {
     doc: String,
 }
 
+/// A function or method (`Class.method`) whose body a task removes.
 #[derive(Deserialize)]
 struct Func {
     file: String,
@@ -338,7 +339,7 @@ fn build(repo_dir: &Path, out_dir: &Path) -> Result<MakeTasksReport> {
             id: format!(
                 "{}-{}",
                 f.file.trim_end_matches(".py").replace('/', "-"),
-                f.name
+                f.name.replace('.', "-")
             ),
             title: format!("Implement `{}` in {}", f.name, f.file),
             statement: format!(
@@ -354,7 +355,8 @@ fn build(repo_dir: &Path, out_dir: &Path) -> Result<MakeTasksReport> {
                 kind: "body".into(),
                 symbols: vec![f.name.clone()],
             },
-            refs: vec![f.name.clone()],
+            // A method is referenced by its own name (`s.push(...)`).
+            refs: vec![f.name.rsplit('.').next().unwrap_or(&f.name).to_string()],
             broken,
         };
         maker.make(candidate, label, &mut report)?;

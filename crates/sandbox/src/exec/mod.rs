@@ -34,4 +34,4 @@ pub(crate) use config::{python_path, RawRun, SANDBOX_WORKDIR};
 pub(crate) use dirs::{read_regular, SandboxDirs};
 pub(crate) use probe::mode;
 pub use probe::sandbox_capabilities;
-pub(crate) use running::{refusal, spawn};
+pub(crate) use running::{refusal, spawn, Running};

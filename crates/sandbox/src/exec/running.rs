@@ -120,6 +120,9 @@ pub(crate) fn spawn(
         .env("HOME", &home)
         .env("TMPDIR", &home)
         .env("LANG", "C.UTF-8")
+        // No `__pycache__`: a rewritten module of the same size within the same second would
+        // otherwise run its stale bytecode (pyc files are checked by mtime and size only).
+        .env("PYTHONDONTWRITEBYTECODE", "1")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -158,6 +161,16 @@ impl Running {
     /// When the run's wall-clock deadline (plus the parent's grace) passes.
     pub(crate) fn deadline(&self) -> Instant {
         self.start + self.wall + PARENT_GRACE
+    }
+
+    /// Kills every process of the run now (collect the outputs with [`Running::finish`]).
+    pub(crate) fn kill(&self) {
+        // SAFETY: plain syscall on our own child's process group (the child is not reaped
+        // before `finish`, so the group id is still ours).
+        unsafe { libc::killpg(self.pid, libc::SIGKILL) };
+        if let Some(cg) = &self.cgroup {
+            cg.kill_all();
+        }
     }
 
     /// Waits for the command to end (killing it at the deadline), kills every process it

@@ -1,0 +1,1 @@
+"""textkit: small text, number and sequence helpers (the source of the repository tasks)."""

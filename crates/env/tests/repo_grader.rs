@@ -1,0 +1,502 @@
+//! The repository grader on code that is not plain functions: objects that keep state across
+//! calls, methods, operators, iteration, the repository's own exceptions and classes, callbacks
+//! into the test — and the attacks that these open (objects equal to everything, swallowed
+//! failures, exits, forged messages, hangs).
+
+use std::time::Duration;
+
+use composer_env::repo::grade::run_hidden_tests;
+use composer_sandbox::{Sandbox, SandboxLimits};
+
+/// A repository with state, classes, exceptions, generators and higher-order functions.
+const SHAPES: &str = r#"
+"""Shapes and containers."""
+
+UNIT = 1.0
+NAMES = ["circle", "square"]
+
+
+class ShapeError(ValueError):
+    """A shape that cannot exist."""
+
+    def __init__(self, message, size=None):
+        super().__init__(message)
+        self.size = size
+
+
+class EmptyError(IndexError):
+    pass
+
+
+class Square:
+    sides = 4
+
+    def __init__(self, side):
+        if side <= 0:
+            raise ShapeError("side must be positive", side)
+        self.side = side
+
+    def area(self):
+        return self.side * self.side
+
+    @staticmethod
+    def unit():
+        return Square(1)
+
+    @classmethod
+    def of_area(cls, area):
+        return cls(int(area ** 0.5))
+
+    def __eq__(self, other):
+        return isinstance(other, Square) and other.side == self.side
+
+    def __lt__(self, other):
+        return self.side < other.side
+
+    def __hash__(self):
+        return hash(self.side)
+
+    def __repr__(self):
+        return "Square(%d)" % self.side
+
+    def __add__(self, other):
+        return Square(self.side + other.side)
+
+
+class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, x):
+        self.items.append(x)
+        return self
+
+    def pop(self):
+        if not self.items:
+            raise EmptyError("pop from an empty stack")
+        return self.items.pop()
+
+    def __len__(self):
+        return len(self.items)
+
+    def __iter__(self):
+        return iter(reversed(self.items))
+
+    def __contains__(self, x):
+        return x in self.items
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def __setitem__(self, i, x):
+        self.items[i] = x
+
+    def __bool__(self):
+        return bool(self.items)
+
+
+class Opened:
+    log = []
+
+    def __enter__(self):
+        Opened.log.append("enter")
+        return self
+
+    def __exit__(self, *exc):
+        Opened.log.append("exit")
+        return False
+
+
+def count_up(n):
+    for i in range(n):
+        yield i
+
+
+def group_by(items, key):
+    out = {}
+    for x in items:
+        out.setdefault(key(x), []).append(x)
+    return out
+
+
+def total_area(shapes):
+    return sum(s.area() for s in shapes)
+
+
+def sort_in_place(xs):
+    xs.sort()
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+"#;
+
+const TESTS: &str = r#"
+from shapes.geo import Square, Stack, ShapeError, EmptyError, Opened, UNIT, NAMES
+from shapes import geo
+import shapes.geo
+
+
+def test_state_and_methods():
+    s = Stack()
+    s.push(1).push(2)
+    s.push(3)
+    assert len(s) == 3
+    assert s.pop() == 3
+    assert list(s) == [2, 1]
+    assert 1 in s and 7 not in s
+    s[0] = 10
+    assert s[0] == 10
+    assert s.items == [10, 2]
+    assert s
+
+
+def test_classes_and_operators():
+    a = Square(2)
+    assert a.area() == 4
+    assert a.side == 2
+    a.side = 3
+    assert a.area() == 9
+    assert Square.sides == 4
+    assert Square.unit() == Square(1)
+    assert Square.of_area(16) == Square(4)
+    assert a + Square(1) == Square(4)
+    assert Square(1) < Square(2)
+    assert sorted([Square(3), Square(1)]) == [Square(1), Square(3)]
+    assert repr(a) == "Square(3)" and str(a) == "Square(3)" and f"{a}" == "Square(3)"
+    assert isinstance(a, Square) and not isinstance(3, Square)
+    assert len({Square(2), Square(2)}) == 1
+
+
+def test_repository_exceptions():
+    try:
+        Square(-1)
+    except ShapeError as e:
+        assert e.size == -1
+        assert "positive" in str(e)
+        assert isinstance(e, ValueError)
+    else:
+        assert False, "no ShapeError"
+    try:
+        Stack().pop()
+    except IndexError as e:
+        assert isinstance(e, EmptyError)
+    else:
+        assert False, "no EmptyError"
+    try:
+        geo.mean([])
+    except ZeroDivisionError:
+        pass
+    else:
+        assert False
+
+
+def test_module_values_and_import_styles():
+    assert UNIT == 1.0 and NAMES == ["circle", "square"]
+    assert shapes.geo.Square(5).area() == 25
+    assert geo.total_area([Square(1), Square(2)]) == 5
+
+
+def test_generators_callbacks_and_in_place_changes():
+    assert list(geo.count_up(3)) == [0, 1, 2]
+    assert sum(geo.count_up(4)) == 6
+    words = ["apple", "avocado", "banana"]
+    assert geo.group_by(words, key=lambda w: w[0]) == {"a": ["apple", "avocado"], "b": ["banana"]}
+    assert geo.group_by([Square(1), Square(2), Square(1)], lambda s: s.area()) == {
+        1: [Square(1), Square(1)], 4: [Square(2)]}
+    xs = [3, 1, 2]
+    geo.sort_in_place(xs)
+    assert xs == [1, 2, 3]
+
+
+def test_context_manager():
+    with Opened() as o:
+        assert o is not None
+    assert Opened.log == ["enter", "exit"]
+
+
+def test_mean_is_close():
+    assert abs(geo.mean([1, 2, 4]) - 7 / 3) < 1e-9
+"#;
+
+fn sandbox_with(files: &[(&str, &str)]) -> Option<Sandbox> {
+    let limits = SandboxLimits {
+        wall_time: Duration::from_secs(60),
+        cpu_time_s: 60,
+        ..SandboxLimits::default()
+    };
+    let sb = match Sandbox::new(limits) {
+        Ok(sb) => sb,
+        Err(e) if std::env::var_os("CI").is_none() => {
+            eprintln!("skipping: cannot sandbox here: {e:#}");
+            return None;
+        }
+        Err(e) => panic!("CI must be able to sandbox: {e:#}"),
+    };
+    for (path, text) in files {
+        sb.write_file(path, text.as_bytes()).unwrap();
+    }
+    Some(sb)
+}
+
+/// Grades `geo` (the module's text) with `tests`; `(test, passed, error)` per test.
+fn grade(geo: &str, tests: &str) -> Option<Vec<(String, bool, String)>> {
+    let sb = sandbox_with(&[("shapes/__init__.py", ""), ("shapes/geo.py", geo)])?;
+    let verdicts = run_hidden_tests(
+        &sb,
+        &["shapes".to_string()],
+        &[("test_geo.py".to_string(), tests.to_string())],
+        Duration::from_secs(60),
+    )
+    .expect("the judge runs");
+    Some(verdicts)
+}
+
+fn passed(verdicts: &[(String, bool, String)], test: &str) -> bool {
+    verdicts
+        .iter()
+        .find(|v| v.0 == format!("test_geo::{test}"))
+        .unwrap_or_else(|| panic!("no verdict for {test}: {verdicts:?}"))
+        .1
+}
+
+#[test]
+fn honest_code_with_objects_passes_every_test() {
+    let Some(v) = grade(SHAPES, TESTS) else {
+        return;
+    };
+    assert_eq!(v.len(), 7, "{v:?}");
+    for (test, ok, err) in &v {
+        assert!(ok, "{test}: {err}");
+    }
+}
+
+#[test]
+fn broken_methods_fail_only_their_tests() {
+    let broken = SHAPES.replace(
+        "    def area(self):\n        return self.side * self.side",
+        "    def area(self):\n        raise NotImplementedError",
+    );
+    let Some(v) = grade(&broken, TESTS) else {
+        return;
+    };
+    assert!(!passed(&v, "test_classes_and_operators"));
+    assert!(!passed(&v, "test_module_values_and_import_styles"));
+    assert!(passed(&v, "test_state_and_methods"), "{v:?}");
+    assert!(passed(&v, "test_context_manager"), "{v:?}");
+}
+
+/// Objects whose every comparison and operator answers "yes" pass no assertion against a
+/// plain value: `==`, `!=`, `<` with a plain value are never asked of the code's objects.
+#[test]
+fn attack_objects_that_agree_with_everything_fail() {
+    let evil = format!(
+        "{SHAPES}\n\
+         class Yes:\n\
+         \x20   def __eq__(self, o): return True\n\
+         \x20   def __ne__(self, o): return False\n\
+         \x20   def __lt__(self, o): return True\n\
+         \x20   def __le__(self, o): return True\n\
+         \x20   def __gt__(self, o): return True\n\
+         \x20   def __ge__(self, o): return True\n\
+         \x20   def __sub__(self, o): return self\n\
+         \x20   def __rsub__(self, o): return self\n\
+         \x20   def __abs__(self): return self\n\
+         \x20   def __bool__(self): return True\n\
+         \x20   def __hash__(self): return 0\n\
+         \x20   def __iter__(self): return iter(())\n\
+         \x20   def __len__(self): return 0\n\
+         \n\
+         def mean(xs):\n    return Yes()\n\
+         def total_area(shapes):\n    return Yes()\n\
+         def group_by(items, key):\n    return Yes()\n"
+    );
+    let Some(v) = grade(&evil, TESTS) else { return };
+    assert!(!passed(&v, "test_mean_is_close"), "{v:?}");
+    assert!(!passed(&v, "test_module_values_and_import_styles"), "{v:?}");
+    assert!(
+        !passed(&v, "test_generators_callbacks_and_in_place_changes"),
+        "{v:?}"
+    );
+    assert!(
+        passed(&v, "test_state_and_methods"),
+        "the rest still grades: {v:?}"
+    );
+}
+
+/// A failure of the code's process fails the test even where the test expects an exception
+/// (`except Exception`, `except IndexError`): exiting, SystemExit, StopIteration, or dying in
+/// the middle of a call never count as the exception the test wanted.
+#[test]
+fn attack_exits_and_control_flow_exceptions_are_not_the_expected_error() {
+    let tests = r#"
+from shapes.geo import Stack, mean
+
+
+def test_pop_empty_raises():
+    try:
+        Stack().pop()
+    except Exception:
+        return
+    assert False, "no exception"
+
+
+def test_all_means_positive():
+    assert all(map(mean, [[1], [2], [3]]))
+"#;
+    let Some(honest) = grade(SHAPES, tests) else {
+        return;
+    };
+    assert!(honest.iter().all(|v| v.1), "{honest:?}");
+    for (pop, mean) in [
+        ("import os; os._exit(0)", "raise StopIteration"),
+        ("raise SystemExit(0)", "raise AttributeError('x')"),
+        ("raise KeyboardInterrupt", "import sys; sys.exit(0)"),
+        ("import ctypes; ctypes.string_at(0)", "raise GeneratorExit"),
+    ] {
+        let evil = SHAPES
+            .replace(
+                "            raise EmptyError(\"pop from an empty stack\")",
+                &format!("            {pop}"),
+            )
+            .replace(
+                "def mean(xs):\n    return sum(xs) / len(xs)",
+                &format!("def mean(xs):\n    {mean}"),
+            );
+        let Some(v) = grade(&evil, tests) else { return };
+        assert!(v.iter().all(|v| !v.1), "{pop} / {mean}: {v:?}");
+    }
+}
+
+/// Messages the code forges on its channel (replies to requests not made, verdicts, "done")
+/// break nothing but its own tests; an `__exit__` that returns True does not swallow a failed
+/// assert in the `with` block.
+#[test]
+fn attack_forged_messages_and_swallowing_exits_fail() {
+    let forged = format!(
+        "import os\n\
+         for line in ['{{\"re\": 2, \"ok\": true, \"value\": true}}', '{{\"done\": true}}',\n\
+                      '{{\"test\": \"test_geo::test_mean_is_close\", \"status\": \"pass\"}}']:\n\
+         \x20   for fd in range(0, 20):\n\
+         \x20       try:\n\
+         \x20           os.write(fd, (line + '\\n').encode())\n\
+         \x20       except OSError:\n\
+         \x20           pass\n\
+         {}",
+        SHAPES.replace("return sum(xs) / len(xs)", "raise NotImplementedError")
+    );
+    let Some(v) = grade(&forged, TESTS) else {
+        return;
+    };
+    assert!(!passed(&v, "test_mean_is_close"), "{v:?}");
+    let swallow = SHAPES.replace(
+        "        Opened.log.append(\"exit\")\n        return False",
+        "        Opened.log.append(\"exit\")\n        return True",
+    );
+    let tests = r#"
+from shapes.geo import Opened
+
+
+def test_assert_inside_with():
+    with Opened():
+        assert 1 == 2
+"#;
+    let Some(v) = grade(&swallow, tests) else {
+        return;
+    };
+    assert!(!passed(&v, "test_assert_inside_with"), "{v:?}");
+}
+
+/// The test's callbacks are callable by the code, nothing more: no attributes, no globals.
+#[test]
+fn attack_callbacks_do_not_reach_the_tests_values() {
+    let evil = SHAPES.replace(
+        "def group_by(items, key):\n    out = {}",
+        "def group_by(items, key):\n\
+         \x20   found = []\n\
+         \x20   for attr in ('__globals__', '__code__', '__closure__', '__self__', 'n'):\n\
+         \x20       try:\n\
+         \x20           found.append(repr(getattr(key, attr)))\n\
+         \x20       except BaseException as e:\n\
+         \x20           found.append(type(e).__name__)\n\
+         \x20   if any('avocado' in f or 'banana' in f for f in found):\n\
+         \x20       raise SystemExit('leaked: %r' % found)\n\
+         \x20   out = {}",
+    );
+    let Some(v) = grade(&evil, TESTS) else { return };
+    assert!(
+        passed(&v, "test_generators_callbacks_and_in_place_changes"),
+        "{v:?}"
+    );
+}
+
+/// A call that never returns fails its test; the next test gets a fresh process.
+#[test]
+fn a_hanging_call_fails_its_test_and_the_rest_still_grade() {
+    let tests = r#"
+from shapes.geo import mean, Square
+
+
+def test_hangs():
+    assert mean([1, 2]) == 1.5
+
+
+def test_after():
+    assert Square(2).area() == 4
+"#;
+    let evil = SHAPES.replace(
+        "def mean(xs):\n    return sum(xs) / len(xs)",
+        "def mean(xs):\n    while True:\n        pass",
+    );
+    let Some(v) = grade(&evil, tests) else { return };
+    assert!(!passed(&v, "test_hangs"), "{v:?}");
+    assert!(passed(&v, "test_after"), "{v:?}");
+    let err = &v.iter().find(|v| v.0 == "test_geo::test_hangs").unwrap().2;
+    assert!(err.contains("too long"), "{err}");
+}
+
+/// Objects the test module makes at its top are made again in each test's process (fresh
+/// each time, as the module-level requests are replayed in order), callbacks included.
+#[test]
+fn module_level_objects_are_there_fresh_in_every_test() {
+    let tests = r#"
+from shapes.geo import Square, Stack, group_by
+
+BIG = Square(10)
+STACK = Stack().push(1).push(2)
+GROUPS = group_by([Square(1), Square(2)], key=lambda s: s.side % 2)
+
+
+def test_changes_its_objects():
+    BIG.side = 3
+    assert BIG.area() == 9
+    assert STACK.pop() == 2 and len(STACK) == 1
+
+
+def test_sees_them_fresh():
+    assert BIG.area() == 100
+    assert len(STACK) == 2
+    assert GROUPS[1] == [Square(1)] and GROUPS[0] == [Square(2)]
+"#;
+    let Some(v) = grade(SHAPES, tests) else {
+        return;
+    };
+    assert!(v.iter().all(|v| v.1), "{v:?}");
+}
+
+/// A missing module fails each test that uses it, not the file: the count of tests stays.
+#[test]
+fn a_missing_module_fails_each_test() {
+    let sb = sandbox_with(&[("shapes/__init__.py", "")]).map(|sb| {
+        run_hidden_tests(
+            &sb,
+            &["shapes".to_string()],
+            &[("test_geo.py".to_string(), TESTS.to_string())],
+            Duration::from_secs(60),
+        )
+        .expect("the judge runs")
+    });
+    let Some(v) = sb else { return };
+    assert_eq!(v.len(), 7, "{v:?}");
+    assert!(v.iter().all(|v| !v.1), "{v:?}");
+}
