@@ -40,6 +40,7 @@ pub mod logprobs;
 pub mod lora;
 pub mod lora_adapter;
 pub mod ops;
+mod paged_kv;
 pub mod policy;
 mod prefill;
 pub mod prefix_store;
