@@ -13,6 +13,10 @@ use anyhow::{bail, Context, Result};
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
 use std::sync::OnceLock;
 
+/// Multiply-adds per K or V pass (keys read × query heads × head_dim) below which the CPU
+/// kernel runs on the calling thread: spawning threads costs more than it saves.
+const PARALLEL_WORK: usize = 1 << 22;
+
 /// Where the rows of one decode step find their keys and values in a block pool.
 #[derive(Debug)]
 pub struct PagedLayout {
@@ -191,6 +195,64 @@ pub fn paged_decode_attention_composed(
     Ok(probs.matmul(&v)?.reshape((b, hq, d))?)
 }
 
+/// One (row, key/value head) task of the CPU kernel: the group's `n_rep` query heads
+/// (`[n_rep, d]`), the pools, and the row's slots in token order.
+struct Group<'a, T> {
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    slots: &'a [usize],
+    g: usize,
+    hkv: usize,
+    d: usize,
+    scale: T,
+}
+
+/// `[n_rep, d]`: each query head's softmax-weighted sum of the row's values. Each key and
+/// value row is read once for all query heads of the group.
+#[inline(always)]
+fn attend_group<T: Real>(t: &Group<'_, T>) -> Vec<T> {
+    let (d, len) = (t.d, t.slots.len());
+    let n_rep = t.q.len() / d;
+    let mut scores = vec![T::zero(); n_rep * len];
+    for (j, &s) in t.slots.iter().enumerate() {
+        let kj = &t.k[(s * t.hkv + t.g) * d..(s * t.hkv + t.g + 1) * d];
+        for r in 0..n_rep {
+            scores[r * len + j] = dot(&t.q[r * d..(r + 1) * d], kj) * t.scale;
+        }
+    }
+    for p in scores.chunks_mut(len.max(1)) {
+        let max = p
+            .iter()
+            .fold(T::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+        let mut sum = T::zero();
+        for x in p.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        let inv = T::one() / sum;
+        p.iter_mut().for_each(|x| *x *= inv);
+    }
+    let mut out = vec![T::zero(); n_rep * d];
+    for (j, &s) in t.slots.iter().enumerate() {
+        let vj = &t.v[(s * t.hkv + t.g) * d..(s * t.hkv + t.g + 1) * d];
+        for r in 0..n_rep {
+            let w = scores[r * len + j];
+            for (a, &x) in out[r * d..(r + 1) * d].iter_mut().zip(vj) {
+                *a += w * x;
+            }
+        }
+    }
+    out
+}
+
+/// [`attend_group`] compiled for AVX2 (8-wide f32 lanes; the default x86-64 target has 4).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn attend_group_avx2<T: Real>(t: &Group<'_, T>) -> Vec<T> {
+    attend_group(t)
+}
+
 /// The CPU kernel's op: per (row, key/value head) task, each query head of the group scores
 /// the row's keys slot by slot, softmaxes and sums the values.
 struct PagedDecode<'a> {
@@ -209,38 +271,34 @@ impl PagedDecode<'_> {
         let n_rep = hq / hkv;
         let scale = T::from_f64(self.scale);
         let layout = self.layout;
-        let kv_at = |slot: usize, g: usize| (slot * hkv + g) * d..(slot * hkv + g + 1) * d;
-        let parts = par_map(b * hkv, |task| {
+        let task = |task: usize| {
             let (row, g) = (task / hkv, task % hkv);
-            let len = layout.lens[row];
-            let mut out = vec![T::zero(); n_rep * d];
-            let mut probs = vec![T::zero(); len];
-            for r in 0..n_rep {
-                let h = g * n_rep + r;
-                let qh = &q[(row * hq + h) * d..(row * hq + h + 1) * d];
-                let mut max = T::NEG_INFINITY;
-                for (j, p) in probs.iter_mut().enumerate() {
-                    *p = dot(qh, &k[kv_at(layout.slot(row, j), g)]) * scale;
-                    if *p > max {
-                        max = *p;
-                    }
-                }
-                let mut sum = T::zero();
-                for p in probs.iter_mut() {
-                    *p = (*p - max).exp();
-                    sum += *p;
-                }
-                let inv = T::one() / sum;
-                let acc = &mut out[r * d..(r + 1) * d];
-                for (j, &p) in probs.iter().enumerate() {
-                    let w = p * inv;
-                    for (a, &x) in acc.iter_mut().zip(&v[kv_at(layout.slot(row, j), g)]) {
-                        *a += w * x;
-                    }
-                }
+            let slots: Vec<usize> = (0..layout.lens[row]).map(|j| layout.slot(row, j)).collect();
+            let at = (row * hq + g * n_rep) * d;
+            let group = Group {
+                q: &q[at..at + n_rep * d],
+                k,
+                v,
+                slots: &slots,
+                g,
+                hkv,
+                d,
+                scale,
+            };
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2 (checked just above).
+                return unsafe { attend_group_avx2(&group) };
             }
-            out
-        });
+            attend_group(&group)
+        };
+        // Threads only pay off on enough keys: a small step runs inline.
+        let work = layout.lens.iter().sum::<usize>() * hq * d;
+        let parts: Vec<Vec<T>> = if work >= PARALLEL_WORK {
+            par_map(b * hkv, task)
+        } else {
+            (0..b * hkv).map(task).collect()
+        };
         let mut out = vec![T::zero(); b * hq * d];
         for (task, part) in parts.into_iter().enumerate() {
             let (row, g) = (task / hkv, task % hkv);
