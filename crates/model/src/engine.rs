@@ -134,7 +134,7 @@ impl BlockCosts<'_> {
     /// The prompt's partly filled last block, held apart from the samples' copies while the
     /// prompt waits for more of its samples.
     fn held_partial(&self, p: usize) -> usize {
-        usize::from(p % self.block_size != 0)
+        usize::from(!p.is_multiple_of(self.block_size))
     }
 }
 
