@@ -301,7 +301,15 @@ pub fn generate_with_store(
             }
         }
     }
-    debug_assert!(queue.is_empty() && batch.active.is_empty() && held.is_none());
+    // Admission always takes the queue's front sample into an empty batch (the budget was
+    // checked against one sample alone above), so the loop ends only with the queue empty.
+    if !queue.is_empty() {
+        bail!(
+            "internal: {} samples were never admitted into an empty batch",
+            queue.len()
+        );
+    }
+    debug_assert!(batch.active.is_empty() && held.is_none());
     stats.kv_pool_blocks = pool.capacity_blocks();
     stats.kv_block_copies = pool.copies;
     // Samples finish in any order; put them back in sample-index order per request.
