@@ -61,14 +61,13 @@ fn reference(
     out
 }
 
-#[test]
-fn paged_decode_attention_equals_dense_attention() {
+/// The CPU kernel and the gathering composition against [`reference`], in f32 and f64, for
+/// `(heads, kv_heads, head_dim, block_size)` and row lengths `lens`, the rows' blocks
+/// scattered over the pool in no order.
+fn check_paged_attention((hq, hkv, d, bs): (usize, usize, usize, usize), lens: &[usize]) {
     let dev = Device::Cpu;
-    // GQA (6 query heads over 2 KV heads), rows of different lengths, none a multiple of the
-    // block size but one, blocks scattered over the pool in no order.
-    let (hq, hkv, d, bs) = (6, 2, 16, 4);
-    let lens = vec![1usize, 5, 8, 11, 13];
-    let num_blocks = 20;
+    let lens = lens.to_vec();
+    let num_blocks = lens.iter().map(|l| l.div_ceil(bs)).sum::<usize>() + 3;
     let mut free: Vec<u32> = (0..num_blocks as u32).rev().collect();
     free.rotate_left(7);
     let tables: Vec<Vec<u32>> = lens
@@ -107,10 +106,24 @@ fn paged_decode_attention_equals_dense_attention() {
                 .to_vec1::<f64>()
                 .unwrap();
             for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                assert!((a - b).abs() <= tol, "{what} {dtype:?} [{i}]: {a} vs {b}");
+                assert!(
+                    (a - b).abs() <= tol,
+                    "{what} {dtype:?} {lens:?} [{i}]: {a} vs {b}"
+                );
             }
         }
     }
+}
+
+#[test]
+fn paged_decode_attention_equals_dense_attention() {
+    // GQA (6 query heads over 2 KV heads), rows of different lengths, none a multiple of the
+    // block size but one; then a step large enough for the kernel's threads (16 query heads
+    // over 4, 4,100 keys).
+    check_paged_attention((6, 2, 16, 4), &[1, 5, 8, 11, 13]);
+    check_paged_attention((16, 4, 64, 16), &[1700, 1, 1333, 1066]);
+    let dev = Device::Cpu;
+    let (hq, hkv, d, bs, scale) = (6, 2, 16, 4, 0.25);
     // A table too short for its row, or a row reading past the pool, is an error.
     let e = PagedLayout::new(bs, vec![vec![0]], vec![5]).unwrap_err();
     assert!(e.to_string().contains("row 0 attends to 5 tokens"), "{e}");
