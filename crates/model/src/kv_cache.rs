@@ -76,28 +76,10 @@ impl LayerKv {
         self.len = needed;
         Ok((kb.narrow(2, 0, needed)?, vb.narrow(2, 0, needed)?))
     }
-
-    /// A deep copy of rows `idx` from slot `trim` on, keeping the free capacity.
-    fn select(&self, idx: &Tensor, trim: usize) -> Result<LayerKv> {
-        let Some((k, v)) = &self.buffers else {
-            return Ok(LayerKv::empty());
-        };
-        let cap = self.capacity() - trim;
-        let sel = |t: &Tensor| -> Result<Tensor> {
-            // Rows first: candle's index_select needs a contiguous source, which the slot
-            // narrowing would not be when `trim` > 0 (and a buffer stacked or overwritten
-            // in place may not be either: `contiguous` is free when it already is).
-            let t = t.contiguous()?.index_select(idx, 0)?.narrow(2, trim, cap)?;
-            Ok(t.contiguous()?)
-        };
-        Ok(LayerKv {
-            buffers: Some((sel(k)?, sel(v)?)),
-            len: self.len - trim,
-        })
-    }
 }
 
-/// Key/value cache for a batch of sequences, owned by the caller (one per rollout batch).
+/// Key/value cache for a batch of sequences, owned by the caller (a prefill batch, a scored
+/// or deterministically decoded sequence, a stored prefix).
 ///
 /// Sequences are left-padded: row `b` has `left_pad[b]` padding slots before its first
 /// token; padding keys are masked out and positions start at 0 at the first real token.
@@ -178,39 +160,6 @@ impl KvCache {
     /// The layer slot a forward appends to.
     pub(crate) fn layer_mut(&mut self, i: usize) -> (&mut LayerKv, usize) {
         (&mut self.layers[i], self.reserved)
-    }
-    /// A cache holding only `rows` (in that order; repeats allowed), e.g. to expand a
-    /// prompt's cache to n samples or to drop finished samples. Padding columns common to
-    /// all kept rows are trimmed; the free capacity is kept.
-    pub fn select_rows(&self, rows: &[usize]) -> Result<KvCache> {
-        if let Some(&bad) = rows.iter().find(|&&r| r >= self.batch_size()) {
-            bail!(
-                "row {bad} is outside a KV cache of {} rows",
-                self.batch_size()
-            );
-        }
-        let left_pad: Vec<usize> = rows.iter().map(|&r| self.left_pad[r]).collect();
-        let trim = left_pad.iter().copied().min().unwrap_or(0);
-        let device = self
-            .layers
-            .iter()
-            .find_map(|l| l.buffers.as_ref().map(|(k, _)| k.device().clone()));
-        let layers = match device {
-            Some(dev) => {
-                let idx = Tensor::new(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), &dev)?;
-                self.layers
-                    .iter()
-                    .map(|l| l.select(&idx, trim))
-                    .collect::<Result<Vec<_>>>()?
-            }
-            None => self.layers.iter().map(|_| LayerKv::empty()).collect(),
-        };
-        Ok(KvCache {
-            layers,
-            left_pad: left_pad.iter().map(|p| p - trim).collect(),
-            len: self.len - trim,
-            reserved: self.reserved.saturating_sub(trim),
-        })
     }
 }
 
