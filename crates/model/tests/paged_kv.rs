@@ -8,8 +8,8 @@ use candle_core::{DType, Device, Tensor};
 use common::fixture;
 use composer_model::ops::{paged_decode_attention, paged_decode_attention_composed, PagedLayout};
 use composer_model::{
-    generate_deterministic, generate_with_stats, EngineConfig, GenerationRequest, ModelConfig,
-    Sample, SamplingParams, Transformer,
+    generate_deterministic, generate_with_stats, generate_with_store, EngineConfig,
+    GenerationRequest, ModelConfig, PrefixStore, Sample, SamplingParams, Transformer,
 };
 
 /// Deterministic pseudo-random values in [-1, 1).
@@ -255,6 +255,25 @@ fn a_full_pool_delays_admission_and_every_sample_completes() {
     assert_eq!(stats.generated_tokens, 9 * 10);
     // The pool never allocated past the budget.
     assert!(stats.kv_pool_blocks <= 10, "{}", stats.kv_pool_blocks);
+    // Any block size and any budget that holds one sample: the same samples, never more
+    // slots held than the budget (a running sample never waits for a block).
+    for kv_block_size in [1, 5, 16] {
+        for kv_token_budget in [48, 64, 100, 160] {
+            let engine = EngineConfig {
+                kv_token_budget,
+                kv_block_size,
+                ..Default::default()
+            };
+            let (out, stats) = generate_with_stats(&model, &reqs, &params(10, engine)).unwrap();
+            let what = format!("block size {kv_block_size}, budget {kv_token_budget}");
+            assert_same(&all, &out, &what);
+            assert!(stats.peak_kv_slots() <= kv_token_budget, "{what}");
+            assert!(
+                stats.kv_pool_blocks * kv_block_size <= kv_token_budget,
+                "{what}"
+            );
+        }
+    }
 }
 
 #[test]
@@ -273,4 +292,42 @@ fn a_zero_block_size_is_refused_naming_the_key() {
     };
     let e = generate_with_stats(&model, &reqs, &params(4, engine)).unwrap_err();
     assert!(e.to_string().contains("kv_block_size"), "{e}");
+}
+
+#[test]
+fn a_continuation_reads_its_stored_row_back_from_any_blocks() {
+    let model = Transformer::load(&fixture("qwen2-tiny"), &Device::Cpu, DType::F32).unwrap();
+    let first = vec![GenerationRequest {
+        prompt_ids: prompt(11, 4),
+        num_samples: 2,
+        seed: 8,
+    }];
+    for kv_block_size in [1, 3, 16] {
+        let p = params(
+            7,
+            EngineConfig {
+                kv_block_size,
+                ..Default::default()
+            },
+        );
+        let mut store = PrefixStore::new(1000);
+        let (turn1, _) = generate_with_store(&model, &first, &p, Some(&mut store)).unwrap();
+        // Each sample's row: its prompt and 6 of its 7 tokens, gathered from its blocks.
+        assert_eq!((store.len(), store.tokens()), (2, 2 * (11 + 6)));
+        let second = vec![GenerationRequest {
+            prompt_ids: [
+                &first[0].prompt_ids[..],
+                &turn1[0][1].completion_ids,
+                &[5, 6],
+            ]
+            .concat(),
+            num_samples: 3,
+            seed: 9,
+        }];
+        let (continued, stats) =
+            generate_with_store(&model, &second, &p, Some(&mut store)).unwrap();
+        assert_eq!(stats.prefill_tokens, 1 + 2, "block size {kv_block_size}");
+        let (fresh, _) = generate_with_stats(&model, &second, &p).unwrap();
+        assert_same(&fresh, &continued, &format!("block size {kv_block_size}"));
+    }
 }
