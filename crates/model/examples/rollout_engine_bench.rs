@@ -7,16 +7,19 @@
 //! requests to the engine with `max_running = rows`: a finished sample's row is refilled at
 //! once; a third arm adds `kv_token_budget` = the static arm's peak KV slots (same memory).
 //! A last arm runs every sample in one batch with no limit. Same seeds, so all arms sample
-//! the same tokens (checked).
+//! the same tokens (checked). KV memory is reported as the paged cache's peak slots held
+//! (blocks × block size, a prompt's blocks shared by its samples counted once), the same
+//! without sharing (every sample's table counted in full), and the pool's allocated slots.
 //!
 //! `cargo run --release -p composer-model --example rollout_engine_bench -- [rows] [prompts]
-//! [group] [max_new] [hidden] [layers]` (defaults 16 8 8 192 128 4).
+//! [group] [max_new] [hidden] [layers] [prompt_len]` (defaults 16 8 8 192 128 4 0; prompt
+//! length 0 = prompts of 32 to 64 tokens).
 
 use anyhow::{ensure, Result};
 use candle_core::Device;
 use composer_model::{
-    generate_with_stats, EngineConfig, GenerationRequest, ModelConfig, Sample, SamplingParams,
-    Transformer,
+    generate_with_stats, EngineConfig, EngineStats, GenerationRequest, ModelConfig, Sample,
+    SamplingParams, Transformer,
 };
 use std::time::Instant;
 
@@ -30,7 +33,7 @@ fn arg(i: usize, default: usize) -> Result<usize> {
 fn main() -> Result<()> {
     composer_model::configure_cpu_threads();
     let (rows, prompts, group, max_new) = (arg(1, 16)?, arg(2, 8)?, arg(3, 8)?, arg(4, 192)?);
-    let (hidden, layers) = (arg(5, 128)?, arg(6, 4)?);
+    let (hidden, layers, prompt_len) = (arg(5, 128)?, arg(6, 4)?, arg(7, 0)?);
     ensure!(
         hidden % 64 == 0,
         "hidden ({hidden}) must be a multiple of 64"
@@ -59,7 +62,11 @@ fn main() -> Result<()> {
     };
     let requests: Vec<GenerationRequest> = (0..prompts)
         .map(|i| GenerationRequest {
-            prompt_ids: (0..32 + (i * 7) % 33)
+            prompt_ids: (0..if prompt_len > 0 {
+                prompt_len
+            } else {
+                32 + (i * 7) % 33
+            })
                 .map(|j| 16 + ((i * 31 + j * 17) % 496) as u32)
                 .collect(),
             num_samples: group,
@@ -71,11 +78,13 @@ fn main() -> Result<()> {
 
     let t0 = Instant::now();
     let mut static_out: Vec<Vec<Sample>> = Vec::new();
-    let (mut static_forwards, mut static_peak) = (0, 0);
+    let (mut static_forwards, mut static_peak, mut static_unshared, mut static_pool) = (0, 0, 0, 0);
     for chunk in requests.chunks(rows / group) {
         let (out, stats) = generate_with_stats(&model, chunk, &params(EngineConfig::default()))?;
         static_forwards += stats.decode_forwards;
         static_peak = static_peak.max(stats.peak_kv_slots());
+        static_unshared = static_unshared.max(stats.peak_kv_block_refs() * stats.kv_block_size);
+        static_pool = static_pool.max(stats.kv_pool_blocks * stats.kv_block_size);
         static_out.extend(out);
     }
     let static_s = t0.elapsed().as_secs_f64();
@@ -118,35 +127,48 @@ fn main() -> Result<()> {
         lens.iter().max().unwrap_or(&0),
     );
     println!(
-        "{:<28} {:>10} {:>10} {:>14} {:>15} {:>12}",
-        "arm", "seconds", "tokens/s", "decode steps", "peak KV slots", "rows reused"
+        "{:<28} {:>9} {:>9} {:>8} {:>12} {:>14} {:>10}",
+        "arm", "seconds", "tokens/s", "decodes", "peak KV held", "peak unshared", "pool slots"
     );
-    println!(
-        "{:<28} {:>10.2} {:>10.0} {:>14} {:>15} {:>12}",
+    let row =
+        |arm: String, secs: f64, forwards: usize, held: usize, unshared: usize, pool: usize| {
+            println!(
+                "{arm:<28} {secs:>9.2} {:>9.0} {forwards:>8} {held:>12} {unshared:>14} {pool:>10}",
+                tokens as f64 / secs
+            )
+        };
+    let slots = |s: &EngineStats| {
+        (
+            s.peak_kv_slots(),
+            s.peak_kv_block_refs() * s.kv_block_size,
+            s.kv_pool_blocks * s.kv_block_size,
+        )
+    };
+    row(
         format!("static batches of {rows}"),
         static_s,
-        tokens as f64 / static_s,
         static_forwards,
         static_peak,
-        0
+        static_unshared,
+        static_pool,
     );
-    println!(
-        "{:<28} {:>10.2} {:>10.0} {:>14} {:>15} {:>12}",
+    let (h, u, p) = slots(&cont);
+    row(
         format!("continuous, max_running {rows}"),
         cont_s,
-        tokens as f64 / cont_s,
         cont.decode_forwards,
-        cont.peak_kv_slots(),
-        cont.rows_reused
+        h,
+        u,
+        p,
     );
-    println!(
-        "{:<28} {:>10.2} {:>10.0} {:>14} {:>15} {:>12}",
+    let (h, u, p) = slots(&budget);
+    row(
         format!("  + kv_token_budget {static_peak}"),
         budget_s,
-        tokens as f64 / budget_s,
         budget.decode_forwards,
-        budget.peak_kv_slots(),
-        budget.rows_reused
+        h,
+        u,
+        p,
     );
     // No limit: every sample in one batch from the start (the memory is the price).
     let t0 = Instant::now();
@@ -160,14 +182,14 @@ fn main() -> Result<()> {
             .all(|(a, b)| a.completion_ids == b.completion_ids),
         "the unlimited batch sampled different tokens"
     );
-    println!(
-        "{:<28} {:>10.2} {:>10.0} {:>14} {:>15} {:>12}",
+    let (h, u, p) = slots(&one);
+    row(
         format!("one batch of {}, no limit", prompts * group),
         one_s,
-        tokens as f64 / one_s,
         one.decode_forwards,
-        one.peak_kv_slots(),
-        one.rows_reused
+        h,
+        u,
+        p,
     );
     Ok(())
 }

@@ -16,7 +16,8 @@
 //! - [`logprobs`]: per-token log-probs, entropy and top-K from logits (f32, differentiable).
 //! - [`rollout`]: batched KV-cached sampling returning token ids + sampler log-probs.
 //! - [`sampling`]: the request/sample types and the token sampler (engine and deterministic).
-//! - [`engine`]: the rollout scheduler: continuous batching, shared prompt prefill, KV budget.
+//! - [`engine`]: the rollout scheduler: continuous batching over a paged KV cache (block
+//!   tables; a prompt's blocks shared by its samples), shared prompt prefill, KV budget.
 //! - [`prefix_store`]: finished samples' KV rows kept so a continuation prefills only new tokens.
 //! - [`score`]: teacher-forced scoring.
 //! - [`deterministic`]: batch-invariant sampling and scoring (log-probs equal bitwise).
@@ -40,6 +41,7 @@ pub mod logprobs;
 pub mod lora;
 pub mod lora_adapter;
 pub mod ops;
+mod paged_kv;
 pub mod policy;
 mod prefill;
 pub mod prefix_store;

@@ -16,30 +16,57 @@ pub(crate) struct PrefillCounts {
     pub(crate) forwards: usize,
 }
 
-/// Prefills `prompts` and returns their cache (rows in prompt order) and next-token logits
-/// `[prompts, V]`. A prompt that starts with a row of `store` feeds only the tokens after it
-/// onto that row; the others are left-padded into one batch. Prompts are fed `chunk` tokens
-/// per forward (0 = all at once); `counts` gains the tokens and forwards fed.
+/// Prefilled prompts: their K/V (in a shared left-padded batch, or a cache of their own when
+/// continued from a store row) and next-token logits.
+pub(crate) struct Prefilled {
+    /// The prompts not continued from the store, left-padded in prompt order.
+    batch: Option<KvCache>,
+    /// Per prompt: its own cache when continued, else None (its row of `batch`).
+    continued: Vec<Option<KvCache>>,
+    /// Per prompt: its row in its cache.
+    rows: Vec<usize>,
+    /// Next-token logits `[prompts, V]`.
+    pub(crate) logits: Tensor,
+}
+
+impl Prefilled {
+    /// Prompt `i`'s cache and row there.
+    pub(crate) fn source(&self, i: usize) -> (&KvCache, usize) {
+        let cache = match &self.continued[i] {
+            Some(c) => c,
+            None => self.batch.as_ref().expect("plain prompts were batched"),
+        };
+        (cache, self.rows[i])
+    }
+}
+
+/// Prefills `prompts` (K/V and next-token logits of each). A prompt that starts with a row of
+/// `store` feeds only the tokens after it onto that row; the others are left-padded into one
+/// batch. Prompts are fed `chunk` tokens per forward (0 = all at once); `counts` gains the
+/// tokens and forwards fed.
 pub(crate) fn prefill(
     model: &Transformer,
     prompts: &[&[u32]],
     chunk: usize,
     mut store: Option<&mut PrefixStore>,
     counts: &mut PrefillCounts,
-) -> Result<(KvCache, Tensor)> {
-    let mut continued: Vec<Option<(KvCache, Tensor)>> = Vec::with_capacity(prompts.len());
+) -> Result<Prefilled> {
+    let mut continued: Vec<Option<KvCache>> = Vec::with_capacity(prompts.len());
+    let mut own_logits: Vec<Option<Tensor>> = Vec::with_capacity(prompts.len());
     for p in prompts {
         let hit = store.as_deref_mut().and_then(|s| s.take_longest_prefix(p));
-        continued.push(match hit {
+        let (cache, logits) = match hit {
             Some((stored, mut cache)) => {
                 cache.reserve(p.len());
                 let input = Tensor::new(&p[stored..], model.device())?.unsqueeze(0)?;
                 let last = feed(model, &mut cache, &input, chunk, counts)?;
                 counts.tokens += p.len() - stored;
-                Some((cache, model.logits(&last)?.squeeze(1)?))
+                (Some(cache), Some(model.logits(&last)?.squeeze(1)?))
             }
-            None => None,
-        });
+            None => (None, None),
+        };
+        continued.push(cache);
+        own_logits.push(logits);
     }
     let plain: Vec<&[u32]> = prompts
         .iter()
@@ -47,38 +74,40 @@ pub(crate) fn prefill(
         .filter(|(_, c)| c.is_none())
         .map(|(p, _)| *p)
         .collect();
-    let batch = if plain.is_empty() {
-        None
+    let (batch, batch_logits) = if plain.is_empty() {
+        (None, None)
     } else {
-        Some(prefill_batch(model, &plain, chunk, counts)?)
+        let (cache, logits) = prefill_batch(model, &plain, chunk, counts)?;
+        (Some(cache), Some(logits))
     };
-    if continued.iter().all(Option::is_none) {
-        return Ok(batch.expect("every prompt is in the batch"));
-    }
-    // Mixed: stack the rows back in prompt order.
     let mut rows = Vec::with_capacity(prompts.len());
     let mut logits = Vec::with_capacity(prompts.len());
     let mut next_plain = 0;
-    for c in continued {
-        match c {
-            Some((cache, lg)) => {
-                rows.push(cache);
+    for own in own_logits {
+        match own {
+            Some(lg) => {
+                rows.push(0);
                 logits.push(lg);
             }
             None => {
-                let (cache, lg) = batch.as_ref().expect("plain prompts were batched");
-                rows.push(cache.row(next_plain)?);
+                let lg = batch_logits.as_ref().expect("plain prompts were batched");
+                rows.push(next_plain);
                 logits.push(lg.narrow(0, next_plain, 1)?);
                 next_plain += 1;
             }
         }
     }
-    let parts: Vec<&KvCache> = rows.iter().collect();
-    let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
-    Ok((
-        KvCache::concat_rows(&parts, longest)?,
-        Tensor::cat(&logits, 0)?,
-    ))
+    // One prompt, or all plain: the batch's logits as they are.
+    let logits = match batch_logits {
+        Some(lg) if next_plain == prompts.len() => lg,
+        _ => Tensor::cat(&logits, 0)?,
+    };
+    Ok(Prefilled {
+        batch,
+        continued,
+        rows,
+        logits,
+    })
 }
 
 /// Prefills `prompts` left-padded into one batch; returns their cache and next-token logits.

@@ -2,8 +2,9 @@
 //! prefilled once per request, KV token budget) is [`crate::engine`]'s, or in deterministic
 //! mode [`crate::deterministic`]'s.
 //!
-//! Rows of a batch are left-padded to a common length (padding keys masked, positions
-//! counted from each row's first real token). The request types and the token sampler (what
+//! Prompts are prefilled as left-padded batches (padding keys masked, positions counted from
+//! each row's first real token); decoding runs over the engine's paged KV cache, each row at
+//! its own length. The request types and the token sampler (what
 //! a sampler log-prob is, the per-sample RNG streams) are [`crate::sampling`]'s, re-exported
 //! here.
 

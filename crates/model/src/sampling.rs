@@ -197,19 +197,35 @@ pub(crate) fn empty_samples(requests: &[GenerationRequest]) -> Vec<Vec<Sample>> 
         .collect()
 }
 
-/// Scheduler knobs of the rollout engine (0 = no limit, everywhere).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// Scheduler knobs of the rollout engine (0 = no limit, for the limits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EngineConfig {
     /// Most samples decoding at once.
     pub max_running: usize,
-    /// Most KV slots the running batch may hold: rows × slots per row, padding and the
-    /// reserved decode room included. Memory: slots × layers × 2 × kv_heads × head_dim
-    /// elements. Not counted: the prompt KV held for a partly admitted request (at most one
-    /// prompt) and the transient copies while admitted rows are stacked in.
+    /// Most KV slots the running samples' blocks may take: blocks held × `kv_block_size`,
+    /// a prompt's blocks shared by its samples counted once, each sample's blocks reserved up
+    /// to its longest possible completion. Memory: slots × layers × 2 × kv_heads × head_dim
+    /// elements. Not counted: the transient prefill cache of the prompts being admitted.
     pub kv_token_budget: usize,
     /// Prompt tokens per prefill forward (long prompts are prefilled in chunks).
     pub prefill_chunk: usize,
+    /// Token slots per block of the paged KV cache (>= 1; default 16).
+    pub kv_block_size: usize,
+}
+
+/// The default block size of the paged KV cache.
+pub const DEFAULT_KV_BLOCK_SIZE: usize = 16;
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_running: 0,
+            kv_token_budget: 0,
+            prefill_chunk: 0,
+            kv_block_size: DEFAULT_KV_BLOCK_SIZE,
+        }
+    }
 }
 
 /// The sampler's distribution `log softmax(logits / T)` in f32, `[rows, V]` (T = 1: no

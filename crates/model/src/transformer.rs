@@ -37,8 +37,9 @@ mod checkpointing;
 mod construction;
 mod layers;
 mod packed;
+mod paged_decode;
 pub use layers::{Attention, DecoderLayer, Linear, Mlp, RmsNorm};
-use layers::{Ctx, OpPath, Rope};
+use layers::{Ctx, LayerCache, OpPath, Rope};
 pub use packed::PackedBatch;
 
 /// The `model.*` module: embeddings, layers, final norm.
@@ -422,7 +423,10 @@ impl Transformer {
             return Ok(x);
         }
         for (i, layer) in self.model.layers.iter().enumerate() {
-            let slot = cache.as_mut().map(|c| c.layer_mut(i));
+            let slot = cache.as_mut().map(|c| {
+                let (layer, reserved) = c.layer_mut(i);
+                LayerCache::Dense(layer, reserved)
+            });
             x = layer.forward(&x, ctx, slot)?;
         }
         Ok(x)

@@ -32,6 +32,7 @@ pub fn sampling_params(recipe: &Recipe, stop_ids: &[u32]) -> SamplingParams {
             max_running: r.max_running_sequences,
             kv_token_budget: r.kv_token_budget,
             prefill_chunk: r.prefill_chunk,
+            kv_block_size: r.kv_block_size,
         },
     }
 }

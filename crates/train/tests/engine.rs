@@ -431,8 +431,10 @@ fn rollout_scheduler_limits_change_when_samples_run_not_what_they_sample() {
         Ok(train_metrics(&run))
     };
     let all_at_once = run_with("").unwrap();
-    let limited =
-        run_with("max_running_sequences = 2\nkv_token_budget = 4000\nprefill_chunk = 3\n").unwrap();
+    let limited = run_with(
+        "max_running_sequences = 2\nkv_token_budget = 4000\nprefill_chunk = 3\nkv_block_size = 5\n",
+    )
+    .unwrap();
     assert_eq!(all_at_once.len(), limited.len());
     for (a, b) in all_at_once.iter().zip(&limited) {
         assert_eq!(
@@ -444,6 +446,9 @@ fn rollout_scheduler_limits_change_when_samples_run_not_what_they_sample() {
     // A budget that cannot hold one sample is refused naming the key.
     let err = run_with("kv_token_budget = 5\n").unwrap_err();
     assert!(err.contains("kv_token_budget"), "{err}");
+    // So is a block size of 0.
+    let err = run_with("kv_block_size = 0\n").unwrap_err();
+    assert!(err.contains("[rollout] kv_block_size"), "{err}");
 }
 
 /// The lines of `RUN_DIR/samples/step_NNNNNN.jsonl`.

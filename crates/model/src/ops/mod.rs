@@ -13,7 +13,9 @@
 //! launched by `cuda.rs`; the CPU kernels are their twins, tested in CI); elsewhere the
 //! differentiable composition (`*_composed`), which is also the reference the tests compare
 //! against. The varlen attention has a CPU kernel only: on CUDA the transformer attends over
-//! the padded batch with [`masked_softmax`] instead.
+//! the padded batch with [`masked_softmax`] instead. The rollout engine's decode attention over
+//! a paged KV cache ([`paged_decode_attention`], inference only) likewise has a CPU kernel and
+//! a gathering composition elsewhere.
 
 mod attention;
 mod attention_cpu;
@@ -21,6 +23,7 @@ mod attention_cpu;
 mod cuda;
 mod frozen_linear;
 mod masked_softmax;
+mod paged_attention;
 mod rms_norm;
 mod rope;
 mod swiglu;
@@ -28,6 +31,7 @@ mod swiglu;
 pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, check_cu_seqlens};
 pub use frozen_linear::frozen_linear;
 pub use masked_softmax::{masked_softmax, masked_softmax_composed};
+pub use paged_attention::{paged_decode_attention, paged_decode_attention_composed, PagedLayout};
 pub use rms_norm::{rms_norm, rms_norm_composed};
 pub use rope::{rope, rope_composed};
 pub use swiglu::{swiglu, swiglu_composed};

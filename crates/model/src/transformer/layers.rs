@@ -6,6 +6,7 @@
 use crate::config::ModelConfig;
 use crate::kv_cache::LayerKv;
 use crate::lora_adapter::LoraAdapter;
+use crate::paged_kv::{PagedStep, PoolLayer};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 
@@ -135,6 +136,14 @@ pub struct Attention {
     pub(super) head_dim: usize,
 }
 
+/// The KV cache one layer's attention extends and reads.
+pub(super) enum LayerCache<'a> {
+    /// A dense left-padded cache and the capacity to reserve (`KvCache`).
+    Dense(&'a mut LayerKv, usize),
+    /// The rollout engine's block pool, one decode token per row (`paged_kv`).
+    Paged(&'a PoolLayer, &'a PagedStep),
+}
+
 /// Per-forward inputs shared by all layers (cloned into a checkpointed layer's backward).
 #[derive(Clone)]
 pub(super) struct Ctx {
@@ -160,12 +169,7 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, path: OpPath) -> Result<Te
 }
 
 impl Attention {
-    fn forward(
-        &self,
-        x: &Tensor,
-        ctx: &Ctx,
-        cache: Option<(&mut LayerKv, usize)>,
-    ) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, ctx: &Ctx, cache: Option<LayerCache>) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let q = self
@@ -213,7 +217,18 @@ impl Attention {
         };
         let v = v.transpose(1, 2)?.contiguous()?;
         let (k, v) = match cache {
-            Some((slot, reserved)) => slot.append(&k, &v, reserved)?,
+            Some(LayerCache::Dense(slot, reserved)) => slot.append(&k, &v, reserved)?,
+            Some(LayerCache::Paged(pool, step)) => {
+                // One token per row: written into its slot, attending over the row's blocks.
+                pool.write(&step.write_index, &k, &v)?;
+                let scale = 1.0 / (hd as f64).sqrt();
+                let q = q.reshape((b, nh, hd))?;
+                let out =
+                    crate::ops::paged_decode_attention(&q, &pool.k, &pool.v, &step.layout, scale)?;
+                return self
+                    .o_proj
+                    .forward_with(&out.reshape((b, t, nh * hd))?, ctx.train);
+            }
             None => (k, v),
         };
         let tk = k.dim(2)?;
@@ -326,7 +341,7 @@ impl DecoderLayer {
         &self,
         x: &Tensor,
         ctx: &Ctx,
-        cache: Option<(&mut LayerKv, usize)>,
+        cache: Option<LayerCache>,
     ) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x, ctx.path)?;
         let x = (x + self.self_attn.forward(&h, ctx, cache)?)?;

@@ -20,6 +20,9 @@ pub(super) fn d_ops() -> Vec<String> {
 pub(super) fn d_num_generations() -> usize {
     8
 }
+pub(super) fn d_kv_block_size() -> usize {
+    composer_model::sampling::DEFAULT_KV_BLOCK_SIZE
+}
 pub(super) fn d_max_completion_length() -> usize {
     8
 }

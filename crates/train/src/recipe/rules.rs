@@ -79,6 +79,9 @@ pub(super) fn validate(r: &Recipe) -> Result<()> {
     if r.rollout.temperature < 0.0 {
         bail!("key `[rollout] temperature`: must be >= 0");
     }
+    if r.rollout.kv_block_size == 0 {
+        bail!("key `[rollout] kv_block_size`: must be >= 1 (token slots per KV block)");
+    }
     let budget = r.rollout.kv_token_budget;
     if budget > 0 && budget <= r.rollout.max_completion_length {
         bail!(

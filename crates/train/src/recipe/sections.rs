@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::model::TinyConfig;
 
 use super::defaults::{
-    d_betas, d_ckpt_every, d_digits, d_eps, d_eval_every, d_eval_size, d_lr,
+    d_betas, d_ckpt_every, d_digits, d_eps, d_eval_every, d_eval_size, d_kv_block_size, d_lr,
     d_max_completion_length, d_max_nonfinite, d_num_generations, d_ops, d_prompts, d_run_dir,
     d_schedule, d_steps, d_warm_batch, d_warm_lr, d_warm_steps, one, one_usize,
 };
@@ -229,13 +229,16 @@ pub struct RolloutSection {
     /// Most samples decoding at once (continuous batching; 0 = all at once).
     #[serde(default)]
     pub max_running_sequences: usize,
-    /// Most KV-cache slots (rows × slots per row) the sampler's batch may hold; admission
-    /// waits when full (0 = no limit).
+    /// Most KV-cache slots (blocks held × `kv_block_size`, a prompt's blocks shared by its
+    /// samples counted once) the sampler may hold; admission waits when full (0 = no limit).
     #[serde(default)]
     pub kv_token_budget: usize,
     /// Prompt tokens per prefill forward (0 = whole prompts).
     #[serde(default)]
     pub prefill_chunk: usize,
+    /// Token slots per block of the sampler's paged KV cache (>= 1).
+    #[serde(default = "d_kv_block_size")]
+    pub kv_block_size: usize,
 }
 
 impl Default for RolloutSection {
@@ -250,6 +253,7 @@ impl Default for RolloutSection {
             max_running_sequences: 0,
             kv_token_budget: 0,
             prefill_chunk: 0,
+            kv_block_size: d_kv_block_size(),
         }
     }
 }

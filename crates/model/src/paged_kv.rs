@@ -1,0 +1,339 @@
+//! The rollout engine's paged KV cache: one block pool per layer and a block table per
+//! sequence.
+//!
+//! Each layer keeps a key pool and a value pool `[slots, kv_heads, head_dim]`, `block_size`
+//! slots per block. A sequence is a [`BlockTable`]: its blocks in order and its length; token
+//! `j` lies in slot `blocks[j / block_size] * block_size + j % block_size`. Blocks are
+//! reference-counted, so the samples of one request point at the same prompt blocks (the
+//! prompt is prefilled once and written once). A sequence appending into a block others still
+//! read copies that block first (copy on write: only a prompt's partly filled last block is
+//! ever shared and appended to); a block is free again when no table holds it. Freed blocks
+//! are reused before the pool grows; the pool grows (one copy of each layer's pool) only when
+//! every block is held.
+//!
+//! Decode attention reads the blocks in place ([`crate::ops::paged_decode_attention`]); a
+//! forward writes its new keys/values into their slots with one scatter per layer.
+
+use crate::kv_cache::KvCache;
+use crate::ops::PagedLayout;
+use crate::transformer::Transformer;
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor};
+
+/// Blocks the pool grows by at least, so small pools do not regrow every step.
+const MIN_GROWTH_BLOCKS: usize = 16;
+
+/// One layer's key and value pools, `[slots, kv_heads, head_dim]`.
+#[derive(Debug)]
+pub(crate) struct PoolLayer {
+    pub(crate) k: Tensor,
+    pub(crate) v: Tensor,
+}
+
+impl PoolLayer {
+    /// Writes `k`, `v` (`[rows, kv_heads, 1, head_dim]` or `[rows, kv_heads, head_dim]`) into
+    /// the slots of `index` (`[rows, kv_heads · head_dim]`, every entry of row `r` its slot).
+    pub(crate) fn write(&self, index: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+        let (slots, hkv, d) = self.k.dims3()?;
+        let rows = index.dim(0)?;
+        for (pool, x) in [(&self.k, k), (&self.v, v)] {
+            // A reshape of the contiguous pool shares its storage: the scatter writes in place.
+            let flat = pool.reshape((slots, hkv * d))?;
+            flat.scatter_set(index, &x.reshape((rows, hkv * d))?.contiguous()?, 0)?;
+        }
+        Ok(())
+    }
+}
+
+/// A sequence's blocks (in token order) and its length in tokens.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct BlockTable {
+    pub(crate) blocks: Vec<u32>,
+    pub(crate) len: usize,
+}
+
+/// What one decode step writes and reads: each row's new slot (as a scatter index) and the
+/// rows' block tables with their lengths after the step's token.
+pub(crate) struct PagedStep {
+    pub(crate) write_index: Tensor,
+    pub(crate) layout: PagedLayout,
+}
+
+/// The block pools of every layer and the blocks' reference counts.
+#[derive(Debug)]
+pub(crate) struct BlockPool {
+    block_size: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    dtype: DType,
+    device: Device,
+    /// Empty until the first block is taken.
+    layers: Vec<PoolLayer>,
+    num_layers: usize,
+    refs: Vec<u32>,
+    free: Vec<u32>,
+    /// Most blocks ever held at once (0 = no bound).
+    max_blocks: usize,
+    held: usize,
+    /// Blocks copied on write.
+    pub(crate) copies: usize,
+}
+
+impl BlockPool {
+    /// An empty pool for `model`'s layers, `block_size` slots per block, at most `max_blocks`
+    /// blocks held (0 = no bound).
+    pub(crate) fn new(model: &Transformer, block_size: usize, max_blocks: usize) -> Result<Self> {
+        if block_size == 0 {
+            bail!("kv_block_size must be >= 1, got 0");
+        }
+        Ok(BlockPool {
+            block_size,
+            kv_heads: model.cfg.num_key_value_heads,
+            head_dim: model.cfg.head_dim,
+            dtype: model.dtype(),
+            device: model.device().clone(),
+            layers: Vec::new(),
+            num_layers: model.cfg.num_hidden_layers,
+            refs: Vec::new(),
+            free: Vec::new(),
+            max_blocks,
+            held: 0,
+            copies: 0,
+        })
+    }
+
+    /// Blocks held by at least one table.
+    pub(crate) fn held_blocks(&self) -> usize {
+        self.held
+    }
+
+    /// Blocks allocated (the pool's memory: blocks × block_size × layers × 2 × kv_heads ×
+    /// head_dim elements).
+    pub(crate) fn capacity_blocks(&self) -> usize {
+        self.refs.len()
+    }
+
+    /// Layer `i`'s pools (after the first block was taken).
+    pub(crate) fn layer(&self, i: usize) -> &PoolLayer {
+        &self.layers[i]
+    }
+
+    /// Takes a free block (reference count 1), growing the pool when none is free.
+    fn alloc(&mut self) -> Result<u32> {
+        if self.max_blocks > 0 && self.held >= self.max_blocks {
+            bail!(
+                "internal: the KV block pool is full ({} blocks) although admission reserved room",
+                self.max_blocks
+            );
+        }
+        if self.free.is_empty() {
+            self.grow()?;
+        }
+        let b = self.free.pop().expect("grow adds free blocks");
+        self.refs[b as usize] = 1;
+        self.held += 1;
+        Ok(b)
+    }
+
+    fn grow(&mut self) -> Result<()> {
+        let old = self.refs.len();
+        let mut new = (2 * old).max(old + MIN_GROWTH_BLOCKS);
+        if self.max_blocks > 0 {
+            new = new.min(self.max_blocks).max(old + 1);
+        }
+        let extra = (new - old) * self.block_size;
+        let zeros = Tensor::zeros(
+            (extra, self.kv_heads, self.head_dim),
+            self.dtype,
+            &self.device,
+        )?;
+        if self.layers.is_empty() {
+            for _ in 0..self.num_layers {
+                self.layers.push(PoolLayer {
+                    k: zeros.copy()?,
+                    v: zeros.copy()?,
+                });
+            }
+        } else {
+            for l in &mut self.layers {
+                l.k = Tensor::cat(&[&l.k, &zeros], 0)?;
+                l.v = Tensor::cat(&[&l.v, &zeros], 0)?;
+            }
+        }
+        self.refs.resize(new, 0);
+        // Lowest ids on top of the free stack.
+        self.free.extend((old as u32..new as u32).rev());
+        Ok(())
+    }
+
+    /// Another holder of `table`'s blocks (a sample starting from a shared prompt).
+    pub(crate) fn share(&mut self, table: &BlockTable) -> BlockTable {
+        for &b in &table.blocks {
+            self.refs[b as usize] += 1;
+        }
+        table.clone()
+    }
+
+    /// Drops `table`'s hold on its blocks; blocks nobody holds are free again.
+    pub(crate) fn release(&mut self, table: BlockTable) {
+        for b in table.blocks {
+            let r = &mut self.refs[b as usize];
+            *r -= 1;
+            if *r == 0 {
+                self.held -= 1;
+                self.free.push(b);
+            }
+        }
+    }
+
+    /// Writes row `row` of a prefilled cache into fresh blocks; returns its table.
+    pub(crate) fn write_prompt(&mut self, cache: &KvCache, row: usize) -> Result<BlockTable> {
+        let n = cache.seq_len(row);
+        let mut table = BlockTable {
+            blocks: Vec::with_capacity(n.div_ceil(self.block_size)),
+            len: n,
+        };
+        for _ in 0..n.div_ceil(self.block_size) {
+            table.blocks.push(self.alloc()?);
+        }
+        let slots: Vec<u32> = (0..n).map(|j| self.slot(&table, j) as u32).collect();
+        let index = self.scatter_index(&slots)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let (k, v) = cache.row_tokens(i, row)?;
+            layer.write(&index, &k, &v)?;
+        }
+        Ok(table)
+    }
+
+    /// The slot of token `j` of `table`.
+    fn slot(&self, table: &BlockTable, j: usize) -> usize {
+        table.blocks[j / self.block_size] as usize * self.block_size + j % self.block_size
+    }
+
+    /// The scatter index writing row `r` of a `[rows, kv_heads, head_dim]` source into slot
+    /// `slots[r]`.
+    fn scatter_index(&self, slots: &[u32]) -> Result<Tensor> {
+        let width = self.kv_heads * self.head_dim;
+        let index: Vec<u32> = slots
+            .iter()
+            .flat_map(|&s| std::iter::repeat_n(s, width))
+            .collect();
+        Ok(Tensor::from_vec(index, (slots.len(), width), &self.device)?)
+    }
+
+    /// Makes room for `table`'s next token and returns its slot: a new block at a block
+    /// boundary, or a private copy of the last block when other tables still hold it.
+    fn prepare_append(&mut self, table: &mut BlockTable) -> Result<usize> {
+        let (at, offset) = (table.len / self.block_size, table.len % self.block_size);
+        if offset == 0 {
+            let b = self.alloc()?;
+            table.blocks.push(b);
+        } else if self.refs[table.blocks[at] as usize] > 1 {
+            let (src, dst) = (table.blocks[at], self.alloc()?);
+            let (from, to) = (
+                src as usize * self.block_size,
+                dst as usize * self.block_size,
+            );
+            for l in &self.layers {
+                for pool in [&l.k, &l.v] {
+                    // `copy`: slice_set cannot read and write the same storage.
+                    pool.slice_set(&pool.narrow(0, from, offset)?.copy()?, 0, to)?;
+                }
+            }
+            self.refs[src as usize] -= 1;
+            table.blocks[at] = dst;
+            self.copies += 1;
+        }
+        Ok(self.slot(table, table.len))
+    }
+
+    /// Prepares one decode step of `tables` (one new token each): takes the blocks the
+    /// tokens go to, and returns where they are written and what each row then attends to.
+    /// The tables' lengths are not advanced (the caller does after the forward).
+    pub(crate) fn prepare_step(&mut self, tables: &mut [BlockTable]) -> Result<PagedStep> {
+        let mut slots = Vec::with_capacity(tables.len());
+        for t in tables.iter_mut() {
+            slots.push(self.prepare_append(t)? as u32);
+        }
+        let layout = PagedLayout::new(
+            self.block_size,
+            tables.iter().map(|t| t.blocks.clone()).collect(),
+            tables.iter().map(|t| t.len + 1).collect(),
+        )?;
+        Ok(PagedStep {
+            write_index: self.scatter_index(&slots)?,
+            layout,
+        })
+    }
+
+    /// A one-row [`KvCache`] holding `table`'s tokens (a finished sample kept for its
+    /// continuation).
+    pub(crate) fn gather(&self, table: &BlockTable) -> Result<KvCache> {
+        let slots: Vec<u32> = (0..table.len).map(|j| self.slot(table, j) as u32).collect();
+        let index = Tensor::new(slots, &self.device)?;
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| Ok((l.k.index_select(&index, 0)?, l.v.index_select(&index, 0)?)))
+            .collect::<Result<Vec<_>>>()?;
+        KvCache::from_tokens(layers)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+
+    /// Two tables share a prompt's blocks; appending to the shared, partly filled last block
+    /// copies it for the first writer, and each table then reads the prompt's K/V followed by
+    /// its own token's, whatever the other wrote.
+    #[test]
+    fn copy_on_write_leaves_the_other_tables_kv_untouched() -> Result<()> {
+        let dev = Device::Cpu;
+        let (model, _) = Transformer::random_init(&ModelConfig::tiny_qwen2(32), 3, &dev)?;
+        let layers = model.cfg.num_hidden_layers;
+        let (hkv, d) = (model.cfg.num_key_value_heads, model.cfg.head_dim);
+        let mut cache = KvCache::new(layers, vec![0]);
+        let ids = Tensor::new(&[[1u32, 2, 3, 4, 5, 6]], &dev)?;
+        model.forward(&ids, Some(&mut cache))?;
+        // Blocks of 4: one full prompt block and 2 tokens in a second.
+        let mut pool = BlockPool::new(&model, 4, 0)?;
+        let prompt = pool.write_prompt(&cache, 0)?;
+        let mut tables = vec![pool.share(&prompt), pool.share(&prompt)];
+        pool.release(prompt);
+        assert_eq!(pool.held_blocks(), 2);
+        let step = pool.prepare_step(&mut tables)?;
+        assert_eq!((pool.copies, pool.held_blocks()), (1, 3));
+        assert_eq!(tables[0].blocks[0], tables[1].blocks[0]);
+        assert_ne!(tables[0].blocks[1], tables[1].blocks[1]);
+        // Row t writes keys and values all equal to t + 1.
+        let own = Tensor::new(&[1f32, 2.], &dev)?
+            .reshape((2, 1, 1))?
+            .broadcast_as((2, hkv, d))?
+            .contiguous()?;
+        for i in 0..layers {
+            pool.layer(i).write(&step.write_index, &own, &own)?;
+        }
+        tables.iter_mut().for_each(|t| t.len += 1);
+        let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
+        for (t, table) in tables.iter().enumerate() {
+            let row = pool.gather(table)?;
+            for layer in 0..layers {
+                let got = row.row_tokens(layer, 0)?;
+                let prompt_kv = cache.row_tokens(layer, 0)?;
+                for (g, p) in [(&got.0, &prompt_kv.0), (&got.1, &prompt_kv.1)] {
+                    assert_eq!(flat(&g.narrow(0, 0, 6)?)?, flat(p)?, "table {t}");
+                    let last = flat(&g.narrow(0, 6, 1)?)?;
+                    assert!(last.iter().all(|&x| x == (t + 1) as f32), "table {t}");
+                }
+            }
+        }
+        // Releasing both frees every block.
+        for t in tables {
+            pool.release(t);
+        }
+        assert_eq!(pool.held_blocks(), 0);
+        Ok(())
+    }
+}

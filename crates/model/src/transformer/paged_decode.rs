@@ -1,0 +1,67 @@
+//! The rollout engine's decode forward over its paged KV cache: one token per row, each at
+//! its own position, attending over the row's blocks (`crate::paged_kv`).
+
+use super::{Ctx, LayerCache, OpPath, Transformer};
+use crate::paged_kv::{BlockPool, PagedStep};
+use anyhow::{bail, Result};
+use candle_core::{DType, Tensor};
+
+impl Transformer {
+    /// Feeds `tokens[b]` to row `b` of a paged batch (inference path, no backward): each
+    /// layer writes the tokens' keys/values into the slots `step` prepared and attends over
+    /// the rows' blocks. `positions[b]` is row `b`'s length before the token. Returns the
+    /// next-token logits `[rows, vocab]`.
+    pub(crate) fn forward_paged(
+        &self,
+        tokens: &[u32],
+        positions: &[usize],
+        pool: &BlockPool,
+        step: &PagedStep,
+    ) -> Result<Tensor> {
+        let b = tokens.len();
+        if positions.len() != b || step.layout.rows() != b {
+            bail!(
+                "paged decode: {b} tokens, {} positions, {} rows in the step",
+                positions.len(),
+                step.layout.rows()
+            );
+        }
+        let max_pos = self.cfg.max_position_embeddings;
+        if let Some(p) = positions.iter().find(|&&p| p >= max_pos) {
+            bail!("paged decode: position {p} exceeds max_position_embeddings = {max_pos}");
+        }
+        let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let pos = Tensor::new(pos, &self.device)?;
+        let half = self.cfg.head_dim / 2;
+        let table = |t: &Tensor| -> Result<Tensor> {
+            Ok(t.index_select(&pos, 0)?
+                .reshape((b, 1, half))?
+                .to_dtype(self.dtype)?)
+        };
+        // As `forward_hidden` without a backward: fused kernels, except for f64 models.
+        let path = if self.dtype == DType::F64 {
+            OpPath::Differentiable
+        } else {
+            OpPath::Fused
+        };
+        let ctx = Ctx {
+            cos: table(&self.rope.cos)?,
+            sin: table(&self.rope.sin)?,
+            mask: None,
+            cu_seqlens: Vec::new(),
+            path,
+            train: false,
+        };
+        let ids = Tensor::new(tokens, &self.device)?;
+        let mut x =
+            self.model
+                .embed_tokens
+                .index_select(&ids, 0)?
+                .reshape((b, 1, self.cfg.hidden_size))?;
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            x = layer.forward(&x, &ctx, Some(LayerCache::Paged(pool.layer(i), step)))?;
+        }
+        let h = self.model.norm.forward(&x, path)?;
+        Ok(self.logits(&h)?.squeeze(1)?)
+    }
+}
