@@ -192,6 +192,9 @@ def test_repository_exceptions():
 
 
 def test_module_values_and_import_styles():
+    star = {}
+    exec("from shapes.geo import *", {"__builtins__": __builtins__}, star)
+    assert star["Square"](2).area() == 4 and star["UNIT"] == 1.0 and "ShapeError" in star
     assert UNIT == 1.0 and NAMES == ["circle", "square"]
     assert shapes.geo.Square(5).area() == 25
     assert geo.total_area([Square(1), Square(2)]) == 5

@@ -166,6 +166,9 @@ def target(t):
 
 
 def get_attribute(obj, name):
+    if name == "__all__" and isinstance(obj, types.ModuleType) and not hasattr(obj, name):
+        # What `from module import *` takes when the module does not say.
+        return sorted(n for n in vars(obj) if not n.startswith("_"))
     try:
         return getattr(obj, name)
     except AttributeError:

@@ -174,7 +174,9 @@ class Remote:
         object.__setattr__(self, "_gen", None if "path" in target else STATE["gen"])
 
     def __getattr__(self, name):
-        if name.startswith("__") and name.endswith("__") and name not in ("__name__", "__doc__"):
+        # `__all__` is what `from pkg.mod import *` asks for (the code lists the public names).
+        if (name.startswith("__") and name.endswith("__")
+                and name not in ("__name__", "__doc__", "__all__")):
             raise AttributeError(name)
         return getattr_op(target_of(self), name)
 
