@@ -295,6 +295,38 @@ pub(crate) enum BenchCommand {
         #[arg(long, default_value = "runs/bench-async")]
         out_dir: PathBuf,
     },
+    /// Decode throughput of the rollout engine on an HF checkpoint (CPU, f32) side by side with
+    /// transformers' `generate` on the same prompt ids, and deterministic mode's
+    /// sampler-vs-scorer log-prob difference.
+    Rollout {
+        /// HF checkpoint directory.
+        #[arg(long, default_value = "../shared/fixtures/hf-tiny/qwen2-tiny")]
+        model: PathBuf,
+        /// Samples decoded together.
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        /// New tokens per sample (every sample runs to it).
+        #[arg(long, default_value_t = 128)]
+        new_tokens: usize,
+        /// Timed runs per side after one warm-up (medians are compared).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        #[arg(
+            long,
+            default_value = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+        )]
+        prompt: String,
+        /// Python with torch and transformers for the reference (default: $COMPOSER_BENCH_PYTHON,
+        /// else python3).
+        #[arg(long)]
+        python: Option<PathBuf>,
+        /// Only composer-rl's side.
+        #[arg(long)]
+        skip_reference: bool,
+        /// Print the numbers as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// RLVR alone vs + hint vs + hint + replay on the embedded default: samples to target accuracy.
     Channels {
         /// Seeds, comma separated.

@@ -87,6 +87,27 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             println!("{table}");
             Ok(())
         }
+        BenchCommand::Rollout {
+            model,
+            batch,
+            new_tokens,
+            repeats,
+            prompt,
+            python,
+            skip_reference,
+            json,
+        } => bench_rollout(
+            &composer_model::bench_rollout::RolloutBenchOptions {
+                model_dir: model,
+                batch,
+                new_tokens,
+                repeats,
+                prompt,
+            },
+            python,
+            skip_reference,
+            json,
+        ),
         BenchCommand::Channels {
             seeds,
             target,
@@ -109,6 +130,109 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// transformers' side of `bench rollout`, run with `python` (tools/bench_generate_hf.py).
+const BENCH_GENERATE_HF_PY: &str = include_str!("../tools/bench_generate_hf.py");
+
+/// `bench rollout`: ours, then transformers' `generate` on the same ids, then the table.
+fn bench_rollout(
+    opts: &composer_model::bench_rollout::RolloutBenchOptions,
+    python: Option<std::path::PathBuf>,
+    skip_reference: bool,
+    json: bool,
+) -> Result<()> {
+    if !opts.model_dir.join("config.json").is_file() {
+        anyhow::bail!(
+            "--model {}: no config.json there (an HF checkpoint directory is needed)",
+            opts.model_dir.display()
+        );
+    }
+    let ours = composer_model::bench_rollout::bench_rollout(opts)?;
+    let reference = if skip_reference {
+        None
+    } else {
+        let python = python
+            .or_else(|| std::env::var_os("COMPOSER_BENCH_PYTHON").map(Into::into))
+            .unwrap_or_else(|| "python3".into());
+        let ids: Vec<String> = ours.prompt_ids.iter().map(u32::to_string).collect();
+        let out = std::process::Command::new(&python)
+            .arg("-c")
+            .arg(BENCH_GENERATE_HF_PY)
+            .arg("--model")
+            .arg(&opts.model_dir)
+            .args(["--prompt-ids", &ids.join(",")])
+            .args(["--batch", &opts.batch.to_string()])
+            .args(["--new-tokens", &opts.new_tokens.to_string()])
+            .args(["--repeats", &opts.repeats.to_string()])
+            .args(["--threads", &ours.threads.to_string()])
+            .output()
+            .with_context(|| format!("running {} (--python)", python.display()))?;
+        if !out.status.success() {
+            anyhow::bail!(
+                "the transformers reference failed ({}; --python {} needs torch and                  transformers, or pass --skip-reference): {}",
+                out.status,
+                python.display(),
+                String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("")
+            );
+        }
+        let line = String::from_utf8_lossy(&out.stdout);
+        let v: serde_json::Value = serde_json::from_str(line.trim())
+            .with_context(|| format!("the reference printed {line:?}"))?;
+        Some(v)
+    };
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"composer_rl": ours, "transformers": reference})
+        );
+        return Ok(());
+    }
+    let fmt = |xs: &[f64]| {
+        xs.iter()
+            .map(|x| format!("{x:.0}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    println!(
+        "decode, {} samples x {} new tokens, {} prompt tokens, f32 on the CPU, {} threads",
+        opts.batch,
+        opts.new_tokens,
+        ours.prompt_ids.len(),
+        ours.threads
+    );
+    println!("| side | tokens/s (median) | runs |");
+    println!("|---|---:|---|");
+    println!(
+        "| composer-rl | {:.0} | {} |",
+        ours.tokens_per_s,
+        fmt(&ours.runs_tokens_per_s)
+    );
+    if let Some(r) = &reference {
+        let theirs = r["tokens_per_s"].as_f64().unwrap_or(f64::NAN);
+        let runs: Vec<f64> = r["runs_tokens_per_s"]
+            .as_array()
+            .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
+            .unwrap_or_default();
+        println!(
+            "| transformers {} generate (torch {}) | {theirs:.0} | {} |",
+            r["transformers"].as_str().unwrap_or("?"),
+            r["torch"].as_str().unwrap_or("?"),
+            fmt(&runs)
+        );
+        println!(
+            "ratio composer-rl / transformers: {:.2}",
+            ours.tokens_per_s / theirs
+        );
+    }
+    println!(
+        "deterministic mode: max |sampler - scorer| log-prob over {} tokens = {:e}",
+        ours.deterministic_tokens, ours.deterministic_max_abs_diff
+    );
+    Ok(())
 }
 
 /// `f32`, `bf16` or `f16` as a candle dtype.

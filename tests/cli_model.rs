@@ -1,7 +1,8 @@
 //! The `generate` and `score` subcommands of the real `composer-rl` binary on the
 //! transformers-written tiny checkpoints: greedy continuations and next-token log-probs
 //! against each fixture's reference.json (computed by transformers 5.23, f32, CPU), seeded
-//! sampling reproducibility, the chat template, the JSON shapes, and a missing model dir.
+//! sampling reproducibility, the chat template, the JSON shapes, and a missing model dir; and
+//! `bench model` / `bench rollout`.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -364,4 +365,69 @@ fn bench_model_runs_lora_with_checkpointing_and_refuses_bad_flags() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(want), "{args:?}: {stderr}");
     }
+}
+
+/// `bench rollout` (composer-rl's side; the transformers side needs torch) on each fixture:
+/// every sample decodes to `--new-tokens`, and deterministic mode's sampler log-probs equal
+/// its scorer's bitwise. Bad flags are refused naming them, before the model loads.
+#[test]
+fn bench_rollout_decodes_every_token_and_deterministic_mode_matches_the_scorer() {
+    for name in FIXTURES {
+        let model = fixture(name);
+        let v = run_json(&[
+            "bench",
+            "rollout",
+            "--model",
+            model.to_str().unwrap(),
+            "--batch",
+            "3",
+            "--new-tokens",
+            "6",
+            "--repeats",
+            "1",
+            "--skip-reference",
+            "--json",
+        ]);
+        let ours = &v["composer_rl"];
+        assert!(ours["tokens_per_s"].as_f64().unwrap() > 0.0, "{name}: {v}");
+        assert_eq!(ours["deterministic_tokens"], 12, "{name}: {v}");
+        assert_eq!(ours["deterministic_max_abs_diff"], 0.0, "{name}: {v}");
+        assert!(v["transformers"].is_null(), "{v}");
+    }
+    let model = fixture("qwen2-tiny");
+    let out = composer_rl(&[
+        "bench",
+        "rollout",
+        "--model",
+        model.to_str().unwrap(),
+        "--batch",
+        "0",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--batch"), "{err}");
+    let out = composer_rl(&["bench", "rollout", "--model", "/nonexistent-model"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--model /nonexistent-model"),
+        "{err}"
+    );
+    let out = composer_rl(&[
+        "bench",
+        "rollout",
+        "--model",
+        model.to_str().unwrap(),
+        "--batch",
+        "1",
+        "--new-tokens",
+        "2",
+        "--repeats",
+        "1",
+        "--python",
+        "/nonexistent-python",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("/nonexistent-python") && err.contains("--python"),
+        "{err}"
+    );
 }

@@ -25,11 +25,13 @@
 //! - [`policy`]: model + tokenizer + chat template bundle and the CLI entry points.
 //! - [`threads`]: the CPU thread count of candle's matmuls, fixed once at start-up.
 //! - [`bench`]: training and decoding throughput benchmark.
+//! - [`bench_rollout`]: decode throughput on an HF checkpoint (vs transformers' `generate`).
 
 // `!(x > 0.0)` is used on purpose in validation: it also rejects NaN.
 #![allow(clippy::neg_cmp_op_on_partial_ord)]
 
 pub mod bench;
+pub mod bench_rollout;
 pub mod checkpoint;
 pub mod chunked_logprobs;
 pub mod config;

@@ -1,0 +1,139 @@
+//! `composer-rl bench rollout`: the rollout engine's decode throughput on an HF checkpoint, for
+//! a side-by-side comparison with transformers' `generate` on the same prompt ids (the CLI
+//! runs `tools/bench_generate_hf.py`), and the sampler-vs-scorer log-prob difference of
+//! deterministic mode on the same checkpoint.
+//!
+//! Every sample runs to `new_tokens` (no stop ids), as `generate(min_new_tokens =
+//! max_new_tokens)` does on the Python side, so both decode the same number of tokens.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device};
+use serde::Serialize;
+
+use crate::{generate_with_stats, score_deterministic, GenerationRequest, Policy, SamplingParams};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct RolloutBenchOptions {
+    /// HF checkpoint directory.
+    pub model_dir: PathBuf,
+    /// Samples decoded together (one prompt, `batch` samples).
+    pub batch: usize,
+    /// New tokens per sample.
+    pub new_tokens: usize,
+    /// Timed runs after one warm-up run (the median is reported).
+    pub repeats: usize,
+    /// Prompt text (plain, no chat template).
+    pub prompt: String,
+}
+
+/// What was measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct RolloutBenchReport {
+    /// The prompt's token ids (the reference decodes the same ids).
+    pub prompt_ids: Vec<u32>,
+    /// Decoded tokens per second of each timed run.
+    pub runs_tokens_per_s: Vec<f64>,
+    /// Their median.
+    pub tokens_per_s: f64,
+    /// CPU threads of candle's pool.
+    pub threads: usize,
+    /// Tokens compared in deterministic mode.
+    pub deterministic_tokens: usize,
+    /// Max |sampler − scorer| log-prob over them (0 = bitwise equal).
+    pub deterministic_max_abs_diff: f64,
+}
+
+/// The median of `xs` (0 when empty).
+pub fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
+    }
+}
+
+/// Decodes `batch × new_tokens` on the CPU (f32) `repeats` times, then checks deterministic
+/// mode's sampler log-probs against its scorer on two samples.
+pub fn bench_rollout(opts: &RolloutBenchOptions) -> Result<RolloutBenchReport> {
+    if opts.batch == 0 || opts.new_tokens == 0 || opts.repeats == 0 {
+        bail!(
+            "bench rollout: --batch, --new-tokens and --repeats must be >= 1 (got {}, {}, {})",
+            opts.batch,
+            opts.new_tokens,
+            opts.repeats
+        );
+    }
+    let policy = Policy::load(&opts.model_dir, &Device::Cpu, DType::F32)?;
+    let prompt_ids = policy.encode_prompt(&opts.prompt, false)?;
+    let max_pos = policy.model.cfg.max_position_embeddings;
+    if prompt_ids.is_empty() || prompt_ids.len() + opts.new_tokens > max_pos {
+        bail!(
+            "bench rollout: {} prompt tokens + --new-tokens {} do not fit the model's \
+             max_position_embeddings ({max_pos})",
+            prompt_ids.len(),
+            opts.new_tokens
+        );
+    }
+    let params = SamplingParams {
+        temperature: 1.0,
+        max_new_tokens: opts.new_tokens,
+        stop_token_ids: Some(Vec::new()),
+        ..SamplingParams::default()
+    };
+    let request = |seed| GenerationRequest {
+        prompt_ids: prompt_ids.clone(),
+        num_samples: opts.batch,
+        seed,
+    };
+    let mut runs = Vec::with_capacity(opts.repeats);
+    for run in 0..=opts.repeats {
+        let start = Instant::now();
+        let (out, stats) = generate_with_stats(&policy.model, &[request(run as u64)], &params)?;
+        let secs = start.elapsed().as_secs_f64();
+        let tokens: usize = out.iter().flatten().map(|s| s.completion_ids.len()).sum();
+        if tokens != opts.batch * opts.new_tokens || stats.generated_tokens != tokens {
+            bail!("bench rollout: decoded {tokens} tokens, expected every sample to run to --new-tokens");
+        }
+        if run > 0 {
+            runs.push(tokens as f64 / secs);
+        }
+    }
+
+    // Deterministic mode: the sampler's log-probs against the scorer's on the same ids.
+    let det_params = SamplingParams {
+        deterministic: true,
+        max_new_tokens: opts.new_tokens.min(32),
+        ..params.clone()
+    };
+    let det_req = GenerationRequest {
+        num_samples: 2,
+        ..request(7)
+    };
+    let samples = crate::generate(&policy.model, &[det_req], &det_params)?;
+    let mut max_diff = 0f64;
+    let mut compared = 0usize;
+    for s in samples.iter().flatten() {
+        let mut seq = prompt_ids.clone();
+        seq.extend_from_slice(&s.completion_ids);
+        let scored = score_deterministic(&policy.model, &[seq], 1.0)?;
+        let tail = &scored[0][prompt_ids.len() - 1..];
+        for (a, b) in s.sampler_logprobs.iter().zip(tail) {
+            max_diff = max_diff.max((f64::from(*a) - f64::from(*b)).abs());
+            compared += 1;
+        }
+    }
+    Ok(RolloutBenchReport {
+        prompt_ids,
+        tokens_per_s: median(&runs),
+        runs_tokens_per_s: runs,
+        threads: candle_core::utils::get_num_threads(),
+        deterministic_tokens: compared,
+        deterministic_max_abs_diff: max_diff,
+    })
+}
