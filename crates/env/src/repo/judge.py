@@ -45,17 +45,11 @@ def reply_value(reply, op):
     if type(reply) is not dict:
         fail("no answer from the code")
     if reply.get("ok") is True:
-        value = decode(reply.get("value"))
-        after = reply.get("after")
-        if type(after) is list:
-            for orig, new in zip(STATE.get("args", ()), after):
-                if new is not None:
-                    write_back(orig, decode(new))
-        return value
+        return decode(reply.get("value"))
     raise exception_of(reply, op)
 
 
-def rpc(msg, args=()):
+def rpc(msg):
     if STATE["failure"] is not None:
         raise CodeFailed(STATE["failure"])
     if STATE["module_level"]:
@@ -72,7 +66,6 @@ def rpc(msg, args=()):
         if type(code) is not dict:
             kill("a malformed message from the parent")
         if code.get("re") == rid:
-            STATE["args"] = args
             return code
         if code.get("op") == "callback":
             serve_callback(code)
@@ -99,8 +92,14 @@ def kill(why):
 def call_op(target, args, kwargs):
     enc_args = [encode(a) for a in args]
     enc_kwargs = [[k, encode(v)] for k, v in kwargs.items()]
-    reply = rpc({"op": "call", "obj": target, "args": enc_args, "kwargs": enc_kwargs}, args)
-    return reply_value(reply, "call")
+    reply = rpc({"op": "call", "obj": target, "args": enc_args, "kwargs": enc_kwargs})
+    value = reply_value(reply, "call")
+    after = reply.get("after")
+    if type(after) is list:
+        for orig, new in zip(args, after):
+            if new is not None:
+                write_back(orig, decode(new))
+    return value
 
 
 PATH_CACHE = {}
@@ -352,10 +351,6 @@ class RemoteClass(type):
 
     def __repr__(cls):
         return "<repository class %s>" % type.__getattribute__(cls, "_name")
-
-
-def exception_str(self):
-    return type(self)._text_of(self)
 
 
 def is_remote(v):
