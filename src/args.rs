@@ -299,25 +299,108 @@ pub(crate) enum BenchCommand {
     /// transformers' `generate` on the same prompt ids, and deterministic mode's
     /// sampler-vs-scorer log-prob difference.
     Rollout {
+        /// `decode`: the engine's decode tokens/s vs transformers' `generate` on one prompt
+        /// (`--batch` samples × `--new-tokens`); `grpo`: a GRPO-shaped rollout (`--prompts` ×
+        /// `--group` samples, up to `--new-tokens`, spread completion lengths) under static
+        /// batches vs continuous batching vs all at once, with the prefill saved by prefix
+        /// sharing.
+        #[arg(long, default_value = "decode")]
+        workload: String,
         /// HF checkpoint directory.
         #[arg(long, default_value = "../shared/fixtures/hf-tiny/qwen2-tiny")]
         model: PathBuf,
-        /// Samples decoded together.
+        /// `grpo` only: random weights of this shape instead of `--model` (`small`,
+        /// `qwen2.5-0.5b`, `qwen3-0.6b`, `qwen2.5-7b`).
+        #[arg(long)]
+        shape: Option<String>,
+        /// `grpo` only: `cpu`, `cuda` or `cuda:N`.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// `grpo` only: f32, bf16 or f16 (default: bf16 on CUDA, f32 on CPU).
+        #[arg(long)]
+        dtype: Option<String>,
+        /// `decode`: samples decoded together.
         #[arg(long, default_value_t = 8)]
         batch: usize,
-        /// New tokens per sample (every sample runs to it).
-        #[arg(long, default_value_t = 128)]
-        new_tokens: usize,
-        /// Timed runs per side after one warm-up (medians are compared).
+        /// New tokens per sample: exactly this many (`decode`, default 128), at most this
+        /// many (`grpo`, default 256).
+        #[arg(long)]
+        new_tokens: Option<usize>,
+        /// Timed runs per side / arm after one warm-up (medians are compared).
         #[arg(long, default_value_t = 3)]
         repeats: usize,
+        /// `decode`: the prompt text.
         #[arg(
             long,
             default_value = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
         )]
         prompt: String,
-        /// Python with torch and transformers for the reference (default: $COMPOSER_BENCH_PYTHON,
-        /// else python3).
+        /// `grpo`: prompts.
+        #[arg(long, default_value_t = 16)]
+        prompts: usize,
+        /// `grpo`: samples per prompt.
+        #[arg(long, default_value_t = 8)]
+        group: usize,
+        /// `grpo`: rows the static and continuous arms hold at once (a multiple of --group).
+        #[arg(long, default_value_t = 32)]
+        max_running: usize,
+        /// `grpo`: prompt lengths, `LO..HI` (spread evenly over the prompts) or one length.
+        #[arg(long, default_value = "64..256")]
+        prompt_len: String,
+        /// `grpo`: every N-th token id stops a sample (completion lengths roughly geometric
+        /// with mean N under a random model's near-uniform logits, capped at --new-tokens).
+        #[arg(long, default_value_t = 96)]
+        mean_completion: usize,
+        /// `decode`: Python with torch and transformers for the reference (default:
+        /// $COMPOSER_BENCH_PYTHON, else python3).
+        #[arg(long)]
+        python: Option<PathBuf>,
+        /// `decode`: only composer-rl's side.
+        #[arg(long)]
+        skip_reference: bool,
+        /// Print the numbers as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Whole GRPO steps (rollout, reward, train, weight publish) of the trainer on an HF
+    /// checkpoint beside TRL's GRPOTrainer on the same checkpoint, prompts and shape
+    /// (tools/bench_grpo_trl.py via --python): median step seconds and their ratio.
+    Grpo {
+        /// HF checkpoint directory (with --shape: where the tokenizer comes from).
+        #[arg(long, default_value = "../shared/fixtures/hf-tiny/qwen2-tiny")]
+        model: PathBuf,
+        /// Random weights of this shape (`small`, `h256-l4`, `qwen2.5-0.5b`, `qwen3-0.6b`, …)
+        /// written as an HF checkpoint with --model's tokenizer; both sides train it.
+        #[arg(long)]
+        shape: Option<String>,
+        /// Prompts per step.
+        #[arg(long, default_value_t = 8)]
+        prompts: usize,
+        /// Samples per prompt (num_generations).
+        #[arg(long, default_value_t = 8)]
+        group: usize,
+        /// Most new tokens per sample (TRL is forced to exactly this many).
+        #[arg(long, default_value_t = 16)]
+        new_tokens: usize,
+        /// Steps per side; the first is a warm-up, the median of the rest is compared.
+        #[arg(long, default_value_t = 4)]
+        steps: usize,
+        /// The loss (TRL's loss_type).
+        #[arg(long, default_value = "dapo")]
+        loss_type: String,
+        #[arg(long, default_value_t = 1e-6)]
+        learning_rate: f64,
+        /// `cpu`, `cuda` or `cuda:N` (both sides).
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// bf16 compute on both sides (f32 masters on ours, TRL's `bf16=True`).
+        #[arg(long)]
+        bf16: bool,
+        /// Where the prompts, recipe and run go.
+        #[arg(long, default_value = "runs/bench-grpo")]
+        out_dir: PathBuf,
+        /// Python with torch, transformers, datasets and trl 1.16 for TRL's side (default:
+        /// $COMPOSER_BENCH_PYTHON, else python3).
         #[arg(long)]
         python: Option<PathBuf>,
         /// Only composer-rl's side.

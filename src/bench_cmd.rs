@@ -21,21 +21,14 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             json,
         } => {
             let device = composer_model::device_from_str(&device)?;
-            let mut cfg = match shape.as_str() {
+            let base = match shape.as_str() {
                 "small" => composer_model::bench::BenchConfig::small_cpu(),
-                "qwen2.5-0.5b" => composer_model::bench::BenchConfig::qwen2_5_0_5b(device.clone()),
-                "qwen3-0.6b" => composer_model::bench::BenchConfig {
-                    model: composer_model::ModelConfig::qwen3_0_6b(),
-                    ..composer_model::bench::BenchConfig::qwen2_5_0_5b(device.clone())
-                },
-                "qwen2.5-7b" => composer_model::bench::BenchConfig {
-                    model: composer_model::ModelConfig::qwen2_5_7b(),
-                    ..composer_model::bench::BenchConfig::qwen2_5_0_5b(device.clone())
-                },
                 "qwen-vocab" => composer_model::bench::BenchConfig::qwen_vocab_cpu(),
-                other => anyhow::bail!(
-                    "--shape {other:?} is not one of: small, qwen2.5-0.5b, qwen3-0.6b, qwen2.5-7b, qwen-vocab"
-                ),
+                _ => composer_model::bench::BenchConfig::qwen2_5_0_5b(device.clone()),
+            };
+            let mut cfg = composer_model::bench::BenchConfig {
+                model: composer_model::bench::shape_model_config(&shape)?,
+                ..base
             };
             cfg.skip_decode = skip_decode;
             cfg.lora_r = lora;
@@ -88,21 +81,78 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             Ok(())
         }
         BenchCommand::Rollout {
+            workload,
             model,
+            shape,
+            device,
+            dtype,
             batch,
             new_tokens,
             repeats,
             prompt,
+            prompts,
+            group,
+            max_running,
+            prompt_len,
+            mean_completion,
             python,
             skip_reference,
             json,
-        } => bench_rollout(
-            &composer_model::bench_rollout::RolloutBenchOptions {
+        } => match workload.as_str() {
+            "decode" => bench_rollout(
+                &composer_model::bench_rollout::RolloutBenchOptions {
+                    model_dir: model,
+                    batch,
+                    new_tokens: new_tokens.unwrap_or(128),
+                    repeats,
+                    prompt,
+                },
+                python,
+                skip_reference,
+                json,
+            ),
+            "grpo" => {
+                let opts = composer_model::bench_rollout_grpo::GrpoRolloutOptions {
+                    prompts,
+                    group,
+                    max_new_tokens: new_tokens.unwrap_or(256),
+                    prompt_len: parse_len_range(&prompt_len)?,
+                    mean_completion,
+                    rows: max_running,
+                    repeats,
+                };
+                bench_rollout_grpo(&opts, &model, shape.as_deref(), &device, dtype, json)
+            }
+            other => anyhow::bail!("--workload {other:?} is not one of: decode, grpo"),
+        },
+        BenchCommand::Grpo {
+            model,
+            shape,
+            prompts,
+            group,
+            new_tokens,
+            steps,
+            loss_type,
+            learning_rate,
+            device,
+            bf16,
+            out_dir,
+            python,
+            skip_reference,
+            json,
+        } => bench_grpo(
+            &composer_train::bench_grpo::GrpoStepBenchOptions {
                 model_dir: model,
-                batch,
+                shape,
+                prompts,
+                group,
                 new_tokens,
-                repeats,
-                prompt,
+                steps,
+                loss_type,
+                learning_rate,
+                device,
+                bf16,
+                out_dir,
             },
             python,
             skip_reference,
@@ -152,37 +202,28 @@ fn bench_rollout(
     let reference = if skip_reference {
         None
     } else {
-        let python = python
-            .or_else(|| std::env::var_os("COMPOSER_BENCH_PYTHON").map(Into::into))
-            .unwrap_or_else(|| "python3".into());
         let ids: Vec<String> = ours.prompt_ids.iter().map(u32::to_string).collect();
-        let out = std::process::Command::new(&python)
-            .arg("-c")
-            .arg(BENCH_GENERATE_HF_PY)
-            .arg("--model")
-            .arg(&opts.model_dir)
-            .args(["--prompt-ids", &ids.join(",")])
-            .args(["--batch", &opts.batch.to_string()])
-            .args(["--new-tokens", &opts.new_tokens.to_string()])
-            .args(["--repeats", &opts.repeats.to_string()])
-            .args(["--threads", &ours.threads.to_string()])
-            .output()
-            .with_context(|| format!("running {} (--python)", python.display()))?;
-        if !out.status.success() {
-            anyhow::bail!(
-                "the transformers reference failed ({}; --python {} needs torch and                  transformers, or pass --skip-reference): {}",
-                out.status,
-                python.display(),
-                String::from_utf8_lossy(&out.stderr)
-                    .lines()
-                    .last()
-                    .unwrap_or("")
-            );
-        }
-        let line = String::from_utf8_lossy(&out.stdout);
-        let v: serde_json::Value = serde_json::from_str(line.trim())
-            .with_context(|| format!("the reference printed {line:?}"))?;
-        Some(v)
+        let args: Vec<std::ffi::OsString> = vec![
+            "--model".into(),
+            opts.model_dir.clone().into(),
+            "--prompt-ids".into(),
+            ids.join(",").into(),
+            "--batch".into(),
+            opts.batch.to_string().into(),
+            "--new-tokens".into(),
+            opts.new_tokens.to_string().into(),
+            "--repeats".into(),
+            opts.repeats.to_string().into(),
+            "--threads".into(),
+            ours.threads.to_string().into(),
+        ];
+        Some(run_python_reference(
+            python,
+            BENCH_GENERATE_HF_PY,
+            &args,
+            "the transformers reference",
+            "torch and transformers",
+        )?)
     };
     if json {
         println!(
@@ -231,6 +272,202 @@ fn bench_rollout(
     println!(
         "deterministic mode: max |sampler - scorer| log-prob over {} tokens = {:e}",
         ours.deterministic_tokens, ours.deterministic_max_abs_diff
+    );
+    Ok(())
+}
+
+/// `bench rollout --workload grpo`: the model (random weights of `--shape` on `--device`, or
+/// the checkpoint of `--model`), then the three schedules' table.
+fn bench_rollout_grpo(
+    opts: &composer_model::bench_rollout_grpo::GrpoRolloutOptions,
+    model_dir: &std::path::Path,
+    shape: Option<&str>,
+    device: &str,
+    dtype: Option<String>,
+    json: bool,
+) -> Result<()> {
+    let device = composer_model::device_from_str(device)?;
+    let dtype = match dtype {
+        Some(d) => parse_dtype(&d).context("--dtype")?,
+        None if device.is_cuda() => candle_core::DType::BF16,
+        None => candle_core::DType::F32,
+    };
+    let model = match shape {
+        Some(shape) => {
+            let cfg = composer_model::bench::shape_model_config(shape)?;
+            composer_model::Transformer::random_init_on_device(&cfg, dtype, &device)?.0
+        }
+        None => composer_model::Policy::load(model_dir, &device, dtype)?.model,
+    };
+    let report = composer_model::bench_rollout_grpo::bench_grpo_rollout(&model, opts)?;
+    if json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{}", report.table(&device, dtype.as_str()));
+    }
+    Ok(())
+}
+
+/// `LO..HI` (or one length `N`) as a prompt-length range, `--prompt-len`.
+fn parse_len_range(s: &str) -> Result<(usize, usize)> {
+    let parse = |x: &str| {
+        x.trim()
+            .parse::<usize>()
+            .with_context(|| format!("--prompt-len {s:?}: {x:?} is not a token count"))
+    };
+    match s.split_once("..") {
+        Some((lo, hi)) => Ok((parse(lo)?, parse(hi.trim_start_matches('='))?)),
+        None => {
+            let n = parse(s)?;
+            Ok((n, n))
+        }
+    }
+}
+
+/// Runs a reference script (`script`'s text via `python -c`) with `args` and parses the JSON
+/// line it prints; `python` defaults to $COMPOSER_BENCH_PYTHON, else python3.
+fn run_python_reference(
+    python: Option<std::path::PathBuf>,
+    script: &str,
+    args: &[std::ffi::OsString],
+    what: &str,
+    needs: &str,
+) -> Result<serde_json::Value> {
+    let python = python
+        .or_else(|| std::env::var_os("COMPOSER_BENCH_PYTHON").map(Into::into))
+        .unwrap_or_else(|| "python3".into());
+    let out = std::process::Command::new(&python)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {} (--python)", python.display()))?;
+    if !out.status.success() {
+        anyhow::bail!(
+            "{what} failed ({}; --python {} needs {needs}, or pass --skip-reference): {}",
+            out.status,
+            python.display(),
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        );
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().unwrap_or("");
+    serde_json::from_str(line.trim()).with_context(|| format!("{what} printed {line:?}"))
+}
+
+/// TRL's side of `bench grpo`, run with `python` (tools/bench_grpo_trl.py).
+const BENCH_GRPO_TRL_PY: &str = include_str!("../tools/bench_grpo_trl.py");
+
+/// `bench grpo`: composer-rl's trainer, then TRL's GRPOTrainer on the same prompts and shape.
+fn bench_grpo(
+    opts: &composer_train::bench_grpo::GrpoStepBenchOptions,
+    python: Option<std::path::PathBuf>,
+    skip_reference: bool,
+    json: bool,
+) -> Result<()> {
+    let ours = composer_train::bench_grpo::bench_grpo_step(opts)?;
+    let reference = if skip_reference {
+        None
+    } else {
+        let args: Vec<std::ffi::OsString> = vec![
+            "--model".into(),
+            ours.model_dir.clone().into(),
+            "--prompts-file".into(),
+            ours.prompts_file.clone().into(),
+            "--prompts".into(),
+            opts.prompts.to_string().into(),
+            "--group".into(),
+            opts.group.to_string().into(),
+            "--new-tokens".into(),
+            opts.new_tokens.to_string().into(),
+            "--steps".into(),
+            opts.steps.to_string().into(),
+            "--learning-rate".into(),
+            opts.learning_rate.to_string().into(),
+            "--loss-type".into(),
+            opts.loss_type.clone().into(),
+            "--threads".into(),
+            candle_core::utils::get_num_threads().to_string().into(),
+            "--device".into(),
+            opts.device.clone().into(),
+            "--dtype".into(),
+            if opts.bf16 { "bf16" } else { "f32" }.into(),
+        ];
+        Some(run_python_reference(
+            python,
+            BENCH_GRPO_TRL_PY,
+            &args,
+            "TRL's GRPOTrainer",
+            "torch, transformers, datasets and trl 1.16",
+        )?)
+    };
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"options": opts, "composer_rl": ours, "trl": reference})
+        );
+        return Ok(());
+    }
+    let secs = |xs: &[f64]| {
+        xs.iter()
+            .map(|x| format!("{x:.2}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    println!(
+        "whole GRPO steps on {}: {} prompts x {} samples, up to {} new tokens, loss {}, {} on {}, {} steps \
+         (the first a warm-up; medians of the rest)",
+        opts.shape.as_deref().map_or_else(
+            || opts.model_dir.display().to_string(),
+            |s| format!("random weights of shape {s}")
+        ),
+        opts.prompts,
+        opts.group,
+        opts.new_tokens,
+        opts.loss_type,
+        if opts.bf16 { "bf16" } else { "f32" },
+        opts.device,
+        opts.steps
+    );
+    println!("| side | median step s | steps s | mean completion tokens |");
+    println!("|---|---:|---|---:|");
+    let o = &ours.steps;
+    println!(
+        "| composer-rl | {:.3} | {} | {:.1} |",
+        o.median_step_s,
+        secs(&o.step_s),
+        o.mean_completion_length
+    );
+    if let Some(r) = &reference {
+        let floats = |key: &str| -> Vec<f64> {
+            r[key]
+                .as_array()
+                .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
+                .unwrap_or_default()
+        };
+        let step_s = floats("step_s");
+        let theirs = composer_train::bench_grpo::median_after_warmup(&step_s);
+        let lengths = floats("mean_completion_length");
+        println!(
+            "| TRL {} GRPOTrainer (transformers {}, torch {}) | {theirs:.3} | {} | {:.1} |",
+            r["trl"].as_str().unwrap_or("?"),
+            r["transformers"].as_str().unwrap_or("?"),
+            r["torch"].as_str().unwrap_or("?"),
+            secs(&step_s),
+            lengths.iter().sum::<f64>() / lengths.len().max(1) as f64
+        );
+        println!(
+            "step time composer-rl / TRL: {:.2} (the issue's target: <= 0.5)",
+            o.median_step_s / theirs
+        );
+    }
+    let [rollout, reward, train, sync] = ours.walls_s;
+    println!(
+        "composer-rl's walls (medians): rollout {rollout:.3} s, reward {reward:.3} s, train \
+         {train:.3} s, weight sync {sync:.3} s"
     );
     Ok(())
 }

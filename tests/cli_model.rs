@@ -431,3 +431,141 @@ fn bench_rollout_decodes_every_token_and_deterministic_mode_matches_the_scorer()
         "{err}"
     );
 }
+
+/// `bench rollout --workload grpo` on a fixture: four schedules of the same requests, each
+/// sampling every sample, prefilling each prompt once for its group (prefix sharing); bad
+/// workload flags
+/// are refused naming them before any decoding.
+#[test]
+fn bench_rollout_grpo_workload_runs_every_schedule_and_refuses_bad_flags() {
+    let model = fixture("qwen2-tiny");
+    let model = model.to_str().unwrap();
+    // The base flags, each overridden by the same flag in `extra`.
+    fn grpo_args<'a>(model: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+        let base = [
+            ("--workload", "grpo"),
+            ("--model", model),
+            ("--prompts", "3"),
+            ("--group", "2"),
+            ("--new-tokens", "12"),
+            ("--prompt-len", "4..20"),
+            ("--max-running", "2"),
+            ("--mean-completion", "8"),
+            ("--repeats", "1"),
+        ];
+        let mut args = vec!["bench", "rollout"];
+        for (flag, value) in base {
+            if !extra.contains(&flag) {
+                args.extend([flag, value]);
+            }
+        }
+        args.extend_from_slice(extra);
+        args
+    }
+    let v = run_json(&grpo_args(model, &["--json"]));
+    let arms = v["arms"].as_array().unwrap();
+    assert_eq!(arms.len(), 4, "{v}");
+    // Prompts of 4, 12 and 20 tokens, each prefilled once for its 2 samples.
+    assert_eq!(v["prefill_tokens_unshared"], 72, "{v}");
+    for arm in arms {
+        assert_eq!(arm["prefill_tokens"], 36, "{arm}");
+        let tokens = arm["tokens"].as_u64().unwrap();
+        assert!((6..=72).contains(&tokens), "{arm}");
+        assert!(arm["tokens_per_s"].as_f64().unwrap() > 0.0, "{arm}");
+        assert!(
+            arm["peak_kv_slots"].as_u64().unwrap()
+                <= arm["peak_kv_slots_unshared"].as_u64().unwrap(),
+            "{arm}"
+        );
+    }
+    // All six at once: one batch, one decode step per token of the longest completion after
+    // its first; the static arm runs its three batches one after another.
+    assert!(arms[3]["decode_forwards"].as_u64().unwrap() < 12, "{v}");
+    assert!(arms[0]["decode_forwards"].as_u64().unwrap() < 3 * 12, "{v}");
+    for (extra, want) in [
+        (vec!["--max-running", "3"], "--max-running 3"),
+        (vec!["--prompt-len", "250"], "max_position_embeddings"),
+        (vec!["--prompt-len", "9..x"], "--prompt-len"),
+        (vec!["--mean-completion", "1"], "--mean-completion 1"),
+        (vec!["--workload", "nope"], "--workload \"nope\""),
+    ] {
+        let out = composer_rl(&grpo_args(model, &extra));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(want),
+            "{extra:?}: {err}"
+        );
+    }
+}
+
+/// `bench grpo` (composer-rl's side; TRL's needs torch and trl): whole GRPO steps of the real
+/// trainer on a fixture and on random weights of a named shape written as a checkpoint with
+/// the fixture's tokenizer; bad flags are refused naming them before any run.
+#[test]
+fn bench_grpo_runs_the_trainer_on_a_checkpoint_and_on_a_shape() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2-tiny");
+    let model = model.to_str().unwrap();
+    for (shape, out) in [(None, "fixture"), (Some("small"), "shape")] {
+        let out_dir = tmp.path().join(out);
+        let mut args = vec![
+            "bench",
+            "grpo",
+            "--model",
+            model,
+            "--prompts",
+            "2",
+            "--group",
+            "2",
+            "--new-tokens",
+            "4",
+            "--steps",
+            "2",
+            "--out-dir",
+            out_dir.to_str().unwrap(),
+            "--skip-reference",
+            "--json",
+        ];
+        if let Some(shape) = shape {
+            args.extend(["--shape", shape]);
+        }
+        let v = run_json(&args);
+        let ours = &v["composer_rl"];
+        let steps = ours["steps"]["step_s"].as_array().unwrap();
+        assert_eq!(steps.len(), 2, "{v}");
+        assert!(steps.iter().all(|s| s.as_f64().unwrap() > 0.0), "{v}");
+        let len = ours["steps"]["mean_completion_length"].as_f64().unwrap();
+        assert!(len > 0.0 && len <= 4.0, "{v}");
+        assert!(ours["walls_s"][2].as_f64().unwrap() > 0.0, "{v}");
+        assert!(v["trl"].is_null(), "{v}");
+        // Both sides read the same 4 prompts (2 per step x 2 steps).
+        let prompts = std::fs::read_to_string(out_dir.join("prompts.jsonl")).unwrap();
+        assert_eq!(prompts.lines().count(), 4);
+        if shape.is_some() {
+            let dir = out_dir.join("model");
+            assert_eq!(ours["model_dir"].as_str(), dir.to_str(), "{v}");
+            let cfg: Value =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                    .unwrap();
+            assert_eq!(cfg["hidden_size"], 128, "{cfg}");
+            assert!(dir.join("tokenizer.json").is_file());
+        }
+    }
+    for (args, want) in [
+        (vec!["--group", "1"], "--group"),
+        (
+            vec!["--model", "/nonexistent-model"],
+            "--model /nonexistent-model",
+        ),
+        (vec!["--shape", "qwen9"], "--shape \"qwen9\""),
+    ] {
+        let mut all = vec!["bench", "grpo", "--skip-reference"];
+        all.extend(args.iter().copied());
+        let out = composer_rl(&all);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(want),
+            "{args:?}: {err}"
+        );
+    }
+}

@@ -4,14 +4,17 @@
 # One call does everything: the CUDA tests, `composer-rl train` end to end on the GPU (the
 # embedded default and an HF-checkpoint recipe, with checkpoint, resume and report), and the
 # benchmarks next to PyTorch on the same card; a table is printed last. Logs: $OUT/logs.tar.gz.
-#   SECTIONS="tests e2e bench05 bench06 bench7b ckpt compile05" (default), or lora7b. Status lines and
+#   SECTIONS="tests e2e bench05 bench06 bench7b ckpt compile05 rollout" (default), or lora7b.
+#   `rollout`: `bench rollout --workload grpo` (16 x 8 x 256 on the 0.5B shape) and `bench grpo`
+#   (whole GRPO steps vs TRL 1.16's GRPOTrainer; TRL and its missing pure-Python dependencies
+#   are installed from .device/wheels, carried). Status lines and
 #   each benchmark's JSON are appended to $OUT/status.txt and $OUT/results.jsonl as they
 #   finish, so a call cut off by its time limit still returns what was done.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 W=/tmp/gpu-work
 rm -rf "$W" && mkdir -p "$OUT" "$W"
-SECTIONS=${SECTIONS:-"tests e2e bench05 bench06 bench7b ckpt compile05"}
+SECTIONS=${SECTIONS:-"tests e2e bench05 bench06 bench7b ckpt compile05 rollout"}
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 D=/tmp/composer-device
 mkdir -p "$D"
@@ -156,6 +159,18 @@ if want compile05; then
   for b in 16 64; do
     bench "tc05-t$b" 200 $TORCH --shape qwen2.5-0.5b --batch "$b" --train-seq-len 512 --compile
   done
+fi
+if want rollout; then
+  # GRPO-shaped rollout: static batches vs continuous batching vs all at once (issue 17 §4).
+  bench "c05-rollout-grpo" 240 "$BIN" bench rollout --workload grpo --shape qwen2.5-0.5b --device cuda --json
+  # Whole GRPO steps vs TRL (P1). TRL is pure Python: install what the image lacks, offline.
+  for mod in trl accelerate datasets dill multiprocess xxhash; do
+    python3 -c "import $mod" 2>/dev/null \
+      || python3 -m pip install -q --no-deps --no-index --find-links .device/wheels "$mod" >>"$W/pip.log" 2>&1 \
+      || note "pip: $mod not installable offline (see pip.log)"
+  done
+  bench "c05-grpo-step" 400 "$BIN" bench grpo --shape qwen2.5-0.5b --model .device/shared/fixtures/hf-tiny/qwen2-tiny \
+    --device cuda --bf16 --prompts 16 --group 8 --new-tokens 256 --steps 4 --out-dir "$W/grpo" --python python3 --json
 fi
 tar -C "$W" -czf "$OUT/logs.tar.gz" . 2>/dev/null
 echo

@@ -16,4 +16,6 @@ cargo test --release -p composer-model --features cuda --no-run 2>&1 \
   | while read -r exe; do strip -o "/tmp/devpack/tests/$(basename "$exe" | cut -d- -f1)" "$exe"; done
 tar -C /tmp/devpack -cf - . | xz -6 -T2 > .device/bins.tar.xz
 cp -r ../shared/fixtures/hf-tiny .device/shared/fixtures/
+# TRL's side of `bench grpo` (gpu_check.sh section `rollout`): the device has no network.
+pip download -q --no-deps -d .device/wheels trl==1.16.0 accelerate datasets dill multiprocess xxhash
 du -sh .device

@@ -108,6 +108,26 @@ def main():
             tail = f" | HF generate {et_:>8.0f}  ratio {tps / et_:>5.1f}" if et_ else ""
             print(f"{shape:<14} batch {b:>4}: {tps:>9.0f} tok/s  roofline {roof:>9.0f}  ({100 * tps / roof:>5.1f}%){tail}")
 
+    rep = load(d, "c05-rollout-grpo")
+    if rep and rep.get("arms"):
+        lo, mean, p90, hi = rep["completion_len"]
+        print(f"\nGRPO-shaped rollout, qwen2.5-0.5b bf16: 16 prompts x 8 samples, up to 256 new tokens "
+              f"(lengths min {lo:.0f} mean {mean:.1f} p90 {p90:.0f} max {hi:.0f})")
+        base = rep["arms"][0]["tokens_per_s"]
+        for a in rep["arms"]:
+            print(f"{a['arm']:<34} {a['seconds']:>7.2f} s {a['tokens_per_s']:>9.0f} tok/s "
+                  f"({a['tokens_per_s'] / base:>4.2f}x)  decode steps {a['decode_forwards']:>5}  prefill {a['prefill_tokens']}")
+        print(f"prefix sharing: {rep['arms'][0]['prefill_tokens']} prompt tokens prefilled instead of {rep['prefill_tokens_unshared']}")
+    rep = load(d, "c05-grpo-step")
+    if rep and rep.get("composer_rl"):
+        ours = rep["composer_rl"]["steps"]["median_step_s"]
+        trl = rep.get("trl") or {}
+        steps = sorted(trl.get("step_s", [])[1:]) or trl.get("step_s", [])
+        theirs = steps[len(steps) // 2] if steps else None
+        ratio = f"{ours / theirs:.2f}" if theirs else "-"
+        print(f"\nwhole GRPO step (P1), qwen2.5-0.5b bf16, 16 x 8 x 256: composer-rl {ours:.2f} s, "
+              f"TRL {trl.get('trl', '-')} {theirs if theirs is None else round(theirs, 2)} s, ratio {ratio} (target <= 0.5)")
+
 
 if __name__ == "__main__":
     main()

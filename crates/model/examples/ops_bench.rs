@@ -16,7 +16,7 @@
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use composer_model::bench::{bench_input, train_step};
-use composer_model::{HeadOptions, ModelConfig, PackedBatch, Transformer};
+use composer_model::{HeadOptions, PackedBatch, Transformer};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
@@ -181,14 +181,7 @@ fn main() -> Result<()> {
         }
     }
     let threads = composer_model::configure_cpu_threads();
-    let mut cfg = ModelConfig::tiny_qwen2(2048);
-    cfg.hidden_size = 256;
-    cfg.intermediate_size = 768;
-    cfg.num_hidden_layers = 4;
-    cfg.num_attention_heads = 8;
-    cfg.num_key_value_heads = 2;
-    cfg.head_dim = 32;
-    cfg.max_position_embeddings = 2048;
+    let cfg = composer_model::bench::shape_model_config("h256-l4")?;
     let (mut model, _vars) = Transformer::random_init(&cfg, 0, &Device::Cpu)?;
     println!(
         "ops_bench --compare {compare}: {:.1}M params (hidden 256, 4 layers, 8/2 heads x 32, vocab 2048), f32, CPU, {threads} threads, median of {iters}",

@@ -127,6 +127,36 @@ impl BenchConfig {
     }
 }
 
+/// The model of a named benchmark shape (`bench model --shape`, `bench rollout --shape`):
+/// `small` (CPU-sized: hidden 128, 4 layers, vocab 512), `h256-l4` (hidden 256, 4 layers, 8
+/// query / 2 key-value heads × 32, vocab 2048: issue 17's CPU GRPO-step shape),
+/// `qwen2.5-0.5b`, `qwen3-0.6b`, `qwen2.5-7b`, or `qwen-vocab` (hidden 64, 2 layers, Qwen's
+/// 151,936-token vocabulary).
+pub fn shape_model_config(name: &str) -> Result<ModelConfig> {
+    Ok(match name {
+        "small" => BenchConfig::small_cpu().model,
+        "h256-l4" => {
+            let mut cfg = ModelConfig::tiny_qwen2(2048);
+            cfg.hidden_size = 256;
+            cfg.intermediate_size = 768;
+            cfg.num_hidden_layers = 4;
+            cfg.num_attention_heads = 8;
+            cfg.num_key_value_heads = 2;
+            cfg.head_dim = 32;
+            cfg.max_position_embeddings = 2048;
+            cfg
+        }
+        "qwen2.5-0.5b" => ModelConfig::qwen2_5_0_5b(),
+        "qwen3-0.6b" => ModelConfig::qwen3_0_6b(),
+        "qwen2.5-7b" => ModelConfig::qwen2_5_7b(),
+        "qwen-vocab" => BenchConfig::qwen_vocab_cpu().model,
+        other => anyhow::bail!(
+            "--shape {other:?} is not one of: small, h256-l4, qwen2.5-0.5b, qwen3-0.6b, qwen2.5-7b, \
+             qwen-vocab"
+        ),
+    })
+}
+
 /// One batch size's numbers.
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchRow {

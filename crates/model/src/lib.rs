@@ -32,6 +32,7 @@
 
 pub mod bench;
 pub mod bench_rollout;
+pub mod bench_rollout_grpo;
 pub mod checkpoint;
 pub mod chunked_logprobs;
 pub mod config;

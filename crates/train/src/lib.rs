@@ -12,6 +12,7 @@ pub mod async_mode;
 pub mod async_resume;
 pub mod batch;
 pub mod bench;
+pub mod bench_grpo;
 pub mod checkpoint;
 pub mod data;
 pub mod env_batch;

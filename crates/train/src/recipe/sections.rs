@@ -324,7 +324,7 @@ pub struct TrainSection {
     pub padding_free: bool,
     /// TRL's `gradient_checkpointing`: the backward recomputes each decoder layer's
     /// activations instead of keeping them (same gradients, less memory, one more forward
-    /// per layer). CPU only (`[model] device = "cpu"`).
+    /// per layer), on the CPU and on CUDA.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub gradient_checkpointing: bool,
     /// TRL's `bf16`: every training forward and backward runs on a bf16 copy of the f32
