@@ -132,8 +132,11 @@ if want bench05; then
 fi
 if want bench06; then
   # Attention over the padded batch keeps [heads, T, T] scores per layer: at 16k tokens only
-  # with per-layer checkpointing does one layer's worth fit.
+  # with per-layer checkpointing does one layer's worth fit. --padding-free runs the varlen
+  # flash-attention kernel instead (no score tensor).
   bench "c06-t1" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode --gradient-checkpointing
+  bench "c06-t1pf" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode --gradient-checkpointing --padding-free
+  bench "c06-t1pfn" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode --padding-free
   bench "te06-t1" 150 $TORCH --shape qwen3-0.6b --batch 1 --train-seq-len 16384 --skip-decode
 fi
 if want bench7b; then

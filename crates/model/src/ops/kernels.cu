@@ -333,10 +333,23 @@ __device__ void varlen_attn_fwd(const T* q, const T* k, const T* v, const int* c
     float s[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; ++r) s[r] = 0.f;
-    for (int c = 0; c < d; ++c) {
-      const float kv = kt[c * (BK + 1) + kl];
+    if ((d & 3) == 0) {  // rows of qs are 16-byte aligned: broadcast float4 reads
+      for (int c = 0; c < d; c += 4) {
+        float kv[4];
 #pragma unroll
-      for (int r = 0; r < RPW; ++r) s[r] += qs[(warp * RPW + r) * d + c] * kv;
+        for (int u = 0; u < 4; ++u) kv[u] = kt[(c + u) * (BK + 1) + kl];
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+          const float4 qv = *reinterpret_cast<const float4*>(qs + (warp * RPW + r) * d + c);
+          s[r] += qv.x * kv[0] + qv.y * kv[1] + qv.z * kv[2] + qv.w * kv[3];
+        }
+      }
+    } else {
+      for (int c = 0; c < d; ++c) {
+        const float kv = kt[c * (BK + 1) + kl];
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) s[r] += qs[(warp * RPW + r) * d + c] * kv;
+      }
     }
     const int j = j0 + lane;
     float p[RPW];
@@ -453,12 +466,30 @@ __device__ void varlen_attn_bwd_dq(const T* q, const T* k, const T* v, const T* 
     float s[RPW], dp[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; ++r) s[r] = dp[r] = 0.f;
-    for (int c = 0; c < d; ++c) {
-      const float kv = kt[c * (BK + 1) + kl], vv = vt[c * (BK + 1) + kl];
+    if ((d & 3) == 0) {  // rows of qs and dos are 16-byte aligned: broadcast float4 reads
+      for (int c = 0; c < d; c += 4) {
+        float kv[4], vv[4];
 #pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        s[r] += qs[(warp * RPW + r) * d + c] * kv;
-        dp[r] += dos[(warp * RPW + r) * d + c] * vv;
+        for (int u = 0; u < 4; ++u) {
+          kv[u] = kt[(c + u) * (BK + 1) + kl];
+          vv[u] = vt[(c + u) * (BK + 1) + kl];
+        }
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+          const float4 qv = *reinterpret_cast<const float4*>(qs + (warp * RPW + r) * d + c);
+          const float4 ov = *reinterpret_cast<const float4*>(dos + (warp * RPW + r) * d + c);
+          s[r] += qv.x * kv[0] + qv.y * kv[1] + qv.z * kv[2] + qv.w * kv[3];
+          dp[r] += ov.x * vv[0] + ov.y * vv[1] + ov.z * vv[2] + ov.w * vv[3];
+        }
+      }
+    } else {
+      for (int c = 0; c < d; ++c) {
+        const float kv = kt[c * (BK + 1) + kl], vv = vt[c * (BK + 1) + kl];
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+          s[r] += qs[(warp * RPW + r) * d + c] * kv;
+          dp[r] += dos[(warp * RPW + r) * d + c] * vv;
+        }
       }
     }
     const int j = j0 + lane;
@@ -561,12 +592,30 @@ __device__ void varlen_attn_bwd_dkv(const T* q, const T* k, const T* v, const T*
       float s[RPW], dp[RPW];
 #pragma unroll
       for (int r = 0; r < RPW; ++r) s[r] = dp[r] = 0.f;
-      for (int c = 0; c < d; ++c) {
-        const float qv = qt[c * (BQ + 1) + ql], ov = dot[c * (BQ + 1) + ql];
+      if ((d & 3) == 0) {  // rows of ks and vs are 16-byte aligned: broadcast float4 reads
+        for (int c = 0; c < d; c += 4) {
+          float qv[4], ov[4];
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-          s[r] += qv * ks[(warp * RPW + r) * d + c];
-          dp[r] += ov * vs[(warp * RPW + r) * d + c];
+          for (int u = 0; u < 4; ++u) {
+            qv[u] = qt[(c + u) * (BQ + 1) + ql];
+            ov[u] = dot[(c + u) * (BQ + 1) + ql];
+          }
+#pragma unroll
+          for (int r = 0; r < RPW; ++r) {
+            const float4 kv = *reinterpret_cast<const float4*>(ks + (warp * RPW + r) * d + c);
+            const float4 vv = *reinterpret_cast<const float4*>(vs + (warp * RPW + r) * d + c);
+            s[r] += qv[0] * kv.x + qv[1] * kv.y + qv[2] * kv.z + qv[3] * kv.w;
+            dp[r] += ov[0] * vv.x + ov[1] * vv.y + ov[2] * vv.z + ov[3] * vv.w;
+          }
+        }
+      } else {
+        for (int c = 0; c < d; ++c) {
+          const float qv = qt[c * (BQ + 1) + ql], ov = dot[c * (BQ + 1) + ql];
+#pragma unroll
+          for (int r = 0; r < RPW; ++r) {
+            s[r] += qv * ks[(warp * RPW + r) * d + c];
+            dp[r] += ov * vs[(warp * RPW + r) * d + c];
+          }
         }
       }
       const int i = i0 + lane;
