@@ -19,7 +19,7 @@ const WARPS: usize = 4;
 const MAX_SHARED_BYTES: usize = 48 * 1024;
 
 /// The tiles of one head_dim class, as instantiated by `ATT_INSTANTIATE` in kernels.cu (the
-/// kernels check the row count they are launched for against their own).
+/// kernels check the row count and shared memory they are launched with against their own).
 struct Tiles {
     /// Largest head_dim of the class (the kernels' name suffix `_d{dmax}`).
     dmax: usize,

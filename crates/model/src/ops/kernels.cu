@@ -254,7 +254,8 @@ INSTANTIATE(bf16, bf16)
 // a transposed tile is stored [d][tile + 1], so that both a lane per row (fixed column) and a
 // lane per column (fixed row) read distinct banks. The tile sizes are fixed per d class (d ≤
 // 64, 128, 256) so that every kernel's shared memory stays within 48 KiB; the launchers in
-// attention_cuda.rs hold the same table and pass the block's row count, checked here.
+// attention_cuda.rs hold the same table and pass the block's row count and the shared memory
+// size, both checked here (a mismatch traps: a launch error, not a silent overflow).
 #define ATT_WARPS 4
 #define FULL_MASK 0xffffffffu
 
@@ -268,6 +269,18 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
   return v;
 }
+
+// Bytes of dynamic shared memory the block was launched with (the kernels check that their
+// layout fits: the launchers size it from their own copy of the tile table).
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
+#else
+__device__ unsigned dynamic_smem_bytes();
+#endif
 
 // The segment of token i: the largest s with cu[s] <= i (so cu[s] <= i < cu[s + 1], empty
 // segments skipped), for 0 <= i < cu[n_cu - 1].
@@ -289,7 +302,9 @@ __device__ void varlen_attn_fwd(const T* q, const T* k, const T* v, const int* c
                                 T* out, float* lse, int n, int hq, int hkv, int d, float scale,
                                 int block_rows) {
   constexpr int BQ = ATT_WARPS * RPW;
-  if (block_rows != BQ || d > 32 * DC || blockDim.x != 32 * ATT_WARPS) __trap();
+  if (block_rows != BQ || d > 32 * DC || blockDim.x != 32 * ATT_WARPS ||
+      dynamic_smem_bytes() < 4u * (BQ * d + d * (BK + 1) + BK * d))
+    __trap();
   extern __shared__ float smem[];
   float* qs = smem;               // [BQ][d], q · scale
   float* kt = qs + BQ * d;        // [d][BK + 1]
@@ -418,7 +433,9 @@ __device__ void varlen_attn_bwd_dq(const T* q, const T* k, const T* v, const T* 
                                    T* dq, int n, int hq, int hkv, int d, float scale,
                                    int block_rows) {
   constexpr int BQ = ATT_WARPS * RPW;
-  if (block_rows != BQ || d > 32 * DC || blockDim.x != 32 * ATT_WARPS) __trap();
+  if (block_rows != BQ || d > 32 * DC || blockDim.x != 32 * ATT_WARPS ||
+      dynamic_smem_bytes() < 4u * (2 * BQ * d + 2 * d * (BK + 1)))
+    __trap();
   extern __shared__ float smem[];
   float* qs = smem;               // [BQ][d], q · scale
   float* dos = qs + BQ * d;       // [BQ][d]
@@ -538,7 +555,9 @@ __device__ void varlen_attn_bwd_dkv(const T* q, const T* k, const T* v, const T*
                                     int n_cu, T* dk, T* dv, int n, int hq, int hkv, int d,
                                     float scale, int block_rows) {
   constexpr int BKV = ATT_WARPS * RPW;
-  if (block_rows != BKV || d > 32 * DC || blockDim.x != 32 * ATT_WARPS) __trap();
+  if (block_rows != BKV || d > 32 * DC || blockDim.x != 32 * ATT_WARPS ||
+      dynamic_smem_bytes() < 4u * (2 * BKV * d + 2 * d * (BQ + 1) + 2 * BQ))
+    __trap();
   extern __shared__ float smem[];
   float* ks = smem;                // [BKV][d]
   float* vs = ks + BKV * d;        // [BKV][d]
