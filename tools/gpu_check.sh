@@ -5,7 +5,7 @@
 # embedded default and an HF-checkpoint recipe, with checkpoint, resume and report), and the
 # benchmarks next to PyTorch on the same card; a table is printed last. Logs: $OUT/logs.tar.gz.
 #   SECTIONS="tests e2e bench05 bench06 bench7b ckpt compile05" (default), or lora7b, or attn
-#   (a short check of the varlen flash-attention kernel: its tests in ops and the 16k-token
+#   (a short check of the varlen flash-attention kernel: its tests, ops_attention, and the 16k-token
 #   Qwen3-0.6B row padding-free, with and without checkpointing). Status lines and
 #   each benchmark's JSON are appended to $OUT/status.txt and $OUT/results.jsonl as they
 #   finish, so a call cut off by its time limit still returns what was done.
@@ -133,11 +133,11 @@ if want bench05; then
   bench "te05-d" 150 $TORCH --shape qwen2.5-0.5b --batch 1,64 --skip-train
 fi
 if want attn; then
-  # The varlen attention kernel alone: its CUDA tests (ops, filtered), then the 16k row below.
-  if COMPOSER_TEST_DEVICE=cuda timeout 200 "$D/tests/ops" --test-threads 1 attention packed_training >"$W/test-attn.log" 2>&1; then
-    note "test ops attention (cuda): PASS ($(grep -o '[0-9]* passed' "$W/test-attn.log" | tail -1))"
+  # The varlen attention kernel alone: its CUDA tests (ops_attention), then the 16k row below.
+  if COMPOSER_TEST_DEVICE=cuda timeout 200 "$D/tests/ops_attention" --test-threads 1 >"$W/test-attn.log" 2>&1; then
+    note "test ops_attention (cuda): PASS ($(grep -o '[0-9]* passed' "$W/test-attn.log" | tail -1))"
   else
-    note "test ops attention (cuda): FAIL"; grep -E "panicked|FAILED|failed|Error" "$W/test-attn.log" | head -8
+    note "test ops_attention (cuda): FAIL"; grep -E "panicked|FAILED|failed|Error" "$W/test-attn.log" | head -8
   fi
 fi
 if want attn && ! want bench06; then

@@ -1,7 +1,7 @@
 //! Launchers of the causal variable-length GQA attention kernels (`varlen_attn_*` in
 //! `kernels.cu`): the forward (output and per-row log-sum-exp) and the backward (`delta =
 //! rowsum(∂O·O)`, then `∂Q` per query tile and `∂K`/`∂V` per key tile, no atomics). Their
-//! CPU twin is `attention_cpu`; `tests/ops.rs` compares both against the composition.
+//! CPU twin is `attention_cpu`; `tests/ops_attention.rs` compares both against the composition.
 
 use super::attention_cpu::Dims;
 use super::cuda::{alloc, kernel_name, on_tensors, typed, view, MODULE, PTX};
