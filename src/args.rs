@@ -266,6 +266,10 @@ pub(crate) enum BenchCommand {
         /// Recompute each decoder layer's activations in the backward.
         #[arg(long)]
         gradient_checkpointing: bool,
+        /// Train padding-free: each batch's rows packed as segments of one row (the varlen
+        /// attention kernel instead of attention over the padded batch).
+        #[arg(long)]
+        padding_free: bool,
         /// Dtype of the training step and of decoding: f32, bf16 or f16 (default: bf16 on
         /// CUDA, f32 on CPU).
         #[arg(long)]

@@ -16,6 +16,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             skip_decode,
             lora,
             gradient_checkpointing,
+            padding_free,
             dtype,
             train_seq_len,
             json,
@@ -33,6 +34,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             cfg.skip_decode = skip_decode;
             cfg.lora_r = lora;
             cfg.gradient_checkpointing = gradient_checkpointing;
+            cfg.padding_free = padding_free;
             if let Some(t) = train_seq_len {
                 let need = t.max(cfg.prompt_len + cfg.decode_tokens);
                 if need > cfg.model.max_position_embeddings {

@@ -307,6 +307,31 @@ fn prompts_longer_than_the_positions_fail_naming_the_limit() {
     }
 }
 
+/// `bench model --padding-free`: the training step runs on the batch's rows packed as segments
+/// of one row, and the report says so.
+#[test]
+fn bench_model_runs_padding_free() {
+    let args = [
+        "bench",
+        "model",
+        "--shape",
+        "small",
+        "--batch",
+        "2",
+        "--train-seq-len",
+        "16",
+        "--skip-decode",
+        "--json",
+    ];
+    let padded = run_json(&args);
+    assert_eq!(padded["padding_free"], false);
+    let out = run_json(&[&args[..], &["--padding-free"]].concat());
+    assert_eq!(out["padding_free"], true);
+    let row = &out["rows"][0];
+    assert!(row["train_tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(row["train_phase_s"].as_array().unwrap().len(), 3);
+}
+
 /// `bench model` on the CPU-sized shape with LoRA and gradient checkpointing: the JSON report
 /// counts only the adapters as trainable and times every phase; bad flags name themselves
 /// before any model is built.

@@ -4,7 +4,9 @@
 # One call does everything: the CUDA tests, `composer-rl train` end to end on the GPU (the
 # embedded default and an HF-checkpoint recipe, with checkpoint, resume and report), and the
 # benchmarks next to PyTorch on the same card; a table is printed last. Logs: $OUT/logs.tar.gz.
-#   SECTIONS="tests e2e bench05 bench06 bench7b ckpt compile05 rollout" (default), or lora7b.
+#   SECTIONS="tests e2e bench05 bench06 bench7b ckpt compile05 rollout" (default), or lora7b, or
+#   attn (a short check of the varlen flash-attention kernel: its tests, ops_attention, and the
+#   16k-token Qwen3-0.6B row padding-free, with and without checkpointing).
 #   `rollout`: `bench rollout --workload grpo` (16 x 8 x 256 on the 0.5B shape) and `bench grpo`
 #   (whole GRPO steps vs TRL 1.16's GRPOTrainer; TRL and its missing pure-Python dependencies
 #   are installed from .device/wheels, carried). Status lines and
@@ -133,10 +135,25 @@ if want bench05; then
   bench "c05-d" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 1,16,64,256 --skip-train
   bench "te05-d" 150 $TORCH --shape qwen2.5-0.5b --batch 1,64 --skip-train
 fi
+if want attn; then
+  # The varlen attention kernel alone: its CUDA tests (ops_attention), then the 16k row below.
+  if COMPOSER_TEST_DEVICE=cuda timeout 200 "$D/tests/ops_attention" --test-threads 1 >"$W/test-attn.log" 2>&1; then
+    note "test ops_attention (cuda): PASS ($(grep -o '[0-9]* passed' "$W/test-attn.log" | tail -1))"
+  else
+    note "test ops_attention (cuda): FAIL"; grep -E "panicked|FAILED|failed|Error" "$W/test-attn.log" | head -8
+  fi
+fi
+if want attn && ! want bench06; then
+  bench "c06-t1pf" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode --gradient-checkpointing --padding-free
+  bench "c06-t1pfn" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode --padding-free
+fi
 if want bench06; then
   # Attention over the padded batch keeps [heads, T, T] scores per layer: at 16k tokens only
-  # with per-layer checkpointing does one layer's worth fit.
+  # with per-layer checkpointing does one layer's worth fit. --padding-free runs the varlen
+  # flash-attention kernel instead (no score tensor).
   bench "c06-t1" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode --gradient-checkpointing
+  bench "c06-t1pf" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode --gradient-checkpointing --padding-free
+  bench "c06-t1pfn" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode --padding-free
   bench "te06-t1" 150 $TORCH --shape qwen3-0.6b --batch 1 --train-seq-len 16384 --skip-decode
 fi
 if want bench7b; then

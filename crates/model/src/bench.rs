@@ -43,6 +43,10 @@ pub struct BenchConfig {
     pub lora_r: Option<usize>,
     /// Recompute each decoder layer's activations in the backward (per-layer checkpointing).
     pub gradient_checkpointing: bool,
+    /// Run the training step padding-free (TRL's `padding_free`): the batch's rows packed
+    /// into one row of segments ([`Transformer::forward_hidden_packed`]; the varlen attention
+    /// kernel) instead of the padded batch.
+    pub padding_free: bool,
 }
 
 impl BenchConfig {
@@ -67,6 +71,7 @@ impl BenchConfig {
             skip_decode: false,
             lora_r: None,
             gradient_checkpointing: false,
+            padding_free: false,
         }
     }
 
@@ -96,6 +101,7 @@ impl BenchConfig {
             skip_decode: false,
             lora_r: None,
             gradient_checkpointing: false,
+            padding_free: false,
         }
     }
 
@@ -123,6 +129,7 @@ impl BenchConfig {
             skip_decode: false,
             lora_r: None,
             gradient_checkpointing: false,
+            padding_free: false,
         }
     }
 }
@@ -183,6 +190,8 @@ pub struct BenchReport {
     pub num_trainable_parameters: usize,
     /// Training sequence length.
     pub train_seq_len: usize,
+    /// Whether the training step ran padding-free (rows packed as segments of one row).
+    pub padding_free: bool,
     /// Device, in words.
     pub device: String,
     /// Dtype of the training step.
@@ -261,12 +270,32 @@ pub fn bench_input(b: usize, t: usize, vocab: u32, device: &Device) -> Result<Te
 /// One training step as the trainer takes it: differentiable hidden states, the fused
 /// chunked head's next-token log-probs, backward of their negated mean.
 pub fn train_step(model: &Transformer, input: &Tensor) -> Result<()> {
-    train_step_phases(model, input, false).map(|_| ())
+    train_step_phases(model, input, false, false).map(|_| ())
 }
 
-/// [`train_step`], returning the seconds of its three phases (decoder forward, LM head with
-/// log-probs, backward) when `timed` (the device is synchronised between phases).
-fn train_step_phases(model: &Transformer, input: &Tensor, timed: bool) -> Result<[f64; 3]> {
+/// Differentiable hidden states `[B, T, hidden]` of `input`, padded, or (`packed`) from its
+/// rows packed as segments of one row.
+fn train_hidden(model: &Transformer, input: &Tensor, packed: bool) -> Result<Tensor> {
+    if !packed {
+        return model.forward_hidden(input, None, None, true);
+    }
+    let (b, t) = input.dims2()?;
+    let rows = input.to_vec2::<u32>()?;
+    let batch = crate::transformer::PackedBatch::from_sequences(&rows);
+    Ok(model
+        .forward_hidden_packed(&batch)?
+        .reshape((b, t, model.cfg.hidden_size))?)
+}
+
+/// [`train_step`] (padded or `packed`), returning the seconds of its three phases (decoder
+/// forward, LM head with log-probs, backward) when `timed` (the device is synchronised
+/// between phases).
+fn train_step_phases(
+    model: &Transformer,
+    input: &Tensor,
+    packed: bool,
+    timed: bool,
+) -> Result<[f64; 3]> {
     let mut marks = [0.0; 3];
     let mut clock = Instant::now();
     let mut lap = |i: usize, dev: &Device| -> Result<()> {
@@ -279,8 +308,7 @@ fn train_step_phases(model: &Transformer, input: &Tensor, timed: bool) -> Result
     };
     let (b, t) = input.dims2()?;
     let targets = input.narrow(1, 1, t - 1)?.reshape((b * (t - 1), 1))?;
-    let hidden = model
-        .forward_hidden(input, None, None, true)?
+    let hidden = train_hidden(model, input, packed)?
         .narrow(1, 0, t - 1)?
         .reshape((b * (t - 1), model.cfg.hidden_size))?;
     lap(0, input.device())?;
@@ -330,7 +358,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         } else {
             let t = cfg.train_seq_len;
             let input = bench_input(b, t, vocab, &cfg.device)?;
-            let step = || train_step(&train_model, &input);
+            let step = || train_step_phases(&train_model, &input, cfg.padding_free, false);
             step()?;
             sync(&cfg.device)?;
             let start = Instant::now();
@@ -344,7 +372,12 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
             None
         } else {
             let input = bench_input(b, cfg.train_seq_len, vocab, &cfg.device)?;
-            Some(train_step_phases(&train_model, &input, true)?)
+            Some(train_step_phases(
+                &train_model,
+                &input,
+                cfg.padding_free,
+                true,
+            )?)
         };
         let peak_rss_after_train_mb = peak_rss_mb();
         let decode_tokens_per_s = if cfg.skip_decode {
@@ -364,6 +397,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         num_parameters,
         num_trainable_parameters,
         train_seq_len: cfg.train_seq_len,
+        padding_free: cfg.padding_free,
         device: format!("{:?}", cfg.device),
         train_dtype: cfg.train_dtype,
         decode_dtype: cfg.decode_dtype,

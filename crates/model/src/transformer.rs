@@ -360,7 +360,8 @@ impl Transformer {
 
     /// Differentiable final hidden states `[N, hidden]` (after `model.norm`) of a packed
     /// batch: the same values as [`Transformer::forward_hidden`] on the padded batch, at the
-    /// real tokens. On the CPU in f32/f64 the custom kernels run; elsewhere (or with
+    /// real tokens. On the CPU in f32/f64 and on CUDA in f32/bf16 the custom kernels run (on
+    /// CUDA the varlen flash-attention kernel: no `[heads, N, N]` scores); elsewhere (or with
     /// `training_kernels` off) the differentiable compositions, attention segment by segment.
     pub fn forward_hidden_packed(&self, batch: &PackedBatch) -> Result<Tensor> {
         let n = batch.len();

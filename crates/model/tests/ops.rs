@@ -10,133 +10,16 @@
 //!
 //! With `COMPOSER_TEST_DEVICE=cuda` (a `--features cuda` build on a GPU, tools/gpu_check.sh)
 //! the kernels run on the GPU in f32 and bf16 against the f64 composition on the CPU: the
-//! CUDA kernels against their CPU twins' reference. Varlen attention has a CPU kernel only.
+//! CUDA kernels against their CPU twins' reference. The varlen attention's checks are in
+//! `ops_attention.rs`.
 
 mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
+use common::kernel_checks::{
+    assert_close, compare, kernel_cases, max_diff, randn, rel_err, run, run_on,
+};
 use composer_model::{ops, token_logprobs, Transformer};
-use rand::{Rng, SeedableRng};
-
-fn randn(shape: &[usize], seed: u64, scale: f64) -> Tensor {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let n: usize = shape.iter().product();
-    let data: Vec<f64> = (0..n)
-        .map(|_| (rng.random::<f64>() * 2.0 - 1.0) * scale)
-        .collect();
-    Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
-}
-
-fn flat(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.dims(), b.dims());
-    flat(a)
-        .iter()
-        .zip(flat(b))
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f64::max)
-}
-
-/// ‖a − b‖ / ‖b‖ over all elements.
-fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.dims(), b.dims());
-    let (a, b) = (flat(a), flat(b));
-    let num: f64 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum();
-    let den: f64 = b.iter().map(|y| y * y).sum();
-    (num / den.max(1e-300)).sqrt()
-}
-
-/// bf16 results are compared by relative norm (bf16 keeps 8 bits of mantissa; the inputs
-/// themselves are rounded), everything else by the largest absolute difference.
-const BF16_REL_TOL: f64 = 2e-2;
-
-fn assert_close(what: &str, got: &Tensor, want: &Tensor, dtype: DType, tol: f64) {
-    if dtype == DType::BF16 {
-        let e = rel_err(got, want);
-        assert!(e <= BF16_REL_TOL, "{what} {dtype:?}: relative error {e:e}");
-    } else {
-        let d = max_diff(got, want);
-        assert!(d <= tol, "{what} {dtype:?}: differs by {d:e}");
-    }
-}
-
-/// The dtypes (with the tolerance to use) the kernels are checked in on the test device: f64
-/// and f32 on the CPU, f32 and bf16 on CUDA.
-fn kernel_cases(tol: f64, tol32: f64) -> Vec<(DType, f64)> {
-    if common::test_device().is_cpu() {
-        vec![(DType::F64, tol), (DType::F32, tol32)]
-    } else {
-        vec![(DType::F32, tol32.max(1e-4)), (DType::BF16, BF16_REL_TOL)]
-    }
-}
-
-/// Output and the gradients of `Σ out·R` w.r.t. each input, for `f` applied to fresh
-/// variables holding `inputs` (cast to `dtype`) on the CPU.
-fn run(inputs: &[Tensor], dtype: DType, f: &dyn Fn(&[Tensor]) -> Tensor) -> (Tensor, Vec<Tensor>) {
-    run_on(&Device::Cpu, inputs, dtype, f)
-}
-
-/// [`run`] on `device`; output and gradients come back on the CPU.
-fn run_on(
-    device: &Device,
-    inputs: &[Tensor],
-    dtype: DType,
-    f: &dyn Fn(&[Tensor]) -> Tensor,
-) -> (Tensor, Vec<Tensor>) {
-    let vars: Vec<Var> = inputs
-        .iter()
-        .map(|t| Var::from_tensor(&t.to_dtype(dtype).unwrap().to_device(device).unwrap()).unwrap())
-        .collect();
-    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let out = f(&ts);
-    let r = randn(out.dims(), 999, 1.0)
-        .to_dtype(dtype)
-        .unwrap()
-        .to_device(device)
-        .unwrap();
-    let grads = (&out * r).unwrap().sum_all().unwrap().backward().unwrap();
-    let g = vars
-        .iter()
-        .map(|v| {
-            grads
-                .get(v.as_tensor())
-                .expect("an input without gradient")
-                .to_device(&Device::Cpu)
-                .unwrap()
-        })
-        .collect();
-    (out.to_device(&Device::Cpu).unwrap(), g)
-}
-
-/// The kernel in f64 equals the composition to `tol`; the kernel in f32 equals the f64
-/// composition to `tol32`.
-fn compare(
-    name: &str,
-    inputs: &[Tensor],
-    kernel: &dyn Fn(&[Tensor]) -> Tensor,
-    composed: &dyn Fn(&[Tensor]) -> Tensor,
-    tol: f64,
-    tol32: f64,
-) {
-    let (out_ref, grads_ref) = run(inputs, DType::F64, composed);
-    let device = common::test_device();
-    for (dtype, tol) in kernel_cases(tol, tol32) {
-        let (out, grads) = run_on(&device, inputs, dtype, kernel);
-        assert_eq!(out.dtype(), dtype, "{name}: output dtype");
-        assert_close(&format!("{name} forward"), &out, &out_ref, dtype, tol);
-        for (i, (g, gr)) in grads.iter().zip(&grads_ref).enumerate() {
-            assert_close(&format!("{name} gradient of input {i}"), g, gr, dtype, tol);
-        }
-    }
-}
 
 #[test]
 fn rms_norm_matches_the_composition() {
@@ -251,82 +134,6 @@ fn swiglu_matches_the_composition() {
         1e-12,
         1e-4,
     );
-}
-
-fn check_attention(cu: &[usize], hq: usize, hkv: usize, d: usize, seed: u64) {
-    let n = *cu.last().unwrap();
-    let q = randn(&[n, hq, d], seed, 1.5);
-    let k = randn(&[n, hkv, d], seed + 1, 1.5);
-    let v = randn(&[n, hkv, d], seed + 2, 1.0);
-    let scale = 1.0 / (d as f64).sqrt();
-    let cu_k = cu.to_vec();
-    let cu_c = cu.to_vec();
-    compare(
-        &format!("attention cu={cu:?} hq={hq} hkv={hkv}"),
-        &[q, k, v],
-        &|t| ops::causal_attention_varlen(&t[0], &t[1], &t[2], &cu_k, scale).unwrap(),
-        &|t| ops::causal_attention_varlen_composed(&t[0], &t[1], &t[2], &cu_c, scale).unwrap(),
-        1e-11,
-        1e-4,
-    );
-}
-
-#[test]
-fn attention_one_sequence_longer_than_a_tile() {
-    // 150 = two full 64-row tiles and a partial one; GQA ratio 2.
-    check_attention(&[0, 150], 4, 2, 16, 10);
-}
-
-#[test]
-fn attention_varlen_segments_with_gqa_ratios() {
-    // Several segments (one empty, singletons, odd lengths across tile edges).
-    let cu = [0, 5, 5, 6, 75, 76, 207];
-    check_attention(&cu, 6, 2, 8, 20); // ratio 3
-    check_attention(&cu, 4, 1, 12, 30); // ratio 4 (multi-query)
-    check_attention(&cu, 3, 3, 7, 40); // ratio 1, odd head_dim
-}
-
-#[test]
-fn attention_does_not_cross_segment_boundaries() {
-    let (hq, hkv, d) = (4, 2, 8);
-    let cu = [0, 9, 30];
-    let q = randn(&[30, hq, d], 50, 1.0);
-    let k = randn(&[30, hkv, d], 51, 1.0);
-    let v = randn(&[30, hkv, d], 52, 1.0);
-    let out = ops::causal_attention_varlen(&q, &k, &v, &cu, 0.3).unwrap();
-    // Changing the second segment's keys and values leaves the first segment's output as is;
-    // the second's changes.
-    let k2 = Tensor::cat(
-        &[&k.narrow(0, 0, 9).unwrap(), &randn(&[21, hkv, d], 53, 1.0)],
-        0,
-    )
-    .unwrap();
-    let v2 = Tensor::cat(
-        &[&v.narrow(0, 0, 9).unwrap(), &randn(&[21, hkv, d], 54, 1.0)],
-        0,
-    )
-    .unwrap();
-    let out2 = ops::causal_attention_varlen(&q, &k2, &v2, &cu, 0.3).unwrap();
-    assert_eq!(
-        flat(&out.narrow(0, 0, 9).unwrap()),
-        flat(&out2.narrow(0, 0, 9).unwrap())
-    );
-    assert!(
-        max_diff(
-            &out.narrow(0, 9, 21).unwrap(),
-            &out2.narrow(0, 9, 21).unwrap()
-        ) > 1e-3
-    );
-    // The first token of a segment attends to itself only: its output is its value row
-    // (per query head, the value of its key/value head).
-    let first = flat(&out.narrow(0, 9, 1).unwrap());
-    let v_first = flat(&v.narrow(0, 9, 1).unwrap());
-    for h in 0..hq {
-        let g = h / (hq / hkv);
-        for i in 0..d {
-            assert!((first[h * d + i] - v_first[g * d + i]).abs() < 1e-12);
-        }
-    }
 }
 
 #[test]

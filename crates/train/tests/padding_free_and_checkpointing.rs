@@ -251,6 +251,7 @@ fn bad_values_are_refused_naming_the_key() {
     ok(&on_device("cpu", "gradient_checkpointing = true"));
     // The checkpointed layer's op has a CUDA forward too (tools/gpu_check.sh runs it there).
     ok(&on_device("cuda:0", "gradient_checkpointing = true"));
-    // padding_free runs on every device (off the CPU, packed attention segment by segment).
+    // padding_free runs on every device (on CUDA the varlen attention kernel; elsewhere off the
+    // CPU, packed attention segment by segment).
     ok(&on_device("cuda:0", "padding_free = true"));
 }

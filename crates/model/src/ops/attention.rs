@@ -4,11 +4,12 @@
 //! cumulative offsets `cu_seqlens` (`[0, n₁, n₁+n₂, …, N]`): token `i` of a segment attends to
 //! tokens `0..=i` of its own segment only. Query head `h` uses key/value head `h / (Hq/Hkv)`.
 //!
-//! The CPU kernel ([`super::attention_cpu`]) is flash-attention style: the forward keeps only
-//! each query row's log-sum-exp, the backward recomputes scores tile by tile; no `[heads, N,
-//! N]` tensor exists either way.
+//! The CPU kernel ([`super::attention_cpu`]) and the CUDA kernels (`varlen_attn_*` in
+//! `kernels.cu`, launched by `attention_cuda.rs`) are flash-attention style: the forward keeps
+//! only each query row's log-sum-exp, the backward recomputes scores tile by tile; no `[heads,
+//! N, N]` tensor exists either way.
 
-use super::{attention_cpu, cpu_kernels_apply, layout_slice, with_slice};
+use super::{attention_cpu, kernels_apply, layout_slice, with_slice};
 use anyhow::{bail, Context, Result};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use std::sync::Mutex;
@@ -63,7 +64,8 @@ fn check_inputs(
 
 /// Causal GQA attention of packed `q` `[N, Hq, D]`, `k`/`v` `[N, Hkv, D]` within the segments
 /// of `cu_seqlens`, scores scaled by `scale` → `[N, Hq, D]`. The custom op on the CPU
-/// (f32/f64; no CUDA kernel yet), else [`causal_attention_varlen_composed`]. Differentiable in `q`, `k`, `v`.
+/// (f32/f64) and on CUDA (f32/bf16, head_dim ≤ 256; `--features cuda`), else
+/// [`causal_attention_varlen_composed`]. Differentiable in `q`, `k`, `v`.
 pub fn causal_attention_varlen(
     q: &Tensor,
     k: &Tensor,
@@ -71,8 +73,10 @@ pub fn causal_attention_varlen(
     cu_seqlens: &[usize],
     scale: f64,
 ) -> Result<Tensor> {
-    let (_, hq, hkv, _) = check_inputs(q, k, v, cu_seqlens)?;
-    if !cpu_kernels_apply(q) {
+    let (n, hq, hkv, d) = check_inputs(q, k, v, cu_seqlens)?;
+    // The CUDA kernels' shared tiles are sized for head_dim ≤ 256.
+    let kernel = kernels_apply(q) && (q.device().is_cpu() || d <= 256);
+    if !kernel || n == 0 {
         return causal_attention_varlen_composed(q, k, v, cu_seqlens, scale);
     }
     let op = VarlenAttention {
@@ -135,13 +139,22 @@ pub fn causal_attention_varlen_composed(
     Ok(Tensor::cat(&parts, 0)?)
 }
 
-/// The op: its forward runs the tiled kernel and keeps the per-row log-sum-exp (`[N, Hq]`,
-/// f64) for its backward.
+/// The op: its forward runs the tiled kernel and keeps the per-row log-sum-exp (`[N, Hq]`)
+/// for its backward.
 struct VarlenAttention {
     cu_seqlens: Vec<usize>,
     scale: f64,
     n_rep: usize,
-    lse: Mutex<Option<Vec<f64>>>,
+    lse: Mutex<Option<SavedLse>>,
+}
+
+/// The forward's log-sum-exp per (token, query head), `[N, Hq]`, where its kernel left it.
+enum SavedLse {
+    /// The CPU kernel's, in f64.
+    Cpu(Vec<f64>),
+    /// The CUDA kernel's, an f32 tensor on the device.
+    #[cfg(feature = "cuda")]
+    Cuda(Tensor),
 }
 
 impl VarlenAttention {
@@ -170,7 +183,7 @@ impl VarlenAttention {
             &self.cu_seqlens,
             self.scale,
         );
-        *self.lse.lock().expect("lse lock") = Some(lse);
+        *self.lse.lock().expect("lse lock") = Some(SavedLse::Cpu(lse));
         Ok(T::to_cpu_storage_owned(out))
     }
 
@@ -183,8 +196,8 @@ impl VarlenAttention {
         dout: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let guard = self.lse.lock().expect("lse lock");
-        let Some(lse) = guard.as_ref() else {
-            candle_core::bail!("attention backward: the forward's log-sum-exp is missing")
+        let Some(SavedLse::Cpu(lse)) = guard.as_ref() else {
+            candle_core::bail!("attention backward: the CPU forward's log-sum-exp is missing")
         };
         let (n, hq, d) = q.dims3()?;
         let (_, hkv, _) = k.dims3()?;
@@ -244,6 +257,29 @@ impl CustomOp3 for VarlenAttention {
         Ok((out, lq.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        lq: &Layout,
+        k: &candle_core::CudaStorage,
+        lk: &Layout,
+        v: &candle_core::CudaStorage,
+        lv: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let dims = self.dims(lq, lk)?;
+        let (out, lse) = super::attention_cuda::varlen_attention_fwd(
+            (q, lq),
+            (k, lk),
+            (v, lv),
+            &dims,
+            &self.cu_seqlens,
+            self.scale,
+        )?;
+        *self.lse.lock().expect("lse lock") = Some(SavedLse::Cuda(lse));
+        Ok((out, lq.shape().clone()))
+    }
+
     fn bwd(
         &self,
         q: &Tensor,
@@ -252,6 +288,28 @@ impl CustomOp3 for VarlenAttention {
         res: &Tensor,
         dout: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if q.device().is_cuda() {
+            let guard = self.lse.lock().expect("lse lock");
+            let Some(SavedLse::Cuda(lse)) = guard.as_ref() else {
+                candle_core::bail!("attention backward: the CUDA forward's log-sum-exp is missing")
+            };
+            let (n, hq, d) = q.dims3()?;
+            let (_, hkv, _) = k.dims3()?;
+            let dims = attention_cpu::Dims { n, hq, hkv, d };
+            let (dq, dk, dv) = super::attention_cuda::varlen_attention_bwd(
+                q,
+                k,
+                v,
+                res,
+                dout,
+                lse,
+                &dims,
+                &self.cu_seqlens,
+                self.scale,
+            )?;
+            return Ok((Some(dq), Some(dk), Some(dv)));
+        }
         let (dq, dk, dv) = match q.dtype() {
             DType::F32 => self.bwd_typed::<f32>(q, k, v, res, dout)?,
             DType::F64 => self.bwd_typed::<f64>(q, k, v, res, dout)?,

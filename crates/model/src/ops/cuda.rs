@@ -1,6 +1,7 @@
 //! Launchers of the CUDA kernels in `kernels.cu` (built to PTX by build.rs) for contiguous f32
 //! and bf16 storages. The ops' `cuda_fwd` and their backward ops call these; their CPU twins
-//! are the same ops' `cpu_fwd`, and `tests/ops_cuda.rs` compares the two on a GPU.
+//! are the same ops' `cpu_fwd`, and `tests/ops.rs` (`COMPOSER_TEST_DEVICE=cuda`) compares the two
+//! on a GPU. The varlen attention's launchers are in `attention_cuda.rs`.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -11,8 +12,8 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use half::bf16;
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
-const MODULE: &str = "composer_model_ops";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
+pub(super) const MODULE: &str = "composer_model_ops";
 
 /// Dispatches `$body` with the type alias `$t` bound to the element type of `$dtype`.
 macro_rules! typed {
@@ -33,9 +34,10 @@ macro_rules! typed {
         }
     };
 }
+pub(super) use typed;
 
 /// The kernel's exported name for `dtype` (`name_f32`, `name_bf16`).
-fn kernel_name(name: &str, dtype: DType) -> Result<String> {
+pub(super) fn kernel_name(name: &str, dtype: DType) -> Result<String> {
     match dtype {
         DType::F32 => Ok(format!("{name}_f32")),
         DType::BF16 => Ok(format!("{name}_bf16")),
@@ -44,14 +46,18 @@ fn kernel_name(name: &str, dtype: DType) -> Result<String> {
 }
 
 /// The contiguous elements of `s` under `l` as a typed view.
-fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {
+pub(super) fn view<'a, T: CudaDType>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<CudaView<'a, T>> {
     let Some((a, b)) = l.contiguous_offsets() else {
         candle_core::bail!("{what}: expected a contiguous tensor")
     };
     Ok(s.as_cuda_slice::<T>()?.slice(a..b))
 }
 
-fn alloc<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
+pub(super) fn alloc<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
     // SAFETY: every element is written by the kernel launched next.
     unsafe { dev.alloc::<T>(n.max(1)) }
 }
@@ -85,7 +91,7 @@ fn elementwise_config(n: usize) -> LaunchConfig {
 
 /// Runs a launcher on the CUDA storages of `inputs` (made contiguous) and wraps its output as
 /// a tensor of `shape` without a gradient graph (backward passes need none).
-fn on_tensors(
+pub(super) fn on_tensors(
     inputs: &[&Tensor],
     shape: Shape,
     what: &str,

@@ -10,15 +10,18 @@
 //!
 //! Every public op dispatches: on the CPU with f32/f64 tensors, and (built with `--features
 //! cuda`) on CUDA with f32/bf16 tensors, it runs its custom op (CUDA kernels in `kernels.cu`,
-//! launched by `cuda.rs`; the CPU kernels are their twins, tested in CI); elsewhere the
-//! differentiable composition (`*_composed`), which is also the reference the tests compare
-//! against. The varlen attention has a CPU kernel only: on CUDA the transformer attends over
-//! the padded batch with [`masked_softmax`] instead. The rollout engine's decode attention over
+//! launched by `cuda.rs` and `attention_cuda.rs`; the CPU kernels are their twins, tested in
+//! CI); elsewhere the differentiable composition (`*_composed`), which is also the reference
+//! the tests compare against. On CUDA the transformer's padded training batch still attends with
+//! [`masked_softmax`]; its packed (`padding_free`) batch uses the varlen attention kernel,
+//! which holds no `[heads, T, T]` tensor. The rollout engine's decode attention over
 //! a paged KV cache ([`paged_decode_attention`], inference only) likewise has a CPU kernel and
 //! a gathering composition elsewhere.
 
 mod attention;
 mod attention_cpu;
+#[cfg(feature = "cuda")]
+mod attention_cuda;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod frozen_linear;
@@ -63,7 +66,7 @@ pub(crate) fn work_dtype(dtype: DType) -> DType {
     }
 }
 
-/// Whether the CPU kernels handle `t` (ops without a CUDA kernel, e.g. varlen attention).
+/// Whether the CPU kernels handle `t` (ops without a CUDA kernel, e.g. paged decode attention).
 pub fn cpu_kernels_apply(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }

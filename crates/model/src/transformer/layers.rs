@@ -20,7 +20,8 @@ pub(super) enum OpPath {
     Differentiable,
     /// The custom ops of [`crate::ops`] (with a backward): training without a KV cache on
     /// the CPU (f32/f64; attention over packed segments) and on CUDA (f32/bf16; attention over
-    /// the padded batch with the fused masked softmax, as CUDA has no varlen kernel yet).
+    /// the padded batch with the fused masked softmax, or over a padding-free packed batch
+    /// with the varlen attention kernel).
     Kernels,
 }
 

@@ -1,6 +1,8 @@
 //! Shared test helpers.
 #![allow(dead_code)]
 
+pub mod kernel_checks;
+
 use std::path::PathBuf;
 
 use candle_core::Device;

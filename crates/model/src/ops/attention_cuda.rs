@@ -1,0 +1,293 @@
+//! Launchers of the causal variable-length GQA attention kernels (`varlen_attn_*` in
+//! `kernels.cu`): the forward (output and per-row log-sum-exp) and the backward (`delta =
+//! rowsum(∂O·O)`, then `∂Q` per query tile and `∂K`/`∂V` per key tile, no atomics). Their
+//! CPU twin is `attention_cpu`; `tests/ops_attention.rs` compares both against the composition.
+
+use super::attention_cpu::Dims;
+use super::cuda::{alloc, kernel_name, on_tensors, typed, view, MODULE, PTX};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+use half::bf16;
+
+/// Warps per block of every attention kernel (`ATT_WARPS`).
+const WARPS: usize = 4;
+
+/// The largest dynamic shared memory a kernel may ask for without opting in.
+const MAX_SHARED_BYTES: usize = 48 * 1024;
+
+/// The tiles of one head_dim class, as instantiated by `ATT_INSTANTIATE` in kernels.cu (the
+/// kernels check the row count and shared memory they are launched with against their own).
+struct Tiles {
+    /// Largest head_dim of the class (the kernels' name suffix `_d{dmax}`).
+    dmax: usize,
+    /// Query rows per warp in the forward, and keys per shared tile.
+    fwd_rpw: usize,
+    fwd_bk: usize,
+    /// Query rows per warp in the ∂Q kernel, and keys per shared tile.
+    dq_rpw: usize,
+    dq_bk: usize,
+    /// Key rows per warp in the ∂K/∂V kernel, and queries per shared tile.
+    dkv_rpw: usize,
+    dkv_bq: usize,
+}
+
+const TILES: [Tiles; 3] = [
+    Tiles {
+        dmax: 64,
+        fwd_rpw: 8,
+        fwd_bk: 32,
+        dq_rpw: 8,
+        dq_bk: 32,
+        dkv_rpw: 8,
+        dkv_bq: 32,
+    },
+    Tiles {
+        dmax: 128,
+        fwd_rpw: 6,
+        fwd_bk: 32,
+        dq_rpw: 3,
+        dq_bk: 32,
+        dkv_rpw: 3,
+        dkv_bq: 32,
+    },
+    Tiles {
+        dmax: 256,
+        fwd_rpw: 3,
+        fwd_bk: 16,
+        dq_rpw: 1,
+        dq_bk: 16,
+        dkv_rpw: 1,
+        dkv_bq: 16,
+    },
+];
+
+fn tiles(d: usize) -> Result<&'static Tiles> {
+    match TILES.iter().find(|t| d <= t.dmax) {
+        Some(t) if d > 0 => Ok(t),
+        _ => candle_core::bail!(
+            "attention: the CUDA kernel handles head_dim 1..=256, got {d} (use the composition)"
+        ),
+    }
+}
+
+/// A launch of `blocks` × `heads` blocks of the attention kernels with `floats` f32 of
+/// dynamic shared memory.
+fn config(blocks: usize, heads: usize, floats: usize) -> Result<LaunchConfig> {
+    let bytes = floats * 4;
+    if bytes > MAX_SHARED_BYTES {
+        candle_core::bail!("attention: {bytes} bytes of shared memory exceed {MAX_SHARED_BYTES}");
+    }
+    Ok(LaunchConfig {
+        grid_dim: (blocks.max(1) as u32, heads as u32, 1),
+        block_dim: ((32 * WARPS) as u32, 1, 1),
+        shared_mem_bytes: bytes as u32,
+    })
+}
+
+/// The kernels' integer arguments `(n, hq, hkv, d)`, checked to fit in 32 bits (element
+/// offsets are 64-bit in the kernels; token and head indices are not).
+fn int_dims(dims: &Dims) -> Result<(i32, i32, i32, i32)> {
+    let Dims { n, hq, hkv, d } = *dims;
+    let fits = |x: usize| i32::try_from(x).ok();
+    match (fits(n), fits(n * hq), fits(hkv), fits(d)) {
+        (Some(a), Some(_), Some(c), Some(e)) if hq <= 65_535 => Ok((a, hq as i32, c, e)),
+        _ => candle_core::bail!(
+            "attention: {n} tokens × {hq} heads are too many for the CUDA kernel's 32-bit indices"
+        ),
+    }
+}
+
+/// `cu_seqlens` on the device as i32.
+fn device_cu(dev: &CudaDevice, cu: &[usize]) -> Result<CudaSlice<i32>> {
+    let cu: Vec<i32> = cu
+        .iter()
+        .map(|&c| i32::try_from(c))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| candle_core::Error::Msg("attention: cu_seqlens exceeds i32".into()))?;
+    dev.clone_htod(&cu)
+}
+
+/// Forward of contiguous `q` `[n, hq, d]`, `k`/`v` `[n, hkv, d]`: the output (q's dtype) and
+/// the log-sum-exp of every (token, query head) row, an f32 `[n, hq]` tensor.
+pub(super) fn varlen_attention_fwd(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    dims: &Dims,
+    cu: &[usize],
+    scale: f64,
+) -> Result<(CudaStorage, Tensor)> {
+    let dtype = q.0.dtype();
+    let dev = q.0.device().clone();
+    let tile = tiles(dims.d)?;
+    let (n_i, hq_i, hkv_i, d_i) = int_dims(dims)?;
+    let (n, d) = (dims.n, dims.d);
+    let cu_dev = device_cu(&dev, cu)?;
+    let n_cu = cu.len() as i32;
+    let scale_f = scale as f32;
+    let rows = WARPS * tile.fwd_rpw;
+    let rows_i = rows as i32;
+    let cfg = config(
+        n.div_ceil(rows),
+        dims.hq,
+        rows * d + d * (tile.fwd_bk + 1) + tile.fwd_bk * d,
+    )?;
+    let lse = alloc::<f32>(&dev, n * dims.hq)?;
+    let out = typed!(dtype, "attention", |T| {
+        let qv = view::<T>(q.0, q.1, "attention")?;
+        let kv = view::<T>(k.0, k.1, "attention")?;
+        let vv = view::<T>(v.0, v.1, "attention")?;
+        let out = alloc::<T>(&dev, n * dims.hq * d)?;
+        let name = format!("varlen_attn_fwd_d{}", tile.dmax);
+        let f = dev.get_or_load_custom_func(&kernel_name(&name, dtype)?, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&qv)
+            .arg(&kv)
+            .arg(&vv)
+            .arg(&cu_dev)
+            .arg(&n_cu)
+            .arg(&out)
+            .arg(&lse)
+            .arg(&n_i)
+            .arg(&hq_i)
+            .arg(&hkv_i)
+            .arg(&d_i)
+            .arg(&scale_f)
+            .arg(&rows_i);
+        // SAFETY: the arguments match the kernel's signature; the shared memory is the
+        // kernel's layout for this tile class.
+        unsafe { b.launch(cfg) }.w()?;
+        T::wrap_cuda_slice(out, dev.clone())
+    });
+    let lse = Tensor::from_storage(
+        Storage::Cuda(f32::wrap_cuda_slice(lse, dev)),
+        (n, dims.hq),
+        BackpropOp::none(),
+        false,
+    );
+    Ok((out, lse))
+}
+
+/// The backward: `(∂q, ∂k, ∂v)` in the inputs' shapes and dtype, from the forward's inputs,
+/// output `out`, its gradient `dout` and the forward's f32 `lse` `[n, hq]`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn varlen_attention_bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    dout: &Tensor,
+    lse: &Tensor,
+    dims: &Dims,
+    cu: &[usize],
+    scale: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dtype = q.dtype();
+    let tile = tiles(dims.d)?;
+    let (n_i, hq_i, hkv_i, d_i) = int_dims(dims)?;
+    let Dims { n, hq, hkv, d } = *dims;
+    let (nq, nkv) = (n * hq * d, n * hkv * d);
+    let n_cu = cu.len() as i32;
+    let scale_f = scale as f32;
+    // ∂q, ∂k and ∂v one after the other in one buffer (one launcher call owns every input).
+    let grads = on_tensors(
+        &[q, k, v, out, dout, lse],
+        Shape::from(nq + 2 * nkv),
+        "attention backward",
+        |a| {
+            let dev = a[0].0.device().clone();
+            let cu_dev = device_cu(&dev, cu)?;
+            let lse_v = view::<f32>(a[5].0, a[5].1, "attention lse")?;
+            typed!(dtype, "attention backward", |T| {
+                let w = "attention backward";
+                let qv = view::<T>(a[0].0, a[0].1, w)?;
+                let kv = view::<T>(a[1].0, a[1].1, w)?;
+                let vv = view::<T>(a[2].0, a[2].1, w)?;
+                let ov = view::<T>(a[3].0, a[3].1, w)?;
+                let gv = view::<T>(a[4].0, a[4].1, w)?;
+                // delta = rowsum(∂O·O), one warp per (token, head) row.
+                let delta = alloc::<f32>(&dev, n * hq)?;
+                let rows_all = (n * hq) as i32;
+                let f = dev.get_or_load_custom_func(
+                    &kernel_name("varlen_attn_delta", dtype)?,
+                    MODULE,
+                    PTX,
+                )?;
+                let mut b = f.builder();
+                b.arg(&gv).arg(&ov).arg(&delta).arg(&rows_all).arg(&d_i);
+                // SAFETY: the arguments match the kernel's signature.
+                unsafe { b.launch(config((n * hq).div_ceil(WARPS), 1, 0)?) }.w()?;
+                let mut buf = alloc::<T>(&dev, nq + 2 * nkv)?;
+                let (mut dq, mut dkv) = buf.split_at_mut(nq);
+                let (mut dk, mut dv) = dkv.split_at_mut(nkv);
+                // ∂q: query tiles of every query head.
+                let rows = WARPS * tile.dq_rpw;
+                let rows_i = rows as i32;
+                let cfg = config(
+                    n.div_ceil(rows),
+                    hq,
+                    2 * rows * d + 2 * d * (tile.dq_bk + 1),
+                )?;
+                let name = format!("varlen_attn_bwd_dq_d{}", tile.dmax);
+                let f = dev.get_or_load_custom_func(&kernel_name(&name, dtype)?, MODULE, PTX)?;
+                let mut b = f.builder();
+                b.arg(&qv)
+                    .arg(&kv)
+                    .arg(&vv)
+                    .arg(&gv)
+                    .arg(&lse_v)
+                    .arg(&delta)
+                    .arg(&cu_dev)
+                    .arg(&n_cu)
+                    .arg(&mut dq)
+                    .arg(&n_i)
+                    .arg(&hq_i)
+                    .arg(&hkv_i)
+                    .arg(&d_i)
+                    .arg(&scale_f)
+                    .arg(&rows_i);
+                // SAFETY: the arguments match the kernel's signature; the shared memory is
+                // the kernel's layout for this tile class.
+                unsafe { b.launch(cfg) }.w()?;
+                // ∂k, ∂v: key tiles of every key/value head.
+                let rows = WARPS * tile.dkv_rpw;
+                let rows_i = rows as i32;
+                let cfg = config(
+                    n.div_ceil(rows),
+                    hkv,
+                    2 * rows * d + 2 * d * (tile.dkv_bq + 1) + 2 * tile.dkv_bq,
+                )?;
+                let name = format!("varlen_attn_bwd_dkv_d{}", tile.dmax);
+                let f = dev.get_or_load_custom_func(&kernel_name(&name, dtype)?, MODULE, PTX)?;
+                let mut b = f.builder();
+                b.arg(&qv)
+                    .arg(&kv)
+                    .arg(&vv)
+                    .arg(&gv)
+                    .arg(&lse_v)
+                    .arg(&delta)
+                    .arg(&cu_dev)
+                    .arg(&n_cu)
+                    .arg(&mut dk)
+                    .arg(&mut dv)
+                    .arg(&n_i)
+                    .arg(&hq_i)
+                    .arg(&hkv_i)
+                    .arg(&d_i)
+                    .arg(&scale_f)
+                    .arg(&rows_i);
+                // SAFETY: as above.
+                unsafe { b.launch(cfg) }.w()?;
+                Ok(T::wrap_cuda_slice(buf, dev))
+            })
+        },
+    )?;
+    Ok((
+        grads.narrow(0, 0, nq)?.reshape(q.shape())?,
+        grads.narrow(0, nq, nkv)?.reshape(k.shape())?,
+        grads.narrow(0, nq + nkv, nkv)?.reshape(v.shape())?,
+    ))
+}

@@ -1,0 +1,218 @@
+// CPU emulation of the varlen attention CUDA kernels of crates/model/src/ops/kernels.cu (for
+// checking them on a machine without a GPU; tools/cuda_emulation/run.sh): one std::thread per
+// CUDA thread, a barrier for __syncthreads, per-warp barriers for the shuffles, bf16 emulated
+// in software. Forward, delta, ∂Q and ∂K/∂V are launched as attention_cuda.rs launches them
+// (same tile table) and compared with a naive f64 attention (explicit softmax and gradients).
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <thread>
+#include <vector>
+#include <algorithm>
+using std::min; using std::max;
+struct dim3s { unsigned x, y, z; };
+thread_local dim3s threadIdx, blockIdx;
+dim3s blockDim, gridDim;
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __shared__
+alignas(16) float smem[1 << 16];
+float acc[1];
+static std::barrier<>* block_bar;
+static std::barrier<>* warp_bar[32];
+static float xch[32][32];
+inline void __syncthreads() { block_bar->arrive_and_wait(); }
+[[noreturn]] inline void __trap() { fprintf(stderr, "TRAP\n"); abort(); }
+inline float shfl_impl(float v, int src) {
+  int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  xch[w][l] = v; warp_bar[w]->arrive_and_wait();
+  float r = xch[w][src & 31]; warp_bar[w]->arrive_and_wait();
+  return r;
+}
+inline float __shfl_xor_sync(unsigned, float v, int o) { return shfl_impl(v, (threadIdx.x & 31) ^ o); }
+inline float __shfl_sync(unsigned, float v, int src) { return shfl_impl(v, src); }
+inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
+inline float __expf(float x) { return expf(x); }
+inline float atomicAdd(float* a, float v) { float o = *a; *a += v; return o; }
+static unsigned g_smem_bytes;
+unsigned dynamic_smem_bytes() { return g_smem_bytes; }
+#include "../../crates/model/src/ops/kernels.cu"
+
+// Runs `f` as every thread of every block of `grid`: the block's threads are std::threads
+// (made once per launch) that walk the blocks in order, meeting at a barrier between blocks.
+template <typename F>
+void launch(dim3s grid, unsigned threads, size_t smem_floats, F f) {
+  if (smem_floats * 4 > 48 * 1024) { fprintf(stderr, "smem too big %zu\n", smem_floats * 4); abort(); }
+  blockDim = {threads, 1, 1}; gridDim = grid; g_smem_bytes = smem_floats * 4;
+  std::barrier<> bb(threads); block_bar = &bb;
+  std::vector<std::unique_ptr<std::barrier<>>> wb;
+  for (unsigned w = 0; w < threads / 32; ++w) { wb.emplace_back(new std::barrier<>(32)); warp_bar[w] = wb.back().get(); }
+  std::vector<std::thread> ts;
+  for (unsigned t = 0; t < threads; ++t)
+    ts.emplace_back([=, &bb] {
+      threadIdx = {t, 0, 0};
+      for (unsigned by = 0; by < grid.y; ++by)
+        for (unsigned bx = 0; bx < grid.x; ++bx) {
+          // Poison shared memory so reads of slots the block never wrote show up as NaN.
+          if (t == 0) for (size_t i = 0; i < smem_floats; ++i) smem[i] = NAN;
+          bb.arrive_and_wait();
+          blockIdx = {bx, by, 0};
+          f();
+          bb.arrive_and_wait();
+        }
+    });
+  for (auto& t : ts) t.join();
+}
+
+struct Tiles { int dmax, f_rpw, f_bk, q_rpw, q_bk, kv_rpw, kv_bq; };
+const Tiles TILES[3] = {{64, 8, 32, 8, 32, 8, 32}, {128, 6, 32, 3, 32, 3, 32}, {256, 3, 16, 1, 16, 1, 16}};
+
+template <typename T> T cvt(float x);
+template <> float cvt<float>(float x) { return x; }
+template <> bf16 cvt<bf16>(float x) { return __float2bfloat16(x); }
+float back(float x) { return x; }
+float back(bf16 x) { return __bfloat162float(x); }
+
+template <typename T>
+struct Kernels {
+  void (*fwd)(const T*, const T*, const T*, const int*, int, T*, float*, int, int, int, int, float, int);
+  void (*dq)(const T*, const T*, const T*, const T*, const float*, const float*, const int*, int, T*, int, int, int, int, float, int);
+  void (*dkv)(const T*, const T*, const T*, const T*, const float*, const float*, const int*, int, T*, T*, int, int, int, int, float, int);
+  void (*delta)(const T*, const T*, float*, int, int);
+};
+Kernels<float> kf(int cls) {
+  switch (cls) {
+    case 0: return {varlen_attn_fwd_d64_f32, varlen_attn_bwd_dq_d64_f32, varlen_attn_bwd_dkv_d64_f32, varlen_attn_delta_f32};
+    case 1: return {varlen_attn_fwd_d128_f32, varlen_attn_bwd_dq_d128_f32, varlen_attn_bwd_dkv_d128_f32, varlen_attn_delta_f32};
+    default: return {varlen_attn_fwd_d256_f32, varlen_attn_bwd_dq_d256_f32, varlen_attn_bwd_dkv_d256_f32, varlen_attn_delta_f32};
+  }
+}
+Kernels<bf16> kb(int cls) {
+  switch (cls) {
+    case 0: return {varlen_attn_fwd_d64_bf16, varlen_attn_bwd_dq_d64_bf16, varlen_attn_bwd_dkv_d64_bf16, varlen_attn_delta_bf16};
+    case 1: return {varlen_attn_fwd_d128_bf16, varlen_attn_bwd_dq_d128_bf16, varlen_attn_bwd_dkv_d128_bf16, varlen_attn_delta_bf16};
+    default: return {varlen_attn_fwd_d256_bf16, varlen_attn_bwd_dq_d256_bf16, varlen_attn_bwd_dkv_d256_bf16, varlen_attn_delta_bf16};
+  }
+}
+template <typename T> Kernels<T> kern(int cls);
+template <> Kernels<float> kern<float>(int c) { return kf(c); }
+template <> Kernels<bf16> kern<bf16>(int c) { return kb(c); }
+
+// Naive f64 reference from the (rounded) inputs.
+void reference(const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
+               const std::vector<double>& dO, const std::vector<int>& cu, int n, int hq, int hkv, int d, double scale,
+               std::vector<double>& o, std::vector<double>& dq, std::vector<double>& dk, std::vector<double>& dv) {
+  o.assign((size_t)n * hq * d, 0); dq.assign(o.size(), 0); dk.assign((size_t)n * hkv * d, 0); dv.assign(dk.size(), 0);
+  int rep = hq / hkv;
+  for (size_t s = 0; s + 1 < cu.size(); ++s) {
+    int a = cu[s], b = cu[s + 1];
+    for (int h = 0; h < hq; ++h) {
+      int g = h / rep;
+      for (int i = a; i < b; ++i) {
+        std::vector<double> p(i - a + 1), dp(i - a + 1);
+        double mx = -1e300;
+        for (int j = a; j <= i; ++j) {
+          double sc = 0; for (int c = 0; c < d; ++c) sc += q[((size_t)i * hq + h) * d + c] * k[((size_t)j * hkv + g) * d + c];
+          p[j - a] = sc * scale; mx = max(mx, p[j - a]);
+        }
+        double z = 0; for (auto& x : p) { x = exp(x - mx); z += x; }
+        for (auto& x : p) x /= z;
+        for (int j = a; j <= i; ++j) for (int c = 0; c < d; ++c) o[((size_t)i * hq + h) * d + c] += p[j - a] * v[((size_t)j * hkv + g) * d + c];
+        double sum = 0;
+        for (int j = a; j <= i; ++j) {
+          double x = 0; for (int c = 0; c < d; ++c) x += dO[((size_t)i * hq + h) * d + c] * v[((size_t)j * hkv + g) * d + c];
+          dp[j - a] = x; sum += p[j - a] * x;
+        }
+        for (int j = a; j <= i; ++j) {
+          double ds = p[j - a] * (dp[j - a] - sum);
+          for (int c = 0; c < d; ++c) {
+            dv[((size_t)j * hkv + g) * d + c] += p[j - a] * dO[((size_t)i * hq + h) * d + c];
+            dq[((size_t)i * hq + h) * d + c] += ds * scale * k[((size_t)j * hkv + g) * d + c];
+            dk[((size_t)j * hkv + g) * d + c] += ds * scale * q[((size_t)i * hq + h) * d + c];
+          }
+        }
+      }
+    }
+  }
+}
+
+// ‖a − b‖ / ‖b‖ (NaN counts as a huge error); for an all-zero b (e.g. ∂q when every segment
+// has one token) the largest absolute difference instead.
+double relerr(const std::vector<float>& a, const std::vector<double>& b, double* maxabs) {
+  double num = 0, den = 0, m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    double e = a[i] - b[i]; if (std::isnan(a[i])) e = 1e300;
+    num += e * e; den += b[i] * b[i]; m = max(m, fabs(e));
+  }
+  *maxabs = m;
+  return den < 1e-20 ? m : sqrt(num / den);
+}
+
+template <typename T>
+bool run_case(std::vector<int> cu, int hq, int hkv, int d, unsigned seed, double tol) {
+  int n = cu.back();
+  std::mt19937 rng(seed); std::uniform_real_distribution<float> U(-1.f, 1.f);
+  auto mk = [&](size_t m, float sc) { std::vector<T> x(m); for (auto& e : x) e = cvt<T>(U(rng) * sc); return x; };
+  auto q = mk((size_t)n * hq * d, 1.5f), k = mk((size_t)n * hkv * d, 1.5f), v = mk((size_t)n * hkv * d, 1.f), dO = mk((size_t)n * hq * d, 1.f);
+  auto dbl = [](const std::vector<T>& x) { std::vector<double> y(x.size()); for (size_t i = 0; i < x.size(); ++i) y[i] = back(x[i]); return y; };
+  double scale = 1.0 / sqrt((double)d);
+  std::vector<double> ro, rdq, rdk, rdv;
+  reference(dbl(q), dbl(k), dbl(v), dbl(dO), cu, n, hq, hkv, d, scale, ro, rdq, rdk, rdv);
+  int cls = d <= 64 ? 0 : d <= 128 ? 1 : 2;
+  const Tiles& t = TILES[cls];
+  auto K = kern<T>(cls);
+  std::vector<T> o((size_t)n * hq * d, cvt<T>(NAN)), dq(o.size(), cvt<T>(NAN)), dk((size_t)n * hkv * d, cvt<T>(NAN)), dv(dk.size(), cvt<T>(NAN));
+  std::vector<float> lse((size_t)n * hq, NAN), delta((size_t)n * hq, NAN);
+  float sf = (float)scale; int ncu = cu.size();
+  int rows = 4 * t.f_rpw;
+  launch({(unsigned)((n + rows - 1) / rows), (unsigned)hq, 1}, 128, (size_t)rows * d + d * (t.f_bk + 1) + t.f_bk * d,
+         [&] { K.fwd(q.data(), k.data(), v.data(), cu.data(), ncu, o.data(), lse.data(), n, hq, hkv, d, sf, rows); });
+  // The backward's dO·O uses the kernel's own (rounded) output, as the op does.
+  launch({(unsigned)((n * hq + 3) / 4), 1, 1}, 128, 0, [&] { K.delta(dO.data(), o.data(), delta.data(), n * hq, d); });
+  rows = 4 * t.q_rpw;
+  launch({(unsigned)((n + rows - 1) / rows), (unsigned)hq, 1}, 128, (size_t)2 * rows * d + 2 * d * (t.q_bk + 1),
+         [&] { K.dq(q.data(), k.data(), v.data(), dO.data(), lse.data(), delta.data(), cu.data(), ncu, dq.data(), n, hq, hkv, d, sf, rows); });
+  rows = 4 * t.kv_rpw;
+  launch({(unsigned)((n + rows - 1) / rows), (unsigned)hkv, 1}, 128, (size_t)2 * rows * d + 2 * d * (t.kv_bq + 1) + 2 * t.kv_bq,
+         [&] { K.dkv(q.data(), k.data(), v.data(), dO.data(), lse.data(), delta.data(), cu.data(), ncu, dk.data(), dv.data(), n, hq, hkv, d, sf, rows); });
+  auto fl = [](const std::vector<T>& x) { std::vector<float> y(x.size()); for (size_t i = 0; i < x.size(); ++i) y[i] = back(x[i]); return y; };
+  bool ok = true;
+  const char* names[4] = {"out", "dq", "dk", "dv"};
+  std::vector<float> got[4] = {fl(o), fl(dq), fl(dk), fl(dv)};
+  std::vector<double>* want[4] = {&ro, &rdq, &rdk, &rdv};
+  printf("%s n=%d hq=%d hkv=%d d=%d:", sizeof(T) == 4 ? "f32 " : "bf16", n, hq, hkv, d);
+  for (int i = 0; i < 4; ++i) {
+    double m; double e = relerr(got[i], *want[i], &m);
+    printf(" %s rel %.1e max %.1e;", names[i], e, m);
+    if (!(e <= tol)) ok = false;
+  }
+  for (float x : lse) if (std::isnan(x)) ok = false;
+  printf(" %s\n", ok ? "ok" : "FAIL");
+  return ok;
+}
+
+int main() {
+  setvbuf(stdout, nullptr, _IOLBF, 0);  // a line per case as it finishes
+  bool ok = true;
+  std::vector<int> multi = {0, 5, 5, 6, 75, 76, 207};
+  std::vector<int> ones = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  ok &= run_case<float>({0, 150}, 4, 2, 16, 1, 2e-5);
+  ok &= run_case<float>(multi, 6, 2, 8, 2, 2e-5);
+  ok &= run_case<float>(multi, 4, 1, 12, 3, 2e-5);
+  ok &= run_case<float>(multi, 3, 3, 7, 4, 2e-5);
+  ok &= run_case<float>(ones, 2, 1, 64, 5, 2e-5);
+  ok &= run_case<float>(multi, 4, 2, 64, 6, 2e-5);
+  ok &= run_case<float>(multi, 2, 2, 128, 7, 2e-5);
+  ok &= run_case<float>({0, 3, 40, 41, 100}, 4, 2, 100, 8, 2e-5);
+  ok &= run_case<float>({0, 1, 37, 60}, 2, 1, 256, 9, 2e-5);
+  ok &= run_case<float>({0, 30, 31, 47}, 2, 2, 200, 10, 2e-5);
+  ok &= run_case<bf16>(multi, 4, 2, 64, 11, 1e-2);
+  ok &= run_case<bf16>(multi, 2, 1, 128, 12, 1e-2);
+  ok &= run_case<bf16>({0, 1, 37, 60}, 2, 1, 256, 13, 1e-2);
+  printf(ok ? "ALL OK\n" : "SOME FAILED\n");
+  return ok ? 0 : 1;
+}
