@@ -33,9 +33,10 @@ macro_rules! typed {
         }
     };
 }
+pub(super) use typed;
 
 /// The kernel's exported name for `dtype` (`name_f32`, `name_bf16`).
-fn kernel_name(name: &str, dtype: DType) -> Result<String> {
+pub(super) fn kernel_name(name: &str, dtype: DType) -> Result<String> {
     match dtype {
         DType::F32 => Ok(format!("{name}_f32")),
         DType::BF16 => Ok(format!("{name}_bf16")),
@@ -44,14 +45,18 @@ fn kernel_name(name: &str, dtype: DType) -> Result<String> {
 }
 
 /// The contiguous elements of `s` under `l` as a typed view.
-fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {
+pub(super) fn view<'a, T: CudaDType>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<CudaView<'a, T>> {
     let Some((a, b)) = l.contiguous_offsets() else {
         candle_core::bail!("{what}: expected a contiguous tensor")
     };
     Ok(s.as_cuda_slice::<T>()?.slice(a..b))
 }
 
-fn alloc<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
+pub(super) fn alloc<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
     // SAFETY: every element is written by the kernel launched next.
     unsafe { dev.alloc::<T>(n.max(1)) }
 }

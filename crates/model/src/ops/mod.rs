@@ -14,13 +14,16 @@
 //! differentiable composition (`*_composed`), which is also the reference the tests compare
 //! against. The varlen attention has a CPU kernel only: on CUDA the transformer attends over
 //! the padded batch with [`masked_softmax`] instead. The rollout engine's decode attention over
-//! a paged KV cache ([`paged_decode_attention`], inference only) likewise has a CPU kernel and
-//! a gathering composition elsewhere.
+//! a paged KV cache ([`paged_decode_attention`], inference only) has a CPU kernel, a CUDA
+//! kernel (`decode_kernels.cu`, launched by `decode_cuda.rs`) and a gathering composition
+//! elsewhere.
 
 mod attention;
 mod attention_cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod decode_cuda;
 mod frozen_linear;
 mod masked_softmax;
 mod paged_attention;
