@@ -1,12 +1,14 @@
-//! The rollout engine's paged KV cache: the paged decode attention (CPU kernel and the
-//! gathering composition other devices use) against a dense reference, a request's samples
-//! holding its prompt's blocks once, the block budget, and the block size as a knob.
+//! The rollout engine's decode step: the paged decode attention (the test device's kernel and
+//! the gathering composition) against a dense reference, a request's samples holding its
+//! prompt's blocks once, the block budget, the block size as a knob, and the inverse-CDF
+//! sampler (the device's) against the CPU sampler.
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::fixture;
 use composer_model::ops::{paged_decode_attention, paged_decode_attention_composed, PagedLayout};
+use composer_model::sampling::sample_inverse_cdf;
 use composer_model::{
     generate_deterministic, generate_with_stats, generate_with_store, score_with_temperature,
     EngineConfig, GenerationRequest, ModelConfig, PrefixStore, Sample, SamplingParams, Transformer,
@@ -438,4 +440,108 @@ fn paged_decode_over_long_rows_matches_the_scorer() {
         // Far from the uniform log-prob (−ln 384 ≈ −5.95) everywhere: the attention matters.
         assert!(spread.1 - spread.0 > 1.0, "{dtype:?}: log-probs {spread:?}");
     }
+}
+
+/// `log softmax(x / t)` of one row, in f64.
+fn log_softmax_f64(x: &[f64], t: f64) -> Vec<f64> {
+    let m = x.iter().map(|v| v / t).fold(f64::NEG_INFINITY, f64::max);
+    let lse = x.iter().map(|v| (v / t - m).exp()).sum::<f64>().ln() + m;
+    x.iter().map(|v| v / t - lse).collect()
+}
+
+/// The f64 inverse CDF over `exp(logp)`: the first id whose cumulative probability exceeds
+/// `u · Σp` (with p > 0), and how far `u · Σp` is from the nearest CDF boundary (a draw
+/// that close may fall on either side in f32).
+fn inverse_cdf_reference(logp: &[f64], u: f64) -> (u32, f64) {
+    let p: Vec<f64> = logp.iter().map(|l| l.exp()).collect();
+    let target = u * p.iter().sum::<f64>();
+    let (mut acc, mut pick, mut margin) = (0.0, None, f64::INFINITY);
+    for (i, &pi) in p.iter().enumerate() {
+        acc += pi;
+        if pi > 0.0 {
+            margin = margin.min((acc - target).abs());
+            if pick.is_none() && acc > target {
+                pick = Some(i);
+            }
+        }
+    }
+    let last = p.iter().rposition(|&pi| pi > 0.0).unwrap();
+    (pick.unwrap_or(last) as u32, margin)
+}
+
+/// On `$COMPOSER_TEST_DEVICE` (default `cpu`): the inverse-CDF sampler (on CUDA the device
+/// kernel, f32 and bf16 logits) draws, for the same uniforms, the tokens the CPU sampler and
+/// an f64 inverse CDF draw, with their log-probs, at temperatures 1 and 0.7, over vocabularies
+/// of 384, 1,000 and 151,936 tokens; rows with masked (−∞) tokens, uniforms 0 and next to 1.
+#[test]
+fn inverse_cdf_sampler_on_the_device_draws_what_the_cpu_draws() {
+    let dev = common::test_device();
+    let dtypes: &[DType] = if dev.is_cpu() {
+        &[DType::F32]
+    } else {
+        &[DType::F32, DType::BF16]
+    };
+    let (mut draws, mut compared) = (0, 0);
+    for (rows, vocab, seed) in [(48, 384, 11), (9, 1000, 12), (3, 151_936, 13)] {
+        let mut x: Vec<f64> = values(rows * vocab, seed).iter().map(|v| 6.0 * v).collect();
+        // Row 1: only every 7th token possible.
+        for (i, v) in x[vocab..2 * vocab].iter_mut().enumerate() {
+            if i % 7 != 3 {
+                *v = f64::NEG_INFINITY;
+            }
+        }
+        let mut uniforms: Vec<f64> = values(rows, seed + 100)
+            .iter()
+            .map(|v| (v + 1.0) / 2.0)
+            .collect();
+        uniforms[0] = 0.0;
+        uniforms[rows - 1] = 1.0 - 1e-12;
+        for &dtype in dtypes {
+            let cpu = Tensor::from_vec(x.clone(), (rows, vocab), &Device::Cpu)
+                .and_then(|t| t.to_dtype(dtype))
+                .unwrap();
+            // What the logits hold in `dtype`.
+            let held = cpu.to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
+            let on_dev = cpu.to_device(&dev).unwrap();
+            for t in [1.0, 0.7] {
+                let (tokens, lps) = sample_inverse_cdf(&on_dev, t, &uniforms).unwrap();
+                let cpu_f32 = cpu.to_dtype(DType::F32).unwrap();
+                let (cpu_tokens, _) = sample_inverse_cdf(&cpu_f32, t, &uniforms).unwrap();
+                assert_eq!((tokens.len(), lps.len()), (rows, rows));
+                for r in 0..rows {
+                    let logp = log_softmax_f64(&held[r], t);
+                    let (want, margin) = inverse_cdf_reference(&logp, uniforms[r]);
+                    let what = format!(
+                        "{dtype:?} V={vocab} T={t} row {r} u={}: device {}, cpu {}, reference {want} (margin {margin:e})",
+                        uniforms[r], tokens[r], cpu_tokens[r]
+                    );
+                    // Within 1e-6 of a CDF boundary f32 rounding may pick the neighbour.
+                    draws += 1;
+                    if margin > 1e-6 {
+                        assert_eq!(tokens[r], want, "{what}");
+                        assert_eq!(cpu_tokens[r], want, "{what}");
+                        compared += 1;
+                    }
+                    let tok_lp = logp[tokens[r] as usize];
+                    assert!(tok_lp.is_finite(), "{what}: drew a masked token");
+                    assert!(
+                        (lps[r] as f64 - tok_lp).abs() <= 1e-4,
+                        "{what}: log-prob {} vs {tok_lp}",
+                        lps[r]
+                    );
+                }
+            }
+        }
+    }
+    // Boundary cases are rare: nearly every draw was compared.
+    assert!(
+        compared * 10 >= draws * 9,
+        "{compared} of {draws} draws compared"
+    );
+    // Bad input: no temperature, or a uniform per row missing.
+    let logits = Tensor::zeros((2, 5), DType::F32, &dev).unwrap();
+    let e = sample_inverse_cdf(&logits, 0.0, &[0.5, 0.5]).unwrap_err();
+    assert!(e.to_string().contains("temperature > 0"), "{e}");
+    let e = sample_inverse_cdf(&logits, 1.0, &[0.5]).unwrap_err();
+    assert!(e.to_string().contains("1 uniforms for 2 rows"), "{e}");
 }

@@ -108,3 +108,62 @@ pub(super) fn paged_decode(
         Ok(T::wrap_cuda_slice(out, dev))
     })
 }
+
+/// Threads per block of the sampling kernel (`DS_THREADS`).
+const SAMPLE_THREADS: u32 = 256;
+
+/// Draws one token per row of `logits` `[rows, V]` (f32 or bf16, on the CUDA device) at
+/// temperature `1 / inv_t` by inverse CDF at `uniforms[row]` (the CPU sampler's draw, see
+/// `sample_inverse_cdf` in decode_kernels.cu); returns the tokens and their log-probs. Only
+/// `rows` uniforms go to the device and `rows` tokens and log-probs come back.
+pub(crate) fn sample_inverse_cdf(
+    logits: &Tensor,
+    uniforms: &[f64],
+    inv_t: f32,
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    let (rows, vocab) = logits.dims2()?;
+    if uniforms.len() != rows {
+        candle_core::bail!(
+            "sampling: {} uniforms for {rows} rows of logits",
+            uniforms.len()
+        );
+    }
+    if rows == 0 {
+        return Ok((Vec::new(), Vec::new()));
+    }
+    if vocab == 0 || vocab > i32::MAX as usize {
+        candle_core::bail!("sampling: a vocabulary of {vocab} tokens");
+    }
+    let logits = logits.contiguous()?;
+    let dtype = logits.dtype();
+    let (g, l) = logits.storage_and_layout();
+    let Storage::Cuda(s) = &*g else {
+        candle_core::bail!("sampling: the CUDA sampler got non-CUDA logits")
+    };
+    let dev = s.device().clone();
+    let u = dev.clone_htod(uniforms)?;
+    let tokens = alloc::<u32>(&dev, rows)?;
+    let logprobs = alloc::<f32>(&dev, rows)?;
+    let v_i = vocab as i32;
+    typed!(dtype, "sampling", |T| {
+        let lv = view::<T>(s, l, "sampling logits")?;
+        let f =
+            dev.get_or_load_custom_func(&kernel_name("sample_inverse_cdf", dtype)?, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&lv)
+            .arg(&u)
+            .arg(&inv_t)
+            .arg(&tokens)
+            .arg(&logprobs)
+            .arg(&v_i);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (SAMPLE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature; `u`, `tokens` and `logprobs`
+        // hold `rows` elements, the logits `rows · vocab`.
+        unsafe { b.launch(cfg) }.w()?;
+    });
+    Ok((dev.clone_dtoh(&tokens)?, dev.clone_dtoh(&logprobs)?))
+}

@@ -1,9 +1,10 @@
-// CUDA kernels of the rollout engine's decode step (crates/model/src/ops/paged_attention.rs):
-// attention of one query token per row over a paged KV cache, read in place through the rows'
-// block tables, for f32 and bf16 tensors with f32 accumulation. The CPU twin is the same
-// custom op's `cpu_fwd` (PagedDecode); tests/paged_kv.rs compares both with a dense reference
-// on $COMPOSER_TEST_DEVICE. Built to its own PTX by crates/model/build.rs (`--features cuda`);
-// launched by decode_cuda.rs.
+// CUDA kernels of the rollout engine's decode step: attention of one query token per row over
+// a paged KV cache (crates/model/src/ops/paged_attention.rs), read in place through the rows'
+// block tables, for f32 and bf16 tensors with f32 accumulation (CPU twin: the same custom op's
+// `cpu_fwd`, PagedDecode; tests/paged_kv.rs compares both with a dense reference on
+// $COMPOSER_TEST_DEVICE); and the sampler's inverse-CDF draw of the next token from the logits
+// (crates/model/src/sampling.rs; CPU twin: its blocked inverse CDF; tests/sampling_device.rs).
+// Built to its own PTX by crates/model/build.rs (`--features cuda`); launched by decode_cuda.rs.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -195,6 +196,90 @@ __device__ void paged_decode_combine(const float* __restrict__ part_o,
   out[(size_t)h * d + col] = dk_from_f<T>(num / den);
 }
 
+// ---- Inverse-CDF sampling of one token per row of logits [rows, V], one block per row ----
+// As the CPU sampler: x = logits·inv_t in f32, logp = x − (m + ln Σ e^{x − m}) (m the row max),
+// p = e^{logp}; the token is the first id, in id order, whose cumulative p (f64) exceeds
+// u·Σp with p > 0 (u = uniforms[row]); a target past the end (rounding) takes the last id
+// with p > 0. Writes the token and its logp. Thread t owns the ids of segment t (contiguous,
+// ⌈V / blockDim⌉ each): segment sums, a scan by thread 0, then the owning thread walks its
+// segment. blockDim.x = DS_THREADS.
+#define DS_THREADS 256
+template <typename T>
+__device__ void sample_inverse_cdf(const T* __restrict__ logits,
+                                   const double* __restrict__ uniforms, float inv_t,
+                                   uint32_t* __restrict__ tokens, float* __restrict__ logprobs,
+                                   int v) {
+  __shared__ float part[DS_THREADS / 32];
+  __shared__ double seg[DS_THREADS + 1];
+  __shared__ float row_lse;
+  __shared__ double row_target;
+  __shared__ int owner;
+  const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = blockDim.x >> 5;
+  const T* x = logits + (size_t)row * v;
+
+  float m = -INFINITY;
+  for (int i = tid; i < v; i += blockDim.x) m = fmaxf(m, dk_to_f(x[i]) * inv_t);
+  m = warp_max(m);
+  if (lane == 0) part[warp] = m;
+  __syncthreads();
+  m = -INFINITY;
+  for (int w = 0; w < nwarps; w++) m = fmaxf(m, part[w]);
+  __syncthreads();  // `part` is reused below
+  float z = 0.f;
+  for (int i = tid; i < v; i += blockDim.x) z += expf(dk_to_f(x[i]) * inv_t - m);
+  z = warp_sum(z);
+  if (lane == 0) part[warp] = z;
+  __syncthreads();
+  if (tid == 0) {
+    float total = 0.f;
+    for (int w = 0; w < nwarps; w++) total += part[w];
+    row_lse = logf(total) + m;
+  }
+  __syncthreads();
+  const float lse = row_lse;
+
+  const int per = (v + blockDim.x - 1) / blockDim.x;
+  const int lo = min(v, tid * per), hi = min(v, lo + per);
+  double s = 0.0;
+  for (int i = lo; i < hi; i++) s += (double)expf(dk_to_f(x[i]) * inv_t - lse);
+  seg[tid + 1] = s;
+  __syncthreads();
+  if (tid == 0) {
+    // seg[t] becomes the mass before segment t; the target's segment is the first whose
+    // mass ends past it, else (rounding) the last one with mass.
+    seg[0] = 0.0;
+    for (int t = 0; t < (int)blockDim.x; t++) seg[t + 1] += seg[t];
+    const double target = uniforms[row] * seg[blockDim.x];
+    int found = -1, last = 0;
+    for (int t = 0; t < (int)blockDim.x; t++) {
+      if (seg[t + 1] > seg[t]) {
+        last = t;
+        if (found < 0 && seg[t + 1] > target) found = t;
+      }
+    }
+    owner = found >= 0 ? found : last;
+    row_target = target;
+  }
+  __syncthreads();
+  if (tid == owner) {
+    double acc = seg[tid];
+    int pick = -1, last = lo;
+    for (int i = lo; i < hi; i++) {
+      const float p = expf(dk_to_f(x[i]) * inv_t - lse);
+      if (p > 0.f) last = i;
+      acc += (double)p;
+      if (acc > row_target && p > 0.f) {
+        pick = i;
+        break;
+      }
+    }
+    if (pick < 0) pick = last;
+    tokens[row] = (uint32_t)pick;
+    logprobs[row] = dk_to_f(x[pick]) * inv_t - lse;
+  }
+}
+
 #define DK_INSTANTIATE(T, SFX)                                                                 \
   extern "C" __global__ void __launch_bounds__(256) paged_decode_##SFX(                        \
       const T* q, const T* k, const T* v, const uint32_t* tables, const uint32_t* lens, T* out, \
@@ -209,6 +294,11 @@ __device__ void paged_decode_combine(const float* __restrict__ part_o,
                                                         const uint32_t* lens, T* out, int hq,  \
                                                         int d, int chunk, int splits) {        \
     paged_decode_combine<T>(part_o, part_m, part_l, lens, out, hq, d, chunk, splits);          \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(DS_THREADS) sample_inverse_cdf_##SFX(          \
+      const T* logits, const double* uniforms, float inv_t, uint32_t* tokens, float* logprobs, \
+      int v) {                                                                                 \
+    sample_inverse_cdf<T>(logits, uniforms, inv_t, tokens, logprobs, v);                       \
   }
 
 DK_INSTANTIATE(float, f32)

@@ -32,6 +32,8 @@ mod rope;
 mod swiglu;
 
 pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, check_cu_seqlens};
+#[cfg(feature = "cuda")]
+pub(crate) use decode_cuda::sample_inverse_cdf as sample_inverse_cdf_cuda;
 pub use frozen_linear::frozen_linear;
 pub use masked_softmax::{masked_softmax, masked_softmax_composed};
 pub use paged_attention::{paged_decode_attention, paged_decode_attention_composed, PagedLayout};
