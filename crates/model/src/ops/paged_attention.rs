@@ -47,7 +47,8 @@ pub(super) struct DecodePlan {
 
 /// The CUDA kernel's plan for `n_rep` query heads per KV head of `head_dim`, the longest row
 /// attending to `longest` keys; `None` when the kernel cannot serve the shape (head_dim over
-/// 256, or a group too large for shared memory even at 32 keys per chunk).
+/// 256, a group too large for shared memory even at 32 keys per chunk, or over 65,535
+/// chunks).
 pub(super) fn decode_plan(
     n_rep: usize,
     head_dim: usize,
@@ -69,10 +70,12 @@ pub(super) fn decode_plan(
     let chunk = [DECODE_CHUNK, 128, 64, 32]
         .into_iter()
         .find(|&c| bytes(c) <= DECODE_SHARED_LIMIT)?;
-    Some(DecodePlan {
+    let splits = longest.div_ceil(chunk).max(1);
+    // The chunks are the grid's second axis (at most 65,535 blocks).
+    (splits <= 65_535).then_some(DecodePlan {
         block_size,
         chunk,
-        splits: longest.div_ceil(chunk).max(1),
+        splits,
         shared_bytes: bytes(chunk),
     })
 }
