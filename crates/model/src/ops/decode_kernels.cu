@@ -71,7 +71,8 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
   __syncthreads();
 
   // Scores: a warp per key, the key row read once (DK_MAX_D / 32 values per lane) for every
-  // query head of the group.
+  // query head of the group; the partial dot products of up to DK_HEADS_PER_PASS heads are
+  // reduced across the warp together (independent shuffles overlap).
   for (int jj = warp; jj < n; jj += nwarps) {
     const int j = start + jj;
     const size_t slot = (size_t)table[j / block_size] * block_size + j % block_size;
@@ -82,16 +83,31 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
       const int e = lane + 32 * i;
       kreg[i] = e < d ? dk_to_f(kr[e]) : 0.f;
     }
-    for (int r = 0; r < n_rep; r++) {
-      const float* qr = q_s + r * d;
-      float s = 0.f;
+    for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
+      float s[DK_HEADS_PER_PASS];
 #pragma unroll
-      for (int i = 0; i < DK_MAX_D / 32; i++) {
-        const int e = lane + 32 * i;
-        if (e < d) s += qr[e] * kreg[i];
+      for (int h = 0; h < DK_HEADS_PER_PASS; h++) {
+        s[h] = 0.f;
+        if (r0 + h < n_rep) {
+          const float* qr = q_s + (r0 + h) * d;
+#pragma unroll
+          for (int i = 0; i < DK_MAX_D / 32; i++) {
+            const int e = lane + 32 * i;
+            if (e < d) s[h] += qr[e] * kreg[i];
+          }
+        }
       }
-      s = warp_sum(s);
-      if (lane == 0) sc[r * chunk + jj] = s * scale;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int h = 0; h < DK_HEADS_PER_PASS; h++)
+          s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int h = 0; h < DK_HEADS_PER_PASS; h++)
+          if (r0 + h < n_rep) sc[(r0 + h) * chunk + jj] = s[h] * scale;
+      }
     }
   }
   __syncthreads();
