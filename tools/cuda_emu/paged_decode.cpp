@@ -8,15 +8,21 @@
 
 struct Case { int hq, hkv, d, bs; std::vector<int> lens; };
 
-// As decode_plan in paged_attention.rs.
-bool plan(int n_rep, int d, int longest, int& chunk, int& splits, size_t& bytes) {
+// As decode_plan in paged_attention.rs (`groups` = rows × KV heads).
+bool plan(int groups, int n_rep, int d, int longest, int& chunk, int& splits, size_t& bytes) {
   if (d <= 0 || d > 256) return false;
-  int groups = 256 / d;
+  const int thread_groups = 256 / d;
+  auto need = [&](int c) { return 4 * ((size_t)n_rep * d + (size_t)n_rep * c + 2 * n_rep + 8 * d * (thread_groups - 1)); };
+  int pick = 0, smallest = 0;
   for (int c : {256, 128, 64, 32}) {
-    size_t b = 4 * ((size_t)n_rep * d + (size_t)n_rep * c + 2 * n_rep + 8 * d * (groups - 1));
-    if (b <= 48 * 1024) { chunk = c; splits = std::max(1, (longest + c - 1) / c); bytes = b; return true; }
+    if (need(c) > 48 * 1024) continue;
+    smallest = c;
+    if (!pick && (size_t)groups * ((longest + c - 1) / c) >= 256) pick = c;
   }
-  return false;
+  if (!pick) pick = smallest;
+  if (!pick) return false;
+  chunk = pick; splits = std::max(1, (longest + pick - 1) / pick); bytes = need(pick);
+  return splits <= 65535;
 }
 
 template <typename T> T cvt(float x);
@@ -54,7 +60,7 @@ double run(const Case& c, unsigned seed, bool& served) {
   }
   const float scale = 1.0f / std::sqrt((float)d);
   int chunk, splits; size_t bytes;
-  served = plan(n_rep, d, longest, chunk, splits, bytes);
+  served = plan(rows * hkv, n_rep, d, longest, chunk, splits, bytes);
   if (!served) return 0;
   std::vector<T> out(rows * hq * d);
   std::vector<float> po, pm, pl;
@@ -111,6 +117,11 @@ int main(int argc, char** argv) {
       {16, 1, 256, 16, {300, 3}},              {32, 1, 256, 8, {200, 1}},
       {4, 2, 80, 16, {33, 290}},               {2, 1, 320, 4, {5, 9}},
   };
+  {
+    Case many{4, 2, 64, 16, {}};
+    for (int i = 0; i < 128; i++) many.lens.push_back(1 + (i * 37) % 256);
+    cases.push_back(many);
+  }
   int bad = 0;
   if (argc > 1) { std::vector<Case> pick; for (int i = 1; i < argc; i++) pick.push_back(cases[std::atoi(argv[i])]); cases = pick; }
   for (auto& c : cases) {
@@ -118,7 +129,7 @@ int main(int argc, char** argv) {
     double e32 = run<float>(c, 7, served);
     double e16 = served ? run<bf16>(c, 8, served) : 0;
     int chunk = 0, splits = 0; size_t bytes = 0; int longest = *std::max_element(c.lens.begin(), c.lens.end());
-    plan(c.hq / c.hkv, c.d, longest, chunk, splits, bytes);
+    plan((int)c.lens.size() * c.hkv, c.hq / c.hkv, c.d, longest, chunk, splits, bytes);
     std::printf("hq %2d hkv %d d %3d bs %2d: %s chunk %3d splits %d smem %6zu  f32 err %.2e  bf16 err %.2e\n",
                 c.hq, c.hkv, c.d, c.bs, served ? "kernel" : "not served", chunk, splits, bytes, e32, e16);
     if (served && (e32 > 1e-5 || e16 > 1e-2)) bad++;

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Runs the rollout engine's decode kernels (crates/model/src/ops/decode_kernels.cu) on the CPU,
 # for checking them where no GPU is at hand: emu.h runs each CUDA thread of a block as a
-# std::thread, __syncthreads and warp shuffles through barriers, one block at a time; the
+# std::thread, __syncthreads and warp shuffles through barriers, the blocks one at a time; the
 # kernel source is used as is (only its dynamic shared memory declaration becomes a pointer to
 # a buffer of exactly the launch's size). Built with AddressSanitizer + UBSan (out-of-bounds
 # reads/writes of global or shared memory abort), or ThreadSanitizer with TSAN=1 (a missing
 # __syncthreads shows as a data race). Each driver compares with an f64 reference:
 # paged_decode.cpp the paged decode attention on the shapes of tests/paged_kv.rs (arguments
-# pick its cases by index; all of them take ~5 min on 2 cores), sample_inverse_cdf.cpp the
+# pick its cases by index; all of them take ~15 min on 2 cores), sample_inverse_cdf.cpp the
 # sampler. Needs g++ >= 11 (C++20 <barrier>). Not a GPU test: tools/gpu_check.sh runs the
 # real kernels.
 set -euo pipefail

@@ -149,7 +149,7 @@ fn check_paged_attention((hq, hkv, d, bs): (usize, usize, usize, usize), lens: &
 fn paged_decode_attention_equals_dense_attention() {
     // GQA (6 query heads over 2 KV heads), rows of different lengths, none a multiple of the
     // block size but one; then a step large enough for the CPU kernel's threads (16 query
-    // heads over 4, 4,100 keys) and for several key chunks of the CUDA kernel (256 keys each).
+    // heads over 4, 4,100 keys) and for several key chunks of the CUDA kernel.
     check_paged_attention((6, 2, 16, 4), &[1, 5, 8, 11, 13]);
     check_paged_attention((16, 4, 64, 16), &[1700, 1, 1333, 1066]);
     // GQA ratios 1, 2 and 7 at head_dim 64 and 128; blocks of 1, 5, 16 and 32 slots; rows of
@@ -165,6 +165,10 @@ fn paged_decode_attention_equals_dense_attention() {
     check_paged_attention((32, 1, 256, 8), &[200, 1]);
     check_paged_attention((4, 2, 80, 16), &[33, 290]);
     check_paged_attention((2, 1, 320, 4), &[5, 9]);
+    // A step with enough rows for the CUDA kernel's full chunks (256 keys, one per row): 128
+    // rows of 1 to 256 keys.
+    let many: Vec<usize> = (0..128).map(|i| 1 + (i * 37) % 256).collect();
+    check_paged_attention((4, 2, 64, 16), &many);
     let dev = Device::Cpu;
     let (hq, hkv, d, bs, scale) = (6, 2, 16, 4, 0.25);
     // A table too short for its row, or a row reading past the pool, is an error.

@@ -4,8 +4,8 @@
 //! The pool holds `[slots, kv_heads, head_dim]` keys (and values), `block_size` slots per
 //! block; token `j` of a row lies in slot `table[j / block_size] * block_size + j % block_size`.
 //! The CPU kernel (f32/f64) and, built with `--features cuda`, the CUDA kernel (f32/bf16,
-//! `decode_kernels.cu`: a block per row, KV head and chunk of [`DECODE_CHUNK`] keys, the
-//! chunks merged flash-decoding style) read the slots in place (no per-step copy of the rows'
+//! `decode_kernels.cu`: a block per row, KV head and chunk of up to [`DECODE_CHUNK`] keys,
+//! the chunks merged flash-decoding style) read the slots in place (no per-step copy of the rows'
 //! K/V); elsewhere [`paged_decode_attention_composed`] gathers each row's slots into a
 //! contiguous, masked batch with candle ops (the device-generic fallback, and the reference of
 //! the tests). Inference only: no backward.
@@ -19,9 +19,17 @@ use std::sync::OnceLock;
 /// kernel runs on the calling thread: spawning threads costs more than it saves.
 const PARALLEL_WORK: usize = 1 << 22;
 
-/// Keys one block of the CUDA kernel scores (a row's keys split into chunks of this many,
-/// merged by a second kernel when a row has more than one).
+/// Keys one block of the CUDA kernel scores at most (a row's keys split into chunks of this
+/// many or fewer, merged by a second kernel when a row has more than one).
 pub(super) const DECODE_CHUNK: usize = 256;
+
+/// The smaller chunks the CUDA kernel may use: to fit shared memory, or to give a step with
+/// few rows enough blocks.
+const DECODE_CHUNKS: [usize; 4] = [DECODE_CHUNK, 128, 64, 32];
+
+/// Blocks a step's grid should have for the GPU's SMs to be busy (about two per SM of an
+/// H100/H200): below it, keys are split into smaller chunks.
+const DECODE_TARGET_BLOCKS: usize = 256;
 
 /// Threads per block of the CUDA kernel (8 warps).
 pub(super) const DECODE_THREADS: usize = 256;
@@ -45,11 +53,13 @@ pub(super) struct DecodePlan {
     pub(super) shared_bytes: usize,
 }
 
-/// The CUDA kernel's plan for `n_rep` query heads per KV head of `head_dim`, the longest row
-/// attending to `longest` keys; `None` when the kernel cannot serve the shape (head_dim over
-/// 256, a group too large for shared memory even at 32 keys per chunk, or over 65,535
-/// chunks).
+/// The CUDA kernel's plan for `groups` (rows × KV heads) of `n_rep` query heads of
+/// `head_dim`, the longest row attending to `longest` keys: the largest chunk that fits
+/// shared memory and still gives [`DECODE_TARGET_BLOCKS`] blocks, else the smallest that
+/// fits. `None` when the kernel cannot serve the shape (head_dim over 256, a group too large
+/// for shared memory even at 32 keys per chunk, or over 65,535 chunks).
 pub(super) fn decode_plan(
+    groups: usize,
     n_rep: usize,
     head_dim: usize,
     block_size: usize,
@@ -60,16 +70,21 @@ pub(super) fn decode_plan(
     }
     // Floats: the group's queries, its scores, max and sum per head, and the value sums of
     // the thread groups beyond the first (see decode_kernels.cu).
-    let groups = DECODE_THREADS / head_dim;
+    let thread_groups = DECODE_THREADS / head_dim;
     let bytes = |chunk: usize| {
         4 * (n_rep * head_dim
             + n_rep * chunk
             + 2 * n_rep
-            + DECODE_HEADS_PER_PASS * head_dim * (groups - 1))
+            + DECODE_HEADS_PER_PASS * head_dim * (thread_groups - 1))
     };
-    let chunk = [DECODE_CHUNK, 128, 64, 32]
-        .into_iter()
-        .find(|&c| bytes(c) <= DECODE_SHARED_LIMIT)?;
+    let fitting = || {
+        DECODE_CHUNKS
+            .into_iter()
+            .filter(|&c| bytes(c) <= DECODE_SHARED_LIMIT)
+    };
+    let chunk = fitting()
+        .find(|&c| groups * longest.div_ceil(c) >= DECODE_TARGET_BLOCKS)
+        .or_else(|| fitting().next_back())?;
     let splits = longest.div_ceil(chunk).max(1);
     // The chunks are the grid's second axis (at most 65,535 blocks).
     (splits <= 65_535).then_some(DecodePlan {
@@ -253,7 +268,14 @@ pub fn paged_decode_attention(
     let (_, hq, hkv, d) = check_inputs(q, k_pool, v_pool, layout)?;
     let kernel = kernels_apply(q)
         && (q.device().is_cpu()
-            || decode_plan(hq / hkv, d, layout.block_size, layout.longest()).is_some());
+            || decode_plan(
+                layout.rows() * hkv,
+                hq / hkv,
+                d,
+                layout.block_size,
+                layout.longest(),
+            )
+            .is_some());
     if !kernel {
         return paged_decode_attention_composed(q, k_pool, v_pool, layout, scale);
     }
@@ -462,7 +484,13 @@ impl CustomOp3 for PagedDecode<'_> {
         let (_, hq, d) = lq.shape().dims3()?;
         let (_, hkv, _) = lk.shape().dims3()?;
         let layout = self.layout;
-        let Some(plan) = decode_plan(hq / hkv, d, layout.block_size, layout.longest()) else {
+        let Some(plan) = decode_plan(
+            layout.rows() * hkv,
+            hq / hkv,
+            d,
+            layout.block_size,
+            layout.longest(),
+        ) else {
             candle_core::bail!(
                 "paged attention: the CUDA kernel cannot serve {hq} query heads over {hkv} of dim {d}"
             )
@@ -477,5 +505,42 @@ impl CustomOp3 for PagedDecode<'_> {
             self.scale,
         )?;
         Ok((out, lq.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CUDA kernel's chunking: full chunks when the step has blocks enough, finer ones
+    /// for few rows, shorter ones when a large group would overflow shared memory, and no
+    /// plan past the kernel's limits.
+    #[test]
+    fn decode_plans_fit_shared_memory_and_fill_the_grid() {
+        // 128 rows × 2 KV heads of ≤ 256 keys: 256 blocks at full chunks, one per row.
+        let p = decode_plan(256, 7, 64, 16, 256).unwrap();
+        assert_eq!((p.chunk, p.splits), (256, 1));
+        // One row: the finest chunk (4,096 keys → 128 chunks per KV head).
+        let p = decode_plan(2, 7, 64, 16, 4096).unwrap();
+        assert_eq!((p.chunk, p.splits), (32, 128));
+        // 64 rows × 2 of 200 keys: 128 chunks is the largest giving 256 blocks.
+        assert_eq!(decode_plan(128, 7, 64, 16, 200).unwrap().chunk, 128);
+        // 32 query heads of dim 256 per KV head: 128-key chunks would need 49,408 bytes.
+        let p = decode_plan(4096, 32, 256, 16, 1000).unwrap();
+        assert_eq!((p.chunk, p.shared_bytes), (64, 41_216));
+        for (n_rep, d) in [(1, 1), (7, 64), (7, 128), (16, 256), (40, 256), (8, 80)] {
+            for groups in [1, 300] {
+                let p = decode_plan(groups, n_rep, d, 16, 777).unwrap();
+                assert!(
+                    p.shared_bytes <= DECODE_SHARED_LIMIT,
+                    "{n_rep} x {d}: {p:?}"
+                );
+                assert_eq!(p.splits, 777usize.div_ceil(p.chunk));
+            }
+        }
+        // head_dim over 256, a group no chunk fits, more chunks than the grid's second axis.
+        assert_eq!(decode_plan(1, 1, 320, 16, 10), None);
+        assert_eq!(decode_plan(1, 64, 256, 16, 10), None);
+        assert_eq!(decode_plan(1, 1, 64, 16, 256 * 65_536), None);
     }
 }
