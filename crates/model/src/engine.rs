@@ -41,7 +41,8 @@ use crate::prefill::{prefill, PrefillCounts};
 use crate::prefix_store::PrefixStore;
 pub use crate::sampling::EngineConfig;
 use crate::sampling::{
-    check_requests, empty_samples, next_tokens, Active, GenerationRequest, Sample, SamplingParams,
+    check_requests, empty_samples, next_tokens_on_device, Active, GenerationRequest, Sample,
+    SamplingParams,
 };
 use crate::transformer::Transformer;
 use anyhow::{bail, Result};
@@ -272,7 +273,7 @@ pub fn generate_with_store(
             kv_slots: pool.held_blocks() * bs,
         });
         // 3. Sample every row; a finished sample frees its blocks.
-        let (tokens, token_logprobs) = next_tokens(&logits, params, &mut batch.active)?;
+        let (tokens, token_logprobs) = next_tokens_on_device(&logits, params, &mut batch.active)?;
         stats.generated_tokens += tokens.len();
         let rows = std::mem::take(&mut batch);
         for ((mut a, table), (&token, &logprob)) in rows

@@ -271,9 +271,68 @@ pub(crate) fn next_tokens(
             .map(|(lp, a)| sample_token(lp, params.top_k, params.top_p, &mut a.rng))
             .collect()
     };
-    let ids = Tensor::from_vec(tokens.clone(), (tokens.len(), 1), logp.device())?;
-    let token_logprobs = logp.gather(&ids, 1)?.squeeze(1)?.to_vec1::<f32>()?;
+    let token_logprobs = chosen_logprobs(&logp, &tokens)?;
     Ok((tokens, token_logprobs))
+}
+
+/// As [`next_tokens`], for the rollout engine: on CUDA (f32/bf16 logits, built with
+/// `--features cuda`) plain sampling (temperature > 0, no top-k / top-p) draws on the device
+/// with [`sample_inverse_cdf`]'s kernel, the same uniforms from the same streams, so only
+/// `rows` numbers cross each way. Deterministic mode keeps [`next_tokens`], whose log-probs
+/// are the deterministic scorer's bit for bit.
+pub(crate) fn next_tokens_on_device(
+    logits: &Tensor,
+    params: &SamplingParams,
+    active: &mut [Active],
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    let plain = params.temperature > 0.0 && params.top_k == 0 && params.top_p >= 1.0;
+    if plain && logits.device().is_cuda() && crate::ops::kernels_apply(logits) {
+        let uniforms: Vec<f64> = active.iter_mut().map(|a| a.rng.random::<f64>()).collect();
+        return sample_inverse_cdf(logits, params.temperature, &uniforms);
+    }
+    next_tokens(logits, params, active)
+}
+
+/// Draws one token per row of `logits` `[rows, V]` from `softmax(logits / temperature)` by
+/// inverse CDF at `uniforms[row]` (in [0, 1)): the first token, in id order, whose cumulative
+/// probability exceeds `u · Σp`; returns the tokens and their sampler log-probs
+/// `log softmax(logits / temperature)[token]`. On CUDA with f32/bf16 logits (built with
+/// `--features cuda`) one kernel does it on the device (`decode_kernels.cu`); elsewhere the
+/// two-stage [`inverse_cdf_blocked`]. Both draw the same token from the same uniform up to
+/// float rounding at the CDF's boundaries.
+pub fn sample_inverse_cdf(
+    logits: &Tensor,
+    temperature: f64,
+    uniforms: &[f64],
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    if !(temperature > 0.0 && temperature.is_finite()) {
+        bail!("inverse-CDF sampling needs a temperature > 0, got {temperature}");
+    }
+    let (rows, _) = logits.dims2()?;
+    if uniforms.len() != rows {
+        bail!(
+            "inverse-CDF sampling: {} uniforms for {rows} rows of logits",
+            uniforms.len()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if logits.device().is_cuda() && crate::ops::kernels_apply(logits) {
+        return Ok(crate::ops::sample_inverse_cdf_cuda(
+            logits,
+            uniforms,
+            (1.0 / temperature) as f32,
+        )?);
+    }
+    let logp = sampler_log_softmax(logits, temperature)?;
+    let tokens = inverse_cdf_blocked(&logp, uniforms)?;
+    let token_logprobs = chosen_logprobs(&logp, &tokens)?;
+    Ok((tokens, token_logprobs))
+}
+
+/// `logp[row, tokens[row]]` for every row.
+fn chosen_logprobs(logp: &Tensor, tokens: &[u32]) -> Result<Vec<f32>> {
+    let ids = Tensor::from_vec(tokens.to_vec(), (tokens.len(), 1), logp.device())?;
+    Ok(logp.gather(&ids, 1)?.squeeze(1)?.to_vec1::<f32>()?)
 }
 
 /// Inverse-CDF sampling of one token per row of `logp` (`[rows, V]` log-probs), row `i` at

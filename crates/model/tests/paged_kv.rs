@@ -1,15 +1,17 @@
-//! The rollout engine's paged KV cache: the paged decode attention (CPU kernel and the
-//! gathering composition other devices use) against a dense reference, a request's samples
-//! holding its prompt's blocks once, the block budget, and the block size as a knob.
+//! The rollout engine's decode step: the paged decode attention (the test device's kernel and
+//! the gathering composition) against a dense reference, a request's samples holding its
+//! prompt's blocks once, the block budget, the block size as a knob, and the inverse-CDF
+//! sampler (the device's) against the CPU sampler.
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::fixture;
 use composer_model::ops::{paged_decode_attention, paged_decode_attention_composed, PagedLayout};
+use composer_model::sampling::sample_inverse_cdf;
 use composer_model::{
-    generate_deterministic, generate_with_stats, generate_with_store, EngineConfig,
-    GenerationRequest, ModelConfig, PrefixStore, Sample, SamplingParams, Transformer,
+    generate_deterministic, generate_with_stats, generate_with_store, score_with_temperature,
+    EngineConfig, GenerationRequest, ModelConfig, PrefixStore, Sample, SamplingParams, Transformer,
 };
 
 /// Deterministic pseudo-random values in [-1, 1).
@@ -61,18 +63,32 @@ fn reference(
     out
 }
 
-/// The CPU kernel and the gathering composition against [`reference`], in f32 and f64, for
+/// Values of `x` after a round trip through `dtype` (what a tensor of that dtype holds).
+fn rounded(x: &[f64], dtype: DType) -> Vec<f64> {
+    Tensor::new(x, &Device::Cpu)
+        .and_then(|t| t.to_dtype(dtype))
+        .and_then(|t| t.to_dtype(DType::F64))
+        .and_then(|t| t.to_vec1::<f64>())
+        .unwrap()
+}
+
+/// The paged decode attention (the kernel of the test device: CPU f32/f64, CUDA f32/bf16)
+/// and the gathering composition against [`reference`] on the dtype-rounded inputs, for
 /// `(heads, kv_heads, head_dim, block_size)` and row lengths `lens`, the rows' blocks
-/// scattered over the pool in no order.
+/// scattered over the pool in no order (row 0's table one block longer than it needs).
 fn check_paged_attention((hq, hkv, d, bs): (usize, usize, usize, usize), lens: &[usize]) {
-    let dev = Device::Cpu;
+    let dev = common::test_device();
     let lens = lens.to_vec();
-    let num_blocks = lens.iter().map(|l| l.div_ceil(bs)).sum::<usize>() + 3;
+    let num_blocks = lens.iter().map(|l| l.div_ceil(bs)).sum::<usize>() + 4;
     let mut free: Vec<u32> = (0..num_blocks as u32).rev().collect();
     free.rotate_left(7);
     let tables: Vec<Vec<u32>> = lens
         .iter()
-        .map(|&l| (0..l.div_ceil(bs)).map(|_| free.pop().unwrap()).collect())
+        .enumerate()
+        .map(|(b, &l)| {
+            let n = l.div_ceil(bs) + usize::from(b == 0);
+            (0..n).map(|_| free.pop().unwrap()).collect()
+        })
         .collect();
     let slot = |b: usize, j: usize| tables[b][j / bs] as usize * bs + j % bs;
     let slots = num_blocks * bs;
@@ -82,33 +98,47 @@ fn check_paged_attention((hq, hkv, d, bs): (usize, usize, usize, usize), lens: &
         values(slots * hkv * d, 3),
     );
     let scale = 1.0 / (d as f64).sqrt();
-    let want = reference(&qv, &kv, &vv, (hq, hkv, d), &lens, &slot, scale);
-    for dtype in [DType::F32, DType::F64] {
+    // (dtype, kernel tolerance, composition tolerance): outputs are averages of values in
+    // [-1, 1); the CUDA composition rounds its bf16 scores and probabilities, the kernel only
+    // its output.
+    let cases = if dev.is_cpu() {
+        vec![(DType::F32, 2e-6, 2e-6), (DType::F64, 1e-12, 1e-12)]
+    } else {
+        vec![(DType::F32, 1e-4, 1e-4), (DType::BF16, 1e-2, 4e-2)]
+    };
+    for (dtype, tol_kernel, tol_composed) in cases {
+        let (qr, kr, vr) = (
+            rounded(&qv, dtype),
+            rounded(&kv, dtype),
+            rounded(&vv, dtype),
+        );
+        let want = reference(&qr, &kr, &vr, (hq, hkv, d), &lens, &slot, scale);
         let t = |x: &[f64], shape: (usize, usize, usize)| {
-            Tensor::from_vec(x.to_vec(), shape, &dev)
-                .unwrap()
-                .to_dtype(dtype)
+            Tensor::from_vec(x.to_vec(), shape, &Device::Cpu)
+                .and_then(|t| t.to_dtype(dtype))
+                .and_then(|t| t.to_device(&dev))
                 .unwrap()
         };
-        let q = t(&qv, (lens.len(), hq, d));
-        let (k, v) = (t(&kv, (slots, hkv, d)), t(&vv, (slots, hkv, d)));
+        let q = t(&qr, (lens.len(), hq, d));
+        let (k, v) = (t(&kr, (slots, hkv, d)), t(&vr, (slots, hkv, d)));
         let layout = PagedLayout::new(bs, tables.clone(), lens.clone()).unwrap();
         let kernel = paged_decode_attention(&q, &k, &v, &layout, scale).unwrap();
         let composed = paged_decode_attention_composed(&q, &k, &v, &layout, scale).unwrap();
-        let tol = if dtype == DType::F32 { 2e-6 } else { 1e-12 };
-        for (what, got) in [("kernel", kernel), ("composed", composed)] {
+        for (what, got, tol) in [
+            ("kernel", kernel, tol_kernel),
+            ("composed", composed, tol_composed),
+        ] {
             assert_eq!(got.dims(), &[lens.len(), hq, d]);
+            assert_eq!(got.dtype(), dtype);
             let got = got
                 .to_dtype(DType::F64)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f64>()
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<f64>())
                 .unwrap();
             for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                 assert!(
                     (a - b).abs() <= tol,
-                    "{what} {dtype:?} {lens:?} [{i}]: {a} vs {b}"
+                    "{what} {dtype:?} on {dev:?}, ({hq}, {hkv}, {d}, block {bs}) {lens:?} [{i}]: {a} vs {b}"
                 );
             }
         }
@@ -118,10 +148,27 @@ fn check_paged_attention((hq, hkv, d, bs): (usize, usize, usize, usize), lens: &
 #[test]
 fn paged_decode_attention_equals_dense_attention() {
     // GQA (6 query heads over 2 KV heads), rows of different lengths, none a multiple of the
-    // block size but one; then a step large enough for the kernel's threads (16 query heads
-    // over 4, 4,100 keys).
+    // block size but one; then a step large enough for the CPU kernel's threads (16 query
+    // heads over 4, 4,100 keys) and for several key chunks of the CUDA kernel.
     check_paged_attention((6, 2, 16, 4), &[1, 5, 8, 11, 13]);
     check_paged_attention((16, 4, 64, 16), &[1700, 1, 1333, 1066]);
+    // GQA ratios 1, 2 and 7 at head_dim 64 and 128; blocks of 1, 5, 16 and 32 slots; rows of
+    // one token, rows ending exactly on a block boundary, and on or just past a chunk boundary.
+    check_paged_attention((4, 4, 64, 1), &[1, 7, 256, 300]);
+    check_paged_attention((8, 4, 128, 16), &[1, 16, 48, 513, 200]);
+    check_paged_attention((14, 2, 128, 5), &[1, 10, 255, 257, 40]);
+    check_paged_attention((7, 1, 64, 32), &[64, 1, 31, 600]);
+    // Groups of 16 and 32 query heads at head_dim 256 (the CUDA kernel's largest: several
+    // passes over the values, shorter key chunks to fit shared memory), an odd head_dim (80),
+    // and one past the CUDA kernel (320: the composition serves it).
+    check_paged_attention((16, 1, 256, 16), &[300, 3]);
+    check_paged_attention((32, 1, 256, 8), &[200, 1]);
+    check_paged_attention((4, 2, 80, 16), &[33, 290]);
+    check_paged_attention((2, 1, 320, 4), &[5, 9]);
+    // A step with enough rows for the CUDA kernel's full chunks (256 keys, one per row): 128
+    // rows of 1 to 256 keys.
+    let many: Vec<usize> = (0..128).map(|i| 1 + (i * 37) % 256).collect();
+    check_paged_attention((4, 2, 64, 16), &many);
     let dev = Device::Cpu;
     let (hq, hkv, d, bs, scale) = (6, 2, 16, 4, 0.25);
     // A table too short for its row, or a row reading past the pool, is an error.
@@ -197,9 +244,12 @@ fn the_samples_of_a_request_hold_its_prompt_blocks_once() {
     assert_eq!(stats.kv_block_size, 16);
 }
 
+/// On `$COMPOSER_TEST_DEVICE` (default `cpu`): the paged decode (the device's kernel) samples
+/// what dense per-sample caches sample, whatever the block size and batch limit.
 #[test]
 fn outputs_do_not_depend_on_the_block_size() {
-    let model = Transformer::load(&fixture("qwen2-tiny"), &Device::Cpu, DType::F32).unwrap();
+    let dev = common::test_device();
+    let model = Transformer::load(&fixture("qwen2-tiny"), &dev, DType::F32).unwrap();
     let reqs: Vec<GenerationRequest> = [(9, 3), (2, 2), (21, 4), (16, 1)]
         .iter()
         .enumerate()
@@ -330,4 +380,172 @@ fn a_continuation_reads_its_stored_row_back_from_any_blocks() {
         let (fresh, _) = generate_with_stats(&model, &second, &p).unwrap();
         assert_same(&fresh, &continued, &format!("block size {kv_block_size}"));
     }
+}
+
+/// On `$COMPOSER_TEST_DEVICE` (default `cpu`): rows decoding past several key chunks of the
+/// CUDA kernel (prompts of 250-520 tokens), with 7 query heads per KV head of dim 64, sample
+/// log-probs the teacher-forced scorer reproduces, in f32 and (on CUDA) bf16.
+#[test]
+fn paged_decode_over_long_rows_matches_the_scorer() {
+    let dev = common::test_device();
+    let mut cfg = ModelConfig::tiny_qwen2(384);
+    cfg.max_position_embeddings = 1024;
+    cfg.num_attention_heads = 7;
+    cfg.num_key_value_heads = 1;
+    cfg.head_dim = 64;
+    // Larger weights than the default init: attention that is far from uniform, so a key
+    // read from the wrong slot moves the log-probs.
+    cfg.initializer_range = 0.3;
+    let (model, _) = Transformer::random_init(&cfg, 17, &dev).unwrap();
+    let reqs: Vec<GenerationRequest> = [(250, 2), (520, 1), (9, 2)]
+        .iter()
+        .enumerate()
+        .map(|(i, &(len, n))| GenerationRequest {
+            prompt_ids: prompt(len, i + 3),
+            num_samples: n,
+            seed: 90 + i as u64,
+        })
+        .collect();
+    // bf16: the scorer's prefill kernels and the decode's round activations differently, so
+    // only a gross error shows (the kernel's own bf16 accuracy is checked above).
+    let dtypes: &[(DType, f32)] = if dev.is_cpu() {
+        &[(DType::F32, 1e-4)]
+    } else {
+        &[(DType::F32, 1e-4), (DType::BF16, 0.25)]
+    };
+    for &(dtype, tol) in dtypes {
+        let model = model.to_dtype(dtype).unwrap();
+        let engine = EngineConfig {
+            kv_block_size: 16,
+            ..Default::default()
+        };
+        let out = generate_with_stats(&model, &reqs, &params(10, engine))
+            .unwrap()
+            .0;
+        let mut spread = (f32::INFINITY, f32::NEG_INFINITY);
+        for (r, samples) in reqs.iter().zip(&out) {
+            for s in samples {
+                let seq = [&r.prompt_ids[..], &s.completion_ids].concat();
+                let scored = score_with_temperature(&model, &[seq], 1.0)
+                    .unwrap()
+                    .remove(0);
+                let tail = &scored[r.prompt_ids.len() - 1..];
+                assert_eq!(tail.len(), s.sampler_logprobs.len());
+                for (a, b) in tail.iter().zip(&s.sampler_logprobs) {
+                    assert!(
+                        (a - b).abs() <= tol,
+                        "{dtype:?}, prompt of {}: scored {a} vs sampled {b}",
+                        r.prompt_ids.len()
+                    );
+                    spread = (spread.0.min(*b), spread.1.max(*b));
+                }
+            }
+        }
+        // Far from the uniform log-prob (−ln 384 ≈ −5.95) everywhere: the attention matters.
+        assert!(spread.1 - spread.0 > 1.0, "{dtype:?}: log-probs {spread:?}");
+    }
+}
+
+/// `log softmax(x / t)` of one row, in f64.
+fn log_softmax_f64(x: &[f64], t: f64) -> Vec<f64> {
+    let m = x.iter().map(|v| v / t).fold(f64::NEG_INFINITY, f64::max);
+    let lse = x.iter().map(|v| (v / t - m).exp()).sum::<f64>().ln() + m;
+    x.iter().map(|v| v / t - lse).collect()
+}
+
+/// The f64 inverse CDF over `exp(logp)`: the first id whose cumulative probability exceeds
+/// `u · Σp` (with p > 0), and how far `u · Σp` is from the nearest CDF boundary (a draw
+/// that close may fall on either side in f32).
+fn inverse_cdf_reference(logp: &[f64], u: f64) -> (u32, f64) {
+    let p: Vec<f64> = logp.iter().map(|l| l.exp()).collect();
+    let target = u * p.iter().sum::<f64>();
+    let (mut acc, mut pick, mut margin) = (0.0, None, f64::INFINITY);
+    for (i, &pi) in p.iter().enumerate() {
+        acc += pi;
+        if pi > 0.0 {
+            margin = margin.min((acc - target).abs());
+            if pick.is_none() && acc > target {
+                pick = Some(i);
+            }
+        }
+    }
+    let last = p.iter().rposition(|&pi| pi > 0.0).unwrap();
+    (pick.unwrap_or(last) as u32, margin)
+}
+
+/// On `$COMPOSER_TEST_DEVICE` (default `cpu`): the inverse-CDF sampler (on CUDA the device
+/// kernel, f32 and bf16 logits) draws, for the same uniforms, the tokens the CPU sampler and
+/// an f64 inverse CDF draw, with their log-probs, at temperatures 1 and 0.7, over vocabularies
+/// of 384, 1,000 and 151,936 tokens; rows with masked (−∞) tokens, uniforms 0 and next to 1.
+#[test]
+fn inverse_cdf_sampler_on_the_device_draws_what_the_cpu_draws() {
+    let dev = common::test_device();
+    let dtypes: &[DType] = if dev.is_cpu() {
+        &[DType::F32]
+    } else {
+        &[DType::F32, DType::BF16]
+    };
+    let (mut draws, mut compared) = (0, 0);
+    for (rows, vocab, seed) in [(48, 384, 11), (9, 1000, 12), (3, 151_936, 13)] {
+        let mut x: Vec<f64> = values(rows * vocab, seed).iter().map(|v| 6.0 * v).collect();
+        // Row 1: only every 7th token possible.
+        for (i, v) in x[vocab..2 * vocab].iter_mut().enumerate() {
+            if i % 7 != 3 {
+                *v = f64::NEG_INFINITY;
+            }
+        }
+        let mut uniforms: Vec<f64> = values(rows, seed + 100)
+            .iter()
+            .map(|v| (v + 1.0) / 2.0)
+            .collect();
+        uniforms[0] = 0.0;
+        uniforms[rows - 1] = 1.0 - 1e-12;
+        for &dtype in dtypes {
+            let cpu = Tensor::from_vec(x.clone(), (rows, vocab), &Device::Cpu)
+                .and_then(|t| t.to_dtype(dtype))
+                .unwrap();
+            // What the logits hold in `dtype`.
+            let held = cpu.to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
+            let on_dev = cpu.to_device(&dev).unwrap();
+            for t in [1.0, 0.7] {
+                let (tokens, lps) = sample_inverse_cdf(&on_dev, t, &uniforms).unwrap();
+                let cpu_f32 = cpu.to_dtype(DType::F32).unwrap();
+                let (cpu_tokens, _) = sample_inverse_cdf(&cpu_f32, t, &uniforms).unwrap();
+                assert_eq!((tokens.len(), lps.len()), (rows, rows));
+                for r in 0..rows {
+                    let logp = log_softmax_f64(&held[r], t);
+                    let (want, margin) = inverse_cdf_reference(&logp, uniforms[r]);
+                    let what = format!(
+                        "{dtype:?} V={vocab} T={t} row {r} u={}: device {}, cpu {}, reference {want} (margin {margin:e})",
+                        uniforms[r], tokens[r], cpu_tokens[r]
+                    );
+                    // Within 1e-6 of a CDF boundary f32 rounding may pick the neighbour.
+                    draws += 1;
+                    if margin > 1e-6 {
+                        assert_eq!(tokens[r], want, "{what}");
+                        assert_eq!(cpu_tokens[r], want, "{what}");
+                        compared += 1;
+                    }
+                    let tok_lp = logp[tokens[r] as usize];
+                    assert!(tok_lp.is_finite(), "{what}: drew a masked token");
+                    assert!(
+                        (lps[r] as f64 - tok_lp).abs() <= 1e-4,
+                        "{what}: log-prob {} vs {tok_lp}",
+                        lps[r]
+                    );
+                }
+            }
+        }
+    }
+    // Boundary cases are rare: nearly every draw was compared.
+    assert!(
+        compared * 10 >= draws * 9,
+        "{compared} of {draws} draws compared"
+    );
+    // Bad input: no temperature, or a uniform per row missing.
+    let logits = Tensor::zeros((2, 5), DType::F32, &dev).unwrap();
+    let e = sample_inverse_cdf(&logits, 0.0, &[0.5, 0.5]).unwrap_err();
+    assert!(e.to_string().contains("temperature > 0"), "{e}");
+    let e = sample_inverse_cdf(&logits, 1.0, &[0.5]).unwrap_err();
+    assert!(e.to_string().contains("1 uniforms for 2 rows"), "{e}");
 }

@@ -14,9 +14,9 @@
 //! CI); elsewhere the differentiable composition (`*_composed`), which is also the reference
 //! the tests compare against. On CUDA the transformer's padded training batch still attends with
 //! [`masked_softmax`]; its packed (`padding_free`) batch uses the varlen attention kernel,
-//! which holds no `[heads, T, T]` tensor. The rollout engine's decode attention over
-//! a paged KV cache ([`paged_decode_attention`], inference only) likewise has a CPU kernel and
-//! a gathering composition elsewhere.
+//! which holds no `[heads, T, T]` tensor. The rollout engine's decode attention over a paged
+//! KV cache ([`paged_decode_attention`], inference only) has a CPU kernel, a CUDA kernel
+//! (`decode_kernels.cu`, launched by `decode_cuda.rs`) and a gathering composition elsewhere.
 
 mod attention;
 mod attention_cpu;
@@ -24,6 +24,8 @@ mod attention_cpu;
 mod attention_cuda;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod decode_cuda;
 mod frozen_linear;
 mod masked_softmax;
 mod paged_attention;
@@ -32,6 +34,8 @@ mod rope;
 mod swiglu;
 
 pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, check_cu_seqlens};
+#[cfg(feature = "cuda")]
+pub(crate) use decode_cuda::sample_inverse_cdf as sample_inverse_cdf_cuda;
 pub use frozen_linear::frozen_linear;
 pub use masked_softmax::{masked_softmax, masked_softmax_composed};
 pub use paged_attention::{paged_decode_attention, paged_decode_attention_composed, PagedLayout};

@@ -3,12 +3,14 @@
 //!
 //! The pool holds `[slots, kv_heads, head_dim]` keys (and values), `block_size` slots per
 //! block; token `j` of a row lies in slot `table[j / block_size] * block_size + j % block_size`.
-//! The CPU kernel reads the slots in place (no per-step copy of the rows' K/V); elsewhere
-//! [`paged_decode_attention_composed`] gathers each row's slots into a contiguous, masked
-//! batch with candle ops (the device-generic fallback, and the reference of the tests).
-//! Inference only: no backward.
+//! The CPU kernel (f32/f64) and, built with `--features cuda`, the CUDA kernel (f32/bf16,
+//! `decode_kernels.cu`: a block per row, KV head and chunk of up to [`DECODE_CHUNK`] keys,
+//! the chunks merged flash-decoding style) read the slots in place (no per-step copy of the rows'
+//! K/V); elsewhere [`paged_decode_attention_composed`] gathers each row's slots into a
+//! contiguous, masked batch with candle ops (the device-generic fallback, and the reference of
+//! the tests). Inference only: no backward.
 
-use super::{cpu_kernels_apply, dot, layout_slice, par_map, work_dtype, Real};
+use super::{dot, kernels_apply, layout_slice, par_map, work_dtype, Real};
 use anyhow::{bail, Context, Result};
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
 use std::sync::OnceLock;
@@ -16,6 +18,82 @@ use std::sync::OnceLock;
 /// Multiply-adds per K or V pass (keys read × query heads × head_dim) below which the CPU
 /// kernel runs on the calling thread: spawning threads costs more than it saves.
 const PARALLEL_WORK: usize = 1 << 22;
+
+/// Keys one block of the CUDA kernel scores at most (a row's keys split into chunks of this
+/// many or fewer, merged by a second kernel when a row has more than one).
+pub(super) const DECODE_CHUNK: usize = 256;
+
+/// The smaller chunks the CUDA kernel may use: to fit shared memory, or to give a step with
+/// few rows enough blocks.
+const DECODE_CHUNKS: [usize; 4] = [DECODE_CHUNK, 128, 64, 32];
+
+/// Blocks a step's grid should have for the GPU's SMs to be busy (about two per SM of an
+/// H100/H200): below it, keys are split into smaller chunks.
+const DECODE_TARGET_BLOCKS: usize = 256;
+
+/// Threads per block of the CUDA kernel (8 warps).
+pub(super) const DECODE_THREADS: usize = 256;
+
+/// Shared memory a CUDA block may use without opting in (48 KiB).
+const DECODE_SHARED_LIMIT: usize = 48 * 1024;
+
+/// Query heads a CUDA thread accumulates at once (`DK_HEADS_PER_PASS` in the kernel).
+const DECODE_HEADS_PER_PASS: usize = 8;
+
+/// Largest head_dim of the CUDA kernel (`DK_MAX_D`).
+const DECODE_MAX_HEAD_DIM: usize = 256;
+
+/// How the CUDA kernel runs one step: keys per chunk, chunks of the longest row, and the
+/// block's shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct DecodePlan {
+    pub(super) block_size: usize,
+    pub(super) chunk: usize,
+    pub(super) splits: usize,
+    pub(super) shared_bytes: usize,
+}
+
+/// The CUDA kernel's plan for `groups` (rows × KV heads) of `n_rep` query heads of
+/// `head_dim`, the longest row attending to `longest` keys: the largest chunk that fits
+/// shared memory and still gives [`DECODE_TARGET_BLOCKS`] blocks, else the smallest that
+/// fits. `None` when the kernel cannot serve the shape (head_dim over 256, a group too large
+/// for shared memory even at 32 keys per chunk, or over 65,535 chunks).
+pub(super) fn decode_plan(
+    groups: usize,
+    n_rep: usize,
+    head_dim: usize,
+    block_size: usize,
+    longest: usize,
+) -> Option<DecodePlan> {
+    if head_dim == 0 || head_dim > DECODE_MAX_HEAD_DIM || n_rep == 0 {
+        return None;
+    }
+    // Floats: the group's queries, its scores, max and sum per head, and the value sums of
+    // the thread groups beyond the first (see decode_kernels.cu).
+    let thread_groups = DECODE_THREADS / head_dim;
+    let bytes = |chunk: usize| {
+        4 * (n_rep * head_dim
+            + n_rep * chunk
+            + 2 * n_rep
+            + DECODE_HEADS_PER_PASS * head_dim * (thread_groups - 1))
+    };
+    let fitting = || {
+        DECODE_CHUNKS
+            .into_iter()
+            .filter(|&c| bytes(c) <= DECODE_SHARED_LIMIT)
+    };
+    let chunk = fitting()
+        .find(|&c| groups * longest.div_ceil(c) >= DECODE_TARGET_BLOCKS)
+        .or_else(|| fitting().next_back())?;
+    let splits = longest.div_ceil(chunk).max(1);
+    // The chunks are the grid's second axis (at most 65,535 blocks).
+    (splits <= 65_535).then_some(DecodePlan {
+        block_size,
+        chunk,
+        splits,
+        shared_bytes: bytes(chunk),
+    })
+}
 
 /// Where the rows of one decode step find their keys and values in a block pool.
 #[derive(Debug)]
@@ -26,6 +104,10 @@ pub struct PagedLayout {
     /// The fallback's slot index `[rows · longest]` and mask `[rows, 1, 1, longest]`, built
     /// once per layout (a step's layers share them).
     gathered: OnceLock<(Tensor, Tensor)>,
+    /// The CUDA kernel's block tables `[rows, max_blocks]` and lengths `[rows]` (u32), built
+    /// once per layout.
+    #[cfg(feature = "cuda")]
+    device_tables: OnceLock<(Tensor, Tensor)>,
 }
 
 impl PagedLayout {
@@ -55,7 +137,14 @@ impl PagedLayout {
             tables,
             lens,
             gathered: OnceLock::new(),
+            #[cfg(feature = "cuda")]
+            device_tables: OnceLock::new(),
         })
+    }
+
+    /// Keys the longest row attends to.
+    fn longest(&self) -> usize {
+        self.lens.iter().copied().max().unwrap_or(0)
     }
 
     /// Rows in the step.
@@ -83,7 +172,7 @@ impl PagedLayout {
         if let Some(g) = self.gathered.get() {
             return Ok(g);
         }
-        let (rows, longest) = (self.rows(), self.lens.iter().copied().max().unwrap_or(0));
+        let (rows, longest) = (self.rows(), self.longest());
         let mut index = vec![0u32; rows * longest];
         let mut mask = vec![f32::NEG_INFINITY; rows * longest];
         for b in 0..rows {
@@ -97,6 +186,27 @@ impl PagedLayout {
             Tensor::from_vec(mask, (rows, 1, 1, longest), device)?,
         );
         Ok(self.gathered.get_or_init(|| built))
+    }
+
+    /// The CUDA kernel's block tables `[rows, max_blocks]` (shorter tables padded with block
+    /// 0, never read) and row lengths `[rows]`, u32 on `device`.
+    #[cfg(feature = "cuda")]
+    fn device_tables(&self, device: &Device) -> candle_core::Result<&(Tensor, Tensor)> {
+        if let Some(t) = self.device_tables.get() {
+            return Ok(t);
+        }
+        let rows = self.rows();
+        let width = self.tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let mut flat = vec![0u32; rows * width];
+        for (b, t) in self.tables.iter().enumerate() {
+            flat[b * width..b * width + t.len()].copy_from_slice(t);
+        }
+        let lens: Vec<u32> = self.lens.iter().map(|&l| l as u32).collect();
+        let built = (
+            Tensor::from_vec(flat, (rows, width), device)?,
+            Tensor::from_vec(lens, rows, device)?,
+        );
+        Ok(self.device_tables.get_or_init(|| built))
     }
 }
 
@@ -145,8 +255,9 @@ fn check_inputs(
 /// Attention of one query token per row, `q` `[rows, heads, head_dim]`, over the rows' keys
 /// and values in `k_pool`/`v_pool` (`[slots, kv_heads, head_dim]`) as `layout` places them,
 /// scores scaled by `scale` → `[rows, heads, head_dim]`. Query head `h` uses key/value head
-/// `h / (heads / kv_heads)`. The CPU kernel (f32/f64) reads the pool in place; other devices
-/// and dtypes use [`paged_decode_attention_composed`].
+/// `h / (heads / kv_heads)`. The CPU kernel (f32/f64) and the CUDA kernel (f32/bf16, head_dim
+/// up to 256) read the pool in place; other devices and dtypes use
+/// [`paged_decode_attention_composed`].
 pub fn paged_decode_attention(
     q: &Tensor,
     k_pool: &Tensor,
@@ -154,8 +265,18 @@ pub fn paged_decode_attention(
     layout: &PagedLayout,
     scale: f64,
 ) -> Result<Tensor> {
-    check_inputs(q, k_pool, v_pool, layout)?;
-    if !cpu_kernels_apply(q) {
+    let (_, hq, hkv, d) = check_inputs(q, k_pool, v_pool, layout)?;
+    let kernel = kernels_apply(q)
+        && (q.device().is_cpu()
+            || decode_plan(
+                layout.rows() * hkv,
+                hq / hkv,
+                d,
+                layout.block_size,
+                layout.longest(),
+            )
+            .is_some());
+    if !kernel {
         return paged_decode_attention_composed(q, k_pool, v_pool, layout, scale);
     }
     let op = PagedDecode { layout, scale };
@@ -347,5 +468,79 @@ impl CustomOp3 for PagedDecode<'_> {
             _ => candle_core::bail!("paged attention kernel: q and the pools must be f32 or f64"),
         };
         Ok((out, lq.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        lq: &Layout,
+        k: &candle_core::CudaStorage,
+        lk: &Layout,
+        v: &candle_core::CudaStorage,
+        lv: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let (_, hq, d) = lq.shape().dims3()?;
+        let (_, hkv, _) = lk.shape().dims3()?;
+        let layout = self.layout;
+        let Some(plan) = decode_plan(
+            layout.rows() * hkv,
+            hq / hkv,
+            d,
+            layout.block_size,
+            layout.longest(),
+        ) else {
+            candle_core::bail!(
+                "paged attention: the CUDA kernel cannot serve {hq} query heads over {hkv} of dim {d}"
+            )
+        };
+        let (tables, lens) = layout.device_tables(&Device::Cuda(q.device().clone()))?;
+        let out = super::decode_cuda::paged_decode(
+            (q, lq),
+            (k, lk),
+            (v, lv),
+            (tables, lens),
+            &plan,
+            self.scale,
+        )?;
+        Ok((out, lq.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CUDA kernel's chunking: full chunks when the step has blocks enough, finer ones
+    /// for few rows, shorter ones when a large group would overflow shared memory, and no
+    /// plan past the kernel's limits.
+    #[test]
+    fn decode_plans_fit_shared_memory_and_fill_the_grid() {
+        // 128 rows × 2 KV heads of ≤ 256 keys: 256 blocks at full chunks, one per row.
+        let p = decode_plan(256, 7, 64, 16, 256).unwrap();
+        assert_eq!((p.chunk, p.splits), (256, 1));
+        // One row: the finest chunk (4,096 keys → 128 chunks per KV head).
+        let p = decode_plan(2, 7, 64, 16, 4096).unwrap();
+        assert_eq!((p.chunk, p.splits), (32, 128));
+        // 64 rows × 2 of 200 keys: 128 chunks is the largest giving 256 blocks.
+        assert_eq!(decode_plan(128, 7, 64, 16, 200).unwrap().chunk, 128);
+        // 32 query heads of dim 256 per KV head: 128-key chunks would need 49,408 bytes.
+        let p = decode_plan(4096, 32, 256, 16, 1000).unwrap();
+        assert_eq!((p.chunk, p.shared_bytes), (64, 41_216));
+        for (n_rep, d) in [(1, 1), (7, 64), (7, 128), (16, 256), (40, 256), (8, 80)] {
+            for groups in [1, 300] {
+                let p = decode_plan(groups, n_rep, d, 16, 777).unwrap();
+                assert!(
+                    p.shared_bytes <= DECODE_SHARED_LIMIT,
+                    "{n_rep} x {d}: {p:?}"
+                );
+                assert_eq!(p.splits, 777usize.div_ceil(p.chunk));
+            }
+        }
+        // head_dim over 256, a group no chunk fits, more chunks than the grid's second axis.
+        assert_eq!(decode_plan(1, 1, 320, 16, 10), None);
+        assert_eq!(decode_plan(1, 64, 256, 16, 10), None);
+        assert_eq!(decode_plan(1, 1, 64, 16, 256 * 65_536), None);
     }
 }

@@ -1,0 +1,169 @@
+//! Launchers of the rollout engine's decode kernels in `decode_kernels.cu` (built to their own
+//! PTX module by build.rs) for contiguous f32 and bf16 storages. The paged decode attention's
+//! custom op calls [`paged_decode`] from its `cuda_fwd`; its CPU twin is the op's `cpu_fwd`,
+//! and `tests/paged_kv.rs` compares both with a dense reference on `$COMPOSER_TEST_DEVICE`.
+
+use super::cuda::{alloc, kernel_name, typed, view};
+use super::paged_attention::{DecodePlan, DECODE_THREADS};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor};
+use half::bf16;
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
+const MODULE: &str = "composer_model_decode";
+
+/// Attention of one query per row, `q` `[rows, hq, d]`, over the pools `k`/`v`
+/// `[slots, hkv, d]` read in place through `tables` (u32 `[rows, max_blocks]`) and `lens`
+/// (u32 `[rows]`), both on q's device. The caller checked the shapes and that every slot
+/// the tables reach lies inside the pools. With more than one chunk of keys per row
+/// (`plan.splits > 1`), each chunk's partial sums go to an f32 workspace and a second kernel
+/// merges them.
+pub(super) fn paged_decode(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    (tables, lens): (&Tensor, &Tensor),
+    plan: &DecodePlan,
+    scale: f64,
+) -> Result<CudaStorage> {
+    let dtype = q.0.dtype();
+    let dev = q.0.device().clone();
+    let (rows, hq, d) = q.1.shape().dims3()?;
+    let (_, hkv, _) = k.1.shape().dims3()?;
+    let max_blocks = tables.dim(1)?;
+    let (tg, tl) = tables.storage_and_layout();
+    let (lg, ll) = lens.storage_and_layout();
+    let (Storage::Cuda(ts), Storage::Cuda(ls)) = (&*tg, &*lg) else {
+        candle_core::bail!("paged attention: the block tables are not on the CUDA device")
+    };
+    let tv = view::<u32>(ts, tl, "paged attention tables")?;
+    let lv = view::<u32>(ls, ll, "paged attention lengths")?;
+    let ints = [
+        hq as i32,
+        hkv as i32,
+        d as i32,
+        plan.block_size as i32,
+        max_blocks as i32,
+        plan.chunk as i32,
+        plan.splits as i32,
+    ];
+    let scale = scale as f32;
+    let splits = plan.splits;
+    // Chunk partials: sums [rows, hq, splits, d], max and exp-sum [rows, hq, splits].
+    let parts = if splits > 1 {
+        Some((
+            alloc::<f32>(&dev, rows * hq * splits * d)?,
+            alloc::<f32>(&dev, rows * hq * splits)?,
+            alloc::<f32>(&dev, rows * hq * splits)?,
+        ))
+    } else {
+        None
+    };
+    let null: u64 = 0;
+    typed!(dtype, "paged attention", |T| {
+        let qv = view::<T>(q.0, q.1, "paged attention q")?;
+        let kv = view::<T>(k.0, k.1, "paged attention keys")?;
+        let vv = view::<T>(v.0, v.1, "paged attention values")?;
+        let out = alloc::<T>(&dev, rows * hq * d)?;
+        let f = dev.get_or_load_custom_func(&kernel_name("paged_decode", dtype)?, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&qv).arg(&kv).arg(&vv).arg(&tv).arg(&lv).arg(&out);
+        match &parts {
+            Some((o, m, l)) => b.arg(o).arg(m).arg(l),
+            None => b.arg(&null).arg(&null).arg(&null),
+        };
+        for x in &ints {
+            b.arg(x);
+        }
+        b.arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: ((rows * hkv) as u32, splits as u32, 1),
+            block_dim: (DECODE_THREADS as u32, 1, 1),
+            shared_mem_bytes: plan.shared_bytes as u32,
+        };
+        // SAFETY: the arguments match the kernel's signature; the partial buffers are null
+        // only when splits == 1 (the kernel then writes `out` directly); every slot the
+        // tables reach was checked against the pools' length by the caller.
+        unsafe { b.launch(cfg) }.w()?;
+        if let Some((o, m, l)) = &parts {
+            let f = dev.get_or_load_custom_func(
+                &kernel_name("paged_decode_combine", dtype)?,
+                MODULE,
+                PTX,
+            )?;
+            let mut b = f.builder();
+            b.arg(o).arg(m).arg(l).arg(&lv).arg(&out);
+            b.arg(&ints[0]).arg(&ints[2]).arg(&ints[5]).arg(&ints[6]);
+            let cfg = LaunchConfig {
+                grid_dim: ((rows * hq) as u32, 1, 1),
+                block_dim: ((d.div_ceil(32) * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the arguments match the kernel's signature; the first kernel wrote the
+            // partials of every chunk the combine reads (those below each row's length).
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(T::wrap_cuda_slice(out, dev))
+    })
+}
+
+/// Threads per block of the sampling kernel (`DS_THREADS`).
+const SAMPLE_THREADS: u32 = 256;
+
+/// Draws one token per row of `logits` `[rows, V]` (f32 or bf16, on the CUDA device) at
+/// temperature `1 / inv_t` by inverse CDF at `uniforms[row]` (the CPU sampler's draw, see
+/// `sample_inverse_cdf` in decode_kernels.cu); returns the tokens and their log-probs. Only
+/// `rows` uniforms go to the device and `rows` tokens and log-probs come back.
+pub(crate) fn sample_inverse_cdf(
+    logits: &Tensor,
+    uniforms: &[f64],
+    inv_t: f32,
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    let (rows, vocab) = logits.dims2()?;
+    if uniforms.len() != rows {
+        candle_core::bail!(
+            "sampling: {} uniforms for {rows} rows of logits",
+            uniforms.len()
+        );
+    }
+    if rows == 0 {
+        return Ok((Vec::new(), Vec::new()));
+    }
+    if vocab == 0 || vocab > i32::MAX as usize {
+        candle_core::bail!("sampling: a vocabulary of {vocab} tokens");
+    }
+    let logits = logits.contiguous()?;
+    let dtype = logits.dtype();
+    let (g, l) = logits.storage_and_layout();
+    let Storage::Cuda(s) = &*g else {
+        candle_core::bail!("sampling: the CUDA sampler got non-CUDA logits")
+    };
+    let dev = s.device().clone();
+    let u = dev.clone_htod(uniforms)?;
+    let tokens = alloc::<u32>(&dev, rows)?;
+    let logprobs = alloc::<f32>(&dev, rows)?;
+    let v_i = vocab as i32;
+    typed!(dtype, "sampling", |T| {
+        let lv = view::<T>(s, l, "sampling logits")?;
+        let f =
+            dev.get_or_load_custom_func(&kernel_name("sample_inverse_cdf", dtype)?, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&lv)
+            .arg(&u)
+            .arg(&inv_t)
+            .arg(&tokens)
+            .arg(&logprobs)
+            .arg(&v_i);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (SAMPLE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature; `u`, `tokens` and `logprobs`
+        // hold `rows` elements, the logits `rows · vocab`.
+        unsafe { b.launch(cfg) }.w()?;
+    });
+    Ok((dev.clone_dtoh(&tokens)?, dev.clone_dtoh(&logprobs)?))
+}

@@ -1,0 +1,321 @@
+// CUDA kernels of the rollout engine's decode step: attention of one query token per row over
+// a paged KV cache (crates/model/src/ops/paged_attention.rs), read in place through the rows'
+// block tables, for f32 and bf16 tensors with f32 accumulation (CPU twin: the same custom op's
+// `cpu_fwd`, PagedDecode; tests/paged_kv.rs compares both with a dense reference on
+// $COMPOSER_TEST_DEVICE); and the sampler's inverse-CDF draw of the next token from the logits
+// (crates/model/src/sampling.rs; CPU twin: its blocked inverse CDF; tests/sampling_device.rs).
+// Built to its own PTX by crates/model/build.rs (`--features cuda`); launched by decode_cuda.rs.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ float dk_to_f(float x) { return x; }
+__device__ __forceinline__ float dk_to_f(bf16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T dk_from_f(float x);
+template <> __device__ __forceinline__ float dk_from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 dk_from_f<bf16>(float x) { return __float2bfloat16(x); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Query heads whose value sums one thread keeps in registers at once (more heads per group
+// take several passes over the chunk's values).
+#define DK_HEADS_PER_PASS 8
+// Largest head_dim: a warp holds one key row in DK_MAX_D / 32 registers per lane.
+#define DK_MAX_D 256
+
+// ---- Paged decode attention, one block per (row, kv head, chunk of keys) ----
+// q [rows, hq, d]; k, v [slots, hkv, d]; tables [rows, max_blocks] (row b's token j lies in
+// slot tables[b][j / block_size] * block_size + j % block_size); lens [rows] (>= 1). The
+// block serves the group's n_rep = hq / hkv query heads over keys [split·chunk, (split+1)·chunk)
+// of its row: scores q·k·scale into shared memory, the chunk's softmax (max, exp, sum), then
+// the probability-weighted sum of the values.
+//   splits == 1: out [rows, hq, d] gets the normalised result.
+//   splits > 1: the chunk's unnormalised sums go to part_o [rows, hq, splits, d] with its max
+//   and exp-sum in part_m / part_l [rows, hq, splits]; paged_decode_combine merges them.
+// blockDim.x = 256 (8 warps); head_dim d <= DK_MAX_D. Dynamic shared memory (floats):
+// q [n_rep·d] | scores [n_rep·chunk] | max, sum [2·n_rep] | reduction [8·d·(256/d − 1)].
+template <typename T>
+__device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
+                             const T* __restrict__ v, const uint32_t* __restrict__ tables,
+                             const uint32_t* __restrict__ lens, T* __restrict__ out,
+                             float* __restrict__ part_o, float* __restrict__ part_m,
+                             float* __restrict__ part_l, int hq, int hkv, int d, int block_size,
+                             int max_blocks, int chunk, int splits, float scale) {
+  extern __shared__ float smem[];
+  const int row = blockIdx.x / hkv, g = blockIdx.x % hkv, split = blockIdx.y;
+  const int n_rep = hq / hkv;
+  const int len = (int)lens[row];
+  const int start = split * chunk;
+  if (start >= len) return;  // this row has fewer chunks; the combine reads only its own
+  const int n = min(chunk, len - start);
+  const uint32_t* table = tables + (size_t)row * max_blocks;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+
+  float* q_s = smem;                  // [n_rep, d]
+  float* sc = q_s + n_rep * d;        // [n_rep, chunk]
+  float* m_s = sc + n_rep * chunk;    // [n_rep]
+  float* l_s = m_s + n_rep;           // [n_rep]
+  float* red = l_s + n_rep;           // [(groups − 1), DK_HEADS_PER_PASS, d]
+
+  const T* qg = q + ((size_t)row * hq + (size_t)g * n_rep) * d;
+  for (int i = tid; i < n_rep * d; i += blockDim.x) q_s[i] = dk_to_f(qg[i]);
+  __syncthreads();
+
+  // Scores: a warp per key, the key row read once (DK_MAX_D / 32 values per lane) for every
+  // query head of the group; the partial dot products of up to DK_HEADS_PER_PASS heads are
+  // reduced across the warp together (independent shuffles overlap).
+  for (int jj = warp; jj < n; jj += nwarps) {
+    const int j = start + jj;
+    const size_t slot = (size_t)table[j / block_size] * block_size + j % block_size;
+    const T* kr = k + (slot * hkv + g) * d;
+    float kreg[DK_MAX_D / 32];
+#pragma unroll
+    for (int i = 0; i < DK_MAX_D / 32; i++) {
+      const int e = lane + 32 * i;
+      kreg[i] = e < d ? dk_to_f(kr[e]) : 0.f;
+    }
+    for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
+      float s[DK_HEADS_PER_PASS];
+#pragma unroll
+      for (int h = 0; h < DK_HEADS_PER_PASS; h++) {
+        s[h] = 0.f;
+        if (r0 + h < n_rep) {
+          const float* qr = q_s + (r0 + h) * d;
+#pragma unroll
+          for (int i = 0; i < DK_MAX_D / 32; i++) {
+            const int e = lane + 32 * i;
+            if (e < d) s[h] += qr[e] * kreg[i];
+          }
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int h = 0; h < DK_HEADS_PER_PASS; h++)
+          s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int h = 0; h < DK_HEADS_PER_PASS; h++)
+          if (r0 + h < n_rep) sc[(r0 + h) * chunk + jj] = s[h] * scale;
+      }
+    }
+  }
+  __syncthreads();
+
+  // The chunk's softmax numerators, a warp per query head.
+  for (int r = warp; r < n_rep; r += nwarps) {
+    float* sr = sc + r * chunk;
+    float m = -INFINITY;
+    for (int jj = lane; jj < n; jj += 32) m = fmaxf(m, sr[jj]);
+    m = warp_max(m);
+    float z = 0.f;
+    for (int jj = lane; jj < n; jj += 32) {
+      const float e = expf(sr[jj] - m);
+      sr[jj] = e;
+      z += e;
+    }
+    z = warp_sum(z);
+    if (lane == 0) {
+      m_s[r] = m;
+      l_s[r] = z;
+    }
+  }
+  __syncthreads();
+
+  // Weighted values: `groups` groups of d threads, each thread one column, group p taking
+  // keys p, p + groups, …; the groups' sums are added through shared memory.
+  const int groups = blockDim.x / d;
+  const int col = tid % d, grp = tid / d;
+  const bool active = grp < groups;
+  for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
+    float acc[DK_HEADS_PER_PASS];
+#pragma unroll
+    for (int i = 0; i < DK_HEADS_PER_PASS; i++) acc[i] = 0.f;
+    if (active) {
+      for (int jj = grp; jj < n; jj += groups) {
+        const int j = start + jj;
+        const size_t slot = (size_t)table[j / block_size] * block_size + j % block_size;
+        const float x = dk_to_f(v[(slot * hkv + g) * d + col]);
+#pragma unroll
+        for (int i = 0; i < DK_HEADS_PER_PASS; i++)
+          if (r0 + i < n_rep) acc[i] += sc[(r0 + i) * chunk + jj] * x;
+      }
+    }
+    if (groups > 1) {
+      if (active && grp > 0) {
+#pragma unroll
+        for (int i = 0; i < DK_HEADS_PER_PASS; i++)
+          red[((grp - 1) * DK_HEADS_PER_PASS + i) * d + col] = acc[i];
+      }
+      __syncthreads();
+      if (grp == 0) {
+        for (int p = 1; p < groups; p++) {
+#pragma unroll
+          for (int i = 0; i < DK_HEADS_PER_PASS; i++)
+            acc[i] += red[((p - 1) * DK_HEADS_PER_PASS + i) * d + col];
+        }
+      }
+      __syncthreads();  // `red` is reused by the next pass
+    }
+    if (grp == 0) {
+#pragma unroll
+      for (int i = 0; i < DK_HEADS_PER_PASS; i++) {
+        const int r = r0 + i;
+        if (r >= n_rep) break;
+        const size_t h = (size_t)row * hq + (size_t)g * n_rep + r;
+        if (splits == 1) {
+          out[h * d + col] = dk_from_f<T>(acc[i] / l_s[r]);
+        } else {
+          part_o[(h * splits + split) * d + col] = acc[i];
+          if (col == 0) {
+            part_m[h * splits + split] = m_s[r];
+            part_l[h * splits + split] = l_s[r];
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- Merges the chunks of paged_decode (splits > 1): one block per (row, query head) ----
+// out[row, h] = Σ_s e^{m_s − M}·o_s / Σ_s e^{m_s − M}·l_s over the row's ⌈len / chunk⌉ chunks,
+// M the largest chunk max. blockDim.x >= d.
+template <typename T>
+__device__ void paged_decode_combine(const float* __restrict__ part_o,
+                                     const float* __restrict__ part_m,
+                                     const float* __restrict__ part_l,
+                                     const uint32_t* __restrict__ lens, T* __restrict__ out,
+                                     int hq, int d, int chunk, int splits) {
+  const int h = blockIdx.x, row = h / hq, col = threadIdx.x;
+  if (col >= d) return;
+  const int used = ((int)lens[row] + chunk - 1) / chunk;
+  const float* m = part_m + (size_t)h * splits;
+  const float* l = part_l + (size_t)h * splits;
+  float top = -INFINITY;
+  for (int s = 0; s < used; s++) top = fmaxf(top, m[s]);
+  float num = 0.f, den = 0.f;
+  for (int s = 0; s < used; s++) {
+    const float w = expf(m[s] - top);
+    den += w * l[s];
+    num += w * part_o[((size_t)h * splits + s) * d + col];
+  }
+  out[(size_t)h * d + col] = dk_from_f<T>(num / den);
+}
+
+// ---- Inverse-CDF sampling of one token per row of logits [rows, V], one block per row ----
+// As the CPU sampler: x = logits·inv_t in f32, logp = x − (m + ln Σ e^{x − m}) (m the row max),
+// p = e^{logp}; the token is the first id, in id order, whose cumulative p (f64) exceeds
+// u·Σp with p > 0 (u = uniforms[row]); a target past the end (rounding) takes the last id
+// with p > 0. Writes the token and its logp. Thread t owns the ids of segment t (contiguous,
+// ⌈V / blockDim⌉ each): segment sums, a scan by thread 0, then the owning thread walks its
+// segment. blockDim.x = DS_THREADS.
+#define DS_THREADS 256
+template <typename T>
+__device__ void sample_inverse_cdf(const T* __restrict__ logits,
+                                   const double* __restrict__ uniforms, float inv_t,
+                                   uint32_t* __restrict__ tokens, float* __restrict__ logprobs,
+                                   int v) {
+  __shared__ float part[DS_THREADS / 32];
+  __shared__ double seg[DS_THREADS + 1];
+  __shared__ float row_lse;
+  __shared__ double row_target;
+  __shared__ int owner;
+  const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = blockDim.x >> 5;
+  const T* x = logits + (size_t)row * v;
+
+  float m = -INFINITY;
+  for (int i = tid; i < v; i += blockDim.x) m = fmaxf(m, dk_to_f(x[i]) * inv_t);
+  m = warp_max(m);
+  if (lane == 0) part[warp] = m;
+  __syncthreads();
+  m = -INFINITY;
+  for (int w = 0; w < nwarps; w++) m = fmaxf(m, part[w]);
+  __syncthreads();  // `part` is reused below
+  float z = 0.f;
+  for (int i = tid; i < v; i += blockDim.x) z += expf(dk_to_f(x[i]) * inv_t - m);
+  z = warp_sum(z);
+  if (lane == 0) part[warp] = z;
+  __syncthreads();
+  if (tid == 0) {
+    float total = 0.f;
+    for (int w = 0; w < nwarps; w++) total += part[w];
+    row_lse = logf(total) + m;
+  }
+  __syncthreads();
+  const float lse = row_lse;
+
+  const int per = (v + blockDim.x - 1) / blockDim.x;
+  const int lo = min(v, tid * per), hi = min(v, lo + per);
+  double s = 0.0;
+  for (int i = lo; i < hi; i++) s += (double)expf(dk_to_f(x[i]) * inv_t - lse);
+  seg[tid + 1] = s;
+  __syncthreads();
+  if (tid == 0) {
+    // seg[t] becomes the mass before segment t; the target's segment is the first whose
+    // mass ends past it, else (rounding) the last one with mass.
+    seg[0] = 0.0;
+    for (int t = 0; t < (int)blockDim.x; t++) seg[t + 1] += seg[t];
+    const double target = uniforms[row] * seg[blockDim.x];
+    int found = -1, last = 0;
+    for (int t = 0; t < (int)blockDim.x; t++) {
+      if (seg[t + 1] > seg[t]) {
+        last = t;
+        if (found < 0 && seg[t + 1] > target) found = t;
+      }
+    }
+    owner = found >= 0 ? found : last;
+    row_target = target;
+  }
+  __syncthreads();
+  if (tid == owner) {
+    double acc = seg[tid];
+    int pick = -1, last = lo;
+    for (int i = lo; i < hi; i++) {
+      const float p = expf(dk_to_f(x[i]) * inv_t - lse);
+      if (p > 0.f) last = i;
+      acc += (double)p;
+      if (acc > row_target && p > 0.f) {
+        pick = i;
+        break;
+      }
+    }
+    if (pick < 0) pick = last;
+    tokens[row] = (uint32_t)pick;
+    logprobs[row] = dk_to_f(x[pick]) * inv_t - lse;
+  }
+}
+
+#define DK_INSTANTIATE(T, SFX)                                                                 \
+  extern "C" __global__ void __launch_bounds__(256) paged_decode_##SFX(                        \
+      const T* q, const T* k, const T* v, const uint32_t* tables, const uint32_t* lens, T* out, \
+      float* part_o, float* part_m, float* part_l, int hq, int hkv, int d, int block_size,     \
+      int max_blocks, int chunk, int splits, float scale) {                                    \
+    paged_decode<T>(q, k, v, tables, lens, out, part_o, part_m, part_l, hq, hkv, d,            \
+                    block_size, max_blocks, chunk, splits, scale);                             \
+  }                                                                                            \
+  extern "C" __global__ void paged_decode_combine_##SFX(const float* part_o,                   \
+                                                        const float* part_m,                   \
+                                                        const float* part_l,                   \
+                                                        const uint32_t* lens, T* out, int hq,  \
+                                                        int d, int chunk, int splits) {        \
+    paged_decode_combine<T>(part_o, part_m, part_l, lens, out, hq, d, chunk, splits);          \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(DS_THREADS) sample_inverse_cdf_##SFX(          \
+      const T* logits, const double* uniforms, float inv_t, uint32_t* tokens, float* logprobs, \
+      int v) {                                                                                 \
+    sample_inverse_cdf<T>(logits, uniforms, inv_t, tokens, logprobs, v);                       \
+  }
+
+DK_INSTANTIATE(float, f32)
+DK_INSTANTIATE(bf16, bf16)

@@ -1,0 +1,139 @@
+// The paged decode attention kernels of decode_kernels.cu under emu.h (run.sh) against an f64
+// reference, on the shapes of crates/model/tests/paged_kv.rs; arguments pick cases by index.
+#include "emu.h"
+#include "decode_kernels_emu.cu"
+#include <cstdio>
+#include <random>
+#include <cstdlib>
+
+struct Case { int hq, hkv, d, bs; std::vector<int> lens; };
+
+// As decode_plan in paged_attention.rs (`groups` = rows × KV heads).
+bool plan(int groups, int n_rep, int d, int longest, int& chunk, int& splits, size_t& bytes) {
+  if (d <= 0 || d > 256) return false;
+  const int thread_groups = 256 / d;
+  auto need = [&](int c) { return 4 * ((size_t)n_rep * d + (size_t)n_rep * c + 2 * n_rep + 8 * d * (thread_groups - 1)); };
+  int pick = 0, smallest = 0;
+  for (int c : {256, 128, 64, 32}) {
+    if (need(c) > 48 * 1024) continue;
+    smallest = c;
+    if (!pick && (size_t)groups * ((longest + c - 1) / c) >= 256) pick = c;
+  }
+  if (!pick) pick = smallest;
+  if (!pick) return false;
+  chunk = pick; splits = std::max(1, (longest + pick - 1) / pick); bytes = need(pick);
+  return splits <= 65535;
+}
+
+template <typename T> T cvt(float x);
+template <> float cvt<float>(float x) { return x; }
+template <> bf16 cvt<bf16>(float x) { return __float2bfloat16(x); }
+double back(float x) { return x; }
+double back(bf16 x) { return __bfloat162float(x); }
+
+template <typename T>
+double run(const Case& c, unsigned seed, bool& served) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> U(-1.f, 1.f);
+  const int rows = c.lens.size(), hq = c.hq, hkv = c.hkv, d = c.d, bs = c.bs, n_rep = hq / hkv;
+  int num_blocks = 4;
+  for (int l : c.lens) num_blocks += (l + bs - 1) / bs;
+  std::vector<uint32_t> perm(num_blocks);
+  for (int i = 0; i < num_blocks; i++) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<std::vector<uint32_t>> tables;
+  int at = 0, width = 1, longest = 0;
+  for (int b = 0; b < rows; b++) {
+    int n = (c.lens[b] + bs - 1) / bs + (b == 0);
+    tables.emplace_back(perm.begin() + at, perm.begin() + at + n);
+    at += n; width = std::max(width, n); longest = std::max(longest, c.lens[b]);
+  }
+  const size_t slots = (size_t)num_blocks * bs;
+  std::vector<T> q(rows * hq * d), k(slots * hkv * d), v(slots * hkv * d);
+  for (auto& x : q) x = cvt<T>(U(rng));
+  for (auto& x : k) x = cvt<T>(U(rng));
+  for (auto& x : v) x = cvt<T>(U(rng));
+  std::vector<uint32_t> flat(rows * width, 0), lens(rows);
+  for (int b = 0; b < rows; b++) {
+    std::copy(tables[b].begin(), tables[b].end(), flat.begin() + b * width);
+    lens[b] = c.lens[b];
+  }
+  const float scale = 1.0f / std::sqrt((float)d);
+  int chunk, splits; size_t bytes;
+  served = plan(rows * hkv, n_rep, d, longest, chunk, splits, bytes);
+  if (!served) return 0;
+  std::vector<T> out(rows * hq * d);
+  std::vector<float> po, pm, pl;
+  if (splits > 1) { po.resize((size_t)rows * hq * splits * d); pm.resize(rows * hq * splits); pl.resize(rows * hq * splits); }
+  emu_launch(Dim3{(unsigned)(rows * hkv), (unsigned)splits, 1}, Dim3{256, 1, 1}, bytes, [&] {
+    if constexpr (sizeof(T) == 4)
+      paged_decode_f32(q.data(), k.data(), v.data(), flat.data(), lens.data(), out.data(),
+                       splits > 1 ? po.data() : nullptr, splits > 1 ? pm.data() : nullptr,
+                       splits > 1 ? pl.data() : nullptr, hq, hkv, d, bs, width, chunk, splits, scale);
+    else
+      paged_decode_bf16(q.data(), k.data(), v.data(), flat.data(), lens.data(), out.data(),
+                        splits > 1 ? po.data() : nullptr, splits > 1 ? pm.data() : nullptr,
+                        splits > 1 ? pl.data() : nullptr, hq, hkv, d, bs, width, chunk, splits, scale);
+  });
+  if (splits > 1)
+    emu_launch(Dim3{(unsigned)(rows * hq), 1, 1}, Dim3{(unsigned)((d + 31) / 32 * 32), 1, 1}, 0, [&] {
+      if constexpr (sizeof(T) == 4)
+        paged_decode_combine_f32(po.data(), pm.data(), pl.data(), lens.data(), out.data(), hq, d, chunk, splits);
+      else
+        paged_decode_combine_bf16(po.data(), pm.data(), pl.data(), lens.data(), out.data(), hq, d, chunk, splits);
+    });
+  // f64 reference on the same (rounded) inputs.
+  double worst = 0;
+  for (int b = 0; b < rows; b++)
+    for (int h = 0; h < hq; h++) {
+      const int g = h / n_rep, len = c.lens[b];
+      std::vector<double> s(len);
+      double m = -INFINITY;
+      for (int j = 0; j < len; j++) {
+        size_t slot = (size_t)tables[b][j / bs] * bs + j % bs;
+        double acc = 0;
+        for (int e = 0; e < d; e++) acc += back(q[(b * hq + h) * d + e]) * back(k[(slot * hkv + g) * d + e]);
+        s[j] = acc * scale; m = std::max(m, s[j]);
+      }
+      double z = 0;
+      for (auto& x : s) { x = std::exp(x - m); z += x; }
+      for (int e = 0; e < d; e++) {
+        double o = 0;
+        for (int j = 0; j < len; j++) {
+          size_t slot = (size_t)tables[b][j / bs] * bs + j % bs;
+          o += s[j] / z * back(v[(slot * hkv + g) * d + e]);
+        }
+        worst = std::max(worst, std::abs(o - back(out[(b * hq + h) * d + e])));
+      }
+    }
+  return worst;
+}
+
+int main(int argc, char** argv) {
+  std::vector<Case> cases = {
+      {6, 2, 16, 4, {1, 5, 8, 11, 13}},       {16, 4, 64, 16, {1700, 1, 1333, 1066}},
+      {4, 4, 64, 1, {1, 7, 256, 300}},         {8, 4, 128, 16, {1, 16, 48, 513, 200}},
+      {14, 2, 128, 5, {1, 10, 255, 257, 40}},  {7, 1, 64, 32, {64, 1, 31, 600}},
+      {16, 1, 256, 16, {300, 3}},              {32, 1, 256, 8, {200, 1}},
+      {4, 2, 80, 16, {33, 290}},               {2, 1, 320, 4, {5, 9}},
+  };
+  {
+    Case many{4, 2, 64, 16, {}};
+    for (int i = 0; i < 128; i++) many.lens.push_back(1 + (i * 37) % 256);
+    cases.push_back(many);
+  }
+  int bad = 0;
+  if (argc > 1) { std::vector<Case> pick; for (int i = 1; i < argc; i++) pick.push_back(cases[std::atoi(argv[i])]); cases = pick; }
+  for (auto& c : cases) {
+    bool served;
+    double e32 = run<float>(c, 7, served);
+    double e16 = served ? run<bf16>(c, 8, served) : 0;
+    int chunk = 0, splits = 0; size_t bytes = 0; int longest = *std::max_element(c.lens.begin(), c.lens.end());
+    plan((int)c.lens.size() * c.hkv, c.hq / c.hkv, c.d, longest, chunk, splits, bytes);
+    std::printf("hq %2d hkv %d d %3d bs %2d: %s chunk %3d splits %d smem %6zu  f32 err %.2e  bf16 err %.2e\n",
+                c.hq, c.hkv, c.d, c.bs, served ? "kernel" : "not served", chunk, splits, bytes, e32, e16);
+    if (served && (e32 > 1e-5 || e16 > 1e-2)) bad++;
+  }
+  std::printf("%s\n", bad ? "FAIL" : "ALL OK");
+  return bad != 0;
+}
