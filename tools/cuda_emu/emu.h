@@ -1,65 +1,121 @@
-// Runs CUDA kernels on the CPU (see run.sh): a std::thread per CUDA thread of a block, the
-// blocks one at a time, __syncthreads and warp shuffles through barriers; static __shared__
-// arrays become function statics (one block runs at a time), the dynamic shared memory a
-// buffer of the launch's size.
+// The CPU runtime of the CUDA emulation (tools/cuda_emu, see README.md): every driver includes
+// it before the kernel source. A block's CUDA threads are std::threads; the blocks of a launch
+// run one at a time (the same threads walk them in order); __syncthreads is a block barrier,
+// warp shuffles exchange through a per-warp buffer between two warp barriers. Static __shared__
+// arrays become function statics (shared by the block's threads: one block runs at a time);
+// dynamic shared memory (`extern __shared__ float x[];`, rewritten by run.sh into a pointer to
+// emu_dynamic_smem) is a fresh 16-byte-aligned buffer of exactly the launch's size per block,
+// filled with NaN so that a read of a slot the block never wrote shows in the results and an
+// overrun trips AddressSanitizer. bf16 comes from the shim inc/cuda_bf16.h.
 #pragma once
+#include <cuda_bf16.h>
+#include <algorithm>
+#include <atomic>
 #include <barrier>
-#include <memory>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
 #include <thread>
+#include <type_traits>
 #include <vector>
-#include <algorithm>
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
 #define __restrict__
-#define __launch_bounds__(x)
-using std::min; using std::max;
+#define __launch_bounds__(...)
+using std::max;
+using std::min;
+
+struct alignas(16) float4 { float x, y, z, w; };
 struct Dim3 { unsigned x = 1, y = 1, z = 1; };
-thread_local Dim3 threadIdx, blockIdx;
-Dim3 blockDim, gridDim;
-float* emu_dynamic_smem = nullptr;
-struct Warp { std::barrier<>* bar; float buf[32]; };
-thread_local Warp* emu_warp;
-std::barrier<>* emu_block_bar;
+inline thread_local Dim3 threadIdx, blockIdx;
+inline Dim3 blockDim, gridDim;
+inline float* emu_dynamic_smem = nullptr;
+inline unsigned emu_dynamic_smem_size = 0;
+
+// What the PTX register %dynamic_smem_size holds: the launch's dynamic shared memory bytes
+// (kernels.cu declares it for host compilers and reads the register on the device).
+inline unsigned dynamic_smem_bytes() { return emu_dynamic_smem_size; }
+
+[[noreturn]] inline void __trap() {
+  std::fprintf(stderr, "__trap() in block (%u,%u,%u) thread %u\n", blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
+  std::abort();
+}
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+inline float __expf(float x) { return std::exp(x); }
+inline float atomicAdd(float* a, float v) { return std::atomic_ref<float>(*a).fetch_add(v); }
+
+struct EmuWarp {
+  std::barrier<>* bar;
+  alignas(8) unsigned char buf[32][8];  // one slot per lane, values of up to 8 bytes
+};
+inline thread_local EmuWarp* emu_warp;
+inline std::barrier<>* emu_block_bar;
 inline void __syncthreads() { emu_block_bar->arrive_and_wait(); }
-inline float __shfl_xor_sync(unsigned, float v, int o) {
+
+// Every lane of the warp publishes `v`, then reads lane `src`'s (a lane outside a partial
+// warp reads a stale slot: undefined on a GPU too).
+template <class T>
+T emu_shuffle(T v, int src) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8);
   const int lane = threadIdx.x & 31;
-  emu_warp->buf[lane] = v;
+  std::memcpy(emu_warp->buf[lane], &v, sizeof(T));
   emu_warp->bar->arrive_and_wait();
-  const float r = emu_warp->buf[lane ^ o];
-  emu_warp->bar->arrive_and_wait();
+  T r;
+  std::memcpy(&r, emu_warp->buf[src & 31], sizeof(T));
+  emu_warp->bar->arrive_and_wait();  // nobody overwrites a slot before every lane read it
   return r;
 }
-// Launches `f` on `grid` blocks of `block` threads: block.x persistent threads run the blocks
-// one after another (a block starts when every thread has finished the previous one).
+template <class T> T __shfl_xor_sync(unsigned, T v, int lane_mask) { return emu_shuffle(v, (threadIdx.x & 31) ^ lane_mask); }
+template <class T> T __shfl_sync(unsigned, T v, int src_lane) { return emu_shuffle(v, src_lane); }
+
+// Launches `f` (a call of the kernel) on `grid` blocks of `block.x` threads with
+// `shared_bytes` of dynamic shared memory. Aborts on what a GPU launch would refuse here
+// (more than 1024 threads, more than the 48 KiB of dynamic shared memory the kernels are
+// launched with) and on 2-D/3-D blocks (not emulated).
 template <class F>
 void emu_launch(Dim3 grid, Dim3 block, size_t shared_bytes, F f) {
-  gridDim = grid; blockDim = block;
-  const unsigned nw = (block.x + 31) / 32;
-  std::vector<std::unique_ptr<std::barrier<>>> bars;
-  std::vector<Warp> warps(nw);
-  for (unsigned w = 0; w < nw; w++) {
-    bars.push_back(std::make_unique<std::barrier<>>(std::min(32u, block.x - 32 * w)));
-    warps[w].bar = bars.back().get();
+  if (block.x == 0 || block.x > 1024 || block.y != 1 || block.z != 1 || grid.x == 0 || grid.y == 0 || grid.z == 0) {
+    std::fprintf(stderr, "emu_launch: unsupported shape grid (%u,%u,%u) block (%u,%u,%u)\n", grid.x, grid.y, grid.z,
+                 block.x, block.y, block.z);
+    std::abort();
   }
-  std::barrier<> bbar(block.x), step(block.x);
-  emu_block_bar = &bbar;
-  // A fresh buffer of exactly the launch's size per block (ASan sees overruns; not zeroed,
-  // as on a GPU).
-  std::unique_ptr<float[]> smem;
-  std::vector<std::thread> ts;
+  if (shared_bytes > 48 * 1024) {
+    std::fprintf(stderr, "emu_launch: %zu bytes of dynamic shared memory > 48 KiB\n", shared_bytes);
+    std::abort();
+  }
+  gridDim = grid;
+  blockDim = block;
+  emu_dynamic_smem_size = (unsigned)shared_bytes;
+  const unsigned n_warps = (block.x + 31) / 32;
+  std::vector<std::unique_ptr<std::barrier<>>> warp_bars;
+  std::vector<EmuWarp> warps(n_warps);
+  for (unsigned w = 0; w < n_warps; w++) {
+    warp_bars.push_back(std::make_unique<std::barrier<>>(std::min(32u, block.x - 32 * w)));
+    warps[w].bar = warp_bars.back().get();
+  }
+  std::barrier<> block_bar(block.x), step(block.x);
+  emu_block_bar = &block_bar;
+  struct FreeAligned {
+    void operator()(float* p) const { ::operator delete(p, std::align_val_t(16)); }
+  };
+  std::unique_ptr<float, FreeAligned> smem;
+  std::vector<std::thread> threads;
   for (unsigned t = 0; t < block.x; t++)
-    ts.emplace_back([&, t] {
+    threads.emplace_back([&, t] {
       threadIdx = Dim3{t, 0, 0};
       emu_warp = &warps[t / 32];
       for (unsigned bz = 0; bz < grid.z; bz++)
         for (unsigned by = 0; by < grid.y; by++)
           for (unsigned bx = 0; bx < grid.x; bx++) {
             if (t == 0) {
-              smem.reset(shared_bytes ? new float[shared_bytes / 4] : nullptr);
+              smem.reset(shared_bytes ? static_cast<float*>(::operator new(shared_bytes, std::align_val_t(16))) : nullptr);
+              for (size_t i = 0; i < shared_bytes / 4; i++) smem.get()[i] = NAN;
               emu_dynamic_smem = smem.get();
             }
             step.arrive_and_wait();  // the block's shared memory is ready
@@ -68,5 +124,5 @@ void emu_launch(Dim3 grid, Dim3 block, size_t shared_bytes, F f) {
             step.arrive_and_wait();  // every thread is done with the block
           }
     });
-  for (auto& t : ts) t.join();
+  for (auto& t : threads) t.join();
 }

@@ -1,8 +1,10 @@
 // The paged decode attention kernels of decode_kernels.cu under emu.h (run.sh) against an f64
-// reference, on the shapes of crates/model/tests/paged_kv.rs; arguments pick cases by index.
+// reference, on the shapes of crates/model/tests/paged_kv.rs. Arguments: case indices to run
+// (default all), or --quick for the cases marked quick.
 #include "emu.h"
 #include "decode_kernels_emu.cu"
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <cstdlib>
 
@@ -123,7 +125,22 @@ int main(int argc, char** argv) {
     cases.push_back(many);
   }
   int bad = 0;
-  if (argc > 1) { std::vector<Case> pick; for (int i = 1; i < argc; i++) pick.push_back(cases[std::atoi(argv[i])]); cases = pick; }
+  if (argc > 1) {
+    // Quick: one split (GQA 3, block size 4); keys split into chunks with block size 1, with
+    // block size 5 and GQA 7, with head_dim 80.
+    const std::vector<size_t> quick = {0, 2, 4, 8};
+    std::vector<Case> pick;
+    for (int a = 1; a < argc; a++) {
+      if (std::strcmp(argv[a], "--quick") == 0) {
+        for (size_t i : quick) pick.push_back(cases[i]);
+        continue;
+      }
+      const size_t i = std::strtoul(argv[a], nullptr, 10);
+      if (i >= cases.size()) { std::fprintf(stderr, "no case %s (0..%zu)\n", argv[a], cases.size() - 1); return 2; }
+      pick.push_back(cases[i]);
+    }
+    cases = pick;
+  }
   for (auto& c : cases) {
     bool served;
     double e32 = run<float>(c, 7, served);

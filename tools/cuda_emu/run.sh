@@ -1,26 +1,44 @@
 #!/usr/bin/env bash
-# Runs the rollout engine's decode kernels (crates/model/src/ops/decode_kernels.cu) on the CPU,
-# for checking them where no GPU is at hand: emu.h runs each CUDA thread of a block as a
-# std::thread, __syncthreads and warp shuffles through barriers, the blocks one at a time; the
-# kernel source is used as is (only its dynamic shared memory declaration becomes a pointer to
-# a buffer of exactly the launch's size). Built with AddressSanitizer + UBSan (out-of-bounds
-# reads/writes of global or shared memory abort), or ThreadSanitizer with TSAN=1 (a missing
-# __syncthreads shows as a data race). Each driver compares with an f64 reference:
-# paged_decode.cpp the paged decode attention on the shapes of tests/paged_kv.rs (arguments
-# pick its cases by index; all of them take ~15 min on 2 cores), sample_inverse_cdf.cpp the
-# sampler. Needs g++ >= 11 (C++20 <barrier>). Not a GPU test: tools/gpu_check.sh runs the
-# real kernels.
+# Builds and runs the CPU emulation of the CUDA kernels (see README.md): each driver includes
+# emu.h and the real kernel source, and compares the kernels with an f64 reference.
+#   tools/cuda_emu/run.sh [--quick]                      every driver
+#   tools/cuda_emu/run.sh [--quick] DRIVER [ARGS...]     one driver; ARGS go to it (case indices)
+# DRIVER: varlen_attention (kernels.cu), paged_decode, sample_inverse_cdf (decode_kernels.cu).
+# --quick: each driver's quick subset of its cases (the default runs all of them).
+# SANITIZE=address (default: ASan + UBSan, out-of-bounds global/shared memory and undefined
+# behaviour abort), thread (TSan: a missing __syncthreads shows as a data race) or none
+# (plain -O2, fastest). Exits non-zero when a build fails or a driver reports FAIL.
+# Needs g++ >= 11 (C++20 <barrier>, std::atomic_ref).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+ops="$here/../../crates/model/src/ops"
+quick=()
+if [ "${1:-}" = --quick ]; then quick=(--quick); shift; fi
+all=(varlen_attention paged_decode sample_inverse_cdf)
+if [ $# -gt 0 ]; then drivers=("$1"); shift; else drivers=("${all[@]}"); fi
+case "${SANITIZE:-address}" in
+  address) flags=(-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all) ;;
+  thread) flags=(-O1 -g -fsanitize=thread) ;;
+  none) flags=(-O2) ;;
+  *) echo "SANITIZE=${SANITIZE} is not one of address, thread, none" >&2; exit 2 ;;
+esac
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-sed 's/extern __shared__ float smem\[\];/float* smem = emu_dynamic_smem;/' \
-  "$here/../../crates/model/src/ops/decode_kernels.cu" >"$work/decode_kernels_emu.cu"
-grep -q 'emu_dynamic_smem' "$work/decode_kernels_emu.cu" || { echo "the dynamic shared memory declaration moved" >&2; exit 1; }
-if [ "${TSAN:-0}" = 1 ]; then san=thread; else san=address,undefined; fi
-for driver in paged_decode sample_inverse_cdf; do
-  g++ -std=c++20 -O1 -g -fsanitize=$san -I"$here/inc" -I"$work" -I"$here" \
-    "$here/$driver.cpp" -o "$work/$driver" -lpthread
-  echo "== $driver ($san)"
-  if [ "$driver" = paged_decode ]; then "$work/$driver" "$@"; else "$work/$driver"; fi
+# The kernel sources as they are, but for the dynamic shared memory declarations: a pointer to
+# the launch's buffer (emu.h) instead of `extern __shared__`, which a host compiler cannot give.
+for src in kernels decode_kernels; do
+  sed -E 's/extern __shared__ float ([A-Za-z_][A-Za-z0-9_]*)\[\];/float* \1 = emu_dynamic_smem;/' \
+    "$ops/$src.cu" >"$work/${src}_emu.cu"
+  if grep -n 'extern __shared__' "$work/${src}_emu.cu" >&2; then
+    echo "$src.cu: a dynamic shared memory declaration run.sh does not rewrite" >&2
+    exit 1
+  fi
 done
+failed=()
+for driver in "${drivers[@]}"; do
+  if [ ! -f "$here/$driver.cpp" ]; then echo "no driver $driver (one of: ${all[*]})" >&2; exit 2; fi
+  g++ -std=c++20 "${flags[@]}" -I"$here/inc" -I"$here" -I"$work" "$here/$driver.cpp" -o "$work/$driver" -pthread
+  echo "== $driver (SANITIZE=${SANITIZE:-address}${quick:+, quick})"
+  "$work/$driver" "${quick[@]}" "$@" || failed+=("$driver")
+done
+if [ ${#failed[@]} -gt 0 ]; then echo "FAILED: ${failed[*]}" >&2; exit 1; fi

@@ -1,4 +1,5 @@
-// CPU stand-in for cuda_bf16.h: bf16 storage with round-to-nearest-even conversion.
+// CPU stand-in for the CUDA toolkit's cuda_bf16.h (tools/cuda_emu): bf16 storage, exact
+// widening, round-to-nearest-even narrowing (NaN stays a quiet NaN).
 #pragma once
 #include <cstdint>
 #include <cstring>

@@ -1,72 +1,13 @@
-// CPU emulation of the varlen attention CUDA kernels of crates/model/src/ops/kernels.cu (for
-// checking them on a machine without a GPU; tools/cuda_emulation/run.sh): one std::thread per
-// CUDA thread, a barrier for __syncthreads, per-warp barriers for the shuffles, bf16 emulated
-// in software. Forward, delta, ∂Q and ∂K/∂V are launched as attention_cuda.rs launches them
-// (same tile table) and compared with a naive f64 attention (explicit softmax and gradients).
-#include <barrier>
-#include <cmath>
+// The varlen (flash) attention kernels of crates/model/src/ops/kernels.cu under emu.h (run.sh):
+// forward, delta, ∂Q and ∂K/∂V launched as attention_cuda.rs launches them (same tile table),
+// compared with a naive f64 attention (explicit softmax and gradients) on the same rounded
+// inputs. Arguments: case indices to run (default all), or --quick for the cases marked quick
+// (every d class in f32, one-token segments, d 64 and 256 in bf16).
+#include "emu.h"
+#include "kernels_emu.cu"
 #include <cstdio>
-#include <cstdlib>
-#include <functional>
+#include <cstring>
 #include <random>
-#include <thread>
-#include <vector>
-#include <algorithm>
-using std::min; using std::max;
-struct dim3s { unsigned x, y, z; };
-thread_local dim3s threadIdx, blockIdx;
-dim3s blockDim, gridDim;
-#define __device__
-#define __global__
-#define __forceinline__ inline
-#define __shared__
-alignas(16) float smem[1 << 16];
-float acc[1];
-static std::barrier<>* block_bar;
-static std::barrier<>* warp_bar[32];
-static float xch[32][32];
-inline void __syncthreads() { block_bar->arrive_and_wait(); }
-[[noreturn]] inline void __trap() { fprintf(stderr, "TRAP\n"); abort(); }
-inline float shfl_impl(float v, int src) {
-  int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-  xch[w][l] = v; warp_bar[w]->arrive_and_wait();
-  float r = xch[w][src & 31]; warp_bar[w]->arrive_and_wait();
-  return r;
-}
-inline float __shfl_xor_sync(unsigned, float v, int o) { return shfl_impl(v, (threadIdx.x & 31) ^ o); }
-inline float __shfl_sync(unsigned, float v, int src) { return shfl_impl(v, src); }
-inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
-inline float __expf(float x) { return expf(x); }
-inline float atomicAdd(float* a, float v) { float o = *a; *a += v; return o; }
-static unsigned g_smem_bytes;
-unsigned dynamic_smem_bytes() { return g_smem_bytes; }
-#include "../../crates/model/src/ops/kernels.cu"
-
-// Runs `f` as every thread of every block of `grid`: the block's threads are std::threads
-// (made once per launch) that walk the blocks in order, meeting at a barrier between blocks.
-template <typename F>
-void launch(dim3s grid, unsigned threads, size_t smem_floats, F f) {
-  if (smem_floats * 4 > 48 * 1024) { fprintf(stderr, "smem too big %zu\n", smem_floats * 4); abort(); }
-  blockDim = {threads, 1, 1}; gridDim = grid; g_smem_bytes = smem_floats * 4;
-  std::barrier<> bb(threads); block_bar = &bb;
-  std::vector<std::unique_ptr<std::barrier<>>> wb;
-  for (unsigned w = 0; w < threads / 32; ++w) { wb.emplace_back(new std::barrier<>(32)); warp_bar[w] = wb.back().get(); }
-  std::vector<std::thread> ts;
-  for (unsigned t = 0; t < threads; ++t)
-    ts.emplace_back([=, &bb] {
-      threadIdx = {t, 0, 0};
-      for (unsigned by = 0; by < grid.y; ++by)
-        for (unsigned bx = 0; bx < grid.x; ++bx) {
-          // Poison shared memory so reads of slots the block never wrote show up as NaN.
-          if (t == 0) for (size_t i = 0; i < smem_floats; ++i) smem[i] = NAN;
-          bb.arrive_and_wait();
-          blockIdx = {bx, by, 0};
-          f();
-          bb.arrive_and_wait();
-        }
-    });
-  for (auto& t : ts) t.join();
-}
 
 struct Tiles { int dmax, f_rpw, f_bk, q_rpw, q_bk, kv_rpw, kv_bq; };
 const Tiles TILES[3] = {{64, 8, 32, 8, 32, 8, 32}, {128, 6, 32, 3, 32, 3, 32}, {256, 3, 16, 1, 16, 1, 16}};
@@ -169,15 +110,15 @@ bool run_case(std::vector<int> cu, int hq, int hkv, int d, unsigned seed, double
   std::vector<float> lse((size_t)n * hq, NAN), delta((size_t)n * hq, NAN);
   float sf = (float)scale; int ncu = cu.size();
   int rows = 4 * t.f_rpw;
-  launch({(unsigned)((n + rows - 1) / rows), (unsigned)hq, 1}, 128, (size_t)rows * d + d * (t.f_bk + 1) + t.f_bk * d,
+  emu_launch(Dim3{(unsigned)((n + rows - 1) / rows), (unsigned)hq, 1}, Dim3{128, 1, 1}, 4 * ((size_t)rows * d + d * (t.f_bk + 1) + t.f_bk * d),
          [&] { K.fwd(q.data(), k.data(), v.data(), cu.data(), ncu, o.data(), lse.data(), n, hq, hkv, d, sf, rows); });
   // The backward's dO·O uses the kernel's own (rounded) output, as the op does.
-  launch({(unsigned)((n * hq + 3) / 4), 1, 1}, 128, 0, [&] { K.delta(dO.data(), o.data(), delta.data(), n * hq, d); });
+  emu_launch(Dim3{(unsigned)((n * hq + 3) / 4), 1, 1}, Dim3{128, 1, 1}, 0, [&] { K.delta(dO.data(), o.data(), delta.data(), n * hq, d); });
   rows = 4 * t.q_rpw;
-  launch({(unsigned)((n + rows - 1) / rows), (unsigned)hq, 1}, 128, (size_t)2 * rows * d + 2 * d * (t.q_bk + 1),
+  emu_launch(Dim3{(unsigned)((n + rows - 1) / rows), (unsigned)hq, 1}, Dim3{128, 1, 1}, 4 * ((size_t)2 * rows * d + 2 * d * (t.q_bk + 1)),
          [&] { K.dq(q.data(), k.data(), v.data(), dO.data(), lse.data(), delta.data(), cu.data(), ncu, dq.data(), n, hq, hkv, d, sf, rows); });
   rows = 4 * t.kv_rpw;
-  launch({(unsigned)((n + rows - 1) / rows), (unsigned)hkv, 1}, 128, (size_t)2 * rows * d + 2 * d * (t.kv_bq + 1) + 2 * t.kv_bq,
+  emu_launch(Dim3{(unsigned)((n + rows - 1) / rows), (unsigned)hkv, 1}, Dim3{128, 1, 1}, 4 * ((size_t)2 * rows * d + 2 * d * (t.kv_bq + 1) + 2 * t.kv_bq),
          [&] { K.dkv(q.data(), k.data(), v.data(), dO.data(), lse.data(), delta.data(), cu.data(), ncu, dk.data(), dv.data(), n, hq, hkv, d, sf, rows); });
   auto fl = [](const std::vector<T>& x) { std::vector<float> y(x.size()); for (size_t i = 0; i < x.size(); ++i) y[i] = back(x[i]); return y; };
   bool ok = true;
@@ -195,24 +136,43 @@ bool run_case(std::vector<int> cu, int hq, int hkv, int d, unsigned seed, double
   return ok;
 }
 
-int main() {
+struct Case { bool bf16; std::vector<int> cu; int hq, hkv, d; unsigned seed; double tol; bool quick; };
+
+int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);  // a line per case as it finishes
+  const std::vector<int> multi = {0, 5, 5, 6, 75, 76, 207};
+  const std::vector<int> ones = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  const std::vector<Case> cases = {
+      {false, {0, 150}, 4, 2, 16, 1, 2e-5, true},
+      {false, multi, 6, 2, 8, 2, 2e-5, false},
+      {false, multi, 4, 1, 12, 3, 2e-5, false},
+      {false, multi, 3, 3, 7, 4, 2e-5, false},
+      {false, ones, 2, 1, 64, 5, 2e-5, true},
+      {false, multi, 4, 2, 64, 6, 2e-5, false},
+      {false, multi, 2, 2, 128, 7, 2e-5, true},
+      {false, {0, 3, 40, 41, 100}, 4, 2, 100, 8, 2e-5, false},
+      {false, {0, 1, 37, 60}, 2, 1, 256, 9, 2e-5, true},
+      {false, {0, 30, 31, 47}, 2, 2, 200, 10, 2e-5, false},
+      {true, multi, 4, 2, 64, 11, 1e-2, true},
+      {true, multi, 2, 1, 128, 12, 1e-2, false},
+      {true, {0, 1, 37, 60}, 2, 1, 256, 13, 1e-2, true},
+  };
+  std::vector<size_t> pick;
+  for (int a = 1; a < argc; a++) {
+    if (std::strcmp(argv[a], "--quick") == 0) {
+      for (size_t i = 0; i < cases.size(); i++) if (cases[i].quick) pick.push_back(i);
+      continue;
+    }
+    const size_t i = std::strtoul(argv[a], nullptr, 10);
+    if (i >= cases.size()) { std::fprintf(stderr, "no case %s (0..%zu)\n", argv[a], cases.size() - 1); return 2; }
+    pick.push_back(i);
+  }
+  if (argc == 1) for (size_t i = 0; i < cases.size(); i++) pick.push_back(i);
   bool ok = true;
-  std::vector<int> multi = {0, 5, 5, 6, 75, 76, 207};
-  std::vector<int> ones = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
-  ok &= run_case<float>({0, 150}, 4, 2, 16, 1, 2e-5);
-  ok &= run_case<float>(multi, 6, 2, 8, 2, 2e-5);
-  ok &= run_case<float>(multi, 4, 1, 12, 3, 2e-5);
-  ok &= run_case<float>(multi, 3, 3, 7, 4, 2e-5);
-  ok &= run_case<float>(ones, 2, 1, 64, 5, 2e-5);
-  ok &= run_case<float>(multi, 4, 2, 64, 6, 2e-5);
-  ok &= run_case<float>(multi, 2, 2, 128, 7, 2e-5);
-  ok &= run_case<float>({0, 3, 40, 41, 100}, 4, 2, 100, 8, 2e-5);
-  ok &= run_case<float>({0, 1, 37, 60}, 2, 1, 256, 9, 2e-5);
-  ok &= run_case<float>({0, 30, 31, 47}, 2, 2, 200, 10, 2e-5);
-  ok &= run_case<bf16>(multi, 4, 2, 64, 11, 1e-2);
-  ok &= run_case<bf16>(multi, 2, 1, 128, 12, 1e-2);
-  ok &= run_case<bf16>({0, 1, 37, 60}, 2, 1, 256, 13, 1e-2);
-  printf(ok ? "ALL OK\n" : "SOME FAILED\n");
+  for (size_t i : pick) {
+    const Case& c = cases[i];
+    ok &= c.bf16 ? run_case<bf16>(c.cu, c.hq, c.hkv, c.d, c.seed, c.tol) : run_case<float>(c.cu, c.hq, c.hkv, c.d, c.seed, c.tol);
+  }
+  printf(ok ? "ALL OK\n" : "FAIL\n");
   return ok ? 0 : 1;
 }
