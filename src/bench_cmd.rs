@@ -205,19 +205,13 @@ fn bench_rollout(
         None
     } else {
         let ids: Vec<String> = ours.prompt_ids.iter().map(u32::to_string).collect();
-        let args: Vec<std::ffi::OsString> = vec![
-            "--model".into(),
-            opts.model_dir.clone().into(),
-            "--prompt-ids".into(),
-            ids.join(",").into(),
-            "--batch".into(),
-            opts.batch.to_string().into(),
-            "--new-tokens".into(),
-            opts.new_tokens.to_string().into(),
-            "--repeats".into(),
-            opts.repeats.to_string().into(),
-            "--threads".into(),
-            ours.threads.to_string().into(),
+        let args = [
+            ("--model", opts.model_dir.clone().into()),
+            ("--prompt-ids", ids.join(",").into()),
+            ("--batch", opts.batch.to_string().into()),
+            ("--new-tokens", opts.new_tokens.to_string().into()),
+            ("--repeats", opts.repeats.to_string().into()),
+            ("--threads", ours.threads.to_string().into()),
         ];
         Some(run_python_reference(
             python,
@@ -326,12 +320,12 @@ fn parse_len_range(s: &str) -> Result<(usize, usize)> {
     }
 }
 
-/// Runs a reference script (`script`'s text via `python -c`) with `args` and parses the JSON
-/// line it prints; `python` defaults to $COMPOSER_BENCH_PYTHON, else python3.
+/// Runs a reference script (`script`'s text via `python -c`) with `flags` (name, value) and
+/// parses the JSON line it prints; `python` defaults to $COMPOSER_BENCH_PYTHON, else python3.
 fn run_python_reference(
     python: Option<std::path::PathBuf>,
     script: &str,
-    args: &[std::ffi::OsString],
+    flags: &[(&str, std::ffi::OsString)],
     what: &str,
     needs: &str,
 ) -> Result<serde_json::Value> {
@@ -341,7 +335,11 @@ fn run_python_reference(
     let out = std::process::Command::new(&python)
         .arg("-c")
         .arg(script)
-        .args(args)
+        .args(
+            flags
+                .iter()
+                .flat_map(|(name, value)| [(*name).into(), value.clone()]),
+        )
         .output()
         .with_context(|| format!("running {} (--python)", python.display()))?;
     if !out.status.success() {
@@ -374,29 +372,19 @@ fn bench_grpo(
     let reference = if skip_reference {
         None
     } else {
-        let args: Vec<std::ffi::OsString> = vec![
-            "--model".into(),
-            ours.model_dir.clone().into(),
-            "--prompts-file".into(),
-            ours.prompts_file.clone().into(),
-            "--prompts".into(),
-            opts.prompts.to_string().into(),
-            "--group".into(),
-            opts.group.to_string().into(),
-            "--new-tokens".into(),
-            opts.new_tokens.to_string().into(),
-            "--steps".into(),
-            opts.steps.to_string().into(),
-            "--learning-rate".into(),
-            opts.learning_rate.to_string().into(),
-            "--loss-type".into(),
-            opts.loss_type.clone().into(),
-            "--threads".into(),
-            candle_core::utils::get_num_threads().to_string().into(),
-            "--device".into(),
-            opts.device.clone().into(),
-            "--dtype".into(),
-            if opts.bf16 { "bf16" } else { "f32" }.into(),
+        let threads = candle_core::utils::get_num_threads();
+        let args = [
+            ("--model", ours.model_dir.clone().into()),
+            ("--prompts-file", ours.prompts_file.clone().into()),
+            ("--prompts", opts.prompts.to_string().into()),
+            ("--group", opts.group.to_string().into()),
+            ("--new-tokens", opts.new_tokens.to_string().into()),
+            ("--steps", opts.steps.to_string().into()),
+            ("--learning-rate", opts.learning_rate.to_string().into()),
+            ("--loss-type", opts.loss_type.clone().into()),
+            ("--threads", threads.to_string().into()),
+            ("--device", opts.device.clone().into()),
+            ("--dtype", if opts.bf16 { "bf16" } else { "f32" }.into()),
         ];
         Some(run_python_reference(
             python,
