@@ -20,3 +20,11 @@ cp -r ../shared/fixtures/hf-tiny .device/shared/fixtures/
 # TRL's side of `bench grpo` (gpu_check.sh section `rollout`): the device has no network.
 pip download -q --no-deps -d .device/wheels trl==1.16.0 accelerate datasets dill multiprocess xxhash
 du -sh .device
+# The device tool carries at most 64 MiB with the working tree: say so here, not after a
+# failed (and charged) device call.
+kib=$(du -sk .device | cut -f1)
+if [ "$kib" -gt $((60 * 1024)) ]; then
+  echo "gpu_prepare: .device is ${kib} KiB, too close to the device tool's 64 MiB carry limit;" \
+    "drop a test binary from the grep above" >&2
+  exit 1
+fi
