@@ -1,6 +1,8 @@
-//! With `--features cuda`: compiles the training ops' CUDA kernels (src/ops/kernels.cu) and the
-//! rollout engine's decode kernels (src/ops/decode_kernels.cu) to PTX, one module each, with the
-//! toolkit's `nvcc` (`NVCC`, else `nvcc` on PATH; see ../shared/cuda/setup-toolkit.sh).
+//! With `--features cuda`: compiles the training ops' CUDA kernels (src/ops/kernels.cu), the
+//! var-len flash attention (src/ops/attention_kernels.cu) and the rollout engine's decode
+//! kernels (src/ops/decode_kernels.cu), all sharing src/ops/cuda_common.cuh, to PTX, one module
+//! each, with the toolkit's `nvcc` (`NVCC`, else `nvcc` on PATH; see
+//! ../shared/cuda/setup-toolkit.sh).
 //! The PTX targets compute capability 8.0 (bf16 arithmetic) and is compiled for the actual GPU
 //! by the driver when first loaded. Without the feature nothing is built.
 
@@ -9,7 +11,9 @@ use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=src/ops/kernels.cu");
+    println!("cargo:rerun-if-changed=src/ops/attention_kernels.cu");
     println!("cargo:rerun-if-changed=src/ops/decode_kernels.cu");
+    println!("cargo:rerun-if-changed=src/ops/cuda_common.cuh");
     println!("cargo:rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
@@ -18,6 +22,7 @@ fn main() {
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     for (src, ptx) in [
         ("src/ops/kernels.cu", "ops.ptx"),
+        ("src/ops/attention_kernels.cu", "attention.ptx"),
         ("src/ops/decode_kernels.cu", "decode.ptx"),
     ] {
         let status = Command::new(&nvcc)

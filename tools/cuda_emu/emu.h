@@ -39,7 +39,7 @@ inline float* emu_dynamic_smem = nullptr;
 inline unsigned emu_dynamic_smem_size = 0;
 
 // What the PTX register %dynamic_smem_size holds: the launch's dynamic shared memory bytes
-// (kernels.cu declares it for host compilers and reads the register on the device).
+// (attention_kernels.cu declares it for host compilers and reads the register on the device).
 inline unsigned dynamic_smem_bytes() { return emu_dynamic_smem_size; }
 
 [[noreturn]] inline void __trap() {

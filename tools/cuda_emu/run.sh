@@ -3,7 +3,7 @@
 # emu.h and the real kernel source, and compares the kernels with an f64 reference.
 #   tools/cuda_emu/run.sh [--quick]                      every driver
 #   tools/cuda_emu/run.sh [--quick] DRIVER [ARGS...]     one driver; ARGS go to it (case indices)
-# DRIVER: varlen_attention (kernels.cu), paged_decode, sample_inverse_cdf (decode_kernels.cu).
+# DRIVER: varlen_attention (attention_kernels.cu), paged_decode, sample_inverse_cdf (decode_kernels.cu).
 # --quick: each driver's quick subset of its cases (the default runs all of them).
 # SANITIZE=address (default: ASan + UBSan, out-of-bounds global/shared memory and undefined
 # behaviour abort), thread (TSan: a missing __syncthreads shows as a data race) or none
@@ -26,7 +26,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # The kernel sources as they are, but for the dynamic shared memory declarations: a pointer to
 # the launch's buffer (emu.h) instead of `extern __shared__`, which a host compiler cannot give.
-for src in kernels decode_kernels; do
+for src in attention_kernels decode_kernels; do
   sed -E 's/extern __shared__ float ([A-Za-z_][A-Za-z0-9_]*)\[\];/float* \1 = emu_dynamic_smem;/' \
     "$ops/$src.cu" >"$work/${src}_emu.cu"
   if grep -n 'extern __shared__' "$work/${src}_emu.cu" >&2; then
@@ -37,7 +37,7 @@ done
 failed=()
 for driver in "${drivers[@]}"; do
   if [ ! -f "$here/$driver.cpp" ]; then echo "no driver $driver (one of: ${all[*]})" >&2; exit 2; fi
-  g++ -std=c++20 "${flags[@]}" -I"$here/inc" -I"$here" -I"$work" "$here/$driver.cpp" -o "$work/$driver" -pthread
+  g++ -std=c++20 "${flags[@]}" -I"$here/inc" -I"$here" -I"$work" -I"$ops" "$here/$driver.cpp" -o "$work/$driver" -pthread
   echo "== $driver (SANITIZE=${SANITIZE:-address}${quick:+, quick})"
   "$work/$driver" "${quick[@]}" "$@" || failed+=("$driver")
 done

@@ -1,10 +1,10 @@
-// The varlen (flash) attention kernels of crates/model/src/ops/kernels.cu under emu.h (run.sh):
+// The varlen (flash) attention kernels of crates/model/src/ops/attention_kernels.cu under emu.h (run.sh):
 // forward, delta, ∂Q and ∂K/∂V launched as attention_cuda.rs launches them (same tile table),
 // compared with a naive f64 attention (explicit softmax and gradients) on the same rounded
 // inputs. Arguments: case indices to run (default all), or --quick for the cases marked quick
 // (every d class in f32, one-token segments, d 64 and 256 in bf16).
 #include "emu.h"
-#include "kernels_emu.cu"
+#include "attention_kernels_emu.cu"
 #include <cstdio>
 #include <cstring>
 #include <random>

@@ -5,9 +5,9 @@
 //! tokens `0..=i` of its own segment only. Query head `h` uses key/value head `h / (Hq/Hkv)`.
 //!
 //! The CPU kernel ([`super::attention_cpu`]) and the CUDA kernels (`varlen_attn_*` in
-//! `kernels.cu`, launched by `attention_cuda.rs`) are flash-attention style: the forward keeps
-//! only each query row's log-sum-exp, the backward recomputes scores tile by tile; no `[heads,
-//! N, N]` tensor exists either way.
+//! `attention_kernels.cu`, launched by `attention_cuda.rs`) are flash-attention style: the
+//! forward keeps only each query row's log-sum-exp, the backward recomputes scores tile by
+//! tile; no `[heads, N, N]` tensor exists either way.
 
 use super::{attention_cpu, kernels_apply, layout_slice, with_slice};
 use anyhow::{bail, Context, Result};

@@ -1,10 +1,11 @@
 //! Launchers of the causal variable-length GQA attention kernels (`varlen_attn_*` in
-//! `kernels.cu`): the forward (output and per-row log-sum-exp) and the backward (`delta =
-//! rowsum(∂O·O)`, then `∂Q` per query tile and `∂K`/`∂V` per key tile, no atomics). Their
-//! CPU twin is `attention_cpu`; `tests/ops_attention.rs` compares both against the composition.
+//! `attention_kernels.cu`, their own PTX module): the forward (output and per-row
+//! log-sum-exp) and the backward (`delta = rowsum(∂O·O)`, then `∂Q` per query tile and
+//! `∂K`/`∂V` per key tile, no atomics). Their CPU twin is `attention_cpu`;
+//! `tests/ops_attention.rs` compares both against the composition.
 
 use super::attention_cpu::Dims;
-use super::cuda::{alloc, kernel_name, on_tensors, typed, view, MODULE, PTX};
+use super::cuda::{alloc, kernel_name, on_tensors, typed, view};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
@@ -12,13 +13,16 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use half::bf16;
 
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
+const MODULE: &str = "composer_model_attention";
+
 /// Warps per block of every attention kernel (`ATT_WARPS`).
 const WARPS: usize = 4;
 
 /// The largest dynamic shared memory a kernel may ask for without opting in.
 const MAX_SHARED_BYTES: usize = 48 * 1024;
 
-/// The tiles of one head_dim class, as instantiated by `ATT_INSTANTIATE` in kernels.cu (the
+/// The tiles of one head_dim class, as instantiated by `ATT_INSTANTIATE` in attention_kernels.cu (the
 /// kernels check the row count and shared memory they are launched with against their own).
 struct Tiles {
     /// Largest head_dim of the class (the kernels' name suffix `_d{dmax}`).

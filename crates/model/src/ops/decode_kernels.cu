@@ -5,26 +5,7 @@
 // $COMPOSER_TEST_DEVICE); and the sampler's inverse-CDF draw of the next token from the logits
 // (crates/model/src/sampling.rs; CPU twin: its blocked inverse CDF; tests/sampling_device.rs).
 // Built to its own PTX by crates/model/build.rs (`--features cuda`); launched by decode_cuda.rs.
-#include <cuda_bf16.h>
-#include <stdint.h>
-
-typedef __nv_bfloat16 bf16;
-
-__device__ __forceinline__ float dk_to_f(float x) { return x; }
-__device__ __forceinline__ float dk_to_f(bf16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T dk_from_f(float x);
-template <> __device__ __forceinline__ float dk_from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ bf16 dk_from_f<bf16>(float x) { return __float2bfloat16(x); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
+#include "cuda_common.cuh"
 
 // Query heads whose value sums one thread keeps in registers at once (more heads per group
 // take several passes over the chunk's values).
@@ -67,7 +48,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
   float* red = l_s + n_rep;           // [(groups − 1), DK_HEADS_PER_PASS, d]
 
   const T* qg = q + ((size_t)row * hq + (size_t)g * n_rep) * d;
-  for (int i = tid; i < n_rep * d; i += blockDim.x) q_s[i] = dk_to_f(qg[i]);
+  for (int i = tid; i < n_rep * d; i += blockDim.x) q_s[i] = to_f(qg[i]);
   __syncthreads();
 
   // Scores: a warp per key, the key row read once (DK_MAX_D / 32 values per lane) for every
@@ -81,7 +62,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
 #pragma unroll
     for (int i = 0; i < DK_MAX_D / 32; i++) {
       const int e = lane + 32 * i;
-      kreg[i] = e < d ? dk_to_f(kr[e]) : 0.f;
+      kreg[i] = e < d ? to_f(kr[e]) : 0.f;
     }
     for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
       float s[DK_HEADS_PER_PASS];
@@ -145,7 +126,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
       for (int jj = grp; jj < n; jj += groups) {
         const int j = start + jj;
         const size_t slot = (size_t)table[j / block_size] * block_size + j % block_size;
-        const float x = dk_to_f(v[(slot * hkv + g) * d + col]);
+        const float x = to_f(v[(slot * hkv + g) * d + col]);
 #pragma unroll
         for (int i = 0; i < DK_HEADS_PER_PASS; i++)
           if (r0 + i < n_rep) acc[i] += sc[(r0 + i) * chunk + jj] * x;
@@ -174,7 +155,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
         if (r >= n_rep) break;
         const size_t h = (size_t)row * hq + (size_t)g * n_rep + r;
         if (splits == 1) {
-          out[h * d + col] = dk_from_f<T>(acc[i] / l_s[r]);
+          out[h * d + col] = from_f<T>(acc[i] / l_s[r]);
         } else {
           part_o[(h * splits + split) * d + col] = acc[i];
           if (col == 0) {
@@ -209,7 +190,7 @@ __device__ void paged_decode_combine(const float* __restrict__ part_o,
     den += w * l[s];
     num += w * part_o[((size_t)h * splits + s) * d + col];
   }
-  out[(size_t)h * d + col] = dk_from_f<T>(num / den);
+  out[(size_t)h * d + col] = from_f<T>(num / den);
 }
 
 // ---- Inverse-CDF sampling of one token per row of logits [rows, V], one block per row ----
@@ -235,7 +216,7 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
   const T* x = logits + (size_t)row * v;
 
   float m = -INFINITY;
-  for (int i = tid; i < v; i += blockDim.x) m = fmaxf(m, dk_to_f(x[i]) * inv_t);
+  for (int i = tid; i < v; i += blockDim.x) m = fmaxf(m, to_f(x[i]) * inv_t);
   m = warp_max(m);
   if (lane == 0) part[warp] = m;
   __syncthreads();
@@ -243,7 +224,7 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
   for (int w = 0; w < nwarps; w++) m = fmaxf(m, part[w]);
   __syncthreads();  // `part` is reused below
   float z = 0.f;
-  for (int i = tid; i < v; i += blockDim.x) z += expf(dk_to_f(x[i]) * inv_t - m);
+  for (int i = tid; i < v; i += blockDim.x) z += expf(to_f(x[i]) * inv_t - m);
   z = warp_sum(z);
   if (lane == 0) part[warp] = z;
   __syncthreads();
@@ -258,7 +239,7 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
   const int per = (v + blockDim.x - 1) / blockDim.x;
   const int lo = min(v, tid * per), hi = min(v, lo + per);
   double s = 0.0;
-  for (int i = lo; i < hi; i++) s += (double)expf(dk_to_f(x[i]) * inv_t - lse);
+  for (int i = lo; i < hi; i++) s += (double)expf(to_f(x[i]) * inv_t - lse);
   seg[tid + 1] = s;
   __syncthreads();
   if (tid == 0) {
@@ -282,7 +263,7 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
     double acc = seg[tid];
     int pick = -1, last = lo;
     for (int i = lo; i < hi; i++) {
-      const float p = expf(dk_to_f(x[i]) * inv_t - lse);
+      const float p = expf(to_f(x[i]) * inv_t - lse);
       if (p > 0.f) last = i;
       acc += (double)p;
       if (acc > row_target && p > 0.f) {
@@ -292,7 +273,7 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
     }
     if (pick < 0) pick = last;
     tokens[row] = (uint32_t)pick;
-    logprobs[row] = dk_to_f(x[pick]) * inv_t - lse;
+    logprobs[row] = to_f(x[pick]) * inv_t - lse;
   }
 }
 

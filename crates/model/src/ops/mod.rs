@@ -9,14 +9,15 @@
 //! scores recomputed tile by tile in the backward), so no `[heads, T, T]` tensor exists.
 //!
 //! Every public op dispatches: on the CPU with f32/f64 tensors, and (built with `--features
-//! cuda`) on CUDA with f32/bf16 tensors, it runs its custom op (CUDA kernels in `kernels.cu`,
-//! launched by `cuda.rs` and `attention_cuda.rs`; the CPU kernels are their twins, tested in
-//! CI); elsewhere the differentiable composition (`*_composed`), which is also the reference
-//! the tests compare against. On CUDA the transformer's padded training batch still attends with
-//! [`masked_softmax`]; its packed (`padding_free`) batch uses the varlen attention kernel,
-//! which holds no `[heads, T, T]` tensor. The rollout engine's decode attention over a paged
-//! KV cache ([`paged_decode_attention`], inference only) has a CPU kernel, a CUDA kernel
-//! (`decode_kernels.cu`, launched by `decode_cuda.rs`) and a gathering composition elsewhere.
+//! cuda`) on CUDA with f32/bf16 tensors, it runs its custom op (CUDA kernels in `kernels.cu` and
+//! `attention_kernels.cu`, launched by `cuda.rs` and `attention_cuda.rs`; the CPU kernels are
+//! their twins, tested in CI); elsewhere the differentiable composition (`*_composed`), which
+//! is also the reference the tests compare against. On CUDA the transformer's padded training
+//! batch still attends with [`masked_softmax`]; its packed (`padding_free`) batch uses the
+//! varlen attention kernel, which holds no `[heads, T, T]` tensor. The rollout engine's decode
+//! attention over a paged KV cache ([`paged_decode_attention`], inference only) has a CPU
+//! kernel, a CUDA kernel (`decode_kernels.cu`, launched by `decode_cuda.rs`) and a gathering
+//! composition elsewhere.
 
 mod attention;
 mod attention_cpu;
