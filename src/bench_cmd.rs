@@ -394,10 +394,26 @@ fn bench_grpo(
             "torch, transformers, datasets and trl 1.16",
         )?)
     };
+    // TRL's step times, and their median computed the way ours is (gpu_summary.py reads it).
+    let floats = |r: &serde_json::Value, key: &str| -> Vec<f64> {
+        r[key]
+            .as_array()
+            .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
+            .unwrap_or_default()
+    };
+    let trl_step_s = reference.as_ref().map(|r| floats(r, "step_s"));
+    let trl_median_step_s = trl_step_s
+        .as_deref()
+        .map(composer_train::bench_grpo::median_after_warmup);
     if json {
         println!(
             "{}",
-            serde_json::json!({"options": opts, "composer_rl": ours, "trl": reference})
+            serde_json::json!({
+                "options": opts,
+                "composer_rl": ours,
+                "trl": reference,
+                "trl_median_step_s": trl_median_step_s,
+            })
         );
         return Ok(());
     }
@@ -431,22 +447,14 @@ fn bench_grpo(
         secs(&o.step_s),
         o.mean_completion_length
     );
-    if let Some(r) = &reference {
-        let floats = |key: &str| -> Vec<f64> {
-            r[key]
-                .as_array()
-                .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
-                .unwrap_or_default()
-        };
-        let step_s = floats("step_s");
-        let theirs = composer_train::bench_grpo::median_after_warmup(&step_s);
-        let lengths = floats("mean_completion_length");
+    if let (Some(r), Some(step_s), Some(theirs)) = (&reference, &trl_step_s, trl_median_step_s) {
+        let lengths = floats(r, "mean_completion_length");
         println!(
             "| TRL {} GRPOTrainer (transformers {}, torch {}) | {theirs:.3} | {} | {:.1} |",
             r["trl"].as_str().unwrap_or("?"),
             r["transformers"].as_str().unwrap_or("?"),
             r["torch"].as_str().unwrap_or("?"),
-            secs(&step_s),
+            secs(step_s),
             lengths.iter().sum::<f64>() / lengths.len().max(1) as f64
         );
         println!(

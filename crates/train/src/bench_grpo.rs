@@ -71,15 +71,13 @@ pub struct GrpoStepBenchReport {
     pub model_dir: PathBuf,
 }
 
-/// The median of `xs` after the first (warm-up) element, or of `xs` when it has one.
+/// The median of `xs` after the first (warm-up) element, or of `xs` when it has one (NaN when
+/// empty: no step ran).
 pub fn median_after_warmup(xs: &[f64]) -> f64 {
-    let xs = if xs.len() > 1 { &xs[1..] } else { xs };
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
+    match xs {
+        [] => f64::NAN,
+        [only] => *only,
+        [_, rest @ ..] => composer_model::bench_rollout::median(rest),
     }
 }
 
