@@ -285,8 +285,7 @@ fn bench_rollout_grpo(
     let device = composer_model::device_from_str(device)?;
     let dtype = match dtype {
         Some(d) => parse_dtype(&d).context("--dtype")?,
-        None if device.is_cuda() => candle_core::DType::BF16,
-        None => candle_core::DType::F32,
+        None => composer_model::bench::default_dtype(&device),
     };
     let model = match shape {
         Some(shape) => {

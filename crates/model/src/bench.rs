@@ -49,14 +49,19 @@ pub struct BenchConfig {
     pub padding_free: bool,
 }
 
+/// The benchmarks' dtype on `device` when none is asked for: bf16 on CUDA, f32 on the CPU.
+pub fn default_dtype(device: &Device) -> DType {
+    if device.is_cuda() {
+        DType::BF16
+    } else {
+        DType::F32
+    }
+}
+
 impl BenchConfig {
     /// The default: Qwen2.5-0.5B shape, batch 1/16/64.
     pub fn qwen2_5_0_5b(device: Device) -> Self {
-        let decode_dtype = if device.is_cuda() {
-            DType::BF16
-        } else {
-            DType::F32
-        };
+        let decode_dtype = default_dtype(&device);
         BenchConfig {
             model: ModelConfig::qwen2_5_0_5b(),
             device,
