@@ -51,7 +51,9 @@ pub enum NetworkPolicy {
 pub struct SandboxLimits {
     /// Wall-clock limit; at the deadline every process of the run is killed.
     pub wall_time: Duration,
-    /// CPU-time limit in seconds per process (RLIMIT_CPU: SIGKILL at the limit).
+    /// CPU-time limit in seconds of the command (scheduler time, all its threads; the
+    /// supervisor kills it at the limit). Each process it starts is held by RLIMIT_CPU at
+    /// `2 × cpu_time_s + 1` (the kernel's tick-sampled count runs ahead on a busy machine).
     pub cpu_time_s: u64,
     /// Address-space limit per process in bytes (RLIMIT_AS; Python raises MemoryError).
     pub address_space_bytes: u64,
@@ -109,11 +111,11 @@ pub enum Outcome {
     Completed,
     /// Killed at the wall-clock limit.
     TimedOut,
-    /// Killed by the CPU-time limit (RLIMIT_CPU).
+    /// Killed at the CPU-time limit (by the supervisor, or RLIMIT_CPU's backstop).
     CpuLimit,
     /// Ran out of address space (an uncaught MemoryError, or a test failing with one).
     MemoryLimit,
-    /// Killed by a signal (including SIGKILL at the hard CPU limit).
+    /// Killed by a signal other than the limits'.
     Killed {
         /// The signal number.
         signal: i32,

@@ -442,8 +442,13 @@ pub(super) unsafe fn child_setup(plan: &ChildPlan) -> std::io::Result<()> {
         libc::c_uint::MAX,
         4 as libc::c_uint, // CLOSE_RANGE_CLOEXEC
     );
-    // soft == hard: SIGKILL at the limit (SIGXCPU would be ignored by a pid-namespace init).
-    set_limit(libc::RLIMIT_CPU, plan.cpu_s, plan.cpu_s)?;
+    // The supervisor ends the command at exactly `cpu_s` of scheduler time; RLIMIT_CPU is only
+    // the backstop, per process (so also for the command's own children), and loose because
+    // the kernel checks it against tick-sampled time, which on a busy (virtual) machine runs up
+    // to a third ahead of the scheduler's. soft == hard: SIGKILL (a pid-namespace init ignores
+    // SIGXCPU).
+    let backstop = cpu_backstop_s(plan.cpu_s);
+    set_limit(libc::RLIMIT_CPU, backstop, backstop)?;
     set_limit(libc::RLIMIT_AS, plan.address_space, plan.address_space)?;
     set_limit(libc::RLIMIT_FSIZE, plan.fsize, plan.fsize)?;
     set_limit(libc::RLIMIT_NOFILE, MAX_OPEN_FILES, MAX_OPEN_FILES)?;
@@ -453,9 +458,15 @@ pub(super) unsafe fn child_setup(plan: &ChildPlan) -> std::io::Result<()> {
     Ok(())
 }
 
+/// RLIMIT_CPU of the command and its children for a CPU-time limit of `cpu_s` seconds.
+pub(super) fn cpu_backstop_s(cpu_s: u64) -> u64 {
+    cpu_s.saturating_mul(2).saturating_add(1)
+}
+
 /// The supervisor: closes every inherited descriptor except stdio (so the parent's spawn
-/// returns and its pipes see EOF when the command is done), waits for the command, kills it at the
-/// wall-clock deadline, and exits the way the command did.
+/// returns and its pipes see EOF when the command is done), waits for the command, kills it at
+/// the wall-clock deadline (exit [`SUPERVISOR_TIMEOUT_EXIT`]) or when its CPU time reaches the
+/// limit (re-raising SIGXCPU), and exits the way the command did.
 pub(super) unsafe fn supervise(pid: libc::pid_t, plan: &ChildPlan) -> ! {
     // This process is a copy of the parent (its environment and heap included) running under
     // the sandbox's uid: non-dumpable, so the sandbox cannot read its /proc files or ptrace it.
@@ -468,7 +479,12 @@ pub(super) unsafe fn supervise(pid: libc::pid_t, plan: &ChildPlan) -> ! {
     );
     let mut start: libc::timespec = std::mem::zeroed();
     libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut start);
-    // Sleep until the command changes state (SIGCHLD, blocked so it stays pending) or the deadline.
+    // The command's CPU clock (all its threads, scheduler time: what rusage reports too).
+    let mut cpu_clock: libc::clockid_t = 0;
+    let has_cpu_clock = libc::clock_getcpuclockid(pid, &mut cpu_clock) == 0;
+    let cpu_limit_ns = (plan.cpu_s as i64).saturating_mul(1_000_000_000);
+    // Sleep until the command changes state (SIGCHLD, blocked so it stays pending), the
+    // deadline, or the moment its CPU time could reach the limit.
     let mut sigchld: libc::sigset_t = std::mem::zeroed();
     libc::sigemptyset(&mut sigchld);
     libc::sigaddset(&mut sigchld, libc::SIGCHLD);
@@ -494,7 +510,21 @@ pub(super) unsafe fn supervise(pid: libc::pid_t, plan: &ChildPlan) -> ! {
             libc::waitpid(pid, &mut status, 0);
             libc::_exit(SUPERVISOR_TIMEOUT_EXIT);
         }
-        let remaining_ms = (plan.wall_ms as i64 - elapsed_ms).clamp(1, 100);
+        let mut cpu_left_ms = i64::MAX;
+        let mut used: libc::timespec = std::mem::zeroed();
+        if has_cpu_clock && libc::clock_gettime(cpu_clock, &mut used) == 0 {
+            let used_ns = used.tv_sec as i64 * 1_000_000_000 + used.tv_nsec as i64;
+            if used_ns >= cpu_limit_ns {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, &mut status, 0);
+                exit_with_signal(libc::SIGXCPU);
+            }
+            // One thread burns CPU no faster than the wall clock runs.
+            cpu_left_ms = (cpu_limit_ns - used_ns) / 1_000_000;
+        }
+        let remaining_ms = (plan.wall_ms as i64 - elapsed_ms)
+            .min(cpu_left_ms)
+            .clamp(1, 100);
         let pause = libc::timespec {
             tv_sec: 0,
             tv_nsec: remaining_ms * 1_000_000,
@@ -502,14 +532,18 @@ pub(super) unsafe fn supervise(pid: libc::pid_t, plan: &ChildPlan) -> ! {
         libc::sigtimedwait(&sigchld, std::ptr::null_mut(), &pause);
     }
     if libc::WIFSIGNALED(status) {
-        let sig = libc::WTERMSIG(status);
-        libc::signal(sig, libc::SIG_DFL);
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, sig);
-        libc::sigprocmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
-        libc::kill(libc::getpid(), sig);
-        libc::_exit(128 + sig);
+        exit_with_signal(libc::WTERMSIG(status));
     }
     libc::_exit(libc::WEXITSTATUS(status));
+}
+
+/// Ends the supervisor by `sig`, so the parent sees the command's (or the limit's) signal.
+unsafe fn exit_with_signal(sig: libc::c_int) -> ! {
+    libc::signal(sig, libc::SIG_DFL);
+    let mut set: libc::sigset_t = std::mem::zeroed();
+    libc::sigemptyset(&mut set);
+    libc::sigaddset(&mut set, sig);
+    libc::sigprocmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+    libc::kill(libc::getpid(), sig);
+    libc::_exit(128 + sig);
 }

@@ -253,9 +253,9 @@ impl Running {
         } else if oom {
             Outcome::MemoryLimit
         } else if let Some(sig) = signal {
-            // RLIMIT_CPU: SIGKILL at the hard limit (pid 1 of a pid namespace ignores SIGXCPU).
-            // (rusage is tick-sampled and reads up to a few % below the enforced runtime)
-            let at_cpu_limit = cpu_used_s >= 0.9 * self.cpu_s as f64 - 0.05;
+            // SIGXCPU: the supervisor ended the command at the limit. SIGKILL past the limit:
+            // RLIMIT_CPU's backstop (pid 1 of a pid namespace ignores SIGXCPU).
+            let at_cpu_limit = cpu_used_s >= self.cpu_s as f64;
             if sig == libc::SIGXCPU || (sig == libc::SIGKILL && at_cpu_limit) {
                 Outcome::CpuLimit
             } else {
