@@ -96,6 +96,11 @@ impl Ws {
     /// Sends a text frame and returns the next reply (parsed).
     async fn send_raw(&mut self, text: &str) -> Value {
         self.stream.send(Message::text(text)).await.unwrap();
+        self.next_text().await
+    }
+
+    /// The next text frame (parsed); fails the test after 180 s instead of hanging.
+    async fn next_text(&mut self) -> Value {
         loop {
             let msg = tokio::time::timeout(Duration::from_secs(180), self.stream.next())
                 .await
@@ -372,9 +377,11 @@ async fn eight_concurrent_sessions_complete_and_sixteen_fit() {
     for t in all.into_iter().take(8) {
         let mut ws = server.ws("").await;
         ws.send(json!({"type": "state"})).await; // a reply: its session exists
+                                                 // The socket comes back with the result: a finished episode keeps its session open
+                                                 // until the 17th connection has been refused (else that one could take its place).
         runs.push(tokio::spawn(async move {
             let r = honest_episode(&mut ws, &t).await;
-            (t.id().to_string(), r)
+            (t.id().to_string(), r, ws)
         }));
     }
     // While those run: 8 more sessions fit (16 in all), the 17th is refused.
@@ -385,14 +392,16 @@ async fn eight_concurrent_sessions_complete_and_sixteen_fit() {
         extra.push(ws);
     }
     let mut over = server.ws("").await;
-    let refused = over.stream.next().await.unwrap().unwrap();
-    let refused: Value = serde_json::from_str(refused.to_text().unwrap()).unwrap();
+    let refused = over.next_text().await;
     assert_eq!(refused["data"]["code"], "CAPACITY_REACHED", "{refused}");
     assert_eq!(refused["data"]["max_sessions"], 16);
+    let mut finished = Vec::new();
     for r in runs {
-        let (id, reward) = r.await.unwrap();
+        let (id, reward, ws) = r.await.unwrap();
         assert_eq!(reward, 1.0, "{id}");
+        finished.push(ws);
     }
+    drop(finished);
     drop(extra);
     drop(over);
     server.stop().await;
@@ -433,8 +442,8 @@ async fn http_mcp_sessions_attach_to_the_websocket() {
     let t = task("mean");
     ws.reset(t.id()).await;
     let mut second = server.ws(&format!("?session_id={sid}")).await;
-    let r = second.stream.next().await.unwrap().unwrap();
-    assert!(r.to_text().unwrap().contains("SESSION_ERROR"), "{r}");
+    let r = second.next_text().await;
+    assert!(r.to_string().contains("SESSION_ERROR"), "{r}");
     // The session cap counts HTTP sessions: one WS + this one fill it.
     let mut other = server.ws("").await;
     other.send(json!({"type": "state"})).await; // a reply: its session exists
