@@ -3,7 +3,8 @@
 # emu.h and the real kernel source, and compares the kernels with an f64 reference.
 #   tools/cuda_emu/run.sh [--quick]                      every driver
 #   tools/cuda_emu/run.sh [--quick] DRIVER [ARGS...]     one driver; ARGS go to it (case indices)
-# DRIVER: varlen_attention (attention_kernels.cu), paged_decode, sample_inverse_cdf (decode_kernels.cu).
+# DRIVER: varlen_attention (attention_kernels.cu), paged_decode, sample_inverse_cdf (decode_kernels.cu),
+# head_softmax (kernels.cu).
 # --quick: each driver's quick subset of its cases (the default runs all of them).
 # SANITIZE=address (default: ASan + UBSan, out-of-bounds global/shared memory and undefined
 # behaviour abort), thread (TSan: a missing __syncthreads shows as a data race) or none
@@ -14,7 +15,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 ops="$here/../../crates/model/src/ops"
 quick=()
 if [ "${1:-}" = --quick ]; then quick=(--quick); shift; fi
-all=(varlen_attention paged_decode sample_inverse_cdf)
+all=(varlen_attention paged_decode sample_inverse_cdf head_softmax)
 if [ $# -gt 0 ]; then drivers=("$1"); shift; else drivers=("${all[@]}"); fi
 case "${SANITIZE:-address}" in
   address) flags=(-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all) ;;
@@ -26,7 +27,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # The kernel sources as they are, but for the dynamic shared memory declarations: a pointer to
 # the launch's buffer (emu.h) instead of `extern __shared__`, which a host compiler cannot give.
-for src in attention_kernels decode_kernels; do
+for src in attention_kernels decode_kernels kernels; do
   sed -E 's/extern __shared__ float ([A-Za-z_][A-Za-z0-9_]*)\[\];/float* \1 = emu_dynamic_smem;/' \
     "$ops/$src.cu" >"$work/${src}_emu.cu"
   if grep -n 'extern __shared__' "$work/${src}_emu.cu" >&2; then

@@ -5,13 +5,19 @@
 //!   compositions (`training_kernels`);
 //! - `checkpointing`: the kernels with and without per-layer `gradient_checkpointing`;
 //! - `padding_free`: rows of lengths T/8..T right-padded to T against the same rows packed
-//!   without padding (`forward_hidden_packed`).
+//!   without padding (`forward_hidden_packed`);
+//! - `head`: the LM head alone (`head_logprobs_with` on `batch × T` random hidden states:
+//!   target log-prob and entropy, forward and backward), its softmax algebra in candle
+//!   compositions against the fused row kernels (`ops::head_row_stats`/`head_logits_grad`).
 //!
 //! Peak heap is counted by this program's global allocator (every byte candle allocates on
 //! the CPU), reset before each measured step, so the two variants are measured apart within
 //! one process. Timed steps alternate between the variants to share the machine's noise.
 //!
-//! `cargo run --release -p composer-model --example ops_bench [-- --iters N] [--compare WHAT]`
+//! `--shape NAME` picks the random model (`bench::shape_model_config`; default `h256-l4`,
+//! vocab 2048; `qwen-vocab` has Qwen's 151,936-token vocabulary, where the LM head dominates).
+//!
+//! `cargo run --release -p composer-model --example ops_bench [-- --iters N] [--compare WHAT] [--shape NAME]`
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -65,10 +71,16 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
-/// What one variant runs: the padded step on `[b, t]` ids, or the packed step.
+/// What one variant runs: the padded step on `[b, t]` ids, the packed step, or the LM head
+/// alone on `[N, hidden]` states with `[N, 1]` targets (fused softmax kernels or not).
 enum Step {
     Padded(Tensor),
     Packed(PackedBatch),
+    Head {
+        hidden: candle_core::Var,
+        targets: Tensor,
+        fused: bool,
+    },
 }
 
 /// One training step of `step` (see `bench::train_step`; the packed one predicts every
@@ -76,6 +88,22 @@ enum Step {
 fn run_step(model: &Transformer, step: &Step) -> Result<()> {
     match step {
         Step::Padded(input) => train_step(model, input),
+        Step::Head {
+            hidden,
+            targets,
+            fused,
+        } => {
+            let out = composer_model::head_logprobs_with(
+                hidden.as_tensor(),
+                &model.lm_head,
+                targets,
+                &HeadOptions::default(),
+                *fused,
+            )?;
+            let loss = (out.at_ids.mean_all()? - out.entropy.mean_all()?)?;
+            let _grads = loss.backward()?;
+            Ok(())
+        }
         Step::Packed(batch) => {
             let hidden = model.forward_hidden_packed(batch)?;
             let (mut rows, mut targets) = (Vec::new(), Vec::new());
@@ -120,6 +148,7 @@ fn variants(
     b: usize,
     t: usize,
     vocab: u32,
+    hidden_size: usize,
 ) -> Result<[(&'static str, bool, bool, Step); 2]> {
     let padded = || bench_input(b, t, vocab, &Device::Cpu).map(Step::Padded);
     Ok(match compare {
@@ -154,18 +183,35 @@ fn variants(
                 ),
             ]
         }
-        other => bail!("--compare: expected kernels, checkpointing or padding_free, got {other:?}"),
+        "head" => {
+            let (n, h) = (b * t, hidden_size);
+            let targets = bench_input(b, t, vocab, &Device::Cpu)?.reshape((n, 1))?;
+            let head = |fused| -> Result<Step> {
+                let hidden = Tensor::randn(0f32, 1.0, (n, h), &Device::Cpu)?;
+                Ok(Step::Head {
+                    hidden: candle_core::Var::from_tensor(&hidden)?,
+                    targets: targets.clone(),
+                    fused,
+                })
+            };
+            [
+                ("composed", true, false, head(false)?),
+                ("fused", true, false, head(true)?),
+            ]
+        }
+        other => {
+            bail!("--compare: expected kernels, checkpointing, padding_free or head, got {other:?}")
+        }
     })
 }
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let (mut iters, mut compare) = (5, "kernels".to_string());
+    let (mut iters, mut compare, mut shape) = (5, "kernels".to_string(), "h256-l4".to_string());
+    let usage = "usage: ops_bench [--iters N] [--compare WHAT] [--shape NAME]";
     let mut rest = args.iter();
     while let Some(flag) = rest.next() {
-        let value = rest
-            .next()
-            .ok_or_else(|| anyhow::anyhow!("usage: ops_bench [--iters N] [--compare WHAT]"))?;
+        let value = rest.next().ok_or_else(|| anyhow::anyhow!("{usage}"))?;
         match flag.as_str() {
             "--iters" => {
                 iters = value
@@ -177,22 +223,36 @@ fn main() -> Result<()> {
                     })?
             }
             "--compare" => compare = value.clone(),
-            _ => bail!("usage: ops_bench [--iters N] [--compare WHAT]"),
+            "--shape" => shape = value.clone(),
+            _ => bail!("{usage}"),
         }
     }
     let threads = composer_model::configure_cpu_threads();
-    let cfg = composer_model::bench::shape_model_config("h256-l4")?;
+    let cfg = composer_model::bench::shape_model_config(&shape)?;
     let (mut model, _vars) = Transformer::random_init(&cfg, 0, &Device::Cpu)?;
     println!(
-        "ops_bench --compare {compare}: {:.1}M params (hidden 256, 4 layers, 8/2 heads x 32, vocab 2048), f32, CPU, {threads} threads, median of {iters}",
-        model.num_parameters() as f64 / 1e6
+        "ops_bench --compare {compare} --shape {shape}: {:.1}M params (hidden {}, {} layers, {}/{} heads, vocab {}), f32, CPU, {threads} threads, median of {iters}",
+        model.num_parameters() as f64 / 1e6,
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.vocab_size,
     );
     println!(
         "{:>10} {:>12} {:>14} {:>12} {:>16}",
         "batch", "variant", "step ms", "tokens/s", "peak heap MB"
     );
     for (b, t) in [(16, 128), (4, 512), (1, 2048)] {
-        let vs = variants(&compare, b, t, cfg.vocab_size as u32)?;
+        if t > cfg.max_position_embeddings && compare != "head" {
+            println!(
+                "{:>10} skipped: longer than the shape's {} positions",
+                format!("{b}x{t}"),
+                cfg.max_position_embeddings
+            );
+            continue;
+        }
+        let vs = variants(&compare, b, t, cfg.vocab_size as u32, cfg.hidden_size)?;
         let mut peaks = [0usize; 2];
         let mut times: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
         for (i, (_, kernels, ckpt, step)) in vs.iter().enumerate() {

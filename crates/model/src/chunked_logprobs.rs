@@ -13,7 +13,10 @@
 //! Work precision is f32 (f64 for f64 inputs, for gradient checks); the returned log-probs
 //! are in that precision and the gradients are cast back to the inputs' dtypes.
 
-use crate::ops::work_dtype;
+use crate::ops::{
+    head_logits_grad, head_logits_grad_composed, head_row_stats, head_row_stats_composed,
+    work_dtype,
+};
 use anyhow::{bail, Context, Result};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, D};
@@ -67,23 +70,14 @@ fn chunk_rows(v: usize, chunk_elements: usize) -> usize {
     (chunk_elements / v.max(1)).max(1)
 }
 
-/// `log softmax(h·Wᵀ / T)` of one chunk, `[c, V]` in the work dtype, without a graph. The
-/// product runs in the weights' dtype (bf16 on the matrix units for a bf16 model, as
-/// transformers computes bf16 logits), the softmax in f32 (f64 for f64).
-fn chunk_logsoftmax(h: &Tensor, w: &Tensor, temperature: f64) -> Result<Tensor> {
-    let z = h.matmul(&w.t()?)?.to_dtype(work_dtype(h.dtype()))?;
-    let z = if temperature != 1.0 {
-        (z / temperature)?
-    } else {
-        z
-    };
-    let max = z.max_keepdim(D::Minus1)?;
-    let shifted = z.broadcast_sub(&max)?;
-    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-    Ok(shifted.broadcast_sub(&lse)?)
+/// One chunk's logits `h·Wᵀ` `[c, V]` in the weights' dtype (bf16 on the matrix units for a
+/// bf16 model, as transformers computes bf16 logits), without a graph; the softmax algebra
+/// runs in f32 (f64 for f64) inside the fused row kernels ([`head_row_stats`]).
+fn chunk_logits(h: &Tensor, w: &Tensor) -> Result<Tensor> {
+    Ok(h.matmul(&w.t()?)?)
 }
 
-/// The `k` largest entries of each row of `[c, V]` log-probs, as `[c, k]` u32 ids in
+/// The `k` largest entries of each row of `[c, V]` logits (the same as of the log-probs), as `[c, k]` u32 ids in
 /// decreasing order. On the CPU a size-k scan per row; elsewhere `k` rounds of a row argmax
 /// that then masks the winner, on the device (candle's device sort needs shared memory for
 /// a whole row, which a 151,936-wide vocabulary exceeds).
@@ -140,6 +134,18 @@ pub fn head_logprobs(
     ids: &Tensor,
     opts: &HeadOptions,
 ) -> Result<HeadLogprobs> {
+    head_logprobs_with(hidden, weight, ids, opts, true)
+}
+
+/// [`head_logprobs`] with the softmax algebra in the fused row kernels (`fused`) or in the
+/// candle compositions (`Transformer::training_kernels` off: the reference, and benchmarks).
+pub fn head_logprobs_with(
+    hidden: &Tensor,
+    weight: &Tensor,
+    ids: &Tensor,
+    opts: &HeadOptions,
+    fused: bool,
+) -> Result<HeadLogprobs> {
     let (n, h) = hidden
         .dims2()
         .context("head_logprobs: hidden states must be [tokens, hidden]")?;
@@ -184,37 +190,53 @@ pub fn head_logprobs(
     let mut values = Vec::new();
     let mut all_ids = Vec::new();
     let mut start = 0;
+    let mut all_stats = Vec::new();
     while start < n {
         let c = rows.min(n - start);
-        let logp = chunk_logsoftmax(&hid.narrow(0, start, c)?, &w, opts.temperature)?;
-        let entropy = (logp.exp()? * &logp)?.sum_keepdim(D::Minus1)?.neg()?;
+        let z = chunk_logits(&hid.narrow(0, start, c)?, &w)?;
+        let stats = if fused {
+            head_row_stats(&z, opts.temperature)?
+        } else {
+            head_row_stats_composed(&z, opts.temperature)?
+        };
+        let lse = stats.narrow(1, 0, 1)?;
         let mut chunk_ids = ids.narrow(0, start, c)?.contiguous()?;
         if top_k > 0 {
-            chunk_ids = Tensor::cat(&[&chunk_ids, &topk_rows(&logp, top_k)?], 1)?;
+            chunk_ids = Tensor::cat(&[&chunk_ids, &topk_rows(&z, top_k)?], 1)?;
         }
+        // log p = z/T − lse at the ids: a gather of c × W logits, no [c, V] log-softmax.
         let gathered = if chunk_ids.dim(1)? > 0 {
-            logp.gather(&chunk_ids, D::Minus1)?
+            (z.gather(&chunk_ids, D::Minus1)?.to_dtype(dt)? * (1.0 / opts.temperature))?
+                .broadcast_sub(&lse)?
         } else {
-            Tensor::zeros((c, 0), dt, logp.device())?
+            Tensor::zeros((c, 0), dt, z.device())?
         };
-        values.push(Tensor::cat(&[&gathered, &entropy], 1)?);
+        values.push(Tensor::cat(&[&gathered, &stats.narrow(1, 1, 1)?], 1)?);
         all_ids.push(chunk_ids);
+        all_stats.push(stats);
         start += c;
     }
     let width = k_ids + top_k;
-    let (values, all_ids) = if n == 0 {
+    let (values, all_ids, stats) = if n == 0 {
         (
             Tensor::zeros((0, width + 1), dt, hidden.device())?,
             Tensor::zeros((0, width), DType::U32, hidden.device())?,
+            Tensor::zeros((0, 2), dt, hidden.device())?,
         )
     } else {
         // `cat` allocates a fresh contiguous buffer, which the op's forward copies as is.
-        (Tensor::cat(&values, 0)?, Tensor::cat(&all_ids, 0)?)
+        (
+            Tensor::cat(&values, 0)?,
+            Tensor::cat(&all_ids, 0)?,
+            Tensor::cat(&all_stats, 0)?,
+        )
     };
     let op = FusedHead {
         ids: all_ids.clone(),
+        stats,
         temperature: opts.temperature,
         chunk_rows: rows,
+        fused,
     };
     let out = hidden.apply_op3(weight, &values.detach(), op)?;
     Ok(HeadLogprobs {
@@ -235,8 +257,12 @@ pub fn head_logprobs(
 struct FusedHead {
     /// `[N, W]` ids whose log-probs are the first `W` output columns (the last is entropy).
     ids: Tensor,
+    /// `[N, 2]` the forward's `(lse, entropy)` per row (work dtype), reused by the backward.
+    stats: Tensor,
     temperature: f64,
     chunk_rows: usize,
+    /// The softmax algebra in the fused kernels, else the compositions.
+    fused: bool,
 }
 
 /// The values tensor must be a whole contiguous buffer (it is fresh from `cat`).
@@ -289,18 +315,18 @@ impl CustomOp3 for FusedHead {
         hidden: &Tensor,
         weight: &Tensor,
         _values: &Tensor,
-        res: &Tensor,
+        _res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (n, width) = self.ids.dims2()?;
+        let n = self.ids.dim(0)?;
         let dt = work_dtype(hidden.dtype());
-        // Products in the model's dtype (bf16 matrix units for bf16), softmax algebra and the
-        // weight gradient's accumulation over chunks in the work dtype.
+        // Products in the model's dtype (bf16 matrix units for bf16), the softmax algebra in
+        // the fused row kernel, the weight gradient's accumulation over chunks in the work dtype.
         let mm = hidden.dtype();
         let w = weight.detach().to_dtype(mm)?;
         let hid = hidden.detach();
         let grad = grad_res.detach().to_dtype(dt)?;
-        let entropy = res.detach().narrow(1, width, 1)?.to_dtype(dt)?;
+        let msg = |e: anyhow::Error| candle_core::Error::Msg(format!("{e:#}"));
         // A frozen head (LoRA) gets no gradient: no products, no buffer.
         let mut dw = weight
             .track_op()
@@ -311,22 +337,20 @@ impl CustomOp3 for FusedHead {
         while start < n {
             let c = self.chunk_rows.min(n - start);
             let h_c = hid.narrow(0, start, c)?;
-            let logp = chunk_logsoftmax(&h_c, &w, self.temperature)
-                .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
-            let p = logp.exp()?;
-            let g = grad.narrow(0, start, c)?;
-            let g_ids = g.narrow(1, 0, width)?;
-            let g_ent = g.narrow(1, width, 1)?;
-            // −p·(Σₖ Gₖ + E·(log p + H)), then + Gₖ at each gathered id.
-            let coef = logp
-                .broadcast_add(&entropy.narrow(0, start, c)?)?
-                .broadcast_mul(&g_ent)?
-                .broadcast_add(&g_ids.sum_keepdim(1)?)?;
-            let mut dz = (p * coef)?.neg()?;
-            if width > 0 {
-                dz = dz.scatter_add(&self.ids.narrow(0, start, c)?, &g_ids.contiguous()?, 1)?;
-            }
-            let dz = (dz / self.temperature)?.to_dtype(mm)?;
+            let z = chunk_logits(&h_c, &w).map_err(msg)?;
+            let logits_grad = if self.fused {
+                head_logits_grad
+            } else {
+                head_logits_grad_composed
+            };
+            let dz = logits_grad(
+                &z,
+                &self.stats.narrow(0, start, c)?,
+                &self.ids.narrow(0, start, c)?,
+                &grad.narrow(0, start, c)?,
+                self.temperature,
+            )
+            .map_err(msg)?;
             dh.push(dz.matmul(&w)?);
             if let Some(acc) = dw.as_mut() {
                 *acc = (&*acc + dz.t()?.matmul(&h_c)?.to_dtype(dt)?)?;

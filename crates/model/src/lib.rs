@@ -56,7 +56,7 @@ pub mod threads;
 pub mod tokenizer;
 pub mod transformer;
 
-pub use chunked_logprobs::{head_logprobs, HeadLogprobs, HeadOptions};
+pub use chunked_logprobs::{head_logprobs, head_logprobs_with, HeadLogprobs, HeadOptions};
 pub use config::{ModelConfig, ModelType};
 pub use deterministic::{generate_deterministic, score_deterministic};
 pub use device::device_from_str;

@@ -73,9 +73,9 @@ pub struct Transformer {
     pub source_shards: usize,
     /// The LoRA adapters' config when adapters are attached ([`crate::lora`]).
     pub lora: Option<LoraConfig>,
-    /// Whether differentiable forwards on the CPU (f32/f64, no KV cache) use the custom ops
-    /// of [`crate::ops`] (the default) rather than compositions of candle ops; off only to
-    /// compare the two (benchmarks, equivalence tests).
+    /// Whether differentiable forwards (no KV cache) and the LM head's softmax algebra use the
+    /// custom ops of [`crate::ops`] where they apply (the default) rather than compositions of
+    /// candle ops; off only to compare the two (benchmarks, equivalence tests).
     pub training_kernels: bool,
     /// TRL's `gradient_checkpointing`: differentiable forwards keep only each decoder
     /// layer's input and recompute the layer's activations in the backward
@@ -257,14 +257,21 @@ impl Transformer {
     /// The fused, chunked LM head on final hidden states `[N, hidden]`: log-probs at `ids`
     /// `[N, K]`, entropy and optional top-K, without materialising `[N, vocab]` logits
     /// (see [`crate::chunked_logprobs`]). Differentiable w.r.t. the hidden states and
-    /// `lm_head` (the embedding when tied).
+    /// `lm_head` (the embedding when tied). With `training_kernels` off its softmax algebra is
+    /// the candle composition too.
     pub fn head_logprobs(
         &self,
         hidden: &Tensor,
         ids: &Tensor,
         opts: &crate::chunked_logprobs::HeadOptions,
     ) -> Result<crate::chunked_logprobs::HeadLogprobs> {
-        crate::chunked_logprobs::head_logprobs(hidden, &self.lm_head, ids, opts)
+        crate::chunked_logprobs::head_logprobs_with(
+            hidden,
+            &self.lm_head,
+            ids,
+            opts,
+            self.training_kernels,
+        )
     }
 
     /// Final hidden states `[B, T, hidden]` (after `model.norm`). `left_pad` is used when no

@@ -396,3 +396,72 @@ pub(crate) fn masked_softmax_bwd(p: &Tensor, dp: &Tensor) -> Result<Tensor> {
         },
     )
 }
+
+/// `[rows, 2]` f32 `(lse, entropy)` of `softmax(z·inv_t)` per row of `z` `[rows, v]`.
+pub(crate) fn head_row_stats(z: &Tensor, inv_t: f64) -> Result<Tensor> {
+    let dtype = z.dtype();
+    let (rows, v) = z.dims2()?;
+    let (rows_i, v_i, inv_t_f) = (rows as i32, v as i32, inv_t as f32);
+    on_tensors(&[z], Shape::from((rows, 2)), "head_row_stats", |a| {
+        let dev = a[0].0.device().clone();
+        typed!(dtype, "head_row_stats", |T| {
+            let zv = view::<T>(a[0].0, a[0].1, "head_row_stats")?;
+            let stats = alloc::<f32>(&dev, rows * 2)?;
+            let f =
+                dev.get_or_load_custom_func(&kernel_name("head_row_stats", dtype)?, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&zv).arg(&stats).arg(&rows_i).arg(&v_i).arg(&inv_t_f);
+            // SAFETY: the arguments match the kernel's signature.
+            unsafe { b.launch(rows_config(rows, v)) }.w()?;
+            Ok(f32::wrap_cuda_slice(stats, dev))
+        })
+    })
+}
+
+/// `∂z` `[rows, v]` in z's dtype from f32 `stats` `[rows, 2]`, u32 `ids` `[rows, w]` (in range)
+/// and f32 `grad` `[rows, w + 1]` (see `head_softmax.rs`).
+pub(crate) fn head_logits_grad(
+    z: &Tensor,
+    stats: &Tensor,
+    ids: &Tensor,
+    grad: &Tensor,
+    inv_t: f64,
+) -> Result<Tensor> {
+    let dtype = z.dtype();
+    let (rows, v) = z.dims2()?;
+    let w = ids.dim(1)?;
+    let (rows_i, v_i, w_i, inv_t_f) = (rows as i32, v as i32, w as i32, inv_t as f32);
+    on_tensors(
+        &[z, stats, ids, grad],
+        z.shape().clone(),
+        "head_logits_grad",
+        |a| {
+            let dev = a[0].0.device().clone();
+            typed!(dtype, "head_logits_grad", |T| {
+                let zv = view::<T>(a[0].0, a[0].1, "head_logits_grad")?;
+                let sv = view::<f32>(a[1].0, a[1].1, "head_logits_grad")?;
+                let iv = view::<u32>(a[2].0, a[2].1, "head_logits_grad")?;
+                let gv = view::<f32>(a[3].0, a[3].1, "head_logits_grad")?;
+                let dz = alloc::<T>(&dev, rows * v)?;
+                let f = dev.get_or_load_custom_func(
+                    &kernel_name("head_logits_grad", dtype)?,
+                    MODULE,
+                    PTX,
+                )?;
+                let mut b = f.builder();
+                b.arg(&zv)
+                    .arg(&sv)
+                    .arg(&iv)
+                    .arg(&gv)
+                    .arg(&dz)
+                    .arg(&rows_i)
+                    .arg(&v_i)
+                    .arg(&w_i)
+                    .arg(&inv_t_f);
+                // SAFETY: the arguments match the kernel's signature; ids were checked in range.
+                unsafe { b.launch(rows_config(rows, v)) }.w()?;
+                Ok(T::wrap_cuda_slice(dz, dev))
+            })
+        },
+    )
+}

@@ -1,5 +1,6 @@
 // CUDA kernels of the training ops (crates/model/src/ops): RMSNorm, RoPE, SwiGLU and the
-// masked softmax of attention, forward and backward, for f32 and bf16 tensors. Every kernel
+// masked softmax of attention, forward and backward, and the LM head's softmax algebra, for f32
+// and bf16 tensors. Every kernel
 // reads and writes the tensor's dtype and computes in f32. Their CPU twins are the `cpu_fwd`
 // of the same candle custom ops (tested in CI); tools/gpu_check.sh runs the CUDA tests.
 // Built to PTX by crates/model/build.rs (`--features cuda`).
@@ -136,7 +137,7 @@ __device__ void swiglu_fwd(const T* g, const T* u, T* y, size_t n) {
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x) {
     const float gv = to_f(g[i]);
-    const float s = 1.f / (1.f + __expf(-gv));
+    const float s = 1.f / (1.f + expf(-gv));
     y[i] = from_f<T>(gv * s * to_f(u[i]));
   }
 }
@@ -146,7 +147,7 @@ __device__ void swiglu_bwd(const T* g, const T* u, const T* dy, T* out, size_t n
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x) {
     const float gv = to_f(g[i]), uv = to_f(u[i]), d = to_f(dy[i]);
-    const float s = 1.f / (1.f + __expf(-gv));
+    const float s = 1.f / (1.f + expf(-gv));
     out[i] = from_f<T>(d * uv * s * (1.f + gv * (1.f - s)));
     out[n + i] = from_f<T>(d * gv * s);
   }
@@ -173,10 +174,10 @@ __device__ void masked_softmax_fwd(const T* s, const float* mask, T* p, int rows
   m = block_max(m);
   float z = 0.f;
   for (int j = threadIdx.x; j < tk; j += blockDim.x)
-    z += __expf(to_f(sr[j]) + (mr ? mr[j] : 0.f) - m);
+    z += expf(to_f(sr[j]) + (mr ? mr[j] : 0.f) - m);
   const float inv = 1.f / block_sum(z);
   for (int j = threadIdx.x; j < tk; j += blockDim.x)
-    pr[j] = from_f<T>(__expf(to_f(sr[j]) + (mr ? mr[j] : 0.f) - m) * inv);
+    pr[j] = from_f<T>(expf(to_f(sr[j]) + (mr ? mr[j] : 0.f) - m) * inv);
 }
 
 // ∂s = p·(∂p − Σ_j ∂p_j·p_j), one block per row.
@@ -192,6 +193,68 @@ __device__ void masked_softmax_bwd(const T* p, const T* dp, T* ds, int rows, int
   T* out = ds + (size_t)row * tk;
   for (int j = threadIdx.x; j < tk; j += blockDim.x)
     out[j] = from_f<T>(to_f(pr[j]) * (to_f(gr[j]) - dot));
+}
+
+// ---- The LM head's softmax algebra (ops/head_softmax.rs), one block per row of z [rows, v] ----
+// stats[row] = (lse, entropy) of softmax(x), x = z·inv_t: a max pass, then Σe^(x−max) and
+// Σe^(x−max)·x in one pass.
+template <typename T>
+__device__ void head_row_stats(const T* z, float* stats, int rows, int v, float inv_t) {
+  const int row = blockIdx.x;
+  if (row >= rows) return;
+  const T* zr = z + (size_t)row * v;
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, to_f(zr[j]) * inv_t);
+  m = block_max(m);
+  float sum = 0.f, sum_x = 0.f;
+  for (int j = threadIdx.x; j < v; j += blockDim.x) {
+    const float x = to_f(zr[j]) * inv_t;
+    const float e = expf(x - m);
+    sum += e;
+    sum_x += e * x;
+  }
+  sum = block_sum(sum);
+  sum_x = block_sum(sum_x);
+  if (threadIdx.x == 0) {
+    const float lse = m + logf(sum);
+    stats[2 * row] = lse;
+    stats[2 * row + 1] = lse - sum_x / sum;
+  }
+}
+
+// dz = (Σₖ Gₖ(δ_{idₖ} − p) − E·p·(log p + H))·inv_t in T, grad[row] = (G₀..G_{w−1}, E); ids are
+// in range (checked by the caller). The δ terms are added to the f32 value before rounding:
+// thread 0 writes each distinct id of the row once, after the block wrote the rest.
+template <typename T>
+__device__ void head_logits_grad(const T* z, const float* stats, const uint32_t* ids,
+                                 const float* grad, T* dz, int rows, int v, int w, float inv_t) {
+  const int row = blockIdx.x;
+  if (row >= rows) return;
+  const T* zr = z + (size_t)row * v;
+  T* out = dz + (size_t)row * v;
+  const float lse = stats[2 * row], entropy = stats[2 * row + 1];
+  const float* g = grad + (size_t)row * (w + 1);
+  const uint32_t* id = ids + (size_t)row * w;
+  float g_sum = 0.f;
+  for (int k = 0; k < w; ++k) g_sum += g[k];
+  const float g_ent = g[w];
+  for (int j = threadIdx.x; j < v; j += blockDim.x) {
+    const float logp = to_f(zr[j]) * inv_t - lse;
+    out[j] = from_f<T>(-expf(logp) * (g_sum + g_ent * (logp + entropy)) * inv_t);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int k = 0; k < w; ++k) {
+      bool seen = false;
+      for (int e = 0; e < k; ++e) seen |= id[e] == id[k];
+      if (seen) continue;
+      float gk = 0.f;
+      for (int e = k; e < w; ++e) gk += id[e] == id[k] ? g[e] : 0.f;
+      const float logp = to_f(zr[id[k]]) * inv_t - lse;
+      const float base = -expf(logp) * (g_sum + g_ent * (logp + entropy));
+      out[id[k]] = from_f<T>((base + gk) * inv_t);
+    }
+  }
 }
 
 #define INSTANTIATE(T, SFX)                                                                     \
@@ -229,6 +292,16 @@ __device__ void masked_softmax_bwd(const T* p, const T* dp, T* ds, int rows, int
   extern "C" __global__ void masked_softmax_bwd_##SFX(const T* p, const T* dp, T* ds, int rows, \
                                                       int tk) {                                 \
     masked_softmax_bwd<T>(p, dp, ds, rows, tk);                                                 \
+  }                                                                                             \
+  extern "C" __global__ void head_row_stats_##SFX(const T* z, float* stats, int rows, int v,    \
+                                                  float inv_t) {                                \
+    head_row_stats<T>(z, stats, rows, v, inv_t);                                                \
+  }                                                                                             \
+  extern "C" __global__ void head_logits_grad_##SFX(const T* z, const float* stats,             \
+                                                    const uint32_t* ids, const float* grad,     \
+                                                    T* dz, int rows, int v, int w,              \
+                                                    float inv_t) {                              \
+    head_logits_grad<T>(z, stats, ids, grad, dz, rows, v, w, inv_t);                            \
   }
 
 INSTANTIATE(float, f32)

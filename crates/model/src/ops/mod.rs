@@ -1,5 +1,6 @@
 //! Training ops with a backward: RMSNorm, RoPE, SwiGLU and causal grouped-query attention
-//! over variable-length packed rows.
+//! over variable-length packed rows; and the LM head's softmax algebra as single row passes
+//! ([`head_row_stats`], [`head_logits_grad`], used inside `chunked_logprobs`' custom op).
 //!
 //! candle 0.11's fused `rms_norm`, `rope` and `softmax_last_dim` have no backward, so the
 //! training forward used to compose each from a dozen differentiable tensor ops, each a pass
@@ -28,6 +29,7 @@ mod cuda;
 #[cfg(feature = "cuda")]
 mod decode_cuda;
 mod frozen_linear;
+mod head_softmax;
 mod masked_softmax;
 mod paged_attention;
 mod rms_norm;
@@ -38,6 +40,9 @@ pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, c
 #[cfg(feature = "cuda")]
 pub(crate) use decode_cuda::sample_inverse_cdf as sample_inverse_cdf_cuda;
 pub use frozen_linear::frozen_linear;
+pub use head_softmax::{
+    head_logits_grad, head_logits_grad_composed, head_row_stats, head_row_stats_composed,
+};
 pub use masked_softmax::{masked_softmax, masked_softmax_composed};
 pub use paged_attention::{paged_decode_attention, paged_decode_attention_composed, PagedLayout};
 pub use rms_norm::{rms_norm, rms_norm_composed};
