@@ -5,7 +5,7 @@
 # embedded default and an HF-checkpoint recipe, with checkpoint, resume and report), and the
 # benchmarks next to PyTorch on the same card; a table is printed last. Logs: $OUT/logs.tar.gz.
 #   SECTIONS="tests e2e bench05 bench06 bench7b ckpt compile05 rollout" (default), or lora7b, or
-#   attn (a short check of the varlen flash-attention kernel: its tests, ops_attention, and the
+#   attn (a short check of the newest kernels: the tests ops_attention and ops_head, and the
 #   16k-token Qwen3-0.6B row padding-free, with and without checkpointing).
 #   `rollout`: `bench rollout --workload grpo` (16 x 8 x 256 on the 0.5B shape) and `bench grpo`
 #   (whole GRPO steps vs TRL 1.16's GRPOTrainer; TRL and its missing pure-Python dependencies
@@ -136,12 +136,15 @@ if want bench05; then
   bench "te05-d" 150 $TORCH --shape qwen2.5-0.5b --batch 1,64 --skip-train
 fi
 if want attn; then
-  # The varlen attention kernel alone: its CUDA tests (ops_attention), then the 16k row below.
-  if COMPOSER_TEST_DEVICE=cuda timeout 200 "$D/tests/ops_attention" --test-threads 1 >"$W/test-attn.log" 2>&1; then
-    note "test ops_attention (cuda): PASS ($(grep -o '[0-9]* passed' "$W/test-attn.log" | tail -1))"
-  else
-    note "test ops_attention (cuda): FAIL"; grep -E "panicked|FAILED|failed|Error" "$W/test-attn.log" | head -8
-  fi
+  # The newest kernels alone: the varlen attention's and the LM head's CUDA tests, then the
+  # 16k row below.
+  for t in ops_attention ops_head; do
+    if COMPOSER_TEST_DEVICE=cuda timeout 200 "$D/tests/$t" --test-threads 1 >"$W/test-$t.log" 2>&1; then
+      note "test $t (cuda): PASS ($(grep -o '[0-9]* passed' "$W/test-$t.log" | tail -1))"
+    else
+      note "test $t (cuda): FAIL"; grep -E "panicked|FAILED|failed|Error" "$W/test-$t.log" | head -8
+    fi
+  done
 fi
 if want attn && ! want bench06; then
   bench "c06-t1pf" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode --gradient-checkpointing --padding-free
