@@ -47,6 +47,8 @@ inline unsigned dynamic_smem_bytes() { return emu_dynamic_smem_size; }
   std::abort();
 }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __expf(float x) { return std::exp(x); }
 inline float atomicAdd(float* a, float v) { return std::atomic_ref<float>(*a).fetch_add(v); }
 

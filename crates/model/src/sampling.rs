@@ -26,8 +26,11 @@ pub struct SamplingParams {
     pub temperature: f64,
     /// Nucleus sampling mass in (0, 1]; 1 = off.
     pub top_p: f64,
-    /// Keep only the k most likely tokens; 0 = off.
+    /// Keep only the k most likely tokens (ties with the k-th kept, as transformers); 0 = off.
     pub top_k: usize,
+    /// Min-p (transformers' `min_p`): keep tokens with `p ≥ min_p · p_max`; 0 = off.
+    #[serde(default)]
+    pub min_p: f64,
     /// Completion length cap (a sample that hits it finishes with `Length`).
     pub max_new_tokens: usize,
     /// Token ids that end a sample (included in its completion). None = the model's EOS ids.
@@ -48,6 +51,7 @@ impl Default for SamplingParams {
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
+            min_p: 0.0,
             max_new_tokens: 128,
             stop_token_ids: None,
             deterministic: false,
@@ -158,6 +162,9 @@ pub(crate) fn check_requests(
     if !(params.top_p > 0.0 && params.top_p <= 1.0) {
         bail!("top_p must be in (0, 1], got {}", params.top_p);
     }
+    if !(0.0..=1.0).contains(&params.min_p) {
+        bail!("min_p must be in [0, 1], got {}", params.min_p);
+    }
     let max_pos = model.cfg.max_position_embeddings;
     let vocab = model.cfg.vocab_size;
     for (i, r) in requests.iter().enumerate() {
@@ -246,10 +253,11 @@ const SAMPLE_BLOCK: usize = 128;
 
 /// Draws the next token of every active row and returns `(tokens, sampler log-probs)`.
 ///
-/// The log-softmax stays on the model's device. Greedy decoding takes the argmax there, and
-/// plain sampling (no top-k / top-p) uses [`inverse_cdf_blocked`], so per step only
-/// O(rows · V / SAMPLE_BLOCK) numbers reach the host instead of the full `[rows, V]`
-/// distribution. Top-k / top-p need a sort, done on the host over the candidate set.
+/// The log-softmax stays on the model's device. Greedy decoding takes the argmax there;
+/// sampling draws by inverse CDF in id order ([`inverse_cdf_blocked`]) from the distribution
+/// restricted to the tokens the filters keep (top-k, top-p, min-p: [`filter_cuts`], on the
+/// host), so per step only O(rows · V / SAMPLE_BLOCK) numbers reach the host when no filter
+/// is on. The log-prob returned is the unfiltered `log softmax(logits / T)` at the token.
 pub(crate) fn next_tokens(
     logits: &Tensor,
     params: &SamplingParams,
@@ -261,52 +269,102 @@ pub(crate) fn next_tokens(
     let logp = sampler_log_softmax(logits, temperature)?;
     let tokens: Vec<u32> = if greedy {
         logp.argmax(D::Minus1)?.to_vec1::<u32>()?
-    } else if params.top_k == 0 && params.top_p >= 1.0 {
-        let uniforms: Vec<f64> = active.iter_mut().map(|a| a.rng.random::<f64>()).collect();
-        inverse_cdf_blocked(&logp, &uniforms)?
     } else {
-        let rows = logp.to_vec2::<f32>()?;
-        rows.iter()
-            .zip(active.iter_mut())
-            .map(|(lp, a)| sample_token(lp, params.top_k, params.top_p, &mut a.rng))
-            .collect()
+        let uniforms: Vec<f64> = active.iter_mut().map(|a| a.rng.random::<f64>()).collect();
+        let filter = SampleFilter::of(params);
+        if filter.is_off() {
+            inverse_cdf_blocked(&logp, &uniforms)?
+        } else {
+            let cuts = filter_cuts(&logp.to_vec2::<f32>()?, &filter);
+            let cuts = Tensor::from_vec(cuts, (uniforms.len(), 1), logp.device())?;
+            let kept = logp.broadcast_ge(&cuts)?;
+            let neg_inf =
+                Tensor::new(f32::NEG_INFINITY, logp.device())?.broadcast_as(logp.shape())?;
+            inverse_cdf_blocked(&kept.where_cond(&logp, &neg_inf)?, &uniforms)?
+        }
     };
     let token_logprobs = chosen_logprobs(&logp, &tokens)?;
     Ok((tokens, token_logprobs))
 }
 
 /// As [`next_tokens`], for the rollout engine: on CUDA (f32/bf16 logits, built with
-/// `--features cuda`) plain sampling (temperature > 0, no top-k / top-p) draws on the device
-/// with [`sample_inverse_cdf`]'s kernel, the same uniforms from the same streams, so only
-/// `rows` numbers cross each way. Deterministic mode keeps [`next_tokens`], whose log-probs
-/// are the deterministic scorer's bit for bit.
+/// `--features cuda`) sampling (temperature > 0, with or without top-k / top-p / min-p) draws
+/// on the device with [`sample_inverse_cdf`]'s kernel, the same uniforms from the same
+/// streams, so only `rows` numbers cross each way. Deterministic mode keeps [`next_tokens`],
+/// whose log-probs are the deterministic scorer's bit for bit.
 pub(crate) fn next_tokens_on_device(
     logits: &Tensor,
     params: &SamplingParams,
     active: &mut [Active],
 ) -> Result<(Vec<u32>, Vec<f32>)> {
-    let plain = params.temperature > 0.0 && params.top_k == 0 && params.top_p >= 1.0;
-    if plain && logits.device().is_cuda() && crate::ops::kernels_apply(logits) {
+    if params.temperature > 0.0 && logits.device().is_cuda() && crate::ops::kernels_apply(logits) {
         let uniforms: Vec<f64> = active.iter_mut().map(|a| a.rng.random::<f64>()).collect();
-        return sample_inverse_cdf(logits, params.temperature, &uniforms);
+        return sample_inverse_cdf(
+            logits,
+            params.temperature,
+            &SampleFilter::of(params),
+            &uniforms,
+        );
     }
     next_tokens(logits, params, active)
 }
 
-/// Draws one token per row of `logits` `[rows, V]` from `softmax(logits / temperature)` by
-/// inverse CDF at `uniforms[row]` (in [0, 1)): the first token, in id order, whose cumulative
-/// probability exceeds `u · Σp`; returns the tokens and their sampler log-probs
-/// `log softmax(logits / temperature)[token]`. On CUDA with f32/bf16 logits (built with
-/// `--features cuda`) one kernel does it on the device (`decode_kernels.cu`); elsewhere the
-/// two-stage [`inverse_cdf_blocked`]. Both draw the same token from the same uniform up to
-/// float rounding at the CDF's boundaries.
+/// The filters of sampling, applied as transformers' warpers do (temperature, then top-k,
+/// then top-p renormalised over the top-k set, then min-p); every filter keeps ties at its
+/// boundary, and each row keeps at least its most likely token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleFilter {
+    /// Keep the `top_k` most likely tokens (and ties); 0 = off.
+    pub top_k: usize,
+    /// Keep the smallest most-likely set whose mass reaches `top_p` (and ties); 1 = off.
+    pub top_p: f64,
+    /// Keep tokens with `p ≥ min_p · p_max`; 0 = off.
+    pub min_p: f64,
+}
+
+impl SampleFilter {
+    /// No filter: the whole distribution.
+    pub const OFF: SampleFilter = SampleFilter {
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+    };
+
+    /// The filters of `params`.
+    pub fn of(params: &SamplingParams) -> SampleFilter {
+        SampleFilter {
+            top_k: params.top_k,
+            top_p: params.top_p,
+            min_p: params.min_p,
+        }
+    }
+
+    /// Whether every token is kept whatever the distribution.
+    pub fn is_off(&self) -> bool {
+        self.top_k == 0 && self.top_p >= 1.0 && self.min_p <= 0.0
+    }
+}
+
+/// Draws one token per row of `logits` `[rows, V]` from `softmax(logits / temperature)`
+/// restricted to what `filter` keeps, by inverse CDF in id order at `uniforms[row]` (in
+/// [0, 1)): the first kept token whose cumulative probability exceeds `u · Σ p_kept`; returns
+/// the tokens and their sampler log-probs `log softmax(logits / temperature)[token]` (of the
+/// whole distribution). On CUDA with f32/bf16 logits (built with `--features cuda`) one
+/// kernel does it on the device (`decode_kernels.cu`, the filters' cuts found by bisection);
+/// elsewhere [`filter_cuts`] and the two-stage [`inverse_cdf_blocked`]. Both draw the same
+/// token from the same uniform up to float rounding at the CDF's and the filters' boundaries.
 pub fn sample_inverse_cdf(
     logits: &Tensor,
     temperature: f64,
+    filter: &SampleFilter,
     uniforms: &[f64],
 ) -> Result<(Vec<u32>, Vec<f32>)> {
     if !(temperature > 0.0 && temperature.is_finite()) {
         bail!("inverse-CDF sampling needs a temperature > 0, got {temperature}");
+    }
+    let top_p_ok = filter.top_p > 0.0 && filter.top_p <= 1.0;
+    if !(top_p_ok && (0.0..=1.0).contains(&filter.min_p)) {
+        bail!("sampling filter out of range: top_p must be in (0, 1] and min_p in [0, 1], got {filter:?}");
     }
     let (rows, _) = logits.dims2()?;
     if uniforms.len() != rows {
@@ -321,12 +379,86 @@ pub fn sample_inverse_cdf(
             logits,
             uniforms,
             (1.0 / temperature) as f32,
+            filter,
         )?);
     }
     let logp = sampler_log_softmax(logits, temperature)?;
-    let tokens = inverse_cdf_blocked(&logp, uniforms)?;
+    let sampled = if filter.is_off() {
+        logp.clone()
+    } else {
+        let cuts = filter_cuts(&logp.to_vec2::<f32>()?, filter);
+        let cuts = Tensor::from_vec(cuts, (rows, 1), logp.device())?;
+        let neg_inf = Tensor::new(f32::NEG_INFINITY, logp.device())?.broadcast_as(logp.shape())?;
+        logp.broadcast_ge(&cuts)?.where_cond(&logp, &neg_inf)?
+    };
+    let tokens = inverse_cdf_blocked(&sampled, uniforms)?;
     let token_logprobs = chosen_logprobs(&logp, &tokens)?;
     Ok((tokens, token_logprobs))
+}
+
+/// Per row of log-probs, the smallest log-prob `filter` keeps (the row keeps every token at
+/// or above it): the largest of the top-k cut (the k-th largest value), the top-p cut (the
+/// smallest value of the shortest most-likely prefix whose mass, renormalised over the top-k
+/// set, reaches `top_p`) and the min-p cut (`max + ln min_p`).
+pub fn filter_cuts(rows: &[Vec<f32>], filter: &SampleFilter) -> Vec<f32> {
+    rows.iter().map(|row| filter_cut(row, filter)).collect()
+}
+
+fn filter_cut(logp: &[f32], filter: &SampleFilter) -> f32 {
+    let max = logp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut cut = f32::NEG_INFINITY;
+    if filter.min_p > 0.0 {
+        cut = cut.max(max + (filter.min_p as f32).ln());
+    }
+    let mut cut_k = f32::NEG_INFINITY;
+    let mut desc: Vec<f32> = Vec::new();
+    if filter.top_k > 0 && filter.top_k < logp.len() {
+        desc = logp.to_vec();
+        let k = filter.top_k;
+        desc.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+        cut_k = desc[k - 1];
+        desc.truncate(k);
+    }
+    if filter.top_p < 1.0 {
+        if desc.is_empty() {
+            // Tokens below (1 − top_p) / V together weigh less than 1 − top_p: never needed.
+            let floor = ((1.0 - filter.top_p) / logp.len() as f64).ln() as f32;
+            desc = logp
+                .iter()
+                .copied()
+                .filter(|&l| l >= floor.min(max))
+                .collect();
+        }
+        desc.sort_by(|a, b| b.total_cmp(a));
+        // The top-k set's mass includes every tie of the k-th value.
+        let ties = logp.iter().filter(|&&l| l == cut_k).count();
+        let k_mass: f64 = desc
+            .iter()
+            .filter(|&&l| l > cut_k)
+            .map(|&l| (l as f64).exp())
+            .sum::<f64>()
+            + if cut_k > f32::NEG_INFINITY {
+                ties as f64 * (cut_k as f64).exp()
+            } else {
+                0.0
+            };
+        let total = if cut_k > f32::NEG_INFINITY {
+            k_mass
+        } else {
+            logp.iter().map(|&l| (l as f64).exp()).sum()
+        };
+        let mut acc = 0f64;
+        let mut cut_p = max;
+        for &l in &desc {
+            acc += (l as f64).exp();
+            cut_p = l;
+            if acc >= filter.top_p * total {
+                break;
+            }
+        }
+        cut = cut.max(cut_p);
+    }
+    cut.max(cut_k)
 }
 
 /// `logp[row, tokens[row]]` for every row.
@@ -389,61 +521,4 @@ fn inverse_cdf_blocked(logp: &Tensor, uniforms: &[f64]) -> Result<Vec<u32>> {
         tokens.push((block * SAMPLE_BLOCK + pick) as u32);
     }
     Ok(tokens)
-}
-
-/// Draws a token from `exp(logp)` restricted to the top-k / top-p set (renormalised), on the
-/// host.
-fn sample_token(logp: &[f32], top_k: usize, top_p: f64, rng: &mut ChaCha8Rng) -> u32 {
-    let u: f64 = rng.random::<f64>();
-    let v = logp.len();
-    // Candidate set. For top-p alone, tokens with p < (1 - top_p) / V can never be in the
-    // nucleus (all of them together weigh less than 1 - top_p), so only the rest is sorted.
-    let mut cand: Vec<(f32, u32)> = if top_p < 1.0 {
-        let thresh = ((1.0 - top_p) / v as f64).ln() as f32;
-        logp.iter()
-            .enumerate()
-            .filter(|(_, &l)| l >= thresh)
-            .map(|(i, &l)| (l, i as u32))
-            .collect()
-    } else {
-        logp.iter()
-            .enumerate()
-            .map(|(i, &l)| (l, i as u32))
-            .collect()
-    };
-    let by_desc = |a: &(f32, u32), b: &(f32, u32)| {
-        b.0.partial_cmp(&a.0)
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(a.1.cmp(&b.1))
-    };
-    if top_k > 0 && top_k < cand.len() {
-        cand.select_nth_unstable_by(top_k - 1, by_desc);
-        cand.truncate(top_k);
-    }
-    cand.sort_by(by_desc);
-    if top_p < 1.0 {
-        // Keep the smallest prefix whose mass reaches top_p (renormalised over the top-k set
-        // when both are on, as transformers applies top-k then top-p).
-        let total: f64 = cand.iter().map(|(l, _)| (*l as f64).exp()).sum();
-        let mut acc = 0f64;
-        let mut cut = cand.len();
-        for (i, (l, _)) in cand.iter().enumerate() {
-            acc += (*l as f64).exp() / total;
-            if acc >= top_p {
-                cut = i + 1;
-                break;
-            }
-        }
-        cand.truncate(cut.max(1));
-    }
-    let total: f64 = cand.iter().map(|(l, _)| (*l as f64).exp()).sum();
-    let target = u * total;
-    let mut acc = 0f64;
-    for (l, i) in &cand {
-        acc += (*l as f64).exp();
-        if acc > target {
-            return *i;
-        }
-    }
-    cand.last().map(|c| c.1).unwrap_or(0)
 }

@@ -25,6 +25,7 @@ pub fn sampling_params(recipe: &Recipe, stop_ids: &[u32]) -> SamplingParams {
         temperature: r.temperature,
         top_p: r.top_p,
         top_k: r.top_k,
+        min_p: r.min_p,
         max_new_tokens: r.max_completion_length,
         stop_token_ids: Some(stop_ids.to_vec()),
         deterministic: r.deterministic,

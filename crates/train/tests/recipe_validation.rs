@@ -114,6 +114,20 @@ fn top_p_outside_0_1_is_refused() {
 }
 
 #[test]
+fn min_p_outside_0_1_is_refused() {
+    for min_p in ["1.5", "-0.1", "nan"] {
+        assert_refused(
+            "rollout",
+            &format!("min_p = {min_p}"),
+            "[rollout] min_p",
+            &["[0, 1]"],
+        );
+    }
+    let r = parse_recipe(&with_key("rollout", "min_p = 0.05"), Path::new("ok.toml")).unwrap();
+    assert_eq!(r.rollout.min_p, 0.05);
+}
+
+#[test]
 fn negative_temperature_is_refused() {
     assert_refused(
         "rollout",

@@ -113,13 +113,15 @@ pub(super) fn paged_decode(
 const SAMPLE_THREADS: u32 = 256;
 
 /// Draws one token per row of `logits` `[rows, V]` (f32 or bf16, on the CUDA device) at
-/// temperature `1 / inv_t` by inverse CDF at `uniforms[row]` (the CPU sampler's draw, see
-/// `sample_inverse_cdf` in decode_kernels.cu); returns the tokens and their log-probs. Only
-/// `rows` uniforms go to the device and `rows` tokens and log-probs come back.
+/// temperature `1 / inv_t` from what `filter` keeps, by inverse CDF at `uniforms[row]` (the CPU
+/// sampler's draw, see `sample_inverse_cdf` in decode_kernels.cu); returns the tokens and
+/// their log-probs. Only `rows` uniforms go to the device and `rows` tokens and log-probs come
+/// back.
 pub(crate) fn sample_inverse_cdf(
     logits: &Tensor,
     uniforms: &[f64],
     inv_t: f32,
+    filter: &crate::sampling::SampleFilter,
 ) -> Result<(Vec<u32>, Vec<f32>)> {
     let (rows, vocab) = logits.dims2()?;
     if uniforms.len() != rows {
@@ -145,6 +147,13 @@ pub(crate) fn sample_inverse_cdf(
     let tokens = alloc::<u32>(&dev, rows)?;
     let logprobs = alloc::<f32>(&dev, rows)?;
     let v_i = vocab as i32;
+    // top_k ≥ V keeps everything, as 0 does.
+    let top_k = if filter.top_k >= vocab {
+        0
+    } else {
+        filter.top_k as i32
+    };
+    let (top_p, min_p) = (filter.top_p as f32, filter.min_p as f32);
     typed!(dtype, "sampling", |T| {
         let lv = view::<T>(s, l, "sampling logits")?;
         let f =
@@ -155,7 +164,10 @@ pub(crate) fn sample_inverse_cdf(
             .arg(&inv_t)
             .arg(&tokens)
             .arg(&logprobs)
-            .arg(&v_i);
+            .arg(&v_i)
+            .arg(&top_k)
+            .arg(&top_p)
+            .arg(&min_p);
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
             block_dim: (SAMPLE_THREADS, 1, 1),

@@ -195,18 +195,86 @@ __device__ void paged_decode_combine(const float* __restrict__ part_o,
 
 // ---- Inverse-CDF sampling of one token per row of logits [rows, V], one block per row ----
 // As the CPU sampler: x = logits·inv_t in f32, logp = x − (m + ln Σ e^{x − m}) (m the row max),
-// p = e^{logp}; the token is the first id, in id order, whose cumulative p (f64) exceeds
-// u·Σp with p > 0 (u = uniforms[row]); a target past the end (rounding) takes the last id
-// with p > 0. Writes the token and its logp. Thread t owns the ids of segment t (contiguous,
+// p = e^{logp}. The filters keep the tokens with x ≥ cut (see `filter_cut`); the token is the
+// first kept id, in id order, whose cumulative p (f64) exceeds u·Σp_kept with p > 0
+// (u = uniforms[row]); a target past the end (rounding) takes the last kept id with p > 0.
+// Writes the token and its (unfiltered) logp. Thread t owns the ids of segment t (contiguous,
 // ⌈V / blockDim⌉ each): segment sums, a scan by thread 0, then the owning thread walks its
 // segment. blockDim.x = DS_THREADS.
 #define DS_THREADS 256
+
+// A float's position in the total order of floats, as an unsigned key (larger float, larger key).
+__device__ __forceinline__ uint32_t order_key(float f) {
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_value(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// Block-wide sums (every thread gets the result); `part` holds DS_THREADS / 32 slots.
+__device__ double ds_block_sum(double v, double* part) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  double total = 0.0;
+  for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += part[w];
+  __syncthreads();  // `part` is reused by the next call
+  return total;
+}
+
+// The smallest x the filters keep, as transformers' warpers apply them (temperature, top-k,
+// top-p over the top-k set, min-p), each keeping ties at its boundary: the largest of the
+// k-th largest x; the largest t with Σ_{x ≥ t, x ≥ cut_k} e^{x−m} ≥ top_p · Σ_{x ≥ cut_k} e^{x−m};
+// m + ln(min_p). The first two are found exactly by bisection over the 32 bits of the floats'
+// order keys (32 passes over the row each). −∞ keeps everything.
+template <typename T>
+__device__ float filter_cut(const T* x, int v, float inv_t, float m, int top_k, float top_p,
+                            float min_p, double* part) {
+  const int tid = threadIdx.x;
+  float cut_k = -INFINITY;
+  if (top_k > 0 && top_k < v) {
+    uint32_t key = 0;
+    for (int bit = 31; bit >= 0; bit--) {
+      const uint32_t cand = key | (1u << bit);
+      double count = 0.0;
+      for (int i = tid; i < v; i += blockDim.x) count += order_key(to_f(x[i]) * inv_t) >= cand;
+      if (ds_block_sum(count, part) >= (double)top_k) key = cand;
+    }
+    cut_k = key_value(key);
+  }
+  float cut = cut_k;
+  if (top_p < 1.f) {
+    double mass_k = 0.0;
+    for (int i = tid; i < v; i += blockDim.x) {
+      const float xi = to_f(x[i]) * inv_t;
+      if (xi >= cut_k) mass_k += (double)expf(xi - m);
+    }
+    const double target = (double)top_p * ds_block_sum(mass_k, part);
+    uint32_t key = 0;
+    for (int bit = 31; bit >= 0; bit--) {
+      const uint32_t cand = key | (1u << bit);
+      double mass = 0.0;
+      for (int i = tid; i < v; i += blockDim.x) {
+        const float xi = to_f(x[i]) * inv_t;
+        if (xi >= cut_k && order_key(xi) >= cand) mass += (double)expf(xi - m);
+      }
+      if (ds_block_sum(mass, part) >= target) key = cand;
+    }
+    cut = fmaxf(cut, key_value(key));
+  }
+  if (min_p > 0.f) cut = fmaxf(cut, m + logf(min_p));
+  return cut;
+}
+
 template <typename T>
 __device__ void sample_inverse_cdf(const T* __restrict__ logits,
                                    const double* __restrict__ uniforms, float inv_t,
                                    uint32_t* __restrict__ tokens, float* __restrict__ logprobs,
-                                   int v) {
+                                   int v, int top_k, float top_p, float min_p) {
   __shared__ float part[DS_THREADS / 32];
+  __shared__ double dpart[DS_THREADS / 32];
   __shared__ double seg[DS_THREADS + 1];
   __shared__ float row_lse;
   __shared__ double row_target;
@@ -235,11 +303,15 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
   }
   __syncthreads();
   const float lse = row_lse;
+  const float cut = filter_cut(x, v, inv_t, m, top_k, top_p, min_p, dpart);
 
   const int per = (v + blockDim.x - 1) / blockDim.x;
   const int lo = min(v, tid * per), hi = min(v, lo + per);
   double s = 0.0;
-  for (int i = lo; i < hi; i++) s += (double)expf(to_f(x[i]) * inv_t - lse);
+  for (int i = lo; i < hi; i++) {
+    const float xi = to_f(x[i]) * inv_t;
+    if (xi >= cut) s += (double)expf(xi - lse);
+  }
   seg[tid + 1] = s;
   __syncthreads();
   if (tid == 0) {
@@ -263,7 +335,8 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
     double acc = seg[tid];
     int pick = -1, last = lo;
     for (int i = lo; i < hi; i++) {
-      const float p = expf(to_f(x[i]) * inv_t - lse);
+      const float xi = to_f(x[i]) * inv_t;
+      const float p = xi >= cut ? expf(xi - lse) : 0.f;
       if (p > 0.f) last = i;
       acc += (double)p;
       if (acc > row_target && p > 0.f) {
@@ -294,8 +367,8 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
   }                                                                                            \
   extern "C" __global__ void __launch_bounds__(DS_THREADS) sample_inverse_cdf_##SFX(          \
       const T* logits, const double* uniforms, float inv_t, uint32_t* tokens, float* logprobs, \
-      int v) {                                                                                 \
-    sample_inverse_cdf<T>(logits, uniforms, inv_t, tokens, logprobs, v);                       \
+      int v, int top_k, float top_p, float min_p) {                                            \
+    sample_inverse_cdf<T>(logits, uniforms, inv_t, tokens, logprobs, v, top_k, top_p, min_p);  \
   }
 
 DK_INSTANTIATE(float, f32)

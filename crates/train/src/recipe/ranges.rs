@@ -63,6 +63,13 @@ pub fn validate_ranges(r: &Recipe, origin: &Path) -> Result<()> {
             "(0, 1] (1 = nucleus sampling off)",
         )?;
     }
+    if !(0.0..=1.0).contains(&ro.min_p) {
+        out_of_range(
+            "[rollout] min_p",
+            ro.min_p.to_string(),
+            "[0, 1] (0 = min-p sampling off)",
+        )?;
+    }
     if !(ro.temperature >= 0.0) || !ro.temperature.is_finite() {
         out_of_range(
             "[rollout] temperature",

@@ -222,6 +222,9 @@ pub struct RolloutSection {
     /// Top-k sampling (0 = off).
     #[serde(default)]
     pub top_k: usize,
+    /// Min-p sampling (TRL's `min_p`): keep tokens with `p ≥ min_p · p_max` (0 = off).
+    #[serde(default)]
+    pub min_p: f64,
     /// Batch-invariant sampling and recomputation: the sampler's log-probs equal the
     /// trainer's recomputed log π_old bitwise (`mismatch/max_abs` = 0), at a throughput cost.
     #[serde(default)]
@@ -249,6 +252,7 @@ impl Default for RolloutSection {
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
+            min_p: 0.0,
             deterministic: false,
             max_running_sequences: 0,
             kv_token_budget: 0,
