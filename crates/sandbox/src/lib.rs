@@ -172,6 +172,13 @@ pub struct GradeReport {
     pub wall_s: f64,
 }
 
+/// The Python interpreter every sandboxed Python run uses (`$COMPOSER_SANDBOX_PYTHON`, else
+/// the first system `python3`), so the built-in grader, the repository grader and anything
+/// else that starts Python in a sandbox run the same one; `None` when there is none.
+pub fn python_interpreter() -> Option<&'static Path> {
+    exec::python_path().map(|p| p.as_path())
+}
+
 /// Runs `code` as a Python script in a fresh sandbox (stdin empty).
 pub fn run_python(code: &str, limits: &SandboxLimits) -> ExecResult {
     let Some(python) = exec::python_path() else {

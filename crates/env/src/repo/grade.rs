@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! parent (trusted, Rust): forwards each line, never runs Python itself
-//!  ├─ judge sandbox: empty; python3 -I -S -B -c JUDGE, hidden test modules on stdin
+//!  ├─ judge sandbox: empty; python3 -I -S -B -c JUDGE (the sandbox's interpreter), hidden test modules on stdin
 //!  │     runs every `test_*` function with repository imports replaced by stand-ins
 //!  └─ grading sandbox: a fresh copy of the task's repo/ + the working copy's source_files
 //!        one python3 -I -S -B -c COMPUTE per hidden test (a fresh import, a fresh state):
@@ -252,6 +252,14 @@ fn limits(wall: Duration) -> SandboxLimits {
     }
 }
 
+/// The interpreter of every Python process of repository grading: the sandbox's own
+/// ([`composer_sandbox::python_interpreter`]), the one the built-in grader runs.
+pub(crate) fn sandbox_python() -> Result<&'static str> {
+    composer_sandbox::python_interpreter()
+        .and_then(|p| p.to_str())
+        .context("no python3 for the sandbox (install python3 or set COMPOSER_SANDBOX_PYTHON)")
+}
+
 /// Runs the hidden tests `files` against the code in `code` (a sandbox holding the repository
 /// to test) through the judge/compute protocol of this module. Returns `(test, passed, error)`
 /// per test function in file order. Errs only when the judge itself fails (or the grading
@@ -263,10 +271,11 @@ pub fn run_hidden_tests(
     budget: Duration,
 ) -> Result<Vec<(String, bool, String)>> {
     let deadline = Instant::now() + budget;
+    let python = sandbox_python()?;
     let judge_box = Sandbox::new(limits(budget + JUDGE_GRACE))?;
     let judge_py = with_plain_values(JUDGE_PY);
     let judge = judge_box.start(
-        &["python3", "-I", "-S", "-B", "-c", &judge_py],
+        &[python, "-I", "-S", "-B", "-c", &judge_py],
         budget + JUDGE_GRACE,
     )?;
     let spec = json!({"modules": modules, "files": files});
@@ -360,11 +369,12 @@ impl<'a> Candidate<'a> {
     fn forward(&mut self, request: &Value) -> Value {
         if self.session.is_none() && self.dead.is_none() {
             let remaining = self.deadline.saturating_duration_since(Instant::now());
-            let argv = ["python3", "-I", "-S", "-B", "-c", self.compute_py.as_str()];
-            match self
-                .code
-                .start(&argv, remaining.max(Duration::from_millis(1)))
-            {
+            let started = sandbox_python().and_then(|python| {
+                let argv = [python, "-I", "-S", "-B", "-c", self.compute_py.as_str()];
+                self.code
+                    .start(&argv, remaining.max(Duration::from_millis(1)))
+            });
+            match started {
                 Ok(s) => self.session = Some(s),
                 Err(e) => self.dead = Some(format!("the code's process did not start: {e:#}")),
             }

@@ -231,7 +231,8 @@ fn build(repo_dir: &Path, out_dir: &Path) -> Result<MakeTasksReport> {
         files.push((rel.clone(), std::fs::read(repo_dir.join(rel))?));
     }
     let scanner = sandbox_with(&files)?;
-    let run = scanner.run(&["python3", "-I", "-S", "-B", "-c", SCAN_PY], b"", BUDGET);
+    let python = super::grade::sandbox_python()?;
+    let run = scanner.run(&[python, "-I", "-S", "-B", "-c", SCAN_PY], b"", BUDGET);
     let scan: Scan = serde_json::from_str(&run.stdout).with_context(|| {
         format!(
             "scanning {} failed ({:?}): {}",
