@@ -1,6 +1,7 @@
 //! Throughput benchmark: training forward+backward tokens/s and decode tokens/s at several
 //! batch sizes for a model shape with random weights. Numbers are printed, never asserted.
 //! `tools/bench_torch.py` measures the same with transformers for a side-by-side.
+//! [`alloc_counter`] is the counting global allocator of the heap measurements.
 
 pub mod alloc_counter;
 
