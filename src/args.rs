@@ -283,156 +283,174 @@ pub(crate) enum BenchCommand {
     },
     /// Sync vs async layouts on the embedded default with a deliberately slow verifier: wall
     /// time to the target accuracy.
-    Async {
-        /// Seconds added to every sample's verification.
-        #[arg(long, default_value_t = 0.004)]
-        reward_latency_s: f64,
-        /// Staleness bounds of the async arms, comma separated.
-        #[arg(long, value_delimiter = ',', default_value = "1,2")]
-        max_staleness: Vec<u64>,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        #[arg(long, default_value_t = 0.9)]
-        target: f64,
-        #[arg(long, default_value_t = 150)]
-        max_steps: usize,
-        #[arg(long, default_value = "runs/bench-async")]
-        out_dir: PathBuf,
-    },
+    Async(BenchAsyncArgs),
     /// Decode throughput of the rollout engine on an HF checkpoint (CPU, f32) side by side with
     /// transformers' `generate` on the same prompt ids, and deterministic mode's
     /// sampler-vs-scorer log-prob difference.
-    Rollout {
-        /// `decode`: the engine's decode tokens/s vs transformers' `generate` on one prompt
-        /// (`--batch` samples × `--new-tokens`); `grpo`: a GRPO-shaped rollout (`--prompts` ×
-        /// `--group` samples, up to `--new-tokens`, spread completion lengths) under static
-        /// batches vs continuous batching vs all at once, with the prefill saved by prefix
-        /// sharing.
-        #[arg(long, default_value = "decode")]
-        workload: String,
-        /// HF checkpoint directory.
-        #[arg(long, default_value = "../shared/fixtures/hf-tiny/qwen2-tiny")]
-        model: PathBuf,
-        /// `grpo` only: random weights of this shape instead of `--model` (`small`,
-        /// `qwen2.5-0.5b`, `qwen3-0.6b`, `qwen2.5-7b`).
-        #[arg(long)]
-        shape: Option<String>,
-        /// `grpo` only: `cpu`, `cuda` or `cuda:N`.
-        #[arg(long, default_value = "cpu")]
-        device: String,
-        /// `grpo` only: f32, bf16 or f16 (default: bf16 on CUDA, f32 on CPU).
-        #[arg(long)]
-        dtype: Option<String>,
-        /// `decode`: samples decoded together.
-        #[arg(long, default_value_t = 8)]
-        batch: usize,
-        /// New tokens per sample: exactly this many (`decode`, default 128), at most this
-        /// many (`grpo`, default 256).
-        #[arg(long)]
-        new_tokens: Option<usize>,
-        /// Timed runs per side / arm after one warm-up (medians are compared).
-        #[arg(long, default_value_t = 3)]
-        repeats: usize,
-        /// `decode`: the prompt text.
-        #[arg(
-            long,
-            default_value = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
-        )]
-        prompt: String,
-        /// `grpo`: prompts.
-        #[arg(long, default_value_t = 16)]
-        prompts: usize,
-        /// `grpo`: samples per prompt.
-        #[arg(long, default_value_t = 8)]
-        group: usize,
-        /// `grpo`: rows the static and continuous arms hold at once (a multiple of --group).
-        #[arg(long, default_value_t = 32)]
-        max_running: usize,
-        /// `grpo`: prompt lengths, `LO..HI` (spread evenly over the prompts) or one length.
-        #[arg(long, default_value = "64..256")]
-        prompt_len: String,
-        /// `grpo`: every N-th token id stops a sample (completion lengths roughly geometric
-        /// with mean N under a random model's near-uniform logits, capped at --new-tokens).
-        #[arg(long, default_value_t = 96)]
-        mean_completion: usize,
-        /// `decode`: Python with torch and transformers for the reference (default:
-        /// $COMPOSER_BENCH_PYTHON, else python3).
-        #[arg(long)]
-        python: Option<PathBuf>,
-        /// `decode`: only composer-rl's side.
-        #[arg(long)]
-        skip_reference: bool,
-        /// Print the numbers as JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
+    Rollout(BenchRolloutArgs),
     /// Whole GRPO steps (rollout, reward, train, weight publish) of the trainer on an HF
     /// checkpoint beside TRL's GRPOTrainer on the same checkpoint, prompts and shape
     /// (tools/bench_grpo_trl.py via --python): median step seconds and their ratio.
-    Grpo {
-        /// HF checkpoint directory (with --shape: where the tokenizer comes from).
-        #[arg(long, default_value = "../shared/fixtures/hf-tiny/qwen2-tiny")]
-        model: PathBuf,
-        /// Random weights of this shape (`small`, `h256-l4`, `qwen2.5-0.5b`, `qwen3-0.6b`, …)
-        /// written as an HF checkpoint with --model's tokenizer; both sides train it.
-        #[arg(long)]
-        shape: Option<String>,
-        /// Prompts per step.
-        #[arg(long, default_value_t = 8)]
-        prompts: usize,
-        /// Samples per prompt (num_generations).
-        #[arg(long, default_value_t = 8)]
-        group: usize,
-        /// Most new tokens per sample (TRL is forced to exactly this many).
-        #[arg(long, default_value_t = 16)]
-        new_tokens: usize,
-        /// Steps per side; the first is a warm-up, the median of the rest is compared.
-        #[arg(long, default_value_t = 4)]
-        steps: usize,
-        /// The loss (TRL's loss_type).
-        #[arg(long, default_value = "dapo")]
-        loss_type: String,
-        #[arg(long, default_value_t = 1e-6)]
-        learning_rate: f64,
-        /// `cpu`, `cuda` or `cuda:N` (both sides).
-        #[arg(long, default_value = "cpu")]
-        device: String,
-        /// bf16 compute on both sides (f32 masters on ours, TRL's `bf16=True`).
-        #[arg(long)]
-        bf16: bool,
-        /// Where the prompts, recipe and run go.
-        #[arg(long, default_value = "runs/bench-grpo")]
-        out_dir: PathBuf,
-        /// Python with torch, transformers, datasets and trl 1.16 for TRL's side (default:
-        /// $COMPOSER_BENCH_PYTHON, else python3).
-        #[arg(long)]
-        python: Option<PathBuf>,
-        /// Only composer-rl's side.
-        #[arg(long)]
-        skip_reference: bool,
-        /// Print the numbers as JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
+    Grpo(BenchGrpoArgs),
     /// RLVR alone vs + hint vs + hint + replay on the embedded default: samples to target accuracy.
-    Channels {
-        /// Seeds, comma separated.
-        #[arg(long, value_delimiter = ',', default_value = "0,1,2")]
-        seeds: Vec<u64>,
-        #[arg(long, default_value_t = 0.9)]
-        target: f64,
-        #[arg(long, default_value_t = 150)]
-        max_steps: usize,
-        #[arg(long, default_value = "runs/bench-channels")]
-        out_dir: PathBuf,
-        /// Arms to run, comma separated: rlvr, hint (RLVR + hint), hint+replay.
-        #[arg(long, value_delimiter = ',', default_value = "rlvr,hint,hint+replay")]
-        arms: Vec<String>,
-        /// Hint channel weight α in the arms with the hint channel.
-        #[arg(long, default_value_t = 1.0)]
-        hint_weight: f64,
-        /// Replay channel weight β in the hint+replay arm.
-        #[arg(long, default_value_t = 0.5)]
-        replay_weight: f64,
-    },
+    Channels(BenchChannelsArgs),
+}
+
+// The stopping rule of the embedded default's comparisons (`bench async`, `bench channels`):
+// a run stops at the target greedy accuracy or after the step budget.
+#[derive(Args)]
+pub(crate) struct BenchStopArgs {
+    #[arg(long, default_value_t = 0.9)]
+    pub(crate) target: f64,
+    #[arg(long, default_value_t = 150)]
+    pub(crate) max_steps: usize,
+}
+
+#[derive(Args)]
+pub(crate) struct BenchAsyncArgs {
+    /// Seconds added to every sample's verification.
+    #[arg(long, default_value_t = 0.004)]
+    pub(crate) reward_latency_s: f64,
+    /// Staleness bounds of the async arms, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    pub(crate) max_staleness: Vec<u64>,
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+    #[command(flatten)]
+    pub(crate) stop: BenchStopArgs,
+    #[arg(long, default_value = "runs/bench-async")]
+    pub(crate) out_dir: PathBuf,
+}
+
+#[derive(Args)]
+pub(crate) struct BenchRolloutArgs {
+    /// `decode`: the engine's decode tokens/s vs transformers' `generate` on one prompt
+    /// (`--batch` samples × `--new-tokens`); `grpo`: a GRPO-shaped rollout (`--prompts` ×
+    /// `--group` samples, up to `--new-tokens`, spread completion lengths) under static
+    /// batches vs continuous batching vs all at once, with the prefill saved by prefix
+    /// sharing.
+    #[arg(long, default_value = "decode")]
+    pub(crate) workload: String,
+    /// HF checkpoint directory.
+    #[arg(long, default_value = "../shared/fixtures/hf-tiny/qwen2-tiny")]
+    pub(crate) model: PathBuf,
+    /// `grpo` only: random weights of this shape instead of `--model` (`small`,
+    /// `qwen2.5-0.5b`, `qwen3-0.6b`, `qwen2.5-7b`).
+    #[arg(long)]
+    pub(crate) shape: Option<String>,
+    /// `grpo` only: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    /// `grpo` only: f32, bf16 or f16 (default: bf16 on CUDA, f32 on CPU).
+    #[arg(long)]
+    pub(crate) dtype: Option<String>,
+    /// `decode`: samples decoded together.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) batch: usize,
+    /// New tokens per sample: exactly this many (`decode`, default 128), at most this
+    /// many (`grpo`, default 256).
+    #[arg(long)]
+    pub(crate) new_tokens: Option<usize>,
+    /// Timed runs per side / arm after one warm-up (medians are compared).
+    #[arg(long, default_value_t = 3)]
+    pub(crate) repeats: usize,
+    /// `decode`: the prompt text.
+    #[arg(
+        long,
+        default_value = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    )]
+    pub(crate) prompt: String,
+    /// `grpo`: prompts.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) prompts: usize,
+    /// `grpo`: samples per prompt.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) group: usize,
+    /// `grpo`: rows the static and continuous arms hold at once (a multiple of --group).
+    #[arg(long, default_value_t = 32)]
+    pub(crate) max_running: usize,
+    /// `grpo`: prompt lengths, `LO..HI` (spread evenly over the prompts) or one length.
+    #[arg(long, default_value = "64..256")]
+    pub(crate) prompt_len: String,
+    /// `grpo`: every N-th token id stops a sample (completion lengths roughly geometric
+    /// with mean N under a random model's near-uniform logits, capped at --new-tokens).
+    #[arg(long, default_value_t = 96)]
+    pub(crate) mean_completion: usize,
+    /// `decode`: Python with torch and transformers for the reference (default:
+    /// $COMPOSER_BENCH_PYTHON, else python3).
+    #[arg(long)]
+    pub(crate) python: Option<PathBuf>,
+    /// `decode`: only composer-rl's side.
+    #[arg(long)]
+    pub(crate) skip_reference: bool,
+    /// Print the numbers as JSON instead of a table.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct BenchGrpoArgs {
+    /// HF checkpoint directory (with --shape: where the tokenizer comes from).
+    #[arg(long, default_value = "../shared/fixtures/hf-tiny/qwen2-tiny")]
+    pub(crate) model: PathBuf,
+    /// Random weights of this shape (`small`, `h256-l4`, `qwen2.5-0.5b`, `qwen3-0.6b`, …)
+    /// written as an HF checkpoint with --model's tokenizer; both sides train it.
+    #[arg(long)]
+    pub(crate) shape: Option<String>,
+    /// Prompts per step.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) prompts: usize,
+    /// Samples per prompt (num_generations).
+    #[arg(long, default_value_t = 8)]
+    pub(crate) group: usize,
+    /// Most new tokens per sample (TRL is forced to exactly this many).
+    #[arg(long, default_value_t = 16)]
+    pub(crate) new_tokens: usize,
+    /// Steps per side; the first is a warm-up, the median of the rest is compared.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) steps: usize,
+    /// The loss (TRL's loss_type).
+    #[arg(long, default_value = "dapo")]
+    pub(crate) loss_type: String,
+    #[arg(long, default_value_t = 1e-6)]
+    pub(crate) learning_rate: f64,
+    /// `cpu`, `cuda` or `cuda:N` (both sides).
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    /// bf16 compute on both sides (f32 masters on ours, TRL's `bf16=True`).
+    #[arg(long)]
+    pub(crate) bf16: bool,
+    /// Where the prompts, recipe and run go.
+    #[arg(long, default_value = "runs/bench-grpo")]
+    pub(crate) out_dir: PathBuf,
+    /// Python with torch, transformers, datasets and trl 1.16 for TRL's side (default:
+    /// $COMPOSER_BENCH_PYTHON, else python3).
+    #[arg(long)]
+    pub(crate) python: Option<PathBuf>,
+    /// Only composer-rl's side.
+    #[arg(long)]
+    pub(crate) skip_reference: bool,
+    /// Print the numbers as JSON instead of a table.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct BenchChannelsArgs {
+    /// Seeds, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "0,1,2")]
+    pub(crate) seeds: Vec<u64>,
+    #[command(flatten)]
+    pub(crate) stop: BenchStopArgs,
+    #[arg(long, default_value = "runs/bench-channels")]
+    pub(crate) out_dir: PathBuf,
+    /// Arms to run, comma separated: rlvr, hint (RLVR + hint), hint+replay.
+    #[arg(long, value_delimiter = ',', default_value = "rlvr,hint,hint+replay")]
+    pub(crate) arms: Vec<String>,
+    /// Hint channel weight α in the arms with the hint channel.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) hint_weight: f64,
+    /// Replay channel weight β in the hint+replay arm.
+    #[arg(long, default_value_t = 0.5)]
+    pub(crate) replay_weight: f64,
 }

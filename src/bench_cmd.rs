@@ -63,120 +63,73 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             }
             Ok(())
         }
-        BenchCommand::Async {
-            reward_latency_s,
-            max_staleness,
-            seed,
-            target,
-            max_steps,
-            out_dir,
-        } => {
+        BenchCommand::Async(a) => {
             let table = composer_train::bench_async(&composer_train::AsyncBenchOptions {
-                seed,
-                reward_latency_s,
-                max_staleness,
-                target,
-                max_steps,
-                out_dir,
+                seed: a.seed,
+                reward_latency_s: a.reward_latency_s,
+                max_staleness: a.max_staleness,
+                target: a.stop.target,
+                max_steps: a.stop.max_steps,
+                out_dir: a.out_dir,
             })?;
             println!("{table}");
             Ok(())
         }
-        BenchCommand::Rollout {
-            workload,
-            model,
-            shape,
-            device,
-            dtype,
-            batch,
-            new_tokens,
-            repeats,
-            prompt,
-            prompts,
-            group,
-            max_running,
-            prompt_len,
-            mean_completion,
-            python,
-            skip_reference,
-            json,
-        } => match workload.as_str() {
+        BenchCommand::Rollout(a) => match a.workload.as_str() {
             "decode" => bench_rollout(
                 &composer_model::bench_rollout::RolloutBenchOptions {
-                    model_dir: model,
-                    batch,
-                    new_tokens: new_tokens.unwrap_or(128),
-                    repeats,
-                    prompt,
+                    model_dir: a.model,
+                    batch: a.batch,
+                    new_tokens: a.new_tokens.unwrap_or(128),
+                    repeats: a.repeats,
+                    prompt: a.prompt,
                 },
-                python,
-                skip_reference,
-                json,
+                a.python,
+                a.skip_reference,
+                a.json,
             ),
             "grpo" => {
                 let opts = composer_model::bench_rollout_grpo::GrpoRolloutOptions {
-                    prompts,
-                    group,
-                    max_new_tokens: new_tokens.unwrap_or(256),
-                    prompt_len: parse_len_range(&prompt_len)?,
-                    mean_completion,
-                    rows: max_running,
-                    repeats,
+                    prompts: a.prompts,
+                    group: a.group,
+                    max_new_tokens: a.new_tokens.unwrap_or(256),
+                    prompt_len: parse_len_range(&a.prompt_len)?,
+                    mean_completion: a.mean_completion,
+                    rows: a.max_running,
+                    repeats: a.repeats,
                 };
-                bench_rollout_grpo(&opts, &model, shape.as_deref(), &device, dtype, json)
+                let shape = a.shape.as_deref();
+                bench_rollout_grpo(&opts, &a.model, shape, &a.device, a.dtype, a.json)
             }
             other => anyhow::bail!("--workload {other:?} is not one of: decode, grpo"),
         },
-        BenchCommand::Grpo {
-            model,
-            shape,
-            prompts,
-            group,
-            new_tokens,
-            steps,
-            loss_type,
-            learning_rate,
-            device,
-            bf16,
-            out_dir,
-            python,
-            skip_reference,
-            json,
-        } => bench_grpo(
+        BenchCommand::Grpo(a) => bench_grpo(
             &composer_train::bench_grpo::GrpoStepBenchOptions {
-                model_dir: model,
-                shape,
-                prompts,
-                group,
-                new_tokens,
-                steps,
-                loss_type,
-                learning_rate,
-                device,
-                bf16,
-                out_dir,
+                model_dir: a.model,
+                shape: a.shape,
+                prompts: a.prompts,
+                group: a.group,
+                new_tokens: a.new_tokens,
+                steps: a.steps,
+                loss_type: a.loss_type,
+                learning_rate: a.learning_rate,
+                device: a.device,
+                bf16: a.bf16,
+                out_dir: a.out_dir,
             },
-            python,
-            skip_reference,
-            json,
+            a.python,
+            a.skip_reference,
+            a.json,
         ),
-        BenchCommand::Channels {
-            seeds,
-            target,
-            max_steps,
-            out_dir,
-            arms,
-            hint_weight,
-            replay_weight,
-        } => {
+        BenchCommand::Channels(a) => {
             let (_, table) = composer_train::bench_channels(&composer_train::BenchOptions {
-                seeds,
-                target,
-                max_steps,
-                out_dir,
-                arms,
-                hint_weight,
-                replay_weight,
+                seeds: a.seeds,
+                target: a.stop.target,
+                max_steps: a.stop.max_steps,
+                out_dir: a.out_dir,
+                arms: a.arms,
+                hint_weight: a.hint_weight,
+                replay_weight: a.replay_weight,
             })?;
             println!("{table}");
             Ok(())

@@ -21,55 +21,13 @@
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
+use composer_model::bench::alloc_counter::{peak_during, CountingAllocator};
 use composer_model::bench::{bench_input, train_step};
 use composer_model::{HeadOptions, PackedBatch, Transformer};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-/// The system allocator, counting live bytes and their high-water mark.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-fn grew(n: usize) {
-    let now = LIVE.fetch_add(n, Ordering::Relaxed) + n;
-    PEAK.fetch_max(now, Ordering::Relaxed);
-}
-
-// SAFETY: every call is forwarded to `System` unchanged; only counters are updated.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            grew(l.size());
-        }
-        p
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(l) };
-        if !p.is_null() {
-            grew(l.size());
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        unsafe { System.dealloc(p, l) };
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        let q = unsafe { System.realloc(p, l, new) };
-        if !q.is_null() {
-            LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-            grew(new);
-        }
-        q
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: CountingAllocator = CountingAllocator;
 
 /// What one variant runs: the padded step on `[b, t]` ids, the packed step, or the LM head
 /// alone on `[N, hidden]` states with `[N, 1]` targets (fused softmax kernels or not).
@@ -130,10 +88,8 @@ fn run_step(model: &Transformer, step: &Step) -> Result<()> {
 
 /// Peak heap (bytes) above the live heap at the start of one step.
 fn measured_step(model: &Transformer, step: &Step) -> Result<usize> {
-    let base = LIVE.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
-    run_step(model, step)?;
-    Ok(PEAK.load(Ordering::Relaxed) - base)
+    let (ran, peak) = peak_during(|| run_step(model, step));
+    ran.map(|()| peak)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -1,6 +1,9 @@
 //! Throughput benchmark: training forward+backward tokens/s and decode tokens/s at several
 //! batch sizes for a model shape with random weights. Numbers are printed, never asserted.
 //! `tools/bench_torch.py` measures the same with transformers for a side-by-side.
+//! [`alloc_counter`] is the counting global allocator of the heap measurements.
+
+pub mod alloc_counter;
 
 use crate::chunked_logprobs::HeadOptions;
 use crate::config::ModelConfig;
@@ -61,9 +64,16 @@ pub fn default_dtype(device: &Device) -> DType {
 impl BenchConfig {
     /// The default: Qwen2.5-0.5B shape, batch 1/16/64.
     pub fn qwen2_5_0_5b(device: Device) -> Self {
+        Self::with_model(ModelConfig::qwen2_5_0_5b(), device)
+    }
+
+    /// `model` on `device` in its default dtype ([`default_dtype`]), batch 1/16/64, training
+    /// steps of 512 tokens, 64 tokens decoded after 128-token prompts: full-weight training
+    /// and decoding both measured, no checkpointing, padded batches.
+    fn with_model(model: ModelConfig, device: Device) -> Self {
         let decode_dtype = default_dtype(&device);
         BenchConfig {
-            model: ModelConfig::qwen2_5_0_5b(),
+            model,
             device,
             decode_dtype,
             train_dtype: decode_dtype,
@@ -81,60 +91,40 @@ impl BenchConfig {
     }
 
     /// Issue 16's CPU memory shape: a Qwen2 of hidden size 64, 2 layers and Qwen's
-    /// 151,936-token vocabulary, one training step of 64 × 256 tokens (the fused head keeps
-    /// the peak RSS far below the 10 GB that the f32 logits alone would take).
+    /// 151,936-token vocabulary (`ModelConfig::tiny_qwen2`'s layers), one training step of
+    /// 64 × 256 tokens (the fused head keeps the peak RSS far below the 10 GB that the f32
+    /// logits alone would take).
     pub fn qwen_vocab_cpu() -> Self {
-        let mut model = ModelConfig::tiny_qwen2(151_936);
-        model.hidden_size = 64;
-        model.intermediate_size = 160;
-        model.num_hidden_layers = 2;
-        model.num_attention_heads = 4;
-        model.num_key_value_heads = 2;
-        model.head_dim = 16;
-        model.max_position_embeddings = 512;
+        let model = ModelConfig {
+            max_position_embeddings: 512,
+            ..ModelConfig::tiny_qwen2(151_936)
+        };
         BenchConfig {
-            model,
-            device: Device::Cpu,
-            decode_dtype: DType::F32,
-            train_dtype: DType::F32,
             batch_sizes: vec![64],
             train_seq_len: 257,
             prompt_len: 8,
             decode_tokens: 4,
             train_iters: 1,
-            skip_train: false,
-            skip_decode: false,
-            lora_r: None,
-            gradient_checkpointing: false,
-            padding_free: false,
+            ..Self::with_model(model, Device::Cpu)
         }
     }
 
     /// A small shape that runs in seconds on a CPU.
     pub fn small_cpu() -> Self {
-        let mut model = ModelConfig::tiny_qwen2(512);
-        model.hidden_size = 128;
-        model.intermediate_size = 384;
-        model.num_hidden_layers = 4;
-        model.num_attention_heads = 4;
-        model.num_key_value_heads = 2;
-        model.head_dim = 32;
-        model.max_position_embeddings = 512;
+        let model = ModelConfig {
+            hidden_size: 128,
+            intermediate_size: 384,
+            num_hidden_layers: 4,
+            head_dim: 32,
+            max_position_embeddings: 512,
+            ..ModelConfig::tiny_qwen2(512)
+        };
         BenchConfig {
-            model,
-            device: Device::Cpu,
-            decode_dtype: DType::F32,
-            train_dtype: DType::F32,
-            batch_sizes: vec![1, 16, 64],
             train_seq_len: 128,
             prompt_len: 32,
             decode_tokens: 32,
             train_iters: 2,
-            skip_train: false,
-            skip_decode: false,
-            lora_r: None,
-            gradient_checkpointing: false,
-            padding_free: false,
+            ..Self::with_model(model, Device::Cpu)
         }
     }
 }
@@ -147,17 +137,15 @@ impl BenchConfig {
 pub fn shape_model_config(name: &str) -> Result<ModelConfig> {
     Ok(match name {
         "small" => BenchConfig::small_cpu().model,
-        "h256-l4" => {
-            let mut cfg = ModelConfig::tiny_qwen2(2048);
-            cfg.hidden_size = 256;
-            cfg.intermediate_size = 768;
-            cfg.num_hidden_layers = 4;
-            cfg.num_attention_heads = 8;
-            cfg.num_key_value_heads = 2;
-            cfg.head_dim = 32;
-            cfg.max_position_embeddings = 2048;
-            cfg
-        }
+        "h256-l4" => ModelConfig {
+            hidden_size: 256,
+            intermediate_size: 768,
+            num_hidden_layers: 4,
+            num_attention_heads: 8,
+            head_dim: 32,
+            max_position_embeddings: 2048,
+            ..ModelConfig::tiny_qwen2(2048)
+        },
         "qwen2.5-0.5b" => ModelConfig::qwen2_5_0_5b(),
         "qwen3-0.6b" => ModelConfig::qwen3_0_6b(),
         "qwen2.5-7b" => ModelConfig::qwen2_5_7b(),
@@ -447,4 +435,33 @@ fn decode_rate(cfg: &BenchConfig, decode_model: &Transformer, b: usize) -> Resul
 
 fn dtype_name<S: serde::Serializer>(d: &DType, s: S) -> std::result::Result<S::Ok, S::Error> {
     s.serialize_str(d.as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CPU shapes are written as changes to `ModelConfig::tiny_qwen2`: they keep the
+    /// dimensions their docs (and BENCHMARKS.md's figures) name.
+    #[test]
+    fn named_cpu_shapes_keep_their_documented_dimensions() {
+        let dims = |c: &ModelConfig| {
+            [
+                c.vocab_size,
+                c.hidden_size,
+                c.intermediate_size,
+                c.num_hidden_layers,
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                c.max_position_embeddings,
+            ]
+        };
+        let shape = |name| dims(&shape_model_config(name).unwrap());
+        assert_eq!(shape("small"), [512, 128, 384, 4, 4, 2, 32, 512]);
+        assert_eq!(shape("h256-l4"), [2048, 256, 768, 4, 8, 2, 32, 2048]);
+        assert_eq!(shape("qwen-vocab"), [151_936, 64, 160, 2, 4, 2, 16, 512]);
+        let err = shape_model_config("tiny").unwrap_err().to_string();
+        assert!(err.contains("\"tiny\""), "{err}");
+    }
 }

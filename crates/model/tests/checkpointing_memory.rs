@@ -2,75 +2,28 @@
 //! a counting global allocator and a single test, so the counted bytes are this step's.
 //! (A memory bound, not a timing: the numbers with their command are in BENCHMARKS.md.)
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use candle_core::Device;
+use composer_model::bench::alloc_counter::{peak_during, CountingAllocator};
 use composer_model::bench::{bench_input, train_step};
 use composer_model::{ModelConfig, Transformer};
 
-/// The system allocator, counting live bytes and their high-water mark.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-fn grew(n: usize) {
-    let now = LIVE.fetch_add(n, Ordering::Relaxed) + n;
-    PEAK.fetch_max(now, Ordering::Relaxed);
-}
-
-// SAFETY: every call is forwarded to `System` unchanged; only counters are updated.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            grew(l.size());
-        }
-        p
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(l) };
-        if !p.is_null() {
-            grew(l.size());
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        unsafe { System.dealloc(p, l) };
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        let q = unsafe { System.realloc(p, l, new) };
-        if !q.is_null() {
-            LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-            grew(new);
-        }
-        q
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: CountingAllocator = CountingAllocator;
 
 /// Peak heap (bytes) above the live heap at the start of one training step.
 fn step_peak(model: &Transformer, input: &candle_core::Tensor) -> usize {
-    let base = LIVE.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
-    train_step(model, input).unwrap();
-    PEAK.load(Ordering::Relaxed) - base
+    let ((), peak) = peak_during(|| train_step(model, input).unwrap());
+    peak
 }
 
 #[test]
 fn checkpointing_at_least_halves_the_step_peak_heap() {
-    let mut cfg = ModelConfig::tiny_qwen2(256);
-    cfg.hidden_size = 64;
-    cfg.intermediate_size = 256;
-    cfg.num_hidden_layers = 6;
-    cfg.num_attention_heads = 4;
-    cfg.num_key_value_heads = 2;
-    cfg.head_dim = 16;
-    cfg.max_position_embeddings = 256;
+    // `tiny_qwen2`'s hidden 64 and 4 query / 2 key-value heads × 16, deeper and wider.
+    let cfg = ModelConfig {
+        intermediate_size: 256,
+        num_hidden_layers: 6,
+        ..ModelConfig::tiny_qwen2(256)
+    };
     let (mut model, _vars) = Transformer::random_init(&cfg, 0, &Device::Cpu).unwrap();
     let input = bench_input(4, 256, 256, &Device::Cpu).unwrap();
     let plain = step_peak(&model, &input);

@@ -158,6 +158,7 @@ enum SavedLse {
 }
 
 impl VarlenAttention {
+    /// The kernels' shapes from `q`'s and `k`'s layouts (`[N, Hq, D]`, `[N, Hkv, D]`).
     fn dims(&self, q: &Layout, k: &Layout) -> candle_core::Result<attention_cpu::Dims> {
         let (n, hq, d) = q.shape().dims3()?;
         let (_, hkv, _) = k.shape().dims3()?;
@@ -199,9 +200,7 @@ impl VarlenAttention {
         let Some(SavedLse::Cpu(lse)) = guard.as_ref() else {
             candle_core::bail!("attention backward: the CPU forward's log-sum-exp is missing")
         };
-        let (n, hq, d) = q.dims3()?;
-        let (_, hkv, _) = k.dims3()?;
-        let dims = attention_cpu::Dims { n, hq, hkv, d };
+        let dims = self.dims(q.layout(), k.layout())?;
         let w = "attention backward";
         let (dq, dk, dv) = with_slice::<T, _>(q, w, |qs| {
             with_slice::<T, _>(k, w, |ks| {
@@ -294,9 +293,7 @@ impl CustomOp3 for VarlenAttention {
             let Some(SavedLse::Cuda(lse)) = guard.as_ref() else {
                 candle_core::bail!("attention backward: the CUDA forward's log-sum-exp is missing")
             };
-            let (n, hq, d) = q.dims3()?;
-            let (_, hkv, _) = k.dims3()?;
-            let dims = attention_cpu::Dims { n, hq, hkv, d };
+            let dims = self.dims(q.layout(), k.layout())?;
             let (dq, dk, dv) = super::attention_cuda::varlen_attention_bwd(
                 q,
                 k,

@@ -7,7 +7,9 @@
 use super::attention_cpu::Dims;
 use super::cuda::{alloc, kernel_name, on_tensors, typed, view};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
@@ -91,16 +93,69 @@ fn config(blocks: usize, heads: usize, floats: usize) -> Result<LaunchConfig> {
     })
 }
 
-/// The kernels' integer arguments `(n, hq, hkv, d)`, checked to fit in 32 bits (element
-/// offsets are 64-bit in the kernels; token and head indices are not).
-fn int_dims(dims: &Dims) -> Result<(i32, i32, i32, i32)> {
-    let Dims { n, hq, hkv, d } = *dims;
-    let fits = |x: usize| i32::try_from(x).ok();
-    match (fits(n), fits(n * hq), fits(hkv), fits(d)) {
-        (Some(a), Some(_), Some(c), Some(e)) if hq <= 65_535 => Ok((a, hq as i32, c, e)),
-        _ => candle_core::bail!(
-            "attention: {n} tokens × {hq} heads are too many for the CUDA kernel's 32-bit indices"
-        ),
+/// The scalar arguments every attention kernel ends with, before its rows per block: the
+/// integers `(n, hq, hkv, d)`, checked to fit in 32 bits (element offsets are 64-bit in the
+/// kernels; token and head indices are not), and the softmax scale.
+struct Scalars {
+    n: i32,
+    hq: i32,
+    hkv: i32,
+    d: i32,
+    scale: f32,
+}
+
+impl Scalars {
+    fn new(dims: &Dims, scale: f64) -> Result<Self> {
+        let Dims { n, hq, hkv, d } = *dims;
+        let fits = |x: usize| i32::try_from(x).ok();
+        match (fits(n), fits(n * hq), fits(hkv), fits(d)) {
+            (Some(n), Some(_), Some(hkv), Some(d)) if hq <= 65_535 => Ok(Scalars {
+                n,
+                hq: hq as i32,
+                hkv,
+                d,
+                scale: scale as f32,
+            }),
+            _ => candle_core::bail!(
+                "attention: {n} tokens × {hq} heads are too many for the CUDA kernel's 32-bit indices"
+            ),
+        }
+    }
+
+    /// Pushes the kernels' last arguments: `n, hq, hkv, d, scale, rows` (`rows` per block).
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>, rows: &'a i32) {
+        b.arg(&self.n)
+            .arg(&self.hq)
+            .arg(&self.hkv)
+            .arg(&self.d)
+            .arg(&self.scale)
+            .arg(rows);
+    }
+}
+
+/// The arguments the ∂Q and ∂K/∂V kernels start with, in their order: the forward's inputs,
+/// the output's gradient, the forward's log-sum-exp, `delta`, `cu_seqlens` and its length.
+struct GradInputs<'v, T> {
+    q: CudaView<'v, T>,
+    k: CudaView<'v, T>,
+    v: CudaView<'v, T>,
+    dout: CudaView<'v, T>,
+    lse: CudaView<'v, f32>,
+    delta: CudaSlice<f32>,
+    cu: CudaSlice<i32>,
+    n_cu: i32,
+}
+
+impl<T> GradInputs<'_, T> {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&self.q)
+            .arg(&self.k)
+            .arg(&self.v)
+            .arg(&self.dout)
+            .arg(&self.lse)
+            .arg(&self.delta)
+            .arg(&self.cu)
+            .arg(&self.n_cu);
     }
 }
 
@@ -127,11 +182,10 @@ pub(super) fn varlen_attention_fwd(
     let dtype = q.0.dtype();
     let dev = q.0.device().clone();
     let tile = tiles(dims.d)?;
-    let (n_i, hq_i, hkv_i, d_i) = int_dims(dims)?;
+    let scalars = Scalars::new(dims, scale)?;
     let (n, d) = (dims.n, dims.d);
     let cu_dev = device_cu(&dev, cu)?;
     let n_cu = cu.len() as i32;
-    let scale_f = scale as f32;
     let rows = WARPS * tile.fwd_rpw;
     let rows_i = rows as i32;
     let cfg = config(
@@ -154,13 +208,8 @@ pub(super) fn varlen_attention_fwd(
             .arg(&cu_dev)
             .arg(&n_cu)
             .arg(&out)
-            .arg(&lse)
-            .arg(&n_i)
-            .arg(&hq_i)
-            .arg(&hkv_i)
-            .arg(&d_i)
-            .arg(&scale_f)
-            .arg(&rows_i);
+            .arg(&lse);
+        scalars.push(&mut b, &rows_i);
         // SAFETY: the arguments match the kernel's signature; the shared memory is the
         // kernel's layout for this tile class.
         unsafe { b.launch(cfg) }.w()?;
@@ -191,11 +240,10 @@ pub(super) fn varlen_attention_bwd(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let dtype = q.dtype();
     let tile = tiles(dims.d)?;
-    let (n_i, hq_i, hkv_i, d_i) = int_dims(dims)?;
+    let scalars = Scalars::new(dims, scale)?;
     let Dims { n, hq, hkv, d } = *dims;
     let (nq, nkv) = (n * hq * d, n * hkv * d);
     let n_cu = cu.len() as i32;
-    let scale_f = scale as f32;
     // ∂q, ∂k and ∂v one after the other in one buffer (one launcher call owns every input).
     let grads = on_tensors(
         &[q, k, v, out, dout, lse],
@@ -221,9 +269,23 @@ pub(super) fn varlen_attention_bwd(
                     PTX,
                 )?;
                 let mut b = f.builder();
-                b.arg(&gv).arg(&ov).arg(&delta).arg(&rows_all).arg(&d_i);
+                b.arg(&gv)
+                    .arg(&ov)
+                    .arg(&delta)
+                    .arg(&rows_all)
+                    .arg(&scalars.d);
                 // SAFETY: the arguments match the kernel's signature.
                 unsafe { b.launch(config((n * hq).div_ceil(WARPS), 1, 0)?) }.w()?;
+                let inputs = GradInputs {
+                    q: qv,
+                    k: kv,
+                    v: vv,
+                    dout: gv,
+                    lse: lse_v,
+                    delta,
+                    cu: cu_dev,
+                    n_cu,
+                };
                 let mut buf = alloc::<T>(&dev, nq + 2 * nkv)?;
                 let (mut dq, mut dkv) = buf.split_at_mut(nq);
                 let (mut dk, mut dv) = dkv.split_at_mut(nkv);
@@ -238,21 +300,9 @@ pub(super) fn varlen_attention_bwd(
                 let name = format!("varlen_attn_bwd_dq_d{}", tile.dmax);
                 let f = dev.get_or_load_custom_func(&kernel_name(&name, dtype)?, MODULE, PTX)?;
                 let mut b = f.builder();
-                b.arg(&qv)
-                    .arg(&kv)
-                    .arg(&vv)
-                    .arg(&gv)
-                    .arg(&lse_v)
-                    .arg(&delta)
-                    .arg(&cu_dev)
-                    .arg(&n_cu)
-                    .arg(&mut dq)
-                    .arg(&n_i)
-                    .arg(&hq_i)
-                    .arg(&hkv_i)
-                    .arg(&d_i)
-                    .arg(&scale_f)
-                    .arg(&rows_i);
+                inputs.push(&mut b);
+                b.arg(&mut dq);
+                scalars.push(&mut b, &rows_i);
                 // SAFETY: the arguments match the kernel's signature; the shared memory is
                 // the kernel's layout for this tile class.
                 unsafe { b.launch(cfg) }.w()?;
@@ -267,22 +317,9 @@ pub(super) fn varlen_attention_bwd(
                 let name = format!("varlen_attn_bwd_dkv_d{}", tile.dmax);
                 let f = dev.get_or_load_custom_func(&kernel_name(&name, dtype)?, MODULE, PTX)?;
                 let mut b = f.builder();
-                b.arg(&qv)
-                    .arg(&kv)
-                    .arg(&vv)
-                    .arg(&gv)
-                    .arg(&lse_v)
-                    .arg(&delta)
-                    .arg(&cu_dev)
-                    .arg(&n_cu)
-                    .arg(&mut dk)
-                    .arg(&mut dv)
-                    .arg(&n_i)
-                    .arg(&hq_i)
-                    .arg(&hkv_i)
-                    .arg(&d_i)
-                    .arg(&scale_f)
-                    .arg(&rows_i);
+                inputs.push(&mut b);
+                b.arg(&mut dk).arg(&mut dv);
+                scalars.push(&mut b, &rows_i);
                 // SAFETY: as above.
                 unsafe { b.launch(cfg) }.w()?;
                 Ok(T::wrap_cuda_slice(buf, dev))
