@@ -64,6 +64,9 @@ pub(crate) struct GenerateArgs {
     /// 0 = off.
     #[arg(long, default_value_t = 0)]
     pub(crate) top_k: usize,
+    /// Keep tokens with p >= min_p * p_max (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) min_p: f64,
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
     /// Samples of the prompt (1..=1024).

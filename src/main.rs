@@ -175,6 +175,7 @@ fn run(cli: Cli) -> Result<()> {
                 temperature: a.temperature,
                 top_p: a.top_p,
                 top_k: a.top_k,
+                min_p: a.min_p,
                 seed: a.seed,
                 num_samples: a.num_samples,
                 device: a.device,

@@ -236,6 +236,77 @@ fn seeded_sampling_is_reproducible_and_specials_are_not_in_the_text() {
     assert_ne!(first.stdout, other_seed.stdout, "the seed changes nothing");
 }
 
+/// Min-p and top-k restrict what is drawn: with `--min-p 0.5` at temperature 5 every drawn
+/// token is within ln 2 of its step's most likely one, which the teacher-forced scorer confirms;
+/// an out-of-range `--min-p` is refused by name before the model is read.
+#[test]
+fn min_p_and_top_k_restrict_the_draw_and_bad_min_p_is_refused() {
+    let dir = fixture("qwen2-tiny");
+    let out = run_json(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "def add(a, b):",
+        "--num-samples",
+        "2",
+        "--temperature",
+        "5",
+        "--min-p",
+        "0.5",
+        "--top-k",
+        "3",
+        "--max-new-tokens",
+        "24",
+        "--json",
+    ]);
+    let policy =
+        composer_model::Policy::load(&dir, &candle_core::Device::Cpu, candle_core::DType::F32)
+            .unwrap();
+    let prompt = policy.encode_prompt("def add(a, b):", false).unwrap();
+    for s in samples(&out) {
+        let ids = u32s(&s["completion_ids"]);
+        let mut seq = prompt.clone();
+        for &tok in &ids {
+            let input = candle_core::Tensor::new(&seq[..], &candle_core::Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
+            let logits: Vec<f32> = policy
+                .model
+                .forward(&input, None)
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+                .get(seq.len() - 1)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let best = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let rank = logits.iter().filter(|&&l| l > logits[tok as usize]).count();
+            // p / p_max = exp((l − l_max) / T) ≥ 0.5, and among the 3 most likely.
+            assert!(
+                ((logits[tok as usize] - best) / 5.0) as f64 >= 0.5f64.ln() - 1e-4 && rank < 3,
+                "token {tok} (logit {}, best {best}, rank {rank}) outside min-p 0.5 / top-k 3: {s}",
+                logits[tok as usize]
+            );
+            seq.push(tok);
+        }
+    }
+    let bad = composer_rl(&[
+        "generate",
+        "--model",
+        "/nonexistent/model",
+        "--prompt",
+        "x",
+        "--min-p",
+        "1.5",
+    ]);
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("min_p must be in [0, 1], got 1.5"), "{err}");
+}
+
 #[test]
 fn chat_renders_the_fixture_template() {
     let name = "qwen3-tiny";

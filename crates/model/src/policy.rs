@@ -140,6 +140,8 @@ pub struct GenerateOptions {
     pub top_p: f64,
     /// Top-k (0 = off).
     pub top_k: usize,
+    /// Min-p (0 = off).
+    pub min_p: f64,
     /// RNG seed.
     pub seed: u64,
     /// Number of completions.
@@ -161,6 +163,7 @@ impl Default for GenerateOptions {
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
+            min_p: 0.0,
             seed: 0,
             num_samples: 1,
             device: "cpu".into(),
@@ -182,19 +185,24 @@ pub(crate) fn dtype_for(device: &Device) -> DType {
 /// "finish_reason"}]}`.
 pub fn generate_cli(opts: &GenerateOptions) -> Result<Value> {
     let device = device_from_str(&opts.device)?;
+    let knobs = SamplingParams {
+        temperature: opts.temperature,
+        top_p: opts.top_p,
+        top_k: opts.top_k,
+        min_p: opts.min_p,
+        ..SamplingParams::default()
+    };
+    crate::sampling::check_params(&knobs)?;
     let policy = Policy::load(&opts.model_dir, &device, dtype_for(&device))?;
     let prompt_ids = policy.encode_prompt(&opts.prompt, opts.chat)?;
     if prompt_ids.is_empty() {
         bail!("the prompt tokenizes to no tokens");
     }
     let params = SamplingParams {
-        temperature: opts.temperature,
-        top_p: opts.top_p,
-        top_k: opts.top_k,
         max_new_tokens: opts.max_new_tokens,
         stop_token_ids: policy.sampling.stop_token_ids.clone(),
         deterministic: opts.deterministic,
-        ..SamplingParams::default()
+        ..knobs
     };
     let req = GenerationRequest {
         prompt_ids,

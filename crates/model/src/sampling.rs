@@ -154,13 +154,8 @@ impl Active {
     }
 }
 
-/// Checks the sampling knobs and every request against the model before any work; returns the
-/// stop ids.
-pub(crate) fn check_requests(
-    model: &Transformer,
-    requests: &[GenerationRequest],
-    params: &SamplingParams,
-) -> Result<Vec<u32>> {
+/// Checks the sampling knobs (temperature, top-p, min-p) alone, before anything is loaded.
+pub(crate) fn check_params(params: &SamplingParams) -> Result<()> {
     if params.temperature < 0.0 || !params.temperature.is_finite() {
         bail!("temperature must be >= 0, got {}", params.temperature);
     }
@@ -170,6 +165,17 @@ pub(crate) fn check_requests(
     if !(0.0..=1.0).contains(&params.min_p) {
         bail!("min_p must be in [0, 1], got {}", params.min_p);
     }
+    Ok(())
+}
+
+/// Checks the sampling knobs and every request against the model before any work; returns the
+/// stop ids.
+pub(crate) fn check_requests(
+    model: &Transformer,
+    requests: &[GenerationRequest],
+    params: &SamplingParams,
+) -> Result<Vec<u32>> {
+    check_params(params)?;
     let max_pos = model.cfg.max_position_embeddings;
     let vocab = model.cfg.vocab_size;
     for (i, r) in requests.iter().enumerate() {
