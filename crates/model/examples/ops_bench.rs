@@ -20,9 +20,9 @@
 //! `cargo run --release -p composer-model --example ops_bench [-- --iters N] [--compare WHAT] [--shape NAME]`
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use composer_model::bench::alloc_counter::{peak_during, CountingAllocator};
-use composer_model::bench::{bench_input, train_step};
+use composer_model::bench::{bench_input, next_token_nll, train_step};
 use composer_model::{HeadOptions, PackedBatch, Transformer};
 use std::time::Instant;
 
@@ -74,13 +74,7 @@ fn run_step(model: &Transformer, step: &Step) -> Result<()> {
             let n = rows.len();
             let hidden = hidden.index_select(&Tensor::from_vec(rows, n, &Device::Cpu)?, 0)?;
             let targets = Tensor::from_vec(targets, (n, 1), &Device::Cpu)?;
-            let loss = model
-                .head_logprobs(&hidden, &targets, &HeadOptions::default())?
-                .at_ids
-                .to_dtype(DType::F32)?
-                .mean_all()?
-                .neg()?;
-            let _grads = loss.backward()?;
+            let _grads = next_token_nll(model, &hidden, &targets)?.backward()?;
             Ok(())
         }
     }

@@ -280,6 +280,17 @@ fn train_hidden(model: &Transformer, input: &Tensor, packed: bool) -> Result<Ten
         .reshape((b, t, model.cfg.hidden_size))?)
 }
 
+/// The benchmarks' loss: the mean negative log-likelihood of `targets` `[N, 1]` under the
+/// fused LM head on `hidden` `[N, hidden]` (log-probs in f32).
+pub fn next_token_nll(model: &Transformer, hidden: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    Ok(model
+        .head_logprobs(hidden, targets, &HeadOptions::default())?
+        .at_ids
+        .to_dtype(DType::F32)?
+        .mean_all()?
+        .neg()?)
+}
+
 /// [`train_step`] (padded or `packed`), returning the seconds of its three phases (decoder
 /// forward, LM head with log-probs, backward) when `timed` (the device is synchronised
 /// between phases).
@@ -305,12 +316,7 @@ fn train_step_phases(
         .narrow(1, 0, t - 1)?
         .reshape((b * (t - 1), model.cfg.hidden_size))?;
     lap(0, input.device())?;
-    let loss = model
-        .head_logprobs(&hidden, &targets, &HeadOptions::default())?
-        .at_ids
-        .to_dtype(DType::F32)?
-        .mean_all()?
-        .neg()?;
+    let loss = next_token_nll(model, &hidden, &targets)?;
     lap(1, input.device())?;
     let _grads = loss.backward()?;
     lap(2, input.device())?;
