@@ -174,6 +174,45 @@ __device__ void varlen_attn_delta(const T* dout, const T* o, float* delta, int r
   if (lane == 0) delta[row] = a;
 }
 
+// The backward's two score products for the RPW rows `row0..` a warp owns: s[r] = a_r·A[:, col]
+// and dp[r] = b_r·B[:, col], with `rows_a`/`rows_b` row-major [·, d] in shared memory and
+// `cols_a`/`cols_b` transposed tiles (column c at c·stride). ∂Q's kernel passes (Q, dO) rows
+// against (K, V) tiles, ∂K/∂V's (K, V) rows against (Q, dO) tiles: the same products, summed
+// in the same order, so both kernels recompute bit-identical scores.
+template <int RPW>
+__device__ __forceinline__ void paired_dots(const float* rows_a, const float* rows_b,
+                                            const float* cols_a, const float* cols_b, int stride,
+                                            int col, int row0, int d, float* s, float* dp) {
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) s[r] = dp[r] = 0.f;
+  if ((d & 3) == 0) {  // rows are 16-byte aligned: broadcast float4 reads
+    for (int c = 0; c < d; c += 4) {
+      float av[4], bv[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        av[u] = cols_a[(c + u) * stride + col];
+        bv[u] = cols_b[(c + u) * stride + col];
+      }
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        const float4 ar = *reinterpret_cast<const float4*>(rows_a + (row0 + r) * d + c);
+        const float4 br = *reinterpret_cast<const float4*>(rows_b + (row0 + r) * d + c);
+        s[r] += ar.x * av[0] + ar.y * av[1] + ar.z * av[2] + ar.w * av[3];
+        dp[r] += br.x * bv[0] + br.y * bv[1] + br.z * bv[2] + br.w * bv[3];
+      }
+    }
+  } else {
+    for (int c = 0; c < d; ++c) {
+      const float av = cols_a[c * stride + col], bv = cols_b[c * stride + col];
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        s[r] += rows_a[(row0 + r) * d + c] * av;
+        dp[r] += rows_b[(row0 + r) * d + c] * bv;
+      }
+    }
+  }
+}
+
 // ∂Q: block = BQ = 4·RPW query rows of head blockIdx.y, key tiles as in the forward. Lane =
 // key: p = exp(q·k·scale − lse), ∂S = p·(∂O·v − delta); lane = column: ∂Q += ∂S·k·scale.
 template <typename T, int DC, int RPW, int BK>
@@ -230,34 +269,7 @@ __device__ void varlen_attn_bwd_dq(const T* q, const T* k, const T* v, const T* 
     }
     __syncthreads();
     float s[RPW], dp[RPW];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) s[r] = dp[r] = 0.f;
-    if ((d & 3) == 0) {  // rows of qs and dos are 16-byte aligned: broadcast float4 reads
-      for (int c = 0; c < d; c += 4) {
-        float kv[4], vv[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          kv[u] = kt[(c + u) * (BK + 1) + kl];
-          vv[u] = vt[(c + u) * (BK + 1) + kl];
-        }
-#pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-          const float4 qv = *reinterpret_cast<const float4*>(qs + (warp * RPW + r) * d + c);
-          const float4 ov = *reinterpret_cast<const float4*>(dos + (warp * RPW + r) * d + c);
-          s[r] += qv.x * kv[0] + qv.y * kv[1] + qv.z * kv[2] + qv.w * kv[3];
-          dp[r] += ov.x * vv[0] + ov.y * vv[1] + ov.z * vv[2] + ov.w * vv[3];
-        }
-      }
-    } else {
-      for (int c = 0; c < d; ++c) {
-        const float kv = kt[c * (BK + 1) + kl], vv = vt[c * (BK + 1) + kl];
-#pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-          s[r] += qs[(warp * RPW + r) * d + c] * kv;
-          dp[r] += dos[(warp * RPW + r) * d + c] * vv;
-        }
-      }
-    }
+    paired_dots<RPW>(qs, dos, kt, vt, BK + 1, kl, warp * RPW, d, s, dp);
     const int j = j0 + lane;
     float ds[RPW];
 #pragma unroll
@@ -358,34 +370,7 @@ __device__ void varlen_attn_bwd_dkv(const T* q, const T* k, const T* v, const T*
       }
       __syncthreads();
       float s[RPW], dp[RPW];
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) s[r] = dp[r] = 0.f;
-      if ((d & 3) == 0) {  // rows of ks and vs are 16-byte aligned: broadcast float4 reads
-        for (int c = 0; c < d; c += 4) {
-          float qv[4], ov[4];
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            qv[u] = qt[(c + u) * (BQ + 1) + ql];
-            ov[u] = dot[(c + u) * (BQ + 1) + ql];
-          }
-#pragma unroll
-          for (int r = 0; r < RPW; ++r) {
-            const float4 kv = *reinterpret_cast<const float4*>(ks + (warp * RPW + r) * d + c);
-            const float4 vv = *reinterpret_cast<const float4*>(vs + (warp * RPW + r) * d + c);
-            s[r] += qv[0] * kv.x + qv[1] * kv.y + qv[2] * kv.z + qv[3] * kv.w;
-            dp[r] += ov[0] * vv.x + ov[1] * vv.y + ov[2] * vv.z + ov[3] * vv.w;
-          }
-        }
-      } else {
-        for (int c = 0; c < d; ++c) {
-          const float qv = qt[c * (BQ + 1) + ql], ov = dot[c * (BQ + 1) + ql];
-#pragma unroll
-          for (int r = 0; r < RPW; ++r) {
-            s[r] += qv * ks[(warp * RPW + r) * d + c];
-            dp[r] += ov * vs[(warp * RPW + r) * d + c];
-          }
-        }
-      }
+      paired_dots<RPW>(ks, vs, qt, dot, BQ + 1, ql, warp * RPW, d, s, dp);
       const int i = i0 + lane;
       float p[RPW], ds[RPW];
 #pragma unroll
