@@ -17,10 +17,9 @@ const SAMPLE_BLOCK: usize = 128;
 ///
 /// The log-probs are [`sampler_log_softmax`]'s (the deterministic scorer's function, so
 /// deterministic mode's are the scorer's bit for bit), on the model's device. Greedy decoding
-/// takes the argmax there; sampling draws by inverse CDF in id order from the distribution
-/// restricted to the tokens the filters keep: on the CPU [`draw_rows`] (the rollout engine's
-/// draw), elsewhere [`inverse_cdf_blocked`] after masking with [`filter_cuts`]. The log-prob
-/// returned is the unfiltered `log softmax(logits / T)` at the token.
+/// takes the argmax there; sampling draws the rollout engine's token ([`sample_inverse_cdf`]:
+/// inverse CDF in id order over what the filters keep). The log-prob returned is the
+/// unfiltered `log softmax(logits / T)` at the token.
 pub(crate) fn next_tokens(
     logits: &Tensor,
     params: &SamplingParams,
@@ -34,20 +33,8 @@ pub(crate) fn next_tokens(
         logp.argmax(D::Minus1)?.to_vec1::<u32>()?
     } else {
         let uniforms: Vec<f64> = active.iter_mut().map(|a| a.rng.random::<f64>()).collect();
-        let filter = SampleFilter::of(params);
-        if logits.device().is_cpu() {
-            // The same draw as the rollout engine's; the log-probs below stay the scorer's.
-            draw_rows_cpu(logits, temperature, &filter, &uniforms)?.0
-        } else if filter.is_off() {
-            inverse_cdf_blocked(&logp, &uniforms)?
-        } else {
-            let cuts = filter_cuts(&logp.to_vec2::<f32>()?, &filter);
-            let cuts = Tensor::from_vec(cuts, (uniforms.len(), 1), logp.device())?;
-            let kept = logp.broadcast_ge(&cuts)?;
-            let neg_inf =
-                Tensor::new(f32::NEG_INFINITY, logp.device())?.broadcast_as(logp.shape())?;
-            inverse_cdf_blocked(&kept.where_cond(&logp, &neg_inf)?, &uniforms)?
-        }
+        // The rollout engine's draw; the log-probs below stay the scorer's.
+        sample_inverse_cdf(logits, temperature, &SampleFilter::of(params), &uniforms)?.0
     };
     let token_logprobs = chosen_logprobs(&logp, &tokens)?;
     Ok((tokens, token_logprobs))
