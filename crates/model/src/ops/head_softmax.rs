@@ -169,8 +169,10 @@ fn cpu_kernel_input(z: &Tensor) -> Result<Tensor> {
     Ok(z.contiguous()?)
 }
 
-/// `(max, Σ e^{x−max}, Σ e^{x−max}·x)` of `x = z·inv_t` over one row, in two passes.
-fn row_sums<T: Real>(row: &[T], inv_t: T) -> (T, T, T) {
+/// `(max, Σ e^{x−max}, Σ e^{x−max}·x)` of `x = z·inv_t` over one row, in two passes; the sums
+/// in f64 (a sequential f32 sum over 151,936 terms drifts by ~1e-4). The LM head's statistics
+/// and the CPU sampler ([`crate::sampling`]) both read a row's softmax through this.
+pub(crate) fn row_sums<T: Real>(row: &[T], inv_t: T) -> (T, f64, f64) {
     let mut max = T::NEG_INFINITY;
     for &z in row {
         let x = z * inv_t;
@@ -178,12 +180,12 @@ fn row_sums<T: Real>(row: &[T], inv_t: T) -> (T, T, T) {
             max = x;
         }
     }
-    let (mut sum, mut sum_x) = (T::zero(), T::zero());
+    let (mut sum, mut sum_x) = (0f64, 0f64);
     for &z in row {
         let x = z * inv_t;
-        let e = (x - max).exp();
+        let e = (x - max).exp().to_f64();
         sum += e;
-        sum_x += e * x;
+        sum_x += e * x.to_f64();
     }
     (max, sum, sum_x)
 }
@@ -194,8 +196,8 @@ fn row_stats<T: Real>(z: &[T], v: usize, inv_t: f64) -> Vec<T> {
     let rows = z.len() / v;
     par_map(rows, |r| {
         let (max, sum, sum_x) = row_sums(&z[r * v..(r + 1) * v], inv_t);
-        let lse = max + sum.ln();
-        [lse, lse - sum_x / sum]
+        let lse = max + T::from_f64(sum.ln());
+        [lse, lse - T::from_f64(sum_x / sum)]
     })
     .into_iter()
     .flatten()

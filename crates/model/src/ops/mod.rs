@@ -40,6 +40,7 @@ pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, c
 #[cfg(feature = "cuda")]
 pub(crate) use decode_cuda::sample_inverse_cdf as sample_inverse_cdf_cuda;
 pub use frozen_linear::frozen_linear;
+pub(crate) use head_softmax::row_sums;
 pub use head_softmax::{
     head_logits_grad, head_logits_grad_composed, head_row_stats, head_row_stats_composed,
 };
