@@ -42,6 +42,29 @@ __device__ __forceinline__ int seg_of(const int* cu, int n_cu, int i) {
   return lo;
 }
 
+// acc[r][c] += Σ_{jj < jn} w_r(jj)·src[jj·j_stride + c·c_stride] for the columns c = lane + 32t
+// a lane owns, where w_r(jj) is lane jj's w[r] (a warp-wide weight row: the forward's P·V over
+// a row-major V tile, ∂Q's dS·K over a transposed K tile).
+template <int RPW, int DC>
+__device__ __forceinline__ void accumulate_shuffled(const float* src, int j_stride, int c_stride,
+                                                    const float (&w)[RPW], int jn, int d,
+                                                    int lane, float (&acc)[RPW][DC]) {
+  for (int jj = 0; jj < jn; ++jj) {
+    float sv[DC];
+#pragma unroll
+    for (int t = 0; t < DC; ++t) {
+      const int c = lane + 32 * t;
+      sv[t] = c < d ? src[jj * j_stride + c * c_stride] : 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      const float wj = __shfl_sync(FULL_MASK, w[r], jj);
+#pragma unroll
+      for (int t = 0; t < DC; ++t) acc[r][t] += wj * sv[t];
+    }
+  }
+}
+
 // Forward: block = BQ = 4·RPW query rows of head blockIdx.y; keys in tiles of BK from the
 // first row's segment start to the last row. Lane = key for the scores (q broadcast from
 // qs, k from the transposed kt), lane = column for the output (p shuffled, v from vs).
@@ -132,21 +155,7 @@ __device__ void varlen_attn_fwd(const T* q, const T* k, const T* v, const int* c
 #pragma unroll
       for (int t = 0; t < DC; ++t) acc[r][t] *= corr;
     }
-    const int jn = min(BK, i_last + 1 - j0);
-    for (int jj = 0; jj < jn; ++jj) {
-      float vv[DC];
-#pragma unroll
-      for (int t = 0; t < DC; ++t) {
-        const int c = lane + 32 * t;
-        vv[t] = c < d ? vs[jj * d + c] : 0.f;
-      }
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        const float pj = __shfl_sync(FULL_MASK, p[r], jj);
-#pragma unroll
-        for (int t = 0; t < DC; ++t) acc[r][t] += pj * vv[t];
-      }
-    }
+    accumulate_shuffled<RPW, DC>(vs, d, 1, p, min(BK, i_last + 1 - j0), d, lane, acc);
   }
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
@@ -278,21 +287,7 @@ __device__ void varlen_attn_bwd_dq(const T* q, const T* k, const T* v, const T* 
       const float p = valid ? expf(s[r] - row_lse[r]) : 0.f;
       ds[r] = p * (dp[r] - row_delta[r]);
     }
-    const int jn = min(BK, i_last + 1 - j0);
-    for (int jj = 0; jj < jn; ++jj) {
-      float kv[DC];
-#pragma unroll
-      for (int t = 0; t < DC; ++t) {
-        const int c = lane + 32 * t;
-        kv[t] = c < d ? kt[c * (BK + 1) + jj] : 0.f;
-      }
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        const float dsj = __shfl_sync(FULL_MASK, ds[r], jj);
-#pragma unroll
-        for (int t = 0; t < DC; ++t) acc[r][t] += dsj * kv[t];
-      }
-    }
+    accumulate_shuffled<RPW, DC>(kt, 1, BK + 1, ds, min(BK, i_last + 1 - j0), d, lane, acc);
   }
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
