@@ -5,6 +5,8 @@
 # embedded default and an HF-checkpoint recipe, with checkpoint, resume and report), and the
 # benchmarks next to PyTorch on the same card; a table is printed last. Logs: $OUT/logs.tar.gz.
 #   SECTIONS="tests e2e bench05 bench06 bench7b ckpt compile05 rollout" (default), or lora7b, or
+#   profile (tools/cupti_profile: GPU time per kernel in each phase of a training step and a
+#   decode, files profile-*.txt in $OUT), or
 #   attn (a short check of the newest kernels: the tests ops_attention and ops_head, and the
 #   16k-token Qwen3-0.6B row padding-free, with and without checkpointing).
 #   `rollout`: `bench rollout --workload grpo` (16 x 8 x 256 on the 0.5B shape) and `bench grpo`
@@ -192,9 +194,35 @@ if want rollout; then
   bench "c05-grpo-step" 400 "$BIN" bench grpo --shape qwen2.5-0.5b --model .device/shared/fixtures/hf-tiny/qwen2-tiny \
     --device cuda --bf16 --prompts 16 --group 8 --new-tokens 256 --steps 4 --out-dir "$W/grpo" --python python3 --json
 fi
+if want profile; then
+  # Where the GPU time goes (tools/cupti_profile, a CUPTI injection library built by
+  # gpu_prepare.sh): kernel by kernel in each synchronised phase of one 16x512 bf16 training
+  # step (padded, and padding-free through the varlen attention kernel) and of a 64-row decode.
+  P="$D/cupti"
+  for run in "t16:--batch 16 --train-seq-len 512 --skip-decode" \
+             "t16pf:--batch 16 --train-seq-len 512 --skip-decode --padding-free" \
+             "d64:--batch 64 --skip-train"; do
+    tag=${run%%:*}; args=${run#*:}
+    # shellcheck disable=SC2086
+    if CUDA_INJECTION64_PATH="$P/libkernel_profile.so" LD_LIBRARY_PATH="$P:$LD_LIBRARY_PATH" \
+      COMPOSER_CUPTI_OUT="$W/profile-$tag.txt" timeout 200 "$BIN" bench model --shape qwen2.5-0.5b \
+      --device cuda --dtype bf16 --json $args >"$W/profile-$tag.json" 2>"$W/profile-$tag.err"; then
+      note "profile $tag: $(grep -c '^## phase' "$W/profile-$tag.txt" 2>/dev/null) phases in profile-$tag.txt"
+    else
+      note "profile $tag: FAIL $(tail -2 "$W/profile-$tag.err" | tr '\n' ' ' | cut -c1-200)"
+    fi
+    cp "$W/profile-$tag.txt" "$OUT/" 2>/dev/null
+  done
+fi
 tar -C "$W" -czf "$OUT/logs.tar.gz" . 2>/dev/null
 echo
 echo "=== summary ==="
 cat "$W/gpu.txt"
 printf '%s\n' "${status[@]}"
 python3 tools/gpu_summary.py "$W" "$(cat "$W/gpu.txt")"
+# Each profiled phase's headline and its five costliest kernels (the whole files are in $OUT).
+for f in "$W"/profile-*.txt; do
+  [ -f "$f" ] || continue
+  echo "--- $(basename "$f")"
+  awk '/^## phase/{print; n=0; next} /^ *total_ms/{n=1; next} n>0 && n<=5 {print; n++}' "$f"
+done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds what tools/gpu_check.sh needs into .device/ (git-ignored; carried by the device tool):
 # the CUDA release binary, the CUDA test binaries of composer-model (parity, training_and_rollout,
-# ops, ops_attention, ops_head, paged_kv), and the hf-tiny fixtures.
+# ops, ops_attention, ops_head, paged_kv), the CUPTI kernel profiler, and the hf-tiny fixtures.
 # Needs the toolkit from ../shared/cuda/setup-toolkit.sh in .cuda-toolkit/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +15,19 @@ strip -o /tmp/devpack/composer-rl "$CARGO_TARGET_DIR/release/composer-rl"
 cargo test --release -p composer-model --features cuda --no-run 2>&1 \
   | grep -oE '\(/[^)]*/deps/(parity|training_and_rollout|ops|ops_attention|ops_head|paged_kv)-[0-9a-f]+\)' | tr -d '()' \
   | while read -r exe; do strip -o "/tmp/devpack/tests/$(basename "$exe" | cut -d- -f1)" "$exe"; done
+# The CUPTI kernel profiler (tools/cupti_profile, gpu_check.sh section `profile`), built
+# against CUPTI 13.0 and carried with that libcupti so records and headers agree.
+CUPTI=/tmp/cupti-wheel
+if [ ! -f "$CUPTI/nvidia/cu13/lib/libcupti.so.13" ]; then
+  rm -rf "$CUPTI" && mkdir -p "$CUPTI"
+  pip download -q --no-deps -d "$CUPTI" nvidia-cuda-cupti==13.0.85
+  python3 -m zipfile -e "$CUPTI"/nvidia_cuda_cupti-*.whl "$CUPTI"
+fi
+mkdir -p /tmp/devpack/cupti
+g++ -O2 -std=c++17 -Wall -Wextra -Werror -shared -fPIC -I"$CUPTI/nvidia/cu13/include" \
+  -I"$CUDA_HOME/include" tools/cupti_profile/kernel_profile.cc -o /tmp/devpack/cupti/libkernel_profile.so \
+  -L"$CUPTI/nvidia/cu13/lib" -l:libcupti.so.13 -static-libstdc++ -static-libgcc -Wl,--exclude-libs,ALL
+cp "$CUPTI/nvidia/cu13/lib/libcupti.so.13" /tmp/devpack/cupti/
 tar -C /tmp/devpack -cf - . | xz -6 -T2 > .device/bins.tar.xz
 cp -r ../shared/fixtures/hf-tiny .device/shared/fixtures/
 # TRL's side of `bench grpo` (gpu_check.sh section `rollout`): the device has no network.

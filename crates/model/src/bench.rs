@@ -4,6 +4,8 @@
 //! [`alloc_counter`] is the counting global allocator of the heap measurements.
 
 pub mod alloc_counter;
+mod profile_marks;
+pub use profile_marks::profile_phase;
 
 use crate::chunked_logprobs::HeadOptions;
 use crate::config::ModelConfig;
@@ -300,17 +302,25 @@ fn train_step_phases(
     packed: bool,
     timed: bool,
 ) -> Result<[f64; 3]> {
+    let (b, t) = input.dims2()?;
+    // The phases as `tools/cupti_profile` labels them (the phase each lap closes opens the next).
+    let labels = ["LM head and log-probs", "backward", "after the step"]
+        .map(|p| format!("train {b}x{t}: {p}"));
+    if timed {
+        sync(input.device())?;
+        profile_phase(&format!("train {b}x{t}: decoder forward"));
+    }
     let mut marks = [0.0; 3];
     let mut clock = Instant::now();
     let mut lap = |i: usize, dev: &Device| -> Result<()> {
         if timed {
             sync(dev)?;
             marks[i] = clock.elapsed().as_secs_f64();
+            profile_phase(&labels[i]);
             clock = Instant::now();
         }
         Ok(())
     };
-    let (b, t) = input.dims2()?;
     let targets = input.narrow(1, 1, t - 1)?.reshape((b * (t - 1), 1))?;
     let hidden = train_hidden(model, input, packed)?
         .narrow(1, 0, t - 1)?
@@ -432,10 +442,15 @@ fn decode_rate(cfg: &BenchConfig, decode_model: &Transformer, b: usize) -> Resul
     generate(decode_model, &requests, &params(1))?;
     sync(&cfg.device)?;
     let t_one = t0.elapsed().as_secs_f64();
+    profile_phase(&format!(
+        "decode batch {b}, {} new tokens",
+        cfg.decode_tokens
+    ));
     let t0 = Instant::now();
     generate(decode_model, &requests, &params(cfg.decode_tokens))?;
     sync(&cfg.device)?;
     let t_n = t0.elapsed().as_secs_f64();
+    profile_phase(&format!("after decode batch {b}"));
     Ok((b * (cfg.decode_tokens - 1)) as f64 / (t_n - t_one).max(1e-9))
 }
 
