@@ -38,8 +38,14 @@ impl Transformer {
                 .reshape((b, 1, half))?
                 .to_dtype(self.dtype)?)
         };
-        // As `forward_hidden` without a backward: fused kernels, except for f64 models.
-        let path = if self.dtype == DType::F64 {
+        // The trainer's own kernels (RMSNorm, RoPE, SwiGLU) where they apply: the sampler's
+        // log-probs then come from the ops the trainer recomputes them with, and each is one
+        // launch (candle's SwiGLU is two, its RoPE wants heads-major copies). Elsewhere
+        // candle's fused kernels, or the compositions for f64.
+        let path = if self.training_kernels && crate::ops::kernels_apply_to(&self.device, self.dtype)
+        {
+            OpPath::Kernels
+        } else if self.dtype == DType::F64 {
             OpPath::Differentiable
         } else {
             OpPath::Fused
