@@ -37,6 +37,55 @@ fn rms_norm_matches_the_composition() {
 }
 
 #[test]
+fn add_rms_norm_equals_the_add_and_the_norm_and_refuses_a_backward() {
+    // The decode's fused residual add + RMSNorm: both results against the f64 composition.
+    let x = randn(&[4, 1, 37], 7, 2.0);
+    let delta = randn(&[4, 1, 37], 8, 1.5);
+    let w = (randn(&[37], 9, 0.5) + 1.0).unwrap();
+    let sum_ref = (&x + &delta).unwrap();
+    let normed_ref = ops::rms_norm_composed(&sum_ref, &w, 1e-6).unwrap();
+    let device = common::test_device();
+    for (dtype, tol) in kernel_cases(1e-13, 1e-5) {
+        let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&device).unwrap();
+        let (sum, normed) = ops::add_rms_norm(&on(&x), &on(&delta), &on(&w), 1e-6).unwrap();
+        assert_eq!(sum.dims(), x.dims());
+        assert_eq!(normed.dims(), x.dims());
+        let back = |t: &Tensor| {
+            t.to_device(&Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+        };
+        assert_close("add_rms_norm sum", &back(&sum), &sum_ref, dtype, tol);
+        assert_close(
+            "add_rms_norm normed",
+            &back(&normed),
+            &normed_ref,
+            dtype,
+            tol,
+        );
+    }
+    // Inference only: a gradient through it is an error, never silently missing.
+    let v = Var::from_tensor(&x.to_dtype(DType::F32).unwrap()).unwrap();
+    let (_, normed) = ops::add_rms_norm(
+        v.as_tensor(),
+        &delta.to_dtype(DType::F32).unwrap(),
+        &w.to_dtype(DType::F32).unwrap(),
+        1e-6,
+    )
+    .unwrap();
+    assert!(normed.sum_all().unwrap().backward().is_err());
+    let e = format!(
+        "{:#}",
+        ops::add_rms_norm(&x, &randn(&[4, 37], 1, 1.0), &w, 1e-6).unwrap_err()
+    );
+    assert!(
+        e.contains("x has shape [4, 1, 37] but delta [4, 37]"),
+        "{e}"
+    );
+}
+
+#[test]
 fn rope_matches_the_composition() {
     let (n, h, d) = (11, 3, 10);
     let x = randn(&[n, h, d], 3, 1.0);

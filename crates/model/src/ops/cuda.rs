@@ -149,6 +149,41 @@ pub(crate) fn rms_norm_fwd(
     })
 }
 
+/// `[x + δ | RMSNorm(x + δ)·w]` into one buffer of `2·rows·d` (the decode's fused residual add).
+pub(crate) fn add_rms_norm_fwd(
+    x: (&CudaStorage, &Layout),
+    delta: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    eps: f64,
+) -> Result<CudaStorage> {
+    let dev = x.0.device().clone();
+    let dtype = x.0.dtype();
+    let d = w.1.shape().elem_count();
+    let rows = x.1.shape().elem_count() / d.max(1);
+    let (rows_i, d_i, eps_f) = (rows as i32, d as i32, eps as f32);
+    typed!(dtype, "add_rms_norm", |T| {
+        let (xv, dv, wv) = (
+            view::<T>(x.0, x.1, "add_rms_norm")?,
+            view::<T>(delta.0, delta.1, "add_rms_norm")?,
+            view::<T>(w.0, w.1, "add_rms_norm")?,
+        );
+        let out = alloc::<T>(&dev, 2 * rows * d)?;
+        let f =
+            dev.get_or_load_custom_func(&kernel_name("add_rms_norm_fwd", dtype)?, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&xv)
+            .arg(&dv)
+            .arg(&wv)
+            .arg(&out)
+            .arg(&rows_i)
+            .arg(&d_i)
+            .arg(&eps_f);
+        // SAFETY: the arguments match the kernel's signature; `out` holds 2·rows·d elements.
+        unsafe { b.launch(rows_config(rows, d)) }.w()?;
+        Ok(T::wrap_cuda_slice(out, dev))
+    })
+}
+
 /// RMSNorm backward: `(∂x, ∂w)`, ∂w summed over rows in f32 and cast to x's dtype.
 pub(crate) fn rms_norm_bwd(
     x: &Tensor,

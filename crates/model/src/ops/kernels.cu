@@ -63,6 +63,31 @@ __device__ void rms_norm_fwd(const T* x, const T* w, T* y, int rows, int d, floa
   }
 }
 
+// The decode's residual add fused with the norm after it: s = T(x + δ) into out[0, rows·d),
+// RMSNorm(s)·w into out[rows·d, 2·rows·d); one block per row. Each thread reads back only the
+// sums it wrote itself.
+template <typename T>
+__device__ void add_rms_norm_fwd(const T* x, const T* delta, const T* w, T* out, int rows, int d,
+                                 float eps) {
+  const int row = blockIdx.x;
+  if (row >= rows) return;
+  const size_t off = (size_t)row * d;
+  T* sr = out + off;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    const T s = from_f<T>(to_f(x[off + i]) + to_f(delta[off + i]));
+    sr[i] = s;
+    const float v = to_f(s);
+    ss += v * v;
+  }
+  const float r = rsqrtf(block_sum(ss) / d + eps);
+  T* yr = out + (size_t)rows * d + off;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    const float n = to_f(from_f<T>(to_f(sr[i]) * r));
+    yr[i] = from_f<T>(n * to_f(w[i]));
+  }
+}
+
 // dx = r·g − x·r³·(Σ g·x)/D with g = dy·w; one block per row.
 template <typename T>
 __device__ void rms_norm_bwd_dx(const T* x, const T* w, const T* dy, T* dx, int rows, int d,
@@ -261,6 +286,10 @@ __device__ void head_logits_grad(const T* z, const float* stats, const uint32_t*
   extern "C" __global__ void rms_norm_fwd_##SFX(const T* x, const T* w, T* y, int rows, int d,  \
                                                 float eps) {                                    \
     rms_norm_fwd<T>(x, w, y, rows, d, eps);                                                     \
+  }                                                                                             \
+  extern "C" __global__ void add_rms_norm_fwd_##SFX(const T* x, const T* delta, const T* w,     \
+                                                    T* out, int rows, int d, float eps) {       \
+    add_rms_norm_fwd<T>(x, delta, w, out, rows, d, eps);                                        \
   }                                                                                             \
   extern "C" __global__ void rms_norm_bwd_dx_##SFX(const T* x, const T* w, const T* dy, T* dx,  \
                                                    int rows, int d, float eps) {                \

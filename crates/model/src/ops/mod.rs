@@ -46,7 +46,7 @@ pub use head_softmax::{
 };
 pub use masked_softmax::{masked_softmax, masked_softmax_composed};
 pub use paged_attention::{paged_decode_attention, paged_decode_attention_composed, PagedLayout};
-pub use rms_norm::{rms_norm, rms_norm_composed};
+pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_composed};
 pub use rope::{rope, rope_composed};
 pub use swiglu::{swiglu, swiglu_composed};
 

@@ -5,7 +5,7 @@
 
 use super::{kernels_apply, layout_slice, par_map, par_rows, with_slice, work_dtype, Real};
 use anyhow::{bail, Context, Result};
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, D};
 
 /// RMSNorm of `x` `[.., D]` with `weight` `[D]`: the custom op (CPU f32/f64, CUDA f32/bf16), else
 /// [`rms_norm_composed`]. Differentiable with respect to both.
@@ -182,5 +182,137 @@ impl CustomOp2 for RmsNormOp {
             other => candle_core::bail!("rms_norm kernel: unsupported dtype {other:?}"),
         };
         Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// The decode step's residual add fused with the RMSNorm after it: `(s, rms_norm(s))` with
+/// `s = x + delta` (rounded to the dtype first, as the unfused add would). One pass and one
+/// launch instead of two. Inference only: the op has no backward (candle reports an error
+/// rather than dropping a gradient); where the kernels do not apply it is the add and
+/// [`rms_norm`].
+pub fn add_rms_norm(
+    x: &Tensor,
+    delta: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    if x.dims() != delta.dims() {
+        bail!(
+            "add_rms_norm: x has shape {:?} but delta {:?}",
+            x.dims(),
+            delta.dims()
+        );
+    }
+    let d = x
+        .dim(D::Minus1)
+        .context("add_rms_norm: x has no dimensions")?;
+    if weight.dims() != [d] {
+        bail!(
+            "add_rms_norm: weight has shape {:?}, expected [{d}] (the last dimension of x {:?})",
+            weight.dims(),
+            x.dims()
+        );
+    }
+    let same = |t: &Tensor| t.dtype() == x.dtype() && t.device().same_device(x.device());
+    if kernels_apply(x) && same(delta) && same(weight) {
+        // Both results in one buffer `[2, ..x]`: leading-axis halves stay contiguous.
+        let both = x.contiguous()?.apply_op3(
+            &delta.contiguous()?,
+            &weight.contiguous()?,
+            AddRmsNormOp { eps },
+        )?;
+        Ok((both.get(0)?, both.get(1)?))
+    } else {
+        let sum = (x + delta)?;
+        let normed = rms_norm(&sum, weight, eps)?;
+        Ok((sum, normed))
+    }
+}
+
+struct AddRmsNormOp {
+    eps: f64,
+}
+
+/// `[s | rms_norm(s)]` with `s = x + delta`, row by row.
+fn add_forward<T: Real>(x: &[T], delta: &[T], w: &[T], eps: f64) -> Vec<T> {
+    let d = w.len();
+    let n = x.len();
+    let mut out = vec![T::zero(); 2 * n];
+    let (sums, normed) = out.split_at_mut(n);
+    for ((s, &a), &b) in sums.iter_mut().zip(x).zip(delta) {
+        *s = a + b;
+    }
+    let sums: &[T] = sums;
+    par_rows(normed, d, |i, y| {
+        let sr = &sums[i * d..(i + 1) * d];
+        let r = inv_rms(sr, eps);
+        for ((y, &sv), &wv) in y.iter_mut().zip(sr).zip(w) {
+            *y = sv * r * wv;
+        }
+    });
+    out
+}
+
+impl AddRmsNormOp {
+    fn fwd_typed<T: Real>(
+        &self,
+        x: (&CpuStorage, &Layout),
+        delta: (&CpuStorage, &Layout),
+        w: (&CpuStorage, &Layout),
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let xs = layout_slice::<T>(x.0, x.1, "add_rms_norm")?;
+        let ds = layout_slice::<T>(delta.0, delta.1, "add_rms_norm")?;
+        let ws = layout_slice::<T>(w.0, w.1, "add_rms_norm")?;
+        Ok((
+            T::to_cpu_storage_owned(add_forward(xs, ds, ws, self.eps)),
+            stacked_shape(x.1),
+        ))
+    }
+}
+
+/// `[2, ..dims]`: the sum, then the normalised sum.
+fn stacked_shape(l: &Layout) -> Shape {
+    let mut dims = vec![2];
+    dims.extend_from_slice(l.dims());
+    Shape::from(dims)
+}
+
+impl CustomOp3 for AddRmsNormOp {
+    fn name(&self) -> &'static str {
+        "add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        delta: &CpuStorage,
+        ld: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        match (x, delta, w) {
+            (CpuStorage::F32(_), CpuStorage::F32(_), CpuStorage::F32(_)) => {
+                self.fwd_typed::<f32>((x, lx), (delta, ld), (w, lw))
+            }
+            (CpuStorage::F64(_), CpuStorage::F64(_), CpuStorage::F64(_)) => {
+                self.fwd_typed::<f64>((x, lx), (delta, ld), (w, lw))
+            }
+            _ => candle_core::bail!("add_rms_norm kernel: x, delta and weight must be f32 or f64"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        delta: &candle_core::CudaStorage,
+        ld: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let out = super::cuda::add_rms_norm_fwd((x, lx), (delta, ld), (w, lw), self.eps)?;
+        Ok((out, stacked_shape(lx)))
     }
 }

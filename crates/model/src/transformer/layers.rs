@@ -84,6 +84,22 @@ impl RmsNorm {
             OpPath::Kernels => crate::ops::rms_norm(x, &self.weight, self.eps),
         }
     }
+
+    /// `(x + delta, self(x + delta))`: a residual add and the norm after it, fused into one
+    /// op on the kernel path (inference only: [`crate::ops::add_rms_norm`] has no backward).
+    pub(super) fn add_forward(
+        &self,
+        x: &Tensor,
+        delta: &Tensor,
+        path: OpPath,
+    ) -> Result<(Tensor, Tensor)> {
+        if path == OpPath::Kernels {
+            return crate::ops::add_rms_norm(x, delta, &self.weight, self.eps);
+        }
+        let sum = (x + delta)?;
+        let normed = self.forward(&sum, path)?;
+        Ok((sum, normed))
+    }
 }
 
 /// Precomputed RoPE tables `cos`, `sin`: `[max_position_embeddings, head_dim / 2]`, f32.
@@ -352,6 +368,26 @@ impl DecoderLayer {
 }
 
 impl DecoderLayer {
+    /// The decode step's layer (no backward): `h` is `x` through this layer's input norm;
+    /// returns `(y, next_norm(y))` with `y` the layer's output, each residual add fused with
+    /// the norm after it (this layer's post-attention norm, then `next_norm`: the next layer's
+    /// input norm or the final norm).
+    pub(super) fn forward_decode(
+        &self,
+        x: &Tensor,
+        h: &Tensor,
+        ctx: &Ctx,
+        cache: LayerCache,
+        next_norm: &RmsNorm,
+    ) -> Result<(Tensor, Tensor)> {
+        let attn = self.self_attn.forward(h, ctx, Some(cache))?;
+        let (x, h) = self
+            .post_attention_layernorm
+            .add_forward(x, &attn, ctx.path)?;
+        let mlp = self.mlp.forward(&h, ctx.path, false)?;
+        next_norm.add_forward(&x, &mlp, ctx.path)
+    }
+
     /// Replaces every tensor of the layer (weights, biases, adapters, norms) by `f` of it.
     pub(super) fn map_tensors(
         &mut self,

@@ -42,14 +42,14 @@ impl Transformer {
         // log-probs then come from the ops the trainer recomputes them with, and each is one
         // launch (candle's SwiGLU is two, its RoPE wants heads-major copies). Elsewhere
         // candle's fused kernels, or the compositions for f64.
-        let path = if self.training_kernels && crate::ops::kernels_apply_to(&self.device, self.dtype)
-        {
-            OpPath::Kernels
-        } else if self.dtype == DType::F64 {
-            OpPath::Differentiable
-        } else {
-            OpPath::Fused
-        };
+        let path =
+            if self.training_kernels && crate::ops::kernels_apply_to(&self.device, self.dtype) {
+                OpPath::Kernels
+            } else if self.dtype == DType::F64 {
+                OpPath::Differentiable
+            } else {
+                OpPath::Fused
+            };
         let ctx = Ctx {
             cos: table(&self.rope.cos)?,
             sin: table(&self.rope.sin)?,
@@ -64,10 +64,20 @@ impl Transformer {
                 .embed_tokens
                 .index_select(&ids, 0)?
                 .reshape((b, 1, self.cfg.hidden_size))?;
-        for (i, layer) in self.model.layers.iter().enumerate() {
-            x = layer.forward(&x, &ctx, Some(LayerCache::Paged(pool.layer(i), step)))?;
+        let layers = &self.model.layers;
+        // `h` is `x` normalised for what reads it next: each layer's residual adds are fused
+        // with the norm that follows them (the next layer's input norm, the final norm last).
+        let mut h = match layers.first() {
+            Some(l) => l.input_layernorm.forward(&x, path)?,
+            None => self.model.norm.forward(&x, path)?,
+        };
+        for (i, layer) in layers.iter().enumerate() {
+            let next_norm = layers
+                .get(i + 1)
+                .map_or(&self.model.norm, |l| &l.input_layernorm);
+            let cache = LayerCache::Paged(pool.layer(i), step);
+            (x, h) = layer.forward_decode(&x, &h, &ctx, cache, next_norm)?;
         }
-        let h = self.model.norm.forward(&x, path)?;
         Ok(self.logits(&h)?.squeeze(1)?)
     }
 }
