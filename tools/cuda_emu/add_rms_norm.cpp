@@ -1,19 +1,13 @@
 // The decode's fused residual add + RMSNorm of kernels.cu (add_rms_norm_fwd) under emu.h
 // (run.sh) against an f64 reference, as crates/model/tests/ops.rs checks it on a device.
 #include "emu.h"
+#include "driver.h"
 #include "kernels_emu.cu"
 #include <cstdio>
 #include <cstring>
 #include <random>
 
-template <typename T> T cvt(float x);
-template <> float cvt<float>(float x) { return x; }
-template <> bf16 cvt<bf16>(float x) { return __float2bfloat16(x); }
-double back(float x) { return x; }
-double back(bf16 x) { return __bfloat162float(x); }
 
-// Threads per block as crates/model/src/ops/cuda.rs's row_threads launches them.
-unsigned row_threads(int d) { return d <= 256 ? std::max(32, (d + 31) / 32 * 32) : d <= 4096 ? 256 : 512; }
 
 template <typename T>
 int run(int rows, int d, unsigned seed) {

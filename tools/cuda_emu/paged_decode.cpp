@@ -2,6 +2,7 @@
 // reference, on the shapes of crates/model/tests/paged_kv.rs. Arguments: case indices to run
 // (default all), or --quick for the cases marked quick.
 #include "emu.h"
+#include "driver.h"
 #include "decode_kernels_emu.cu"
 #include <cstdio>
 #include <cstring>
@@ -27,11 +28,6 @@ bool plan(int groups, int n_rep, int d, int longest, int& chunk, int& splits, si
   return splits <= 65535;
 }
 
-template <typename T> T cvt(float x);
-template <> float cvt<float>(float x) { return x; }
-template <> bf16 cvt<bf16>(float x) { return __float2bfloat16(x); }
-double back(float x) { return x; }
-double back(bf16 x) { return __bfloat162float(x); }
 
 template <typename T>
 double run(const Case& c, unsigned seed, bool& served) {

@@ -2,6 +2,7 @@
 // with no filter, top-k, top-p, min-p and all three, as crates/model/tests/paged_kv.rs checks
 // it on a device.
 #include "emu.h"
+#include "driver.h"
 #include "decode_kernels_emu.cu"
 #include <cstdio>
 #include <cstring>
@@ -60,11 +61,6 @@ static void reference(const std::vector<double>& x, double t, double u, Filter f
   margin = std::min(margin, fragile);
 }
 
-template <typename T> T cvt(float x);
-template <> float cvt<float>(float x) { return x; }
-template <> bf16 cvt<bf16>(float x) { return __float2bfloat16(x); }
-double back(float x) { return x; }
-double back(bf16 x) { return __bfloat162float(x); }
 
 template <typename T>
 int run(int rows, int v, unsigned seed) {

@@ -4,6 +4,7 @@
 // inputs. Arguments: case indices to run (default all), or --quick for the cases marked quick
 // (every d class in f32, one-token segments, d 64 and 256 in bf16).
 #include "emu.h"
+#include "driver.h"
 #include "attention_kernels_emu.cu"
 #include <cstdio>
 #include <cstring>
@@ -12,11 +13,6 @@
 struct Tiles { int dmax, f_rpw, f_bk, q_rpw, q_bk, kv_rpw, kv_bq; };
 const Tiles TILES[3] = {{64, 8, 32, 8, 32, 8, 32}, {128, 6, 32, 3, 32, 3, 32}, {256, 3, 16, 1, 16, 1, 16}};
 
-template <typename T> T cvt(float x);
-template <> float cvt<float>(float x) { return x; }
-template <> bf16 cvt<bf16>(float x) { return __float2bfloat16(x); }
-float back(float x) { return x; }
-float back(bf16 x) { return __bfloat162float(x); }
 
 template <typename T>
 struct Kernels {

@@ -118,35 +118,48 @@ pub(super) fn on_tensors(
     ))
 }
 
+/// Launches the row kernel `name` (one block per row of `d` elements) as
+/// `name(inputs.., out, rows, d, eps)`, `out` a fresh buffer of `out_rows · d` elements in the
+/// inputs' dtype: the shape of the RMSNorm kernels.
+fn launch_norm_rows(
+    name: &str,
+    inputs: &[(&CudaStorage, &Layout)],
+    out_rows: usize,
+    rows: usize,
+    d: usize,
+    eps: f64,
+) -> Result<CudaStorage> {
+    let dev = inputs[0].0.device().clone();
+    let dtype = inputs[0].0.dtype();
+    let (rows_i, d_i, eps_f) = (rows as i32, d as i32, eps as f32);
+    typed!(dtype, name, |T| {
+        let views = inputs
+            .iter()
+            .map(|(s, l)| view::<T>(s, l, name))
+            .collect::<Result<Vec<_>>>()?;
+        let out = alloc::<T>(&dev, out_rows * d)?;
+        let f = dev.get_or_load_custom_func(&kernel_name(name, dtype)?, MODULE, PTX)?;
+        let mut b = f.builder();
+        for v in &views {
+            b.arg(v);
+        }
+        b.arg(&out).arg(&rows_i).arg(&d_i).arg(&eps_f);
+        // SAFETY: the norm kernels take (inputs.., out, rows, d, eps); `out` holds what they
+        // write.
+        unsafe { b.launch(rows_config(rows, d)) }.w()?;
+        Ok(T::wrap_cuda_slice(out, dev))
+    })
+}
+
 /// RMSNorm forward of `x` `[rows, d]` with `w` `[d]`.
 pub(crate) fn rms_norm_fwd(
     x: (&CudaStorage, &Layout),
     w: (&CudaStorage, &Layout),
     eps: f64,
 ) -> Result<CudaStorage> {
-    let dev = x.0.device().clone();
-    let dtype = x.0.dtype();
     let d = w.1.shape().elem_count();
     let rows = x.1.shape().elem_count() / d.max(1);
-    let (rows_i, d_i, eps_f) = (rows as i32, d as i32, eps as f32);
-    typed!(dtype, "rms_norm", |T| {
-        let (xv, wv) = (
-            view::<T>(x.0, x.1, "rms_norm")?,
-            view::<T>(w.0, w.1, "rms_norm")?,
-        );
-        let y = alloc::<T>(&dev, rows * d)?;
-        let f = dev.get_or_load_custom_func(&kernel_name("rms_norm_fwd", dtype)?, MODULE, PTX)?;
-        let mut b = f.builder();
-        b.arg(&xv)
-            .arg(&wv)
-            .arg(&y)
-            .arg(&rows_i)
-            .arg(&d_i)
-            .arg(&eps_f);
-        // SAFETY: the arguments match the kernel's signature.
-        unsafe { b.launch(rows_config(rows, d)) }.w()?;
-        Ok(T::wrap_cuda_slice(y, dev))
-    })
+    launch_norm_rows("rms_norm_fwd", &[x, w], rows, rows, d, eps)
 }
 
 /// `[x + δ | RMSNorm(x + δ)·w]` into one buffer of `2·rows·d` (the decode's fused residual add).
@@ -156,32 +169,9 @@ pub(crate) fn add_rms_norm_fwd(
     w: (&CudaStorage, &Layout),
     eps: f64,
 ) -> Result<CudaStorage> {
-    let dev = x.0.device().clone();
-    let dtype = x.0.dtype();
     let d = w.1.shape().elem_count();
     let rows = x.1.shape().elem_count() / d.max(1);
-    let (rows_i, d_i, eps_f) = (rows as i32, d as i32, eps as f32);
-    typed!(dtype, "add_rms_norm", |T| {
-        let (xv, dv, wv) = (
-            view::<T>(x.0, x.1, "add_rms_norm")?,
-            view::<T>(delta.0, delta.1, "add_rms_norm")?,
-            view::<T>(w.0, w.1, "add_rms_norm")?,
-        );
-        let out = alloc::<T>(&dev, 2 * rows * d)?;
-        let f =
-            dev.get_or_load_custom_func(&kernel_name("add_rms_norm_fwd", dtype)?, MODULE, PTX)?;
-        let mut b = f.builder();
-        b.arg(&xv)
-            .arg(&dv)
-            .arg(&wv)
-            .arg(&out)
-            .arg(&rows_i)
-            .arg(&d_i)
-            .arg(&eps_f);
-        // SAFETY: the arguments match the kernel's signature; `out` holds 2·rows·d elements.
-        unsafe { b.launch(rows_config(rows, d)) }.w()?;
-        Ok(T::wrap_cuda_slice(out, dev))
-    })
+    launch_norm_rows("add_rms_norm_fwd", &[x, delta, w], 2 * rows, rows, d, eps)
 }
 
 /// RMSNorm backward: `(∂x, ∂w)`, ∂w summed over rows in f32 and cast to x's dtype.
@@ -196,26 +186,7 @@ pub(crate) fn rms_norm_bwd(
     let rows = x.elem_count() / d.max(1);
     let (rows_i, d_i, eps_f) = (rows as i32, d as i32, eps as f32);
     let dx = on_tensors(&[x, w, dy], x.shape().clone(), "rms_norm backward", |a| {
-        let dev = a[0].0.device().clone();
-        typed!(dtype, "rms_norm backward", |T| {
-            let xv = view::<T>(a[0].0, a[0].1, "rms_norm")?;
-            let wv = view::<T>(a[1].0, a[1].1, "rms_norm")?;
-            let gv = view::<T>(a[2].0, a[2].1, "rms_norm")?;
-            let out = alloc::<T>(&dev, rows * d)?;
-            let f =
-                dev.get_or_load_custom_func(&kernel_name("rms_norm_bwd_dx", dtype)?, MODULE, PTX)?;
-            let mut b = f.builder();
-            b.arg(&xv)
-                .arg(&wv)
-                .arg(&gv)
-                .arg(&out)
-                .arg(&rows_i)
-                .arg(&d_i)
-                .arg(&eps_f);
-            // SAFETY: the arguments match the kernel's signature.
-            unsafe { b.launch(rows_config(rows, d)) }.w()?;
-            Ok(T::wrap_cuda_slice(out, dev))
-        })
+        launch_norm_rows("rms_norm_bwd_dx", a, rows, rows, d, eps)
     })?;
     // ∂w: blocks stride over rows, sum columns in shared memory, add atomically into f32.
     let dw = on_tensors(&[x, dy], Shape::from(d), "rms_norm backward", |a| {
