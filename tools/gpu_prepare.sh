@@ -23,6 +23,7 @@ if [ ! -f "$CUPTI/nvidia/cu13/lib/libcupti.so.13" ]; then
   pip download -q --no-deps -d "$CUPTI" nvidia-cuda-cupti==13.0.85
   python3 -m zipfile -e "$CUPTI"/nvidia_cuda_cupti-*.whl "$CUPTI"
 fi
+bash tools/cupti_profile/selftest.sh "$CUPTI/nvidia/cu13/include" "$CUDA_HOME/include"
 mkdir -p /tmp/devpack/cupti
 g++ -O2 -std=c++17 -Wall -Wextra -Werror -shared -fPIC -I"$CUPTI/nvidia/cu13/include" \
   -I"$CUDA_HOME/include" tools/cupti_profile/kernel_profile.cc -o /tmp/devpack/cupti/libkernel_profile.so \

@@ -179,6 +179,12 @@ void write_report() {
 
 void at_exit() {
   cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
+  uint64_t now = 0;
+  cuptiGetTimestamp(&now);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!phases.empty() && phases.back().end_ns == 0) phases.back().end_ns = now;
+  }
   write_report();
 }
 
