@@ -86,6 +86,74 @@ fn add_rms_norm_equals_the_add_and_the_norm_and_refuses_a_backward() {
 }
 
 #[test]
+fn qkv_bias_rope_equals_the_bias_adds_and_rope() {
+    // The decode's fused attention inputs, with biases (Qwen2) and without (Llama), GQA.
+    let (rows, nh, nkv, d) = (5, 4, 2, 10);
+    let heads = ops::QkvHeads {
+        num_heads: nh,
+        num_kv_heads: nkv,
+        head_dim: d,
+    };
+    let q = randn(&[rows, nh * d], 11, 1.5);
+    let k = randn(&[rows, nkv * d], 12, 1.5);
+    let v = randn(&[rows, nkv * d], 13, 1.0);
+    let bq = randn(&[nh * d], 14, 0.5);
+    let bk = randn(&[nkv * d], 15, 0.5);
+    let bv = randn(&[nkv * d], 16, 0.5);
+    let angles = randn(&[rows, d / 2], 17, 3.0);
+    let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+    let device = common::test_device();
+    for with_bias in [true, false] {
+        let add = |x: &Tensor, b: &Tensor| {
+            if with_bias {
+                x.broadcast_add(b).unwrap()
+            } else {
+                x.clone()
+            }
+        };
+        let q_ref = ops::rope_composed(&add(&q, &bq).reshape((rows, nh, d)).unwrap(), &cos, &sin);
+        let k_ref = ops::rope_composed(&add(&k, &bk).reshape((rows, nkv, d)).unwrap(), &cos, &sin);
+        let v_ref = add(&v, &bv).reshape((rows, nkv, d)).unwrap();
+        for (dtype, tol) in kernel_cases(1e-13, 1e-5) {
+            let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&device).unwrap();
+            let biases = [on(&bq), on(&bk), on(&bv)];
+            let (qo, ko, vo) = ops::qkv_bias_rope(
+                &on(&q),
+                &on(&k),
+                &on(&v),
+                with_bias.then(|| [&biases[0], &biases[1], &biases[2]]),
+                &on(&cos),
+                &on(&sin),
+                heads,
+            )
+            .unwrap();
+            let back = |t: &Tensor| {
+                t.to_device(&Device::Cpu)
+                    .unwrap()
+                    .to_dtype(DType::F64)
+                    .unwrap()
+            };
+            assert_close("fused q", &back(&qo), q_ref.as_ref().unwrap(), dtype, tol);
+            assert_close("fused k", &back(&ko), k_ref.as_ref().unwrap(), dtype, tol);
+            assert_close("fused v", &back(&vo), &v_ref, dtype, tol);
+        }
+    }
+    let e = format!(
+        "{:#}",
+        ops::qkv_bias_rope(&q, &q, &v, None, &cos, &sin, heads).unwrap_err()
+    );
+    assert!(e.contains("k has shape [5, 40], expected [5, 20]"), "{e}");
+    let e = format!(
+        "{:#}",
+        ops::qkv_bias_rope(&q, &k, &v, Some([&bq, &bq, &bv]), &cos, &sin, heads).unwrap_err()
+    );
+    assert!(
+        e.contains("the k bias has shape [40], expected [20]"),
+        "{e}"
+    );
+}
+
+#[test]
 fn rope_matches_the_composition() {
     let (n, h, d) = (11, 3, 10);
     let x = randn(&[n, h, d], 3, 1.0);

@@ -263,6 +263,72 @@ pub(crate) fn rope(
     })
 }
 
+/// `[q | k | v]` with the biases added and q, k rotated (the decode's fused attention inputs):
+/// one thread per (token, head, rotation pair).
+pub(crate) fn qkv_bias_rope(
+    qkv: [(&CudaStorage, &Layout); 3],
+    biases: Option<&[Tensor; 3]>,
+    (cos, sin): (&Tensor, &Tensor),
+    heads: super::QkvHeads,
+) -> Result<CudaStorage> {
+    let dev = qkv[0].0.device().clone();
+    let dtype = qkv[0].0.dtype();
+    let d = heads.head_dim;
+    let rows = qkv[0].1.shape().elem_count() / (heads.num_heads * d).max(1);
+    let n = rows * (heads.num_heads + 2 * heads.num_kv_heads) * d;
+    let ints = [rows, heads.num_heads, heads.num_kv_heads, d].map(|x| x as i32);
+    let has_bias = i32::from(biases.is_some());
+    // The tables and biases are the op's own contiguous tensors: hold their storages while
+    // the kernel is enqueued.
+    let mut extra: Vec<&Tensor> = vec![cos, sin];
+    extra.extend(biases.iter().flat_map(|b| b.iter()));
+    let guards: Vec<_> = extra.iter().map(|t| t.storage_and_layout()).collect();
+    let mut storages = Vec::with_capacity(guards.len());
+    for (g, l) in &guards {
+        let Storage::Cuda(s) = &**g else {
+            candle_core::bail!("qkv_bias_rope: a table or bias is not on the GPU")
+        };
+        storages.push((s, *l));
+    }
+    typed!(dtype, "qkv_bias_rope", |T| {
+        let qv = view::<T>(qkv[0].0, qkv[0].1, "qkv_bias_rope q")?;
+        let kv = view::<T>(qkv[1].0, qkv[1].1, "qkv_bias_rope k")?;
+        let vv = view::<T>(qkv[2].0, qkv[2].1, "qkv_bias_rope v")?;
+        let tables = (
+            view::<T>(storages[0].0, storages[0].1, "qkv_bias_rope cos")?,
+            view::<T>(storages[1].0, storages[1].1, "qkv_bias_rope sin")?,
+        );
+        // Without biases the kernel never reads them: q stands in for each pointer.
+        let mut bias = Vec::with_capacity(3);
+        for i in 0..3 {
+            bias.push(match storages.get(2 + i) {
+                Some((s, l)) => view::<T>(s, l, "qkv_bias_rope bias")?,
+                None => view::<T>(qkv[0].0, qkv[0].1, "qkv_bias_rope q")?,
+            });
+        }
+        let (bq, bk, bv) = (&bias[0], &bias[1], &bias[2]);
+        let out = alloc::<T>(&dev, n)?;
+        let f = dev.get_or_load_custom_func(&kernel_name("qkv_bias_rope", dtype)?, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&qv)
+            .arg(&kv)
+            .arg(&vv)
+            .arg(bq)
+            .arg(bk)
+            .arg(bv)
+            .arg(&has_bias)
+            .arg(&tables.0)
+            .arg(&tables.1)
+            .arg(&out);
+        for x in &ints {
+            b.arg(x);
+        }
+        // SAFETY: the arguments match the kernel's signature; `out` holds rows·(nh+2nkv)·d.
+        unsafe { b.launch(elementwise_config(n / 2)) }.w()?;
+        Ok(T::wrap_cuda_slice(out, dev))
+    })
+}
+
 /// SwiGLU forward `silu(g)·u`.
 pub(crate) fn swiglu_fwd(
     g: (&CudaStorage, &Layout),

@@ -156,6 +156,49 @@ __device__ void rope(const T* x, const T* cos, const T* sin, T* y, int n, int h,
   }
 }
 
+// ---- The decode's attention inputs: biases added (rounded to T, as the unfused add), q and k
+// rotated as `rope` does; out = [q rows·nh·d | k rows·nkv·d | v rows·nkv·d], inputs
+// [rows, heads·d]. One thread per (token, head, rotation pair) over the three parts. ----
+template <typename T>
+__device__ void qkv_bias_rope(const T* q, const T* k, const T* v, const T* bq, const T* bk,
+                              const T* bv, int has_bias, const T* cos, const T* sin, T* out,
+                              int rows, int nh, int nkv, int d) {
+  const int half = d / 2;
+  const size_t nq = (size_t)rows * nh * half, nk = (size_t)rows * nkv * half;
+  for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < nq + 2 * nk;
+       e += (size_t)gridDim.x * blockDim.x) {
+    const T* src = q;
+    const T* bias = bq;
+    T* dst = out;
+    int heads = nh;
+    size_t p = e;
+    bool rotate = true;
+    if (e >= nq + nk) {
+      src = v, bias = bv, dst = out + 2 * (nq + nk), heads = nkv, p = e - nq - nk, rotate = false;
+    } else if (e >= nq) {
+      src = k, bias = bk, dst = out + 2 * nq, heads = nkv, p = e - nq;
+    }
+    const int i = (int)(p % half);
+    const size_t tok_head = p / half;
+    const size_t tok = tok_head / heads;
+    const size_t base = tok_head * d;
+    const size_t hb = (tok_head % heads) * d;
+    float x1 = to_f(src[base + i]), x2 = to_f(src[base + i + half]);
+    if (has_bias) {
+      x1 = to_f(from_f<T>(x1 + to_f(bias[hb + i])));
+      x2 = to_f(from_f<T>(x2 + to_f(bias[hb + i + half])));
+    }
+    if (rotate) {
+      const float c = to_f(cos[tok * half + i]), s = to_f(sin[tok * half + i]);
+      dst[base + i] = from_f<T>(x1 * c - x2 * s);
+      dst[base + i + half] = from_f<T>(x2 * c + x1 * s);
+    } else {
+      dst[base + i] = from_f<T>(x1);
+      dst[base + i + half] = from_f<T>(x2);
+    }
+  }
+}
+
 // ---- SwiGLU: y = silu(g)·u; backward writes [∂g | ∂u] into one buffer of 2n ----
 template <typename T>
 __device__ void swiglu_fwd(const T* g, const T* u, T* y, size_t n) {
@@ -305,6 +348,12 @@ __device__ void head_logits_grad(const T* z, const float* stats, const uint32_t*
   extern "C" __global__ void rope_##SFX(const T* x, const T* c, const T* s, T* y, int n, int h, \
                                         int d, float sign) {                                    \
     rope<T>(x, c, s, y, n, h, d, sign);                                                         \
+  }                                                                                             \
+  extern "C" __global__ void qkv_bias_rope_##SFX(const T* q, const T* k, const T* v,           \
+                                                 const T* bq, const T* bk, const T* bv,         \
+                                                 int has_bias, const T* c, const T* s, T* out,  \
+                                                 int rows, int nh, int nkv, int d) {            \
+    qkv_bias_rope<T>(q, k, v, bq, bk, bv, has_bias, c, s, out, rows, nh, nkv, d);              \
   }                                                                                             \
   extern "C" __global__ void swiglu_fwd_##SFX(const T* g, const T* u, T* y, size_t n) {        \
     swiglu_fwd<T>(g, u, y, n);                                                                  \

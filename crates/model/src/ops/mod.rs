@@ -32,6 +32,7 @@ mod frozen_linear;
 mod head_softmax;
 mod masked_softmax;
 mod paged_attention;
+mod qkv_bias_rope;
 mod rms_norm;
 mod rope;
 mod swiglu;
@@ -46,6 +47,7 @@ pub use head_softmax::{
 };
 pub use masked_softmax::{masked_softmax, masked_softmax_composed};
 pub use paged_attention::{paged_decode_attention, paged_decode_attention_composed, PagedLayout};
+pub use qkv_bias_rope::{qkv_bias_rope, QkvHeads};
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_composed};
 pub use rope::{rope, rope_composed};
 pub use swiglu::{swiglu, swiglu_composed};

@@ -290,6 +290,49 @@ impl Attention {
         self.o_proj.forward_with(&out, ctx.train)
     }
 
+    /// The decode step's attention over the paged pool. On the kernel path, without q/k norms
+    /// or adapters on q/k/v, the projections' biases and RoPE are one fused op
+    /// ([`crate::ops::qkv_bias_rope`]: one launch instead of five); otherwise [`Self::forward`].
+    fn forward_decode(&self, x: &Tensor, ctx: &Ctx, cache: LayerCache) -> Result<Tensor> {
+        let LayerCache::Paged(pool, step) = cache else {
+            return self.forward(x, ctx, Some(cache));
+        };
+        let projs = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let biases: Vec<&Tensor> = projs.iter().filter_map(|p| p.bias.as_ref()).collect();
+        let fusable = ctx.path == OpPath::Kernels
+            && self.q_norm.is_none()
+            && self.k_norm.is_none()
+            && projs.iter().all(|p| p.lora.is_none())
+            && (biases.is_empty() || biases.len() == 3);
+        if !fusable {
+            return self.forward(x, ctx, Some(LayerCache::Paged(pool, step)));
+        }
+        let (b, t, hidden) = x.dims3()?;
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let x2 = x.reshape((b * t, hidden))?;
+        let project = |p: &Linear| crate::ops::frozen_linear(&x2, &p.weight);
+        let cos = ctx.cos.reshape((b * t, hd / 2))?;
+        let sin = ctx.sin.reshape((b * t, hd / 2))?;
+        let (q, k, v) = crate::ops::qkv_bias_rope(
+            &project(&self.q_proj)?,
+            &project(&self.k_proj)?,
+            &project(&self.v_proj)?,
+            <[&Tensor; 3]>::try_from(biases).ok(),
+            &cos,
+            &sin,
+            crate::ops::QkvHeads {
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+            },
+        )?;
+        pool.write(&step.write_index, &k, &v)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let out = crate::ops::paged_decode_attention(&q, &pool.k, &pool.v, &step.layout, scale)?;
+        self.o_proj
+            .forward_with(&out.reshape((b, t, nh * hd))?, ctx.train)
+    }
+
     /// Attention over packed segments from projected `q` `[B, T, H, D]`, `k`/`v`
     /// `[B, T, Hkv, D]`: the `B·T` tokens (a free reshape) attended segment by segment of
     /// `ctx.cu_seqlens` (the kernel path's padded batch, or a padding-free packed row).
@@ -380,7 +423,7 @@ impl DecoderLayer {
         cache: LayerCache,
         next_norm: &RmsNorm,
     ) -> Result<(Tensor, Tensor)> {
-        let attn = self.self_attn.forward(h, ctx, Some(cache))?;
+        let attn = self.self_attn.forward_decode(h, ctx, cache)?;
         let (x, h) = self
             .post_attention_layernorm
             .add_forward(x, &attn, ctx.path)?;
