@@ -379,13 +379,8 @@ pub(crate) struct BenchRolloutArgs {
     /// with mean N under a random model's near-uniform logits, capped at --new-tokens).
     #[arg(long, default_value_t = 96)]
     pub(crate) mean_completion: usize,
-    /// `decode`: Python with torch and transformers for the reference (default:
-    /// $COMPOSER_BENCH_PYTHON, else python3).
-    #[arg(long)]
-    pub(crate) python: Option<PathBuf>,
-    /// `decode`: only composer-rl's side.
-    #[arg(long)]
-    pub(crate) skip_reference: bool,
+    #[command(flatten)]
+    pub(crate) reference: ReferenceArgs,
     /// Print the numbers as JSON instead of a table.
     #[arg(long)]
     pub(crate) json: bool,
@@ -426,13 +421,8 @@ pub(crate) struct BenchGrpoArgs {
     /// Where the prompts, recipe and run go.
     #[arg(long, default_value = "runs/bench-grpo")]
     pub(crate) out_dir: PathBuf,
-    /// Python with torch, transformers, datasets and trl 1.16 for TRL's side (default:
-    /// $COMPOSER_BENCH_PYTHON, else python3).
-    #[arg(long)]
-    pub(crate) python: Option<PathBuf>,
-    /// Only composer-rl's side.
-    #[arg(long)]
-    pub(crate) skip_reference: bool,
+    #[command(flatten)]
+    pub(crate) reference: ReferenceArgs,
     /// Print the numbers as JSON instead of a table.
     #[arg(long)]
     pub(crate) json: bool,
@@ -456,4 +446,17 @@ pub(crate) struct BenchChannelsArgs {
     /// Replay channel weight β in the hint+replay arm.
     #[arg(long, default_value_t = 0.5)]
     pub(crate) replay_weight: f64,
+}
+
+/// The Python reference side of `bench rollout` (`decode`: transformers' `generate`) and
+/// `bench grpo` (TRL 1.16's GRPOTrainer), run in a subprocess beside ours.
+#[derive(Args)]
+pub(crate) struct ReferenceArgs {
+    /// Python for the reference side: torch and transformers (`bench rollout`), plus datasets
+    /// and trl 1.16 (`bench grpo`) (default: $COMPOSER_BENCH_PYTHON, else python3).
+    #[arg(long)]
+    pub(crate) python: Option<PathBuf>,
+    /// Only composer-rl's side, no reference.
+    #[arg(long)]
+    pub(crate) skip_reference: bool,
 }

@@ -84,8 +84,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                     repeats: a.repeats,
                     prompt: a.prompt,
                 },
-                a.python,
-                a.skip_reference,
+                a.reference,
                 a.json,
             ),
             "grpo" => {
@@ -117,8 +116,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                 bf16: a.bf16,
                 out_dir: a.out_dir,
             },
-            a.python,
-            a.skip_reference,
+            a.reference,
             a.json,
         ),
         BenchCommand::Channels(a) => {
@@ -143,10 +141,13 @@ const BENCH_GENERATE_HF_PY: &str = include_str!("../tools/bench_generate_hf.py")
 /// `bench rollout`: ours, then transformers' `generate` on the same ids, then the table.
 fn bench_rollout(
     opts: &composer_model::bench_rollout::RolloutBenchOptions,
-    python: Option<std::path::PathBuf>,
-    skip_reference: bool,
+    reference_args: crate::args::ReferenceArgs,
     json: bool,
 ) -> Result<()> {
+    let crate::args::ReferenceArgs {
+        python,
+        skip_reference,
+    } = reference_args;
     if !opts.model_dir.join("config.json").is_file() {
         anyhow::bail!(
             "--model {}: no config.json there (an HF checkpoint directory is needed)",
@@ -316,10 +317,13 @@ const BENCH_GRPO_TRL_PY: &str = include_str!("../tools/bench_grpo_trl.py");
 /// `bench grpo`: composer-rl's trainer, then TRL's GRPOTrainer on the same prompts and shape.
 fn bench_grpo(
     opts: &composer_train::bench_grpo::GrpoStepBenchOptions,
-    python: Option<std::path::PathBuf>,
-    skip_reference: bool,
+    reference_args: crate::args::ReferenceArgs,
     json: bool,
 ) -> Result<()> {
+    let crate::args::ReferenceArgs {
+        python,
+        skip_reference,
+    } = reference_args;
     let ours = composer_train::bench_grpo::bench_grpo_step(opts)?;
     let reference = if skip_reference {
         None
