@@ -346,10 +346,38 @@ fn training_forward_with_kernels_equals_the_composition() {
     }
 }
 
+/// A trainable weight: one node for `[B, T, in]` inputs, whose value and gradients (∂x, and ∂w
+/// formed directly as `[out, in]`) equal candle's reshape-transpose-matmul composition.
+#[test]
+fn linear_with_a_trainable_weight_matches_the_composition() {
+    let x = randn(&[3, 4, 12], 73, 1.0);
+    let w = randn(&[5, 12], 74, 1.0);
+    compare(
+        "linear",
+        &[x, w],
+        &|t| ops::linear(&t[0], &t[1]).unwrap(),
+        &|t| {
+            t[0].reshape((12, 12))
+                .unwrap()
+                .matmul(&t[1].t().unwrap())
+                .unwrap()
+                .reshape((3, 4, 5))
+                .unwrap()
+        },
+        1e-12,
+        1e-5,
+    );
+    let e = format!(
+        "{:#}",
+        ops::linear(&randn(&[2, 7], 1, 1.0), &randn(&[5, 12], 2, 1.0)).unwrap_err()
+    );
+    assert!(e.contains("do not fit"), "{e}");
+}
+
 /// A frozen weight's product gives the plain product's value and input gradient, and no
 /// gradient for the weight (candle's matmul forms one); a trainable weight still gets its own.
 #[test]
-fn frozen_linear_forms_only_the_input_gradient() {
+fn linear_with_a_frozen_weight_forms_only_the_input_gradient() {
     let device = common::test_device();
     let dtype = if device.is_cpu() {
         DType::F64
@@ -374,7 +402,7 @@ fn frozen_linear_forms_only_the_input_gradient() {
         .unwrap()
         .to_device(&device)
         .unwrap();
-    let frozen = ops::frozen_linear(x.as_tensor(), &w).unwrap();
+    let frozen = ops::linear(x.as_tensor(), &w).unwrap();
     let wt = w.t().unwrap();
     let plain = x.as_tensor().matmul(&wt).unwrap();
     let tol = if device.is_cpu() { 1e-12 } else { 1e-4 };
@@ -404,7 +432,7 @@ fn frozen_linear_forms_only_the_input_gradient() {
     );
     // A trainable weight takes the plain path and gets its gradient.
     let wv = Var::from_tensor(&w).unwrap();
-    let y = ops::frozen_linear(x.as_tensor(), wv.as_tensor()).unwrap();
+    let y = ops::linear(x.as_tensor(), wv.as_tensor()).unwrap();
     let g = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
     assert!(g.get(wv.as_tensor()).is_some());
 }

@@ -28,8 +28,8 @@ mod attention_cuda;
 mod cuda;
 #[cfg(feature = "cuda")]
 mod decode_cuda;
-mod frozen_linear;
 mod head_softmax;
+mod linear;
 mod masked_softmax;
 mod paged_attention;
 mod qkv_bias_rope;
@@ -40,11 +40,11 @@ mod swiglu;
 pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, check_cu_seqlens};
 #[cfg(feature = "cuda")]
 pub(crate) use decode_cuda::sample_inverse_cdf as sample_inverse_cdf_cuda;
-pub use frozen_linear::frozen_linear;
 pub(crate) use head_softmax::row_sums;
 pub use head_softmax::{
     head_logits_grad, head_logits_grad_composed, head_row_stats, head_row_stats_composed,
 };
+pub use linear::linear;
 pub use masked_softmax::{masked_softmax, masked_softmax_composed};
 pub use paged_attention::{paged_decode_attention, paged_decode_attention_composed, PagedLayout};
 pub use qkv_bias_rope::{qkv_bias_rope, QkvHeads};

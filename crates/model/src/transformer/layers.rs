@@ -43,23 +43,21 @@ impl Linear {
 
     /// `forward`, with the adapter's dropout active when `train`.
     fn forward_with(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let dims = x.dims().to_vec();
-        let in_f = *dims.last().context("linear input has no dims")?;
-        let rows: usize = dims[..dims.len() - 1].iter().product();
-        let x2 = x.reshape((rows, in_f))?;
-        // A frozen weight (LoRA's base) gets no gradient: only ∂x is formed.
-        let y = crate::ops::frozen_linear(&x2, &self.weight)?;
+        // One graph node whatever x's rank; a frozen weight (LoRA's base) gets no gradient.
+        let y = crate::ops::linear(x, &self.weight)?;
         let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         };
-        let y = match &self.lora {
-            Some(a) => (y + a.delta(&x2, train)?)?,
-            None => y,
-        };
-        let mut out_dims = dims;
-        *out_dims.last_mut().expect("non-empty") = self.weight.dim(0)?;
-        Ok(y.reshape(out_dims)?)
+        match &self.lora {
+            Some(a) => {
+                let in_f = *x.dims().last().context("linear input has no dims")?;
+                let x2 = x.reshape((x.elem_count() / in_f.max(1), in_f))?;
+                let delta = a.delta(&x2, train)?.reshape(y.shape())?;
+                Ok((y + delta)?)
+            }
+            None => Ok(y),
+        }
     }
 }
 
@@ -310,7 +308,7 @@ impl Attention {
         let (b, t, hidden) = x.dims3()?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let x2 = x.reshape((b * t, hidden))?;
-        let project = |p: &Linear| crate::ops::frozen_linear(&x2, &p.weight);
+        let project = |p: &Linear| crate::ops::linear(&x2, &p.weight);
         let cos = ctx.cos.reshape((b * t, hd / 2))?;
         let sin = ctx.sin.reshape((b * t, hd / 2))?;
         let (q, k, v) = crate::ops::qkv_bias_rope(
