@@ -176,6 +176,44 @@ fn rope_matches_the_composition() {
 }
 
 #[test]
+fn rope_to_heads_is_rope_then_the_transpose() {
+    // [B, T, H, D] in, attention's [B, H, T, D] out; the backward maps back.
+    let (b, t, h, d) = (2, 5, 3, 8);
+    let x = randn(&[b, t, h, d], 21, 1.0);
+    let angles = randn(&[b * t, d / 2], 22, 3.0);
+    let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+    let composed = |x: &Tensor, c: &Tensor, s: &Tensor| {
+        ops::rope_composed(&x.reshape((b * t, h, d)).unwrap(), c, s)
+            .unwrap()
+            .reshape((b, t, h, d))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+    };
+    let (out_ref, g_ref) = run(std::slice::from_ref(&x), DType::F64, &|t| {
+        composed(&t[0], &cos, &sin)
+    });
+    let device = common::test_device();
+    for (dtype, tol) in kernel_cases(1e-13, 1e-5) {
+        let table = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&device).unwrap();
+        let (c, s) = (table(&cos), table(&sin));
+        let (out, g) = run_on(&device, std::slice::from_ref(&x), dtype, &|t| {
+            ops::rope_to_heads(&t[0], &c, &s).unwrap()
+        });
+        assert_eq!(out.dims(), [b, h, t, d]);
+        assert_close("rope_to_heads forward", &out, &out_ref, dtype, tol);
+        assert_close("rope_to_heads gradient", &g[0], &g_ref[0], dtype, tol);
+    }
+    let e = format!(
+        "{:#}",
+        ops::rope_to_heads(&x, &randn(&[b * t, 3], 1, 1.0), &sin).unwrap_err()
+    );
+    assert!(e.contains("cos has shape [10, 3], expected [10, 4]"), "{e}");
+}
+
+#[test]
 fn masked_softmax_matches_the_composition() {
     // Scores [B, heads, T, Tk] with a per-batch causal + padding mask, a shared mask, and
     // none; rows longer than one CUDA block (Tk = 300).

@@ -224,17 +224,20 @@ pub(crate) fn rms_norm_bwd(
     Ok((dx, dw))
 }
 
-/// RoPE of `x` `[n, h, d]` with `cos`/`sin` `[n, d/2]` (rotation back when `inverse`).
+/// RoPE of `x` (`[n, h, d]`, or `[B, T, H, D]` ↔ `[B, H, T, D]` as `layout` says) with
+/// `cos`/`sin` `[n, d/2]` (rotation back when `inverse`).
 pub(crate) fn rope(
     x: (&CudaStorage, &Layout),
     cos: &Tensor,
     sin: &Tensor,
     inverse: bool,
+    layout: super::rope::RopeLayout,
 ) -> Result<CudaStorage> {
     let dtype = x.0.dtype();
-    let (n, h, d) = x.1.shape().dims3()?;
+    let ((n, h, d, t_len), _) = layout.dims(x.1.dims())?;
     let dev = x.0.device().clone();
     let (n_i, h_i, d_i) = (n as i32, h as i32, d as i32);
+    let (t_i, heads_major) = (t_len as i32, layout.heads_major());
     let sign: f32 = if inverse { -1.0 } else { 1.0 };
     let cos = cos.contiguous()?;
     let sin = sin.contiguous()?;
@@ -256,7 +259,9 @@ pub(crate) fn rope(
             .arg(&n_i)
             .arg(&h_i)
             .arg(&d_i)
-            .arg(&sign);
+            .arg(&sign)
+            .arg(&t_i)
+            .arg(&heads_major);
         // SAFETY: the arguments match the kernel's signature.
         unsafe { b.launch(elementwise_config(n * h * d / 2)) }.w()?;
         Ok(T::wrap_cuda_slice(y, dev))

@@ -136,10 +136,12 @@ __device__ void cast_from_f32(const float* src, T* dst, int n) {
   if (i < n) dst[i] = from_f<T>(src[i]);
 }
 
-// ---- RoPE (rotate-half) of x [N, H, D] with cos/sin [N, D/2]; sign = −1 rotates back ----
+// ---- RoPE (rotate-half) of N tokens × H heads with cos/sin [N, D/2]; sign = −1 rotates back.
+// Token-major [N, H, D] unless `t_len` > 0: then the side named by `heads_major` (1: x, 2: y)
+// is [N / t_len, H, t_len, D] (the attention's layout), so the transpose costs no extra pass. ----
 template <typename T>
 __device__ void rope(const T* x, const T* cos, const T* sin, T* y, int n, int h, int d,
-                     float sign) {
+                     float sign, int t_len, int heads_major) {
   const int half = d / 2;
   const size_t total = (size_t)n * h * half;
   for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total;
@@ -147,12 +149,16 @@ __device__ void rope(const T* x, const T* cos, const T* sin, T* y, int n, int h,
     const int i = (int)(e % half);
     const size_t tok_head = e / half;
     const size_t tok = tok_head / h;
-    const size_t base = tok_head * d;
+    const size_t tokens_base = tok_head * d;
+    const size_t heads_base =
+        t_len > 0 ? (((tok / t_len) * h + tok_head % h) * t_len + tok % t_len) * d : tokens_base;
+    const size_t xb = heads_major == 1 ? heads_base : tokens_base;
+    const size_t yb = heads_major == 2 ? heads_base : tokens_base;
     const float c = to_f(cos[tok * half + i]);
     const float s = sign * to_f(sin[tok * half + i]);
-    const float x1 = to_f(x[base + i]), x2 = to_f(x[base + i + half]);
-    y[base + i] = from_f<T>(x1 * c - x2 * s);
-    y[base + i + half] = from_f<T>(x2 * c + x1 * s);
+    const float x1 = to_f(x[xb + i]), x2 = to_f(x[xb + i + half]);
+    y[yb + i] = from_f<T>(x1 * c - x2 * s);
+    y[yb + i + half] = from_f<T>(x2 * c + x1 * s);
   }
 }
 
@@ -346,8 +352,8 @@ __device__ void head_logits_grad(const T* z, const float* stats, const uint32_t*
     cast_from_f32<T>(src, dst, n);                                                              \
   }                                                                                             \
   extern "C" __global__ void rope_##SFX(const T* x, const T* c, const T* s, T* y, int n, int h, \
-                                        int d, float sign) {                                    \
-    rope<T>(x, c, s, y, n, h, d, sign);                                                         \
+                                        int d, float sign, int t_len, int heads_major) {        \
+    rope<T>(x, c, s, y, n, h, d, sign, t_len, heads_major);                                     \
   }                                                                                             \
   extern "C" __global__ void qkv_bias_rope_##SFX(const T* q, const T* k, const T* v,           \
                                                  const T* bq, const T* bk, const T* bv,         \

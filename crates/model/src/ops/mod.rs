@@ -34,7 +34,7 @@ mod masked_softmax;
 mod paged_attention;
 mod qkv_bias_rope;
 mod rms_norm;
-mod rope;
+pub(crate) mod rope;
 mod swiglu;
 
 pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, check_cu_seqlens};
@@ -49,7 +49,7 @@ pub use masked_softmax::{masked_softmax, masked_softmax_composed};
 pub use paged_attention::{paged_decode_attention, paged_decode_attention_composed, PagedLayout};
 pub use qkv_bias_rope::{qkv_bias_rope, QkvHeads};
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_composed};
-pub use rope::{rope, rope_composed};
+pub use rope::{rope, rope_composed, rope_to_heads};
 pub use swiglu::{swiglu, swiglu_composed};
 
 use candle_core::{DType, Device, Layout, Storage, Tensor, WithDType};

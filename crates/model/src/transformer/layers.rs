@@ -211,17 +211,14 @@ impl Attention {
             return self.forward_packed(&q, &k, &v, ctx);
         }
         let (q, k) = if ctx.path == OpPath::Kernels {
-            // The RoPE kernel takes tokens × heads: rotate before moving heads forward.
             let half = hd / 2;
             let cos = ctx.cos.reshape((b * t, half))?;
             let sin = ctx.sin.reshape((b * t, half))?;
-            let rot = |x: &Tensor, heads: usize| -> Result<Tensor> {
-                let y = crate::ops::rope(&x.reshape((b * t, heads, hd))?, &cos, &sin)?;
-                Ok(y.reshape((b, t, heads, hd))?
-                    .transpose(1, 2)?
-                    .contiguous()?)
-            };
-            (rot(&q, nh)?, rot(&k, nkv)?)
+            // Rotated straight into attention's [B, H, T, D]: one node, no transpose copy.
+            (
+                crate::ops::rope_to_heads(&q, &cos, &sin)?,
+                crate::ops::rope_to_heads(&k, &cos, &sin)?,
+            )
         } else {
             let q = q.transpose(1, 2)?.contiguous()?;
             let k = k.transpose(1, 2)?.contiguous()?;
