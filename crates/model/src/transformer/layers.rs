@@ -231,15 +231,7 @@ impl Attention {
         let (k, v) = match cache {
             Some(LayerCache::Dense(slot, reserved)) => slot.append(&k, &v, reserved)?,
             Some(LayerCache::Paged(pool, step)) => {
-                // One token per row: written into its slot, attending over the row's blocks.
-                pool.write(&step.write_index, &k, &v)?;
-                let scale = 1.0 / (hd as f64).sqrt();
-                let q = q.reshape((b, nh, hd))?;
-                let out =
-                    crate::ops::paged_decode_attention(&q, &pool.k, &pool.v, &step.layout, scale)?;
-                return self
-                    .o_proj
-                    .forward_with(&out.reshape((b, t, nh * hd))?, ctx.train);
+                return self.attend_paged(&q.reshape((b, nh, hd))?, &k, &v, pool, step);
             }
             None => (k, v),
         };
@@ -321,11 +313,25 @@ impl Attention {
                 head_dim: hd,
             },
         )?;
-        pool.write(&step.write_index, &k, &v)?;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let out = crate::ops::paged_decode_attention(&q, &pool.k, &pool.v, &step.layout, scale)?;
+        self.attend_paged(&q, &k, &v, pool, step)
+    }
+
+    /// One decode token per row: its `k`, `v` written into the row's slot, then `q`
+    /// `[rows, heads, head_dim]` attending over the row's blocks, then `o_proj`.
+    fn attend_paged(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        pool: &PoolLayer,
+        step: &PagedStep,
+    ) -> Result<Tensor> {
+        pool.write(&step.write_index, k, v)?;
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let out = crate::ops::paged_decode_attention(q, &pool.k, &pool.v, &step.layout, scale)?;
+        let rows = q.dim(0)?;
         self.o_proj
-            .forward_with(&out.reshape((b, t, nh * hd))?, ctx.train)
+            .forward(&out.reshape((rows, 1, self.num_heads * self.head_dim))?)
     }
 
     /// Attention over packed segments from projected `q` `[B, T, H, D]`, `k`/`v`
