@@ -303,12 +303,12 @@ fn train_step_phases(
     timed: bool,
 ) -> Result<[f64; 3]> {
     let (b, t) = input.dims2()?;
-    // The phases as `tools/cupti_profile` labels them (the phase each lap closes opens the next).
-    let labels = ["LM head and log-probs", "backward", "after the step"]
-        .map(|p| format!("train {b}x{t}: {p}"));
+    // The phases as `tools/cupti_profile` labels them: the one each lap opens as it closes one.
+    const NEXT_PHASE: [&str; 3] = ["LM head and log-probs", "backward", "after the step"];
+    let mark = |phase: &str| profile_phase(&format!("train {b}x{t}: {phase}"));
     if timed {
         sync(input.device())?;
-        profile_phase(&format!("train {b}x{t}: decoder forward"));
+        mark("decoder forward");
     }
     let mut marks = [0.0; 3];
     let mut clock = Instant::now();
@@ -316,7 +316,7 @@ fn train_step_phases(
         if timed {
             sync(dev)?;
             marks[i] = clock.elapsed().as_secs_f64();
-            profile_phase(&labels[i]);
+            mark(NEXT_PHASE[i]);
             clock = Instant::now();
         }
         Ok(())

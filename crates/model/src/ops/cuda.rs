@@ -89,6 +89,20 @@ fn elementwise_config(n: usize) -> LaunchConfig {
     }
 }
 
+/// The CUDA storages and layouts behind tensors' storage guards (`Tensor::storage_and_layout`).
+fn cuda_parts<'g, G: std::ops::Deref<Target = Storage>>(
+    guards: &'g [(G, &'g Layout)],
+    what: &str,
+) -> Result<Vec<(&'g CudaStorage, &'g Layout)>> {
+    guards
+        .iter()
+        .map(|(g, l)| match &**g {
+            Storage::Cuda(s) => Ok((s, *l)),
+            _ => candle_core::bail!("{what}: the CUDA kernel got a non-CUDA tensor"),
+        })
+        .collect()
+}
+
 /// Runs a launcher on the CUDA storages of `inputs` (made contiguous) and wraps its output as
 /// a tensor of `shape` without a gradient graph (backward passes need none).
 pub(super) fn on_tensors(
@@ -102,14 +116,7 @@ pub(super) fn on_tensors(
         .map(|t| t.contiguous())
         .collect::<Result<_>>()?;
     let guards: Vec<_> = owned.iter().map(|t| t.storage_and_layout()).collect();
-    let mut args = Vec::with_capacity(guards.len());
-    for (g, l) in &guards {
-        let Storage::Cuda(s) = &**g else {
-            candle_core::bail!("{what}: the CUDA kernel got a non-CUDA tensor")
-        };
-        args.push((s, *l));
-    }
-    let out = f(&args)?;
+    let out = f(&cuda_parts(&guards, what)?)?;
     Ok(Tensor::from_storage(
         Storage::Cuda(out),
         shape,
@@ -241,14 +248,14 @@ pub(crate) fn rope(
     let sign: f32 = if inverse { -1.0 } else { 1.0 };
     let cos = cos.contiguous()?;
     let sin = sin.contiguous()?;
-    let (cg, cl) = cos.storage_and_layout();
-    let (sg, sl) = sin.storage_and_layout();
-    let (Storage::Cuda(cs), Storage::Cuda(ss)) = (&*cg, &*sg) else {
-        candle_core::bail!("rope: the CUDA kernel got non-CUDA tables")
-    };
+    let guards = [cos.storage_and_layout(), sin.storage_and_layout()];
+    let tables = cuda_parts(&guards, "rope")?;
     typed!(dtype, "rope", |T| {
         let xv = view::<T>(x.0, x.1, "rope")?;
-        let (cv, sv) = (view::<T>(cs, cl, "rope")?, view::<T>(ss, sl, "rope")?);
+        let (cv, sv) = (
+            view::<T>(tables[0].0, tables[0].1, "rope")?,
+            view::<T>(tables[1].0, tables[1].1, "rope")?,
+        );
         let y = alloc::<T>(&dev, n * h * d)?;
         let f = dev.get_or_load_custom_func(&kernel_name("rope", dtype)?, MODULE, PTX)?;
         let mut b = f.builder();
@@ -288,13 +295,7 @@ pub(crate) fn qkv_bias_rope(
     let mut extra: Vec<&Tensor> = vec![cos, sin];
     extra.extend(biases.iter().flat_map(|b| b.iter()));
     let guards: Vec<_> = extra.iter().map(|t| t.storage_and_layout()).collect();
-    let mut storages = Vec::with_capacity(guards.len());
-    for (g, l) in &guards {
-        let Storage::Cuda(s) = &**g else {
-            candle_core::bail!("qkv_bias_rope: a table or bias is not on the GPU")
-        };
-        storages.push((s, *l));
-    }
+    let storages = cuda_parts(&guards, "qkv_bias_rope")?;
     typed!(dtype, "qkv_bias_rope", |T| {
         let qv = view::<T>(qkv[0].0, qkv[0].1, "qkv_bias_rope q")?;
         let kv = view::<T>(qkv[1].0, qkv[1].1, "qkv_bias_rope k")?;

@@ -13,10 +13,11 @@ use anyhow::{Context, Result};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Storage, Tensor, D};
 
-/// `x` `[.., in]` times `wᵀ` for `w` `[out, in]`, giving `[.., out]`: plain `matmul` outside
-/// a graph; in one, a single node whose backward forms `∂x`, and `∂w` when `w` is trainable.
+/// `x` `[.., in]` times `wᵀ` for `w` `[out, in]`, giving `[.., out]`: the same product in and
+/// out of a graph; in one, a single node whose backward forms `∂x`, and `∂w` when `w` is
+/// trainable.
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let (out_f, in_w) = w
+    let (_, in_w) = w
         .dims2()
         .context("linear: w must be [out_features, in_features]")?;
     let in_f = x.dim(D::Minus1).context("linear: x has no dimensions")?;
@@ -28,15 +29,6 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
             w.dims(),
             w.dtype()
         );
-    }
-    if !x.track_op() && !w.track_op() {
-        let rows = x.elem_count() / in_f.max(1);
-        let mut out_dims = x.dims().to_vec();
-        *out_dims.last_mut().expect("x has dimensions") = out_f;
-        return Ok(x
-            .reshape((rows, in_f))?
-            .matmul(&w.t()?)?
-            .reshape(out_dims)?);
     }
     let x = x.contiguous()?;
     let w = w.contiguous()?;

@@ -16,28 +16,10 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let (n, _h, d) = x
         .dims3()
         .context("rope: x must be [tokens, heads, head_dim]")?;
-    if d % 2 != 0 {
-        bail!("rope: head_dim {d} is odd");
-    }
-    for (name, t) in [("cos", cos), ("sin", sin)] {
-        if t.dims() != [n, d / 2] {
-            bail!(
-                "rope: {name} has shape {:?}, expected [{n}, {}] for x {:?}",
-                t.dims(),
-                d / 2,
-                x.dims()
-            );
-        }
-    }
-    if kernels_apply(x) && cos.dtype() == x.dtype() && sin.dtype() == x.dtype() {
-        Ok(x.contiguous()?.apply_op1(RopeOp {
-            cos: cos.detach().contiguous()?,
-            sin: sin.detach().contiguous()?,
-            inverse: false,
-            layout: RopeLayout::Tokens,
-        })?)
-    } else {
-        rope_composed(x, cos, sin)
+    check_tables("rope", x, n, d, cos, sin)?;
+    match kernel_op(x, cos, sin, RopeLayout::Tokens)? {
+        Some(y) => Ok(y),
+        None => rope_composed(x, cos, sin),
     }
 }
 
@@ -48,30 +30,52 @@ pub fn rope_to_heads(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let (b, t, h, d) = x
         .dims4()
         .context("rope_to_heads: x must be [batch, tokens, heads, head_dim]")?;
-    if !(kernels_apply(x) && cos.dtype() == x.dtype() && sin.dtype() == x.dtype()) {
-        let y = rope(&x.reshape((b * t, h, d))?, cos, sin)?;
-        return Ok(y.reshape((b, t, h, d))?.transpose(1, 2)?.contiguous()?);
+    check_tables("rope_to_heads", x, b * t, d, cos, sin)?;
+    match kernel_op(x, cos, sin, RopeLayout::ToHeads)? {
+        Some(y) => Ok(y),
+        None => {
+            let y = rope(&x.reshape((b * t, h, d))?, cos, sin)?;
+            Ok(y.reshape((b, t, h, d))?.transpose(1, 2)?.contiguous()?)
+        }
     }
-    if d % 2 != 0 {
-        bail!("rope_to_heads: head_dim {d} is odd");
+}
+
+/// `head_dim` `d` is even and `cos`, `sin` are `[n, d/2]`.
+fn check_tables(
+    what: &str,
+    x: &Tensor,
+    n: usize,
+    d: usize,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<()> {
+    if !d.is_multiple_of(2) {
+        bail!("{what}: head_dim {d} is odd");
     }
-    for (name, tab) in [("cos", cos), ("sin", sin)] {
-        if tab.dims() != [b * t, d / 2] {
+    for (name, t) in [("cos", cos), ("sin", sin)] {
+        if t.dims() != [n, d / 2] {
             bail!(
-                "rope_to_heads: {name} has shape {:?}, expected [{}, {}] for x {:?}",
-                tab.dims(),
-                b * t,
+                "{what}: {name} has shape {:?}, expected [{n}, {}] for x {:?}",
+                t.dims(),
                 d / 2,
                 x.dims()
             );
         }
     }
-    Ok(x.contiguous()?.apply_op1(RopeOp {
+    Ok(())
+}
+
+/// The custom op in `layout` where the kernels apply (tables in x's dtype); `None` elsewhere.
+fn kernel_op(x: &Tensor, cos: &Tensor, sin: &Tensor, layout: RopeLayout) -> Result<Option<Tensor>> {
+    if !(kernels_apply(x) && cos.dtype() == x.dtype() && sin.dtype() == x.dtype()) {
+        return Ok(None);
+    }
+    Ok(Some(x.contiguous()?.apply_op1(RopeOp {
         cos: cos.detach().contiguous()?,
         sin: sin.detach().contiguous()?,
         inverse: false,
-        layout: RopeLayout::ToHeads,
-    })?)
+        layout,
+    })?))
 }
 
 /// RoPE from differentiable candle ops. `x` `[N, H, D]` with `cos`/`sin` `[N, D/2]`, or
