@@ -528,3 +528,31 @@ fn f64_models_score_and_sample_like_f32() {
     };
     assert_eq!(greedy(&f32_model), greedy(&f64_model));
 }
+
+/// The actors hand device tensors from thread to thread without synchronising (the trainer's
+/// published weights to the generator thread, the policy to a multi-turn rollout's sampler
+/// thread): a tensor still being computed on one thread must read right on another, and
+/// every request for the device must give the same device.
+#[test]
+fn a_tensor_handed_to_another_thread_reads_its_final_values() {
+    let dev = common::test_device();
+    assert!(dev.same_device(&common::test_device()));
+    // On a GPU: enough queued work (~0.5 TFLOP) that a reader on an unordered stream would
+    // see the buffer before it is written.
+    let (n, rounds) = if dev.is_cpu() { (64, 3) } else { (2048, 30) };
+    let ones = Tensor::ones((n, n), DType::F32, &dev).unwrap();
+    let mut y = ones.clone();
+    for _ in 0..rounds {
+        // Each product of all-ones matrices is n everywhere; divided by n, ones again
+        // (exact in f32).
+        y = (ones.matmul(&y).unwrap() / n as f64).unwrap();
+    }
+    let (tx, rx) = std::sync::mpsc::channel::<Tensor>();
+    let reader = std::thread::spawn(move || {
+        let y = rx.recv().unwrap();
+        y.sum_all().unwrap().to_scalar::<f32>().unwrap()
+    });
+    tx.send(y).unwrap();
+    let sum = reader.join().unwrap();
+    assert_eq!(sum, (n * n) as f32, "read on another thread");
+}
