@@ -82,10 +82,12 @@ with open(sys.argv[1], "w") as f:
         f.write(json.dumps({"messages": [{"role": "user", "content": q}], "answer": "x"}) + "\n")
 PY
   # full: f32; lora: use_peft; bf16: bf16 compute on f32 masters; ckpt: bf16 with
-  # gradient_checkpointing and padding_free.
-  for variant in full lora bf16 ckpt; do
-    peft=false; bf16=false; ckpt=false
+  # gradient_checkpointing and padding_free; async: f32 with the generator on its own thread
+  # (mode = "async": the published weights cross threads on the one CUDA stream).
+  for variant in full lora bf16 ckpt async; do
+    peft=false; bf16=false; ckpt=false; mode=sync
     [ "$variant" = lora ] && peft=true
+    [ "$variant" = async ] && mode=async
     [ "$variant" = bf16 ] && bf16=true
     [ "$variant" = ckpt ] && bf16=true && ckpt=true
     cat >"$W/hf-$variant.toml" <<TOML
@@ -108,6 +110,8 @@ eval_every = 2
 bf16 = $bf16
 gradient_checkpointing = $ckpt
 padding_free = $ckpt
+mode = "$mode"
+max_staleness = 1
 [output]
 run_dir = "$W/run-hf-$variant"
 TOML

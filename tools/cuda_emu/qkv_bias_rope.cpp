@@ -14,36 +14,36 @@ int run(int rows, int nh, int nkv, int d, bool bias, unsigned blocks, unsigned s
   std::uniform_real_distribution<float> U(-2.f, 2.f);
   const int half = d / 2;
   auto mk = [&](size_t n) { std::vector<T> x(n); for (auto& e : x) e = cvt<T>(U(rng)); return x; };
-  auto q = mk((size_t)rows * nh * d), k = mk((size_t)rows * nkv * d), v = mk((size_t)rows * nkv * d);
-  auto bq = mk(nh * d), bk = mk(nkv * d), bv = mk(nkv * d);
+  const int width = (nh + 2 * nkv) * d;
+  // Packed projection rows [q | k | v] and the bias stacked the same way.
+  auto qkv = mk((size_t)rows * width);
+  auto bqkv = mk(width);
   std::vector<T> cos(rows * half), sin(rows * half);
   for (int i = 0; i < rows * half; i++) {
     const float a = U(rng) * 3.f;
     cos[i] = cvt<T>(std::cos(a));
     sin[i] = cvt<T>(std::sin(a));
   }
-  std::vector<T> out((size_t)rows * (nh + 2 * nkv) * d);
+  std::vector<T> out((size_t)rows * width);
   // Fewer blocks than pairs: the grid-stride loop crosses the q/k/v boundaries.
   emu_launch(Dim3{blocks, 1, 1}, Dim3{64, 1, 1}, 0, [&] {
     if constexpr (sizeof(T) == 4)
-      qkv_bias_rope_f32(q.data(), k.data(), v.data(), bq.data(), bk.data(), bv.data(), bias, cos.data(), sin.data(),
-                        out.data(), rows, nh, nkv, d);
+      qkv_bias_rope_f32(qkv.data(), bqkv.data(), bias, cos.data(), sin.data(), out.data(), rows, nh, nkv, d);
     else
-      qkv_bias_rope_bf16(q.data(), k.data(), v.data(), bq.data(), bk.data(), bv.data(), bias, cos.data(),
-                         sin.data(), out.data(), rows, nh, nkv, d);
+      qkv_bias_rope_bf16(qkv.data(), bqkv.data(), bias, cos.data(), sin.data(), out.data(), rows, nh, nkv, d);
   });
   double worst = 0;
   size_t off = 0;
-  const std::vector<T>* srcs[3] = {&q, &k, &v};
-  const std::vector<T>* biases[3] = {&bq, &bk, &bv};
   for (int part = 0; part < 3; part++) {
     const int heads = part == 0 ? nh : nkv;
+    const int col = part == 0 ? 0 : part == 1 ? nh * d : (nh + nkv) * d;
     for (int t = 0; t < rows; t++)
       for (int h = 0; h < heads; h++)
         for (int i = 0; i < half; i++) {
           const size_t base = ((size_t)t * heads + h) * d;
-          double x1 = back((*srcs[part])[base + i]), x2 = back((*srcs[part])[base + i + half]);
-          if (bias) { x1 += back((*biases[part])[h * d + i]); x2 += back((*biases[part])[h * d + i + half]); }
+          const size_t src = (size_t)t * width + col + h * d;
+          double x1 = back(qkv[src + i]), x2 = back(qkv[src + i + half]);
+          if (bias) { x1 += back(bqkv[col + h * d + i]); x2 += back(bqkv[col + h * d + i + half]); }
           double y1 = x1, y2 = x2;
           if (part < 2) {
             const double c = back(cos[t * half + i]), s = back(sin[t * half + i]);

@@ -218,6 +218,7 @@ pub fn generate_with_store(
         }
     }
     let model = model.detached();
+    let stacks = model.stack_for_decode()?;
     let mut pool = BlockPool::new(&model, bs, budget_blocks)?;
     let mut queue: VecDeque<(usize, usize)> = requests
         .iter()
@@ -239,7 +240,8 @@ pub fn generate_with_store(
         if !batch.active.is_empty() {
             let positions: Vec<usize> = batch.tables.iter().map(|t| t.len).collect();
             let step = pool.prepare_step(&mut batch.tables)?;
-            logits = Some(model.forward_paged(&batch.pending, &positions, &pool, &step)?);
+            logits =
+                Some(model.forward_paged(&batch.pending, &positions, &pool, &step, &stacks)?);
             batch.tables.iter_mut().for_each(|t| t.len += 1);
             stats.decode_forwards += 1;
         }

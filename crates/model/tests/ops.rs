@@ -87,41 +87,42 @@ fn add_rms_norm_equals_the_add_and_the_norm_and_refuses_a_backward() {
 
 #[test]
 fn qkv_bias_rope_equals_the_bias_adds_and_rope() {
-    // The decode's fused attention inputs, with biases (Qwen2) and without (Llama), GQA.
+    // The decode's fused attention inputs from the packed projection [q | k | v], with biases
+    // (Qwen2) and without (Llama), GQA.
     let (rows, nh, nkv, d) = (5, 4, 2, 10);
     let heads = ops::QkvHeads {
         num_heads: nh,
         num_kv_heads: nkv,
         head_dim: d,
     };
-    let q = randn(&[rows, nh * d], 11, 1.5);
-    let k = randn(&[rows, nkv * d], 12, 1.5);
-    let v = randn(&[rows, nkv * d], 13, 1.0);
-    let bq = randn(&[nh * d], 14, 0.5);
-    let bk = randn(&[nkv * d], 15, 0.5);
-    let bv = randn(&[nkv * d], 16, 0.5);
+    let width = (nh + 2 * nkv) * d;
+    let qkv = randn(&[rows, width], 11, 1.5);
+    let bias = randn(&[width], 14, 0.5);
     let angles = randn(&[rows, d / 2], 17, 3.0);
     let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
     let device = common::test_device();
     for with_bias in [true, false] {
-        let add = |x: &Tensor, b: &Tensor| {
-            if with_bias {
-                x.broadcast_add(b).unwrap()
-            } else {
-                x.clone()
-            }
+        let biased = if with_bias {
+            qkv.broadcast_add(&bias).unwrap()
+        } else {
+            qkv.clone()
         };
-        let q_ref = ops::rope_composed(&add(&q, &bq).reshape((rows, nh, d)).unwrap(), &cos, &sin);
-        let k_ref = ops::rope_composed(&add(&k, &bk).reshape((rows, nkv, d)).unwrap(), &cos, &sin);
-        let v_ref = add(&v, &bv).reshape((rows, nkv, d)).unwrap();
+        let part = |from: usize, h: usize| {
+            biased
+                .narrow(1, from * d, h * d)
+                .unwrap()
+                .reshape((rows, h, d))
+                .unwrap()
+        };
+        let q_ref = ops::rope_composed(&part(0, nh), &cos, &sin).unwrap();
+        let k_ref = ops::rope_composed(&part(nh, nkv), &cos, &sin).unwrap();
+        let v_ref = part(nh + nkv, nkv);
         for (dtype, tol) in kernel_cases(1e-13, 1e-5) {
             let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&device).unwrap();
-            let biases = [on(&bq), on(&bk), on(&bv)];
+            let b = on(&bias);
             let (qo, ko, vo) = ops::qkv_bias_rope(
-                &on(&q),
-                &on(&k),
-                &on(&v),
-                with_bias.then(|| [&biases[0], &biases[1], &biases[2]]),
+                &on(&qkv),
+                with_bias.then_some(&b),
                 &on(&cos),
                 &on(&sin),
                 heads,
@@ -133,24 +134,54 @@ fn qkv_bias_rope_equals_the_bias_adds_and_rope() {
                     .to_dtype(DType::F64)
                     .unwrap()
             };
-            assert_close("fused q", &back(&qo), q_ref.as_ref().unwrap(), dtype, tol);
-            assert_close("fused k", &back(&ko), k_ref.as_ref().unwrap(), dtype, tol);
+            assert_close("fused q", &back(&qo), &q_ref, dtype, tol);
+            assert_close("fused k", &back(&ko), &k_ref, dtype, tol);
             assert_close("fused v", &back(&vo), &v_ref, dtype, tol);
         }
     }
+    let narrow = randn(&[rows, width - d], 12, 1.0);
     let e = format!(
         "{:#}",
-        ops::qkv_bias_rope(&q, &q, &v, None, &cos, &sin, heads).unwrap_err()
+        ops::qkv_bias_rope(&narrow, None, &cos, &sin, heads).unwrap_err()
     );
-    assert!(e.contains("k has shape [5, 40], expected [5, 20]"), "{e}");
+    assert!(e.contains("qkv has shape [5, 70], expected [5, 80]"), "{e}");
     let e = format!(
         "{:#}",
-        ops::qkv_bias_rope(&q, &k, &v, Some([&bq, &bq, &bv]), &cos, &sin, heads).unwrap_err()
+        ops::qkv_bias_rope(&qkv, Some(&cos), &cos, &sin, heads).unwrap_err()
     );
     assert!(
-        e.contains("the k bias has shape [40], expected [20]"),
+        e.contains("the bias has shape [5, 5], expected [80]"),
         "{e}"
     );
+}
+
+#[test]
+fn swiglu_packed_equals_swiglu_of_the_halves() {
+    // The decode's SwiGLU from one product with gate's and up's weights stacked.
+    let (rows, inter) = (3, 13);
+    let gate_up = randn(&[rows, 1, 2 * inter], 21, 2.0);
+    let device = common::test_device();
+    let reference = ops::swiglu_composed(
+        &gate_up.narrow(2, 0, inter).unwrap(),
+        &gate_up.narrow(2, inter, inter).unwrap(),
+    )
+    .unwrap();
+    for (dtype, tol) in kernel_cases(1e-13, 1e-5) {
+        let on = gate_up.to_dtype(dtype).unwrap().to_device(&device).unwrap();
+        let got = ops::swiglu_packed(&on).unwrap();
+        assert_eq!(got.dims(), [rows, 1, inter]);
+        let got = got
+            .to_device(&Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap();
+        assert_close("swiglu_packed", &got, &reference, dtype, tol);
+    }
+    let e = format!(
+        "{:#}",
+        ops::swiglu_packed(&randn(&[2, 7], 1, 1.0)).unwrap_err()
+    );
+    assert!(e.contains("not [gate | up] (odd)"), "{e}");
 }
 
 #[test]

@@ -275,53 +275,42 @@ pub(crate) fn rope(
     })
 }
 
-/// `[q | k | v]` with the biases added and q, k rotated (the decode's fused attention inputs):
-/// one thread per (token, head, rotation pair).
+/// [`super::qkv_bias_rope`]'s kernel: `[q | k | v]` (biases added, q and k rotated) from the
+/// packed projection rows `qkv`.
 pub(crate) fn qkv_bias_rope(
-    qkv: [(&CudaStorage, &Layout); 3],
-    biases: Option<&[Tensor; 3]>,
+    qkv: (&CudaStorage, &Layout),
+    bias: Option<&Tensor>,
     (cos, sin): (&Tensor, &Tensor),
     heads: super::QkvHeads,
 ) -> Result<CudaStorage> {
-    let dev = qkv[0].0.device().clone();
-    let dtype = qkv[0].0.dtype();
-    let d = heads.head_dim;
-    let rows = qkv[0].1.shape().elem_count() / (heads.num_heads * d).max(1);
-    let n = rows * (heads.num_heads + 2 * heads.num_kv_heads) * d;
-    let ints = [rows, heads.num_heads, heads.num_kv_heads, d].map(|x| x as i32);
-    let has_bias = i32::from(biases.is_some());
-    // The tables and biases are the op's own contiguous tensors: hold their storages while
+    let dev = qkv.0.device().clone();
+    let dtype = qkv.0.dtype();
+    let n = qkv.1.shape().elem_count();
+    let rows = n / heads.packed_width().max(1);
+    let ints = [rows, heads.num_heads, heads.num_kv_heads, heads.head_dim].map(|x| x as i32);
+    let has_bias = i32::from(bias.is_some());
+    // The tables and the bias are the op's own contiguous tensors: hold their storages while
     // the kernel is enqueued.
     let mut extra: Vec<&Tensor> = vec![cos, sin];
-    extra.extend(biases.iter().flat_map(|b| b.iter()));
+    extra.extend(bias);
     let guards: Vec<_> = extra.iter().map(|t| t.storage_and_layout()).collect();
     let storages = cuda_parts(&guards, "qkv_bias_rope")?;
     typed!(dtype, "qkv_bias_rope", |T| {
-        let qv = view::<T>(qkv[0].0, qkv[0].1, "qkv_bias_rope q")?;
-        let kv = view::<T>(qkv[1].0, qkv[1].1, "qkv_bias_rope k")?;
-        let vv = view::<T>(qkv[2].0, qkv[2].1, "qkv_bias_rope v")?;
+        let input = view::<T>(qkv.0, qkv.1, "qkv_bias_rope qkv")?;
         let tables = (
             view::<T>(storages[0].0, storages[0].1, "qkv_bias_rope cos")?,
             view::<T>(storages[1].0, storages[1].1, "qkv_bias_rope sin")?,
         );
-        // Without biases the kernel never reads them: q stands in for each pointer.
-        let mut bias = Vec::with_capacity(3);
-        for i in 0..3 {
-            bias.push(match storages.get(2 + i) {
-                Some((s, l)) => view::<T>(s, l, "qkv_bias_rope bias")?,
-                None => view::<T>(qkv[0].0, qkv[0].1, "qkv_bias_rope q")?,
-            });
-        }
-        let (bq, bk, bv) = (&bias[0], &bias[1], &bias[2]);
+        // Without a bias the kernel never reads it: the input stands in for the pointer.
+        let bias = match storages.get(2) {
+            Some((s, l)) => view::<T>(s, l, "qkv_bias_rope bias")?,
+            None => view::<T>(qkv.0, qkv.1, "qkv_bias_rope qkv")?,
+        };
         let out = alloc::<T>(&dev, n)?;
         let f = dev.get_or_load_custom_func(&kernel_name("qkv_bias_rope", dtype)?, MODULE, PTX)?;
         let mut b = f.builder();
-        b.arg(&qv)
-            .arg(&kv)
-            .arg(&vv)
-            .arg(bq)
-            .arg(bk)
-            .arg(bv)
+        b.arg(&input)
+            .arg(&bias)
             .arg(&has_bias)
             .arg(&tables.0)
             .arg(&tables.1)
@@ -354,6 +343,28 @@ pub(crate) fn swiglu_fwd(
         let mut b = f.builder();
         b.arg(&gv).arg(&uv).arg(&y).arg(&n_u);
         // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(elementwise_config(n)) }.w()?;
+        Ok(T::wrap_cuda_slice(y, dev))
+    })
+}
+
+/// SwiGLU forward from packed rows `[gate | up]` of `2·inter`.
+pub(crate) fn swiglu_packed_fwd(
+    gate_up: (&CudaStorage, &Layout),
+    inter: usize,
+) -> Result<CudaStorage> {
+    let dtype = gate_up.0.dtype();
+    let dev = gate_up.0.device().clone();
+    let n = gate_up.1.shape().elem_count() / 2;
+    let (n_u, inter_u) = (n as u64, inter as u64);
+    typed!(dtype, "swiglu_packed", |T| {
+        let gu = view::<T>(gate_up.0, gate_up.1, "swiglu_packed")?;
+        let y = alloc::<T>(&dev, n)?;
+        let f =
+            dev.get_or_load_custom_func(&kernel_name("swiglu_packed_fwd", dtype)?, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&gu).arg(&y).arg(&n_u).arg(&inter_u);
+        // SAFETY: the arguments match the kernel's signature; `gu` holds 2·n elements.
         unsafe { b.launch(elementwise_config(n)) }.w()?;
         Ok(T::wrap_cuda_slice(y, dev))
     })

@@ -163,33 +163,37 @@ __device__ void rope(const T* x, const T* cos, const T* sin, T* y, int n, int h,
 }
 
 // ---- The decode's attention inputs: biases added (rounded to T, as the unfused add), q and k
-// rotated as `rope` does; out = [q rows·nh·d | k rows·nkv·d | v rows·nkv·d], inputs
-// [rows, heads·d]. One thread per (token, head, rotation pair) over the three parts. ----
+// rotated as `rope` does; out = [q rows·nh·d | k rows·nkv·d | v rows·nkv·d] from the packed
+// projection rows qkv [rows, (nh + 2·nkv)·d] (q's columns, k's, v's) and the bias stacked the
+// same way. One thread per (token, head, rotation pair) over the three parts. ----
 template <typename T>
-__device__ void qkv_bias_rope(const T* q, const T* k, const T* v, const T* bq, const T* bk,
-                              const T* bv, int has_bias, const T* cos, const T* sin, T* out,
-                              int rows, int nh, int nkv, int d) {
+__device__ void qkv_bias_rope(const T* qkv, const T* bias, int has_bias, const T* cos,
+                              const T* sin, T* out, int rows, int nh, int nkv, int d) {
   const int half = d / 2;
+  const size_t width = (size_t)(nh + 2 * nkv) * d;
   const size_t nq = (size_t)rows * nh * half, nk = (size_t)rows * nkv * half;
   for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < nq + 2 * nk;
        e += (size_t)gridDim.x * blockDim.x) {
-    const T* src = q;
-    const T* bias = bq;
+    // The part (q, k or v) this pair belongs to: its column offset in a packed row, its block
+    // of the output, its head count.
+    size_t col = 0;
     T* dst = out;
     int heads = nh;
     size_t p = e;
     bool rotate = true;
     if (e >= nq + nk) {
-      src = v, bias = bv, dst = out + 2 * (nq + nk), heads = nkv, p = e - nq - nk, rotate = false;
+      col = (size_t)(nh + nkv) * d, dst = out + 2 * (nq + nk), heads = nkv, p = e - nq - nk;
+      rotate = false;
     } else if (e >= nq) {
-      src = k, bias = bk, dst = out + 2 * nq, heads = nkv, p = e - nq;
+      col = (size_t)nh * d, dst = out + 2 * nq, heads = nkv, p = e - nq;
     }
     const int i = (int)(p % half);
     const size_t tok_head = p / half;
     const size_t tok = tok_head / heads;
+    const size_t hb = col + (tok_head % heads) * d;
+    const size_t src = tok * width + hb;
     const size_t base = tok_head * d;
-    const size_t hb = (tok_head % heads) * d;
-    float x1 = to_f(src[base + i]), x2 = to_f(src[base + i + half]);
+    float x1 = to_f(qkv[src + i]), x2 = to_f(qkv[src + i + half]);
     if (has_bias) {
       x1 = to_f(from_f<T>(x1 + to_f(bias[hb + i])));
       x2 = to_f(from_f<T>(x2 + to_f(bias[hb + i + half])));
@@ -213,6 +217,19 @@ __device__ void swiglu_fwd(const T* g, const T* u, T* y, size_t n) {
     const float gv = to_f(g[i]);
     const float s = 1.f / (1.f + expf(-gv));
     y[i] = from_f<T>(gv * s * to_f(u[i]));
+  }
+}
+
+// The decode's SwiGLU from packed rows [gate | up] of 2·inter (one product with the stacked
+// weights): y [n = rows·inter].
+template <typename T>
+__device__ void swiglu_packed_fwd(const T* gu, T* y, size_t n, size_t inter) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const size_t g = (i / inter) * 2 * inter + i % inter;
+    const float gv = to_f(gu[g]);
+    const float s = 1.f / (1.f + expf(-gv));
+    y[i] = from_f<T>(gv * s * to_f(gu[g + inter]));
   }
 }
 
@@ -355,14 +372,17 @@ __device__ void head_logits_grad(const T* z, const float* stats, const uint32_t*
                                         int d, float sign, int t_len, int heads_major) {        \
     rope<T>(x, c, s, y, n, h, d, sign, t_len, heads_major);                                     \
   }                                                                                             \
-  extern "C" __global__ void qkv_bias_rope_##SFX(const T* q, const T* k, const T* v,           \
-                                                 const T* bq, const T* bk, const T* bv,         \
-                                                 int has_bias, const T* c, const T* s, T* out,  \
-                                                 int rows, int nh, int nkv, int d) {            \
-    qkv_bias_rope<T>(q, k, v, bq, bk, bv, has_bias, c, s, out, rows, nh, nkv, d);              \
+  extern "C" __global__ void qkv_bias_rope_##SFX(const T* qkv, const T* bias, int has_bias,   \
+                                                 const T* c, const T* s, T* out, int rows,      \
+                                                 int nh, int nkv, int d) {                      \
+    qkv_bias_rope<T>(qkv, bias, has_bias, c, s, out, rows, nh, nkv, d);                         \
   }                                                                                             \
   extern "C" __global__ void swiglu_fwd_##SFX(const T* g, const T* u, T* y, size_t n) {        \
     swiglu_fwd<T>(g, u, y, n);                                                                  \
+  }                                                                                             \
+  extern "C" __global__ void swiglu_packed_fwd_##SFX(const T* gu, T* y, size_t n,             \
+                                                     size_t inter) {                            \
+    swiglu_packed_fwd<T>(gu, y, n, inter);                                                      \
   }                                                                                             \
   extern "C" __global__ void swiglu_bwd_##SFX(const T* g, const T* u, const T* dy, T* out,     \
                                               size_t n) {                                       \

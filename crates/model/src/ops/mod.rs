@@ -50,7 +50,7 @@ pub use paged_attention::{paged_decode_attention, paged_decode_attention_compose
 pub use qkv_bias_rope::{qkv_bias_rope, QkvHeads};
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_composed};
 pub use rope::{rope, rope_composed, rope_to_heads};
-pub use swiglu::{swiglu, swiglu_composed};
+pub use swiglu::{swiglu, swiglu_composed, swiglu_packed};
 
 use candle_core::{DType, Device, Layout, Storage, Tensor, WithDType};
 

@@ -1,11 +1,12 @@
-//! The decode step's attention inputs in one pass: the q/k/v projections' biases added
-//! (rounded to the dtype, as the unfused add) and q, k rotated by RoPE — one launch where the
-//! unfused step takes five (three bias adds, two rotations). Inference only: the op has no
+//! The decode step's attention inputs in one pass: from the packed q/k/v projection (one
+//! product with the stacked weights), the biases added (rounded to the dtype, as the unfused
+//! add) and q, k rotated by RoPE — one launch where the unfused step takes five (three bias
+//! adds, two rotations). Inference only: the op has no
 //! backward (candle reports an error rather than dropping a gradient).
 
 use super::{kernels_apply, layout_slice, par_rows, with_slice, Real};
 use anyhow::{bail, Result};
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
 /// The attention's shape: query heads, key/value heads, head size.
 #[derive(Debug, Clone, Copy)]
@@ -18,16 +19,22 @@ pub struct QkvHeads {
     pub head_dim: usize,
 }
 
-/// `q`, `k`, `v` of `rows` tokens (bias-free projections `[rows, heads·head_dim]`) with
-/// `biases` (`[heads·head_dim]` each) added and q, k rotated by `cos`/`sin` `[rows, head_dim/2]`:
-/// returns `q` `[rows, num_heads, head_dim]` and `k`, `v` `[rows, num_kv_heads, head_dim]`.
-/// The fused kernel (CPU f32/f64, CUDA f32/bf16) where it applies; else the bias adds and
-/// [`super::rope`].
+impl QkvHeads {
+    /// Width of the packed projection `[q | k | v]` of one token: `(heads + 2·kv_heads)·head_dim`.
+    pub fn packed_width(&self) -> usize {
+        (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+    }
+}
+
+/// `q`, `k`, `v` of `rows` tokens from their packed bias-free projection `qkv`
+/// `[rows, (heads + 2·kv_heads)·head_dim]` (q's columns, then k's, then v's: one product with
+/// the stacked weights) with `bias` (`[(heads + 2·kv_heads)·head_dim]`, stacked the same way)
+/// added and q, k rotated by `cos`/`sin` `[rows, head_dim/2]`: returns `q`
+/// `[rows, num_heads, head_dim]` and `k`, `v` `[rows, num_kv_heads, head_dim]`. The fused kernel
+/// (CPU f32/f64, CUDA f32/bf16) where it applies; else the bias add and [`super::rope`].
 pub fn qkv_bias_rope(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    biases: Option<[&Tensor; 3]>,
+    qkv: &Tensor,
+    bias: Option<&Tensor>,
     cos: &Tensor,
     sin: &Tensor,
     heads: QkvHeads,
@@ -40,26 +47,20 @@ pub fn qkv_bias_rope(
     if d % 2 != 0 {
         bail!("qkv_bias_rope: head_dim {d} is odd");
     }
-    let rows = q.dim(0)?;
-    for (i, (name, t, h)) in [("q", q, nh), ("k", k, nkv), ("v", v, nkv)]
-        .into_iter()
-        .enumerate()
-    {
-        if t.dims() != [rows, h * d] {
+    let width = heads.packed_width();
+    let rows = qkv.dim(0)?;
+    if qkv.dims() != [rows, width] {
+        bail!(
+            "qkv_bias_rope: qkv has shape {:?}, expected [{rows}, {width}] ({nh} + 2·{nkv} heads of {d})",
+            qkv.dims()
+        );
+    }
+    if let Some(b) = bias {
+        if b.dims() != [width] {
             bail!(
-                "qkv_bias_rope: {name} has shape {:?}, expected [{rows}, {}]",
-                t.dims(),
-                h * d
+                "qkv_bias_rope: the bias has shape {:?}, expected [{width}]",
+                b.dims()
             );
-        }
-        if let Some(b) = biases {
-            if b[i].dims() != [h * d] {
-                bail!(
-                    "qkv_bias_rope: the {name} bias has shape {:?}, expected [{}]",
-                    b[i].dims(),
-                    h * d
-                );
-            }
         }
     }
     for (name, t) in [("cos", cos), ("sin", sin)] {
@@ -71,35 +72,33 @@ pub fn qkv_bias_rope(
             );
         }
     }
-    let mut all = vec![q, k, v, cos, sin];
-    all.extend(biases.iter().flatten());
+    let mut all = vec![qkv, cos, sin];
+    all.extend(bias);
     let same = all
         .iter()
-        .all(|t| t.dtype() == q.dtype() && t.device().same_device(q.device()));
-    if !(kernels_apply(q) && same) {
-        let add = |t: &Tensor, i: usize| -> Result<Tensor> {
-            Ok(match biases {
-                Some(b) => t.broadcast_add(b[i])?,
-                None => t.clone(),
-            })
+        .all(|t| t.dtype() == qkv.dtype() && t.device().same_device(qkv.device()));
+    if !(kernels_apply(qkv) && same) {
+        let biased = match bias {
+            Some(b) => qkv.broadcast_add(b)?,
+            None => qkv.clone(),
         };
-        let q = super::rope(&add(q, 0)?.reshape((rows, nh, d))?, cos, sin)?;
-        let k = super::rope(&add(k, 1)?.reshape((rows, nkv, d))?, cos, sin)?;
-        let v = add(v, 2)?.reshape((rows, nkv, d))?;
-        return Ok((q, k, v));
+        let part = |from: usize, h: usize| -> Result<Tensor> {
+            Ok(biased
+                .narrow(1, from * d, h * d)?
+                .contiguous()?
+                .reshape((rows, h, d))?)
+        };
+        let q = super::rope(&part(0, nh)?, cos, sin)?;
+        let k = super::rope(&part(nh, nkv)?, cos, sin)?;
+        return Ok((q, k, part(nh + nkv, nkv)?));
     }
     let op = QkvBiasRopeOp {
-        biases: match biases {
-            Some(b) => Some([b[0].contiguous()?, b[1].contiguous()?, b[2].contiguous()?]),
-            None => None,
-        },
+        bias: bias.map(Tensor::contiguous).transpose()?,
         cos: cos.contiguous()?,
         sin: sin.contiguous()?,
         heads,
     };
-    let out = q
-        .contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)?;
+    let out = qkv.contiguous()?.apply_op1(op)?;
     // Three contiguous blocks of one buffer: q, then k, then v.
     let (nq, nk) = (rows * nh * d, rows * nkv * d);
     Ok((
@@ -110,8 +109,8 @@ pub fn qkv_bias_rope(
 }
 
 struct QkvBiasRopeOp {
-    /// q, k, v biases, contiguous.
-    biases: Option<[Tensor; 3]>,
+    /// The stacked q, k, v biases, contiguous.
+    bias: Option<Tensor>,
     /// `[rows, head_dim/2]`, contiguous.
     cos: Tensor,
     sin: Tensor,
@@ -150,92 +149,73 @@ fn bias_rotate<T: Real>(
     }
 }
 
-/// The CPU twin of the CUDA kernel: `[q | k | v]` in one buffer.
-#[allow(clippy::too_many_arguments)]
+/// The CPU twin of the CUDA kernel: `[q | k | v]` in one buffer from the packed rows `qkv`.
 fn forward<T: Real>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    biases: Option<[&[T]; 3]>,
+    qkv: &[T],
+    bias: Option<&[T]>,
     cos: &[T],
     sin: &[T],
     heads: QkvHeads,
 ) -> Vec<T> {
     let d = heads.head_dim;
     let half = d / 2;
+    let width = heads.packed_width();
     let (qw, kw) = (heads.num_heads * d, heads.num_kv_heads * d);
-    let rows = q.len() / qw.max(1);
+    let rows = qkv.len() / width.max(1);
     let mut out = vec![T::zero(); rows * (qw + 2 * kw)];
     let (oq, okv) = out.split_at_mut(rows * qw);
     let (ok, ov) = okv.split_at_mut(rows * kw);
-    let bias = |i: usize| biases.map(|b| b[i]);
-    par_rows(oq, qw, |n, o| {
-        let rot = (
-            &cos[n * half..(n + 1) * half],
-            &sin[n * half..(n + 1) * half],
-        );
-        bias_rotate(&q[n * qw..(n + 1) * qw], bias(0), Some(rot), d, o);
-    });
-    par_rows(ok, kw, |n, o| {
-        let rot = (
-            &cos[n * half..(n + 1) * half],
-            &sin[n * half..(n + 1) * half],
-        );
-        bias_rotate(&k[n * kw..(n + 1) * kw], bias(1), Some(rot), d, o);
-    });
-    par_rows(ov, kw, |n, o| {
-        bias_rotate(&v[n * kw..(n + 1) * kw], bias(2), None, d, o);
-    });
+    // Part `from..from + w` of each packed row (and of the bias) into `o`'s rows of `w`.
+    let part = |o: &mut [T], from: usize, w: usize, rotate: bool| {
+        par_rows(o, w, |n, o| {
+            let rot = rotate.then(|| {
+                (
+                    &cos[n * half..(n + 1) * half],
+                    &sin[n * half..(n + 1) * half],
+                )
+            });
+            let x = &qkv[n * width + from..n * width + from + w];
+            bias_rotate(x, bias.map(|b| &b[from..from + w]), rot, d, o);
+        })
+    };
+    part(oq, 0, qw, true);
+    part(ok, qw, kw, true);
+    part(ov, qw + kw, kw, false);
     out
 }
 
 impl QkvBiasRopeOp {
     fn fwd_typed<T: Real>(
         &self,
-        q: (&CpuStorage, &Layout),
-        k: (&CpuStorage, &Layout),
-        v: (&CpuStorage, &Layout),
+        qkv: &CpuStorage,
+        layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let what = "qkv_bias_rope";
-        let (qs, ks, vs) = (
-            layout_slice::<T>(q.0, q.1, what)?,
-            layout_slice::<T>(k.0, k.1, what)?,
-            layout_slice::<T>(v.0, v.1, what)?,
-        );
-        let n = qs.len() + ks.len() + vs.len();
+        let qkv = layout_slice::<T>(qkv, layout, what)?;
         let out = with_slice::<T, _>(&self.cos, what, |c| {
-            with_slice::<T, _>(&self.sin, what, |s| match &self.biases {
-                None => Ok(forward(qs, ks, vs, None, c, s, self.heads)),
-                Some([bq, bk, bv]) => with_slice::<T, _>(bq, what, |bq| {
-                    with_slice::<T, _>(bk, what, |bk| {
-                        with_slice::<T, _>(bv, what, |bv| {
-                            forward(qs, ks, vs, Some([bq, bk, bv]), c, s, self.heads)
-                        })
-                    })
-                })??,
+            with_slice::<T, _>(&self.sin, what, |s| match &self.bias {
+                None => Ok(forward(qkv, None, c, s, self.heads)),
+                Some(b) => with_slice::<T, _>(b, what, |b| forward(qkv, Some(b), c, s, self.heads)),
             })
         })???;
+        let n = out.len();
         Ok((T::to_cpu_storage_owned(out), Shape::from(n)))
     }
 }
 
-impl CustomOp3 for QkvBiasRopeOp {
+impl CustomOp1 for QkvBiasRopeOp {
     fn name(&self) -> &'static str {
         "qkv-bias-rope"
     }
 
     fn cpu_fwd(
         &self,
-        q: &CpuStorage,
-        lq: &Layout,
-        k: &CpuStorage,
-        lk: &Layout,
-        v: &CpuStorage,
-        lv: &Layout,
+        qkv: &CpuStorage,
+        layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        match q {
-            CpuStorage::F32(_) => self.fwd_typed::<f32>((q, lq), (k, lk), (v, lv)),
-            CpuStorage::F64(_) => self.fwd_typed::<f64>((q, lq), (k, lk), (v, lv)),
+        match qkv {
+            CpuStorage::F32(_) => self.fwd_typed::<f32>(qkv, layout),
+            CpuStorage::F64(_) => self.fwd_typed::<f64>(qkv, layout),
             _ => candle_core::bail!("qkv_bias_rope kernel: f32 or f64 on the CPU"),
         }
     }
@@ -243,17 +223,13 @@ impl CustomOp3 for QkvBiasRopeOp {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        q: &candle_core::CudaStorage,
-        lq: &Layout,
-        k: &candle_core::CudaStorage,
-        lk: &Layout,
-        v: &candle_core::CudaStorage,
-        lv: &Layout,
+        qkv: &candle_core::CudaStorage,
+        layout: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let n = lq.shape().elem_count() + lk.shape().elem_count() + lv.shape().elem_count();
+        let n = layout.shape().elem_count();
         let out = super::cuda::qkv_bias_rope(
-            [(q, lq), (k, lk), (v, lv)],
-            self.biases.as_ref(),
+            (qkv, layout),
+            self.bias.as_ref(),
             (&self.cos, &self.sin),
             self.heads,
         )?;

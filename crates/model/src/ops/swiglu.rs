@@ -4,7 +4,7 @@
 
 use super::{kernels_apply, layout_slice, par_rows, with_slice, Real};
 use anyhow::{bail, Result};
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 
 /// `silu(gate) · up` for two tensors of one shape: the custom op (CPU f32/f64, CUDA
 /// f32/bf16), else
@@ -22,6 +22,29 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     } else {
         swiglu_composed(gate, up)
     }
+}
+
+/// `silu(gate) · up` from the packed MLP projection `gate_up` `[.., 2·I]` (gate's `I` columns,
+/// then up's: one product with the stacked weights) → `[.., I]`. The decode step's: one
+/// launch, inference only (the kernel has no backward; candle reports an error rather than
+/// dropping a gradient). Elsewhere the two halves through [`swiglu`].
+pub fn swiglu_packed(gate_up: &Tensor) -> Result<Tensor> {
+    let width = gate_up.dims().last().copied().unwrap_or(0);
+    if width % 2 != 0 {
+        bail!(
+            "swiglu_packed: gate_up has shape {:?}, whose last axis is not [gate | up] (odd)",
+            gate_up.dims()
+        );
+    }
+    let inter = width / 2;
+    if !kernels_apply(gate_up) {
+        let axis = gate_up.rank() - 1;
+        return swiglu(
+            &gate_up.narrow(axis, 0, inter)?,
+            &gate_up.narrow(axis, inter, inter)?,
+        );
+    }
+    Ok(gate_up.contiguous()?.apply_op1(SwigluPackedOp)?)
 }
 
 /// `silu(gate) · up` from candle ops (candle's `silu` has a backward).
@@ -49,6 +72,58 @@ fn forward<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
         }
     });
     out
+}
+
+/// [`forward`] on packed rows `[gate | up]` of `2·inter`.
+fn forward_packed<T: Real>(gate_up: &[T], inter: usize) -> Vec<T> {
+    let mut out = vec![T::zero(); gate_up.len() / 2];
+    par_rows(&mut out, inter.max(1), |r, y| {
+        let row = &gate_up[2 * inter * r..2 * inter * (r + 1)];
+        let (g, u) = row.split_at(inter);
+        for (k, y) in y.iter_mut().enumerate() {
+            *y = g[k] * sigmoid(g[k]) * u[k];
+        }
+    });
+    out
+}
+
+struct SwigluPackedOp;
+
+impl CustomOp1 for SwigluPackedOp {
+    fn name(&self) -> &'static str {
+        "swiglu-packed"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let dims = l.shape().dims();
+        let inter = dims[dims.len() - 1] / 2;
+        let mut out_dims = dims.to_vec();
+        *out_dims.last_mut().expect("rank ≥ 1") = inter;
+        let out = match s {
+            CpuStorage::F32(_) => {
+                CpuStorage::F32(forward_packed(layout_slice(s, l, "swiglu_packed")?, inter))
+            }
+            CpuStorage::F64(_) => {
+                CpuStorage::F64(forward_packed(layout_slice(s, l, "swiglu_packed")?, inter))
+            }
+            _ => candle_core::bail!("swiglu_packed kernel: f32 or f64 on the CPU"),
+        };
+        Ok((out, Shape::from(out_dims)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let dims = l.shape().dims();
+        let inter = dims[dims.len() - 1] / 2;
+        let mut out_dims = dims.to_vec();
+        *out_dims.last_mut().expect("rank ≥ 1") = inter;
+        let y = super::cuda::swiglu_packed_fwd((s, l), inter)?;
+        Ok((y, Shape::from(out_dims)))
+    }
 }
 
 /// `[∂gate | ∂up]` concatenated (one buffer, split by the caller).

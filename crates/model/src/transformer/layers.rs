@@ -277,39 +277,31 @@ impl Attention {
         self.o_proj.forward_with(&out, ctx.train)
     }
 
-    /// The decode step's attention over the paged pool. On the kernel path, without q/k norms
-    /// or adapters on q/k/v, the projections' biases and RoPE are one fused op
-    /// ([`crate::ops::qkv_bias_rope`]: one launch instead of five); otherwise [`Self::forward`].
-    fn forward_decode(&self, x: &Tensor, ctx: &Ctx, cache: LayerCache) -> Result<Tensor> {
-        let LayerCache::Paged(pool, step) = cache else {
+    /// The decode step's attention over the paged pool. With `qkv` (the stacked projections,
+    /// [`StackedQkv`]) one product gives q, k and v, and their biases and RoPE are one fused op
+    /// ([`crate::ops::qkv_bias_rope`]); otherwise [`Self::forward`].
+    fn forward_decode(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx,
+        cache: LayerCache,
+        qkv: Option<&StackedQkv>,
+    ) -> Result<Tensor> {
+        let (LayerCache::Paged(pool, step), Some(qkv)) = (&cache, qkv) else {
             return self.forward(x, ctx, Some(cache));
         };
-        let projs = [&self.q_proj, &self.k_proj, &self.v_proj];
-        let biases: Vec<&Tensor> = projs.iter().filter_map(|p| p.bias.as_ref()).collect();
-        let fusable = ctx.path == OpPath::Kernels
-            && self.q_norm.is_none()
-            && self.k_norm.is_none()
-            && projs.iter().all(|p| p.lora.is_none())
-            && (biases.is_empty() || biases.len() == 3);
-        if !fusable {
-            return self.forward(x, ctx, Some(LayerCache::Paged(pool, step)));
-        }
         let (b, t, hidden) = x.dims3()?;
-        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let x2 = x.reshape((b * t, hidden))?;
-        let project = |p: &Linear| crate::ops::linear(&x2, &p.weight);
+        let hd = self.head_dim;
         let cos = ctx.cos.reshape((b * t, hd / 2))?;
         let sin = ctx.sin.reshape((b * t, hd / 2))?;
         let (q, k, v) = crate::ops::qkv_bias_rope(
-            &project(&self.q_proj)?,
-            &project(&self.k_proj)?,
-            &project(&self.v_proj)?,
-            <[&Tensor; 3]>::try_from(biases).ok(),
+            &crate::ops::linear(&x.reshape((b * t, hidden))?, &qkv.weight)?,
+            qkv.bias.as_ref(),
             &cos,
             &sin,
             crate::ops::QkvHeads {
-                num_heads: nh,
-                num_kv_heads: nkv,
+                num_heads: self.num_heads,
+                num_kv_heads: self.num_kv_heads,
                 head_dim: hd,
             },
         )?;
@@ -361,6 +353,25 @@ impl Attention {
     }
 }
 
+/// q/k/v's weights stacked `[(heads + 2·kv_heads)·head_dim, hidden]` (q's rows, k's, v's) and
+/// their biases alike: the decode step's one product for all three.
+#[derive(Debug)]
+pub(crate) struct StackedQkv {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+/// A decoder layer's projections stacked for the decode step, where they can be (see
+/// [`DecoderLayer::stack_for_decode`]): on a GPU, where the decode step is bound by launches,
+/// two products fewer per layer than the separate projections. A copy of those weights,
+/// built from the weights the rollout samples with.
+#[derive(Debug)]
+pub(crate) struct LayerStacks {
+    qkv: Option<StackedQkv>,
+    /// gate's and up's weights stacked `[2·intermediate, hidden]`.
+    gate_up: Option<Tensor>,
+}
+
 /// SwiGLU MLP (`mlp.*`).
 #[derive(Debug, Clone)]
 pub struct Mlp {
@@ -373,6 +384,17 @@ pub struct Mlp {
 }
 
 impl Mlp {
+    /// The decode step's MLP: with `gate_up` (gate's and up's weights stacked, `[2·I, hidden]`)
+    /// one product and one packed SwiGLU instead of two products and a SwiGLU.
+    fn forward_decode(&self, x: &Tensor, path: OpPath, gate_up: Option<&Tensor>) -> Result<Tensor> {
+        match gate_up {
+            Some(w) => self
+                .down_proj
+                .forward(&crate::ops::swiglu_packed(&crate::ops::linear(x, w)?)?),
+            None => self.forward(x, path, false),
+        }
+    }
+
     fn forward(&self, x: &Tensor, path: OpPath, train: bool) -> Result<Tensor> {
         let gate = self.gate_proj.forward_with(x, train)?;
         let up = self.up_proj.forward_with(x, train)?;
@@ -422,14 +444,47 @@ impl DecoderLayer {
         h: &Tensor,
         ctx: &Ctx,
         cache: LayerCache,
+        stacks: Option<&LayerStacks>,
         next_norm: &RmsNorm,
     ) -> Result<(Tensor, Tensor)> {
-        let attn = self.self_attn.forward_decode(h, ctx, cache)?;
+        let qkv = stacks.and_then(|s| s.qkv.as_ref());
+        let attn = self.self_attn.forward_decode(h, ctx, cache, qkv)?;
         let (x, h) = self
             .post_attention_layernorm
             .add_forward(x, &attn, ctx.path)?;
-        let mlp = self.mlp.forward(&h, ctx.path, false)?;
+        let gate_up = stacks.and_then(|s| s.gate_up.as_ref());
+        let mlp = self.mlp.forward_decode(&h, ctx.path, gate_up)?;
         next_norm.add_forward(&x, &mlp, ctx.path)
+    }
+
+    /// This layer's projections stacked for the decode step ([`LayerStacks`]): q/k/v where
+    /// none has an adapter, the layer has no q/k norms, and all or none have biases; gate/up
+    /// where neither has an adapter or a bias.
+    pub(super) fn stack_for_decode(&self) -> Result<LayerStacks> {
+        let a = &self.self_attn;
+        let qkv = [&a.q_proj, &a.k_proj, &a.v_proj];
+        let biases: Vec<&Tensor> = qkv.iter().filter_map(|p| p.bias.as_ref()).collect();
+        let stack = |ts: &[&Tensor]| -> Result<Tensor> { Ok(Tensor::cat(ts, 0)?.detach()) };
+        let qkv = if a.q_norm.is_none()
+            && a.k_norm.is_none()
+            && qkv.iter().all(|p| p.lora.is_none())
+            && (biases.is_empty() || biases.len() == 3)
+        {
+            Some(StackedQkv {
+                weight: stack(&qkv.map(|p| &p.weight))?,
+                bias: (!biases.is_empty()).then(|| stack(&biases)).transpose()?,
+            })
+        } else {
+            None
+        };
+        let m = &self.mlp;
+        let gate_up = [&m.gate_proj, &m.up_proj];
+        let gate_up = if gate_up.iter().all(|p| p.lora.is_none() && p.bias.is_none()) {
+            Some(stack(&gate_up.map(|p| &p.weight))?)
+        } else {
+            None
+        };
+        Ok(LayerStacks { qkv, gate_up })
     }
 
     /// Replaces every tensor of the layer (weights, biases, adapters, norms) by `f` of it.

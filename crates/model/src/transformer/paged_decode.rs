@@ -1,22 +1,55 @@
 //! The rollout engine's decode forward over its paged KV cache: one token per row, each at
 //! its own position, attending over the row's blocks (`crate::paged_kv`).
 
+use super::layers::LayerStacks;
 use super::{Ctx, LayerCache, OpPath, Transformer};
 use crate::paged_kv::{BlockPool, PagedStep};
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 
+/// The model's projections stacked for the decode step, layer by layer
+/// ([`LayerStacks`]); none off the kernel path. Built once per rollout by the engine, from the
+/// weights it samples with: a copy of q/k/v's and gate/up's weights (about 60% of a decoder
+/// layer's), held while the rollout runs.
+#[derive(Debug)]
+pub(crate) struct DecodeStacks(Vec<LayerStacks>);
+
 impl Transformer {
+    /// The ops the paged decode runs: the trainer's own kernels (RMSNorm, RoPE, SwiGLU) where
+    /// they apply — the sampler's log-probs then come from the ops the trainer recomputes them
+    /// with, and each is one launch (candle's SwiGLU is two, its RoPE wants heads-major
+    /// copies); elsewhere candle's fused kernels, or the compositions for f64.
+    fn decode_path(&self) -> OpPath {
+        if self.training_kernels && crate::ops::kernels_apply_to(&self.device, self.dtype) {
+            OpPath::Kernels
+        } else if self.dtype == DType::F64 {
+            OpPath::Differentiable
+        } else {
+            OpPath::Fused
+        }
+    }
+
+    /// [`DecodeStacks`] of this model's current weights.
+    pub(crate) fn stack_for_decode(&self) -> Result<DecodeStacks> {
+        if self.decode_path() != OpPath::Kernels {
+            return Ok(DecodeStacks(Vec::new()));
+        }
+        let layers = self.model.layers.iter().map(|l| l.stack_for_decode());
+        Ok(DecodeStacks(layers.collect::<Result<_>>()?))
+    }
+
     /// Feeds `tokens[b]` to row `b` of a paged batch (inference path, no backward): each
     /// layer writes the tokens' keys/values into the slots `step` prepared and attends over
     /// the rows' blocks. `positions[b]` is row `b`'s length before the token. Returns the
-    /// next-token logits `[rows, vocab]`.
+    /// next-token logits `[rows, vocab]`. `stacks` are [`Self::stack_for_decode`]'s of this
+    /// model's weights.
     pub(crate) fn forward_paged(
         &self,
         tokens: &[u32],
         positions: &[usize],
         pool: &BlockPool,
         step: &PagedStep,
+        stacks: &DecodeStacks,
     ) -> Result<Tensor> {
         let b = tokens.len();
         if positions.len() != b || step.layout.rows() != b {
@@ -38,18 +71,7 @@ impl Transformer {
                 .reshape((b, 1, half))?
                 .to_dtype(self.dtype)?)
         };
-        // The trainer's own kernels (RMSNorm, RoPE, SwiGLU) where they apply: the sampler's
-        // log-probs then come from the ops the trainer recomputes them with, and each is one
-        // launch (candle's SwiGLU is two, its RoPE wants heads-major copies). Elsewhere
-        // candle's fused kernels, or the compositions for f64.
-        let path =
-            if self.training_kernels && crate::ops::kernels_apply_to(&self.device, self.dtype) {
-                OpPath::Kernels
-            } else if self.dtype == DType::F64 {
-                OpPath::Differentiable
-            } else {
-                OpPath::Fused
-            };
+        let path = self.decode_path();
         let ctx = Ctx {
             cos: table(&self.rope.cos)?,
             sin: table(&self.rope.sin)?,
@@ -76,7 +98,7 @@ impl Transformer {
                 .get(i + 1)
                 .map_or(&self.model.norm, |l| &l.input_layernorm);
             let cache = LayerCache::Paged(pool.layer(i), step);
-            (x, h) = layer.forward_decode(&x, &h, &ctx, cache, next_norm)?;
+            (x, h) = layer.forward_decode(&x, &h, &ctx, cache, stacks.0.get(i), next_norm)?;
         }
         Ok(self.logits(&h)?.squeeze(1)?)
     }
