@@ -181,7 +181,10 @@ fn swiglu_packed_equals_swiglu_of_the_halves() {
         "{:#}",
         ops::swiglu_packed(&randn(&[2, 7], 1, 1.0)).unwrap_err()
     );
-    assert!(e.contains("not [gate | up] (odd)"), "{e}");
+    assert!(e.contains("not [gate | up] (odd or none)"), "{e}");
+    let scalar = Tensor::new(1f64, &Device::Cpu).unwrap();
+    let e = format!("{:#}", ops::swiglu_packed(&scalar).unwrap_err());
+    assert!(e.contains("shape []"), "{e}");
 }
 
 #[test]

@@ -29,10 +29,10 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 /// launch, inference only (the kernel has no backward; candle reports an error rather than
 /// dropping a gradient). Elsewhere the two halves through [`swiglu`].
 pub fn swiglu_packed(gate_up: &Tensor) -> Result<Tensor> {
-    let width = gate_up.dims().last().copied().unwrap_or(0);
+    let width = gate_up.dims().last().copied().unwrap_or(1);
     if width % 2 != 0 {
         bail!(
-            "swiglu_packed: gate_up has shape {:?}, whose last axis is not [gate | up] (odd)",
+            "swiglu_packed: gate_up has shape {:?}, whose last axis is not [gate | up] (odd or none)",
             gate_up.dims()
         );
     }
@@ -89,16 +89,22 @@ fn forward_packed<T: Real>(gate_up: &[T], inter: usize) -> Vec<T> {
 
 struct SwigluPackedOp;
 
+/// `I` and the output shape `[.., I]` of packed rows `[.., 2·I]` (`swiglu_packed` checked the
+/// rank and the even width).
+fn packed_output(l: &Layout) -> (usize, Shape) {
+    let mut dims = l.shape().dims().to_vec();
+    let last = dims.last_mut().expect("rank ≥ 1");
+    *last /= 2;
+    (*last, Shape::from(dims))
+}
+
 impl CustomOp1 for SwigluPackedOp {
     fn name(&self) -> &'static str {
         "swiglu-packed"
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let dims = l.shape().dims();
-        let inter = dims[dims.len() - 1] / 2;
-        let mut out_dims = dims.to_vec();
-        *out_dims.last_mut().expect("rank ≥ 1") = inter;
+        let (inter, shape) = packed_output(l);
         let out = match s {
             CpuStorage::F32(_) => {
                 CpuStorage::F32(forward_packed(layout_slice(s, l, "swiglu_packed")?, inter))
@@ -108,7 +114,7 @@ impl CustomOp1 for SwigluPackedOp {
             }
             _ => candle_core::bail!("swiglu_packed kernel: f32 or f64 on the CPU"),
         };
-        Ok((out, Shape::from(out_dims)))
+        Ok((out, shape))
     }
 
     #[cfg(feature = "cuda")]
@@ -117,12 +123,9 @@ impl CustomOp1 for SwigluPackedOp {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let dims = l.shape().dims();
-        let inter = dims[dims.len() - 1] / 2;
-        let mut out_dims = dims.to_vec();
-        *out_dims.last_mut().expect("rank ≥ 1") = inter;
+        let (inter, shape) = packed_output(l);
         let y = super::cuda::swiglu_packed_fwd((s, l), inter)?;
-        Ok((y, Shape::from(out_dims)))
+        Ok((y, shape))
     }
 }
 
