@@ -3,7 +3,7 @@
 # emu.h and the real kernel source, and compares the kernels with an f64 reference.
 #   tools/cuda_emu/run.sh [--quick]                      every driver
 #   tools/cuda_emu/run.sh [--quick] DRIVER [ARGS...]     one driver; ARGS go to it (case indices)
-# DRIVER: varlen_attention (attention_kernels.cu), paged_decode, sample_inverse_cdf (decode_kernels.cu),
+# DRIVER: varlen_attention (attention_kernels.cu), paged_decode, sample_inverse_cdf, kv_write (decode_kernels.cu),
 # head_softmax, add_rms_norm, qkv_bias_rope, rope, swiglu_packed (kernels.cu).
 # --quick: each driver's quick subset of its cases (the default runs all of them).
 # SANITIZE=address (default: ASan + UBSan, out-of-bounds global/shared memory and undefined
@@ -15,7 +15,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 ops="$here/../../crates/model/src/ops"
 quick=()
 if [ "${1:-}" = --quick ]; then quick=(--quick); shift; fi
-all=(varlen_attention paged_decode sample_inverse_cdf head_softmax add_rms_norm qkv_bias_rope rope swiglu_packed)
+all=(varlen_attention paged_decode sample_inverse_cdf kv_write head_softmax add_rms_norm qkv_bias_rope rope swiglu_packed)
 if [ $# -gt 0 ]; then drivers=("$1"); shift; else drivers=("${all[@]}"); fi
 case "${SANITIZE:-address}" in
   address) flags=(-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all) ;;

@@ -1,7 +1,8 @@
 //! The rollout engine's paged KV cache: one block pool per layer and a block table per
 //! sequence.
 //!
-//! Each layer keeps a key pool and a value pool `[slots, kv_heads, head_dim]`, `block_size`
+//! Each layer keeps a key pool and a value pool `[slots, kv_heads, head_dim]` (the two halves
+//! of one tensor), `block_size`
 //! slots per block. A sequence is a [`BlockTable`]: its blocks in order and its length; token
 //! `j` lies in slot `blocks[j / block_size] * block_size + j % block_size`. Blocks are
 //! reference-counted, so the samples of one request point at the same prompt blocks (the
@@ -12,7 +13,8 @@
 //! every block is held.
 //!
 //! Decode attention reads the blocks in place ([`crate::ops::paged_decode_attention`]); a
-//! forward writes its new keys/values into their slots with one scatter per layer.
+//! forward writes its new keys/values into their slots with one write per layer
+//! ([`crate::ops::write_kv_slots`]).
 
 use crate::kv_cache::KvCache;
 use crate::ops::PagedLayout;
@@ -23,26 +25,36 @@ use candle_core::{DType, Device, Tensor};
 /// Blocks the pool grows by at least, so small pools do not regrow every step.
 const MIN_GROWTH_BLOCKS: usize = 16;
 
-/// One layer's key and value pools, `[slots, kv_heads, head_dim]`.
+/// One layer's key and value pools as one tensor `[2, slots, kv_heads, head_dim]` (the keys'
+/// pool, then the values'), so a step's keys and values are written in one launch.
 #[derive(Debug)]
 pub(crate) struct PoolLayer {
-    pub(crate) k: Tensor,
-    pub(crate) v: Tensor,
+    kv: Tensor,
 }
 
 impl PoolLayer {
-    /// Writes `k`, `v` (`[rows, kv_heads, 1, head_dim]` or `[rows, kv_heads, head_dim]`) into
-    /// the slots of `index` (`[rows, kv_heads · head_dim]`, every entry of row `r` its slot).
-    pub(crate) fn write(&self, index: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
-        let (slots, hkv, d) = self.k.dims3()?;
-        let rows = index.dim(0)?;
-        for (pool, x) in [(&self.k, k), (&self.v, v)] {
-            // A reshape of the contiguous pool shares its storage: the scatter writes in place.
-            let flat = pool.reshape((slots, hkv * d))?;
-            flat.scatter_set(index, &x.reshape((rows, hkv * d))?.contiguous()?, 0)?;
-        }
-        Ok(())
+    /// The key pool `[slots, kv_heads, head_dim]` (a view: it shares the pool's storage).
+    pub(crate) fn keys(&self) -> Result<Tensor> {
+        Ok(self.kv.get(0)?)
     }
+
+    /// The value pool `[slots, kv_heads, head_dim]` (a view).
+    pub(crate) fn values(&self) -> Result<Tensor> {
+        Ok(self.kv.get(1)?)
+    }
+
+    /// Writes `kv` (`[2, rows, kv_heads, head_dim]`: the keys, then the values) into the
+    /// slots of `slots`, in place.
+    pub(crate) fn write(&self, slots: &SlotIndex, kv: &Tensor) -> Result<()> {
+        crate::ops::write_kv_slots(&self.kv, kv, &slots.device, &slots.host)
+    }
+}
+
+/// The slots a forward writes, row by row: on the host (checked against the pool) and on the
+/// device (read by the write).
+pub(crate) struct SlotIndex {
+    host: Vec<u32>,
+    device: Tensor,
 }
 
 /// A sequence's blocks (in token order) and its length in tokens.
@@ -55,7 +67,7 @@ pub(crate) struct BlockTable {
 /// What one decode step writes and reads: each row's new slot (as a scatter index) and the
 /// rows' block tables with their lengths after the step's token.
 pub(crate) struct PagedStep {
-    pub(crate) write_index: Tensor,
+    pub(crate) slots: SlotIndex,
     pub(crate) layout: PagedLayout,
 }
 
@@ -143,21 +155,17 @@ impl BlockPool {
         }
         let extra = (new - old) * self.block_size;
         let zeros = Tensor::zeros(
-            (extra, self.kv_heads, self.head_dim),
+            (2, extra, self.kv_heads, self.head_dim),
             self.dtype,
             &self.device,
         )?;
         if self.layers.is_empty() {
             for _ in 0..self.num_layers {
-                self.layers.push(PoolLayer {
-                    k: zeros.copy()?,
-                    v: zeros.copy()?,
-                });
+                self.layers.push(PoolLayer { kv: zeros.copy()? });
             }
         } else {
             for l in &mut self.layers {
-                l.k = Tensor::cat(&[&l.k, &zeros], 0)?;
-                l.v = Tensor::cat(&[&l.v, &zeros], 0)?;
+                l.kv = Tensor::cat(&[&l.kv, &zeros], 1)?;
             }
         }
         self.refs.resize(new, 0);
@@ -197,10 +205,10 @@ impl BlockPool {
             table.blocks.push(self.alloc()?);
         }
         let slots: Vec<u32> = (0..n).map(|j| self.slot(&table, j) as u32).collect();
-        let index = self.scatter_index(&slots)?;
+        let slots = self.slot_index(slots)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let (k, v) = cache.row_tokens(i, row)?;
-            layer.write(&index, &k, &v)?;
+            layer.write(&slots, &Tensor::stack(&[&k, &v], 0)?)?;
         }
         Ok(table)
     }
@@ -210,15 +218,13 @@ impl BlockPool {
         table.blocks[j / self.block_size] as usize * self.block_size + j % self.block_size
     }
 
-    /// The scatter index writing row `r` of a `[rows, kv_heads, head_dim]` source into slot
-    /// `slots[r]`.
-    fn scatter_index(&self, slots: &[u32]) -> Result<Tensor> {
-        let width = self.kv_heads * self.head_dim;
-        let index: Vec<u32> = slots
-            .iter()
-            .flat_map(|&s| std::iter::repeat_n(s, width))
-            .collect();
-        Ok(Tensor::from_vec(index, (slots.len(), width), &self.device)?)
+    /// `slots` as a [`SlotIndex`] on the pool's device.
+    fn slot_index(&self, slots: Vec<u32>) -> Result<SlotIndex> {
+        let device = Tensor::new(slots.as_slice(), &self.device)?;
+        Ok(SlotIndex {
+            host: slots,
+            device,
+        })
     }
 
     /// Makes room for `table`'s next token and returns its slot: a new block at a block
@@ -235,8 +241,9 @@ impl BlockPool {
                 dst as usize * self.block_size,
             );
             for l in &self.layers {
-                for pool in [&l.k, &l.v] {
-                    // `copy`: slice_set cannot read and write the same storage.
+                for pool in [l.keys()?, l.values()?] {
+                    // `copy`: slice_set cannot read and write the same storage. The pool is a
+                    // view of the layer's tensor: slice_set writes through it.
                     pool.slice_set(&pool.narrow(0, from, offset)?.copy()?, 0, to)?;
                 }
             }
@@ -261,7 +268,7 @@ impl BlockPool {
             tables.iter().map(|t| t.len + 1).collect(),
         )?;
         Ok(PagedStep {
-            write_index: self.scatter_index(&slots)?,
+            slots: self.slot_index(slots)?,
             layout,
         })
     }
@@ -274,7 +281,12 @@ impl BlockPool {
         let layers = self
             .layers
             .iter()
-            .map(|l| Ok((l.k.index_select(&index, 0)?, l.v.index_select(&index, 0)?)))
+            .map(|l| {
+                Ok((
+                    l.keys()?.index_select(&index, 0)?,
+                    l.values()?.index_select(&index, 0)?,
+                ))
+            })
             .collect::<Result<Vec<_>>>()?;
         KvCache::from_tokens(layers)
     }
@@ -313,7 +325,8 @@ mod tests {
             .broadcast_as((2, hkv, d))?
             .contiguous()?;
         for i in 0..layers {
-            pool.layer(i).write(&step.write_index, &own, &own)?;
+            pool.layer(i)
+                .write(&step.slots, &Tensor::stack(&[&own, &own], 0)?)?;
         }
         tables.iter_mut().for_each(|t| t.len += 1);
         let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };

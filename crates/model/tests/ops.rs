@@ -120,7 +120,7 @@ fn qkv_bias_rope_equals_the_bias_adds_and_rope() {
         for (dtype, tol) in kernel_cases(1e-13, 1e-5) {
             let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&device).unwrap();
             let b = on(&bias);
-            let (qo, ko, vo) = ops::qkv_bias_rope(
+            let (qo, kvo) = ops::qkv_bias_rope(
                 &on(&qkv),
                 with_bias.then_some(&b),
                 &on(&cos),
@@ -135,8 +135,9 @@ fn qkv_bias_rope_equals_the_bias_adds_and_rope() {
                     .unwrap()
             };
             assert_close("fused q", &back(&qo), &q_ref, dtype, tol);
-            assert_close("fused k", &back(&ko), &k_ref, dtype, tol);
-            assert_close("fused v", &back(&vo), &v_ref, dtype, tol);
+            assert_eq!(kvo.dims(), [2, rows, nkv, d]);
+            assert_close("fused k", &back(&kvo.get(0).unwrap()), &k_ref, dtype, tol);
+            assert_close("fused v", &back(&kvo.get(1).unwrap()), &v_ref, dtype, tol);
         }
     }
     let narrow = randn(&[rows, width - d], 12, 1.0);
@@ -507,4 +508,87 @@ fn linear_with_a_frozen_weight_forms_only_the_input_gradient() {
     let y = ops::linear(x.as_tensor(), wv.as_tensor()).unwrap();
     let g = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
     assert!(g.get(wv.as_tensor()).is_some());
+}
+
+#[test]
+fn write_kv_slots_writes_each_row_into_its_slot_of_both_pools() {
+    // A pool of 6 slots × 2 kv heads × 3 dims, keys then values; rows 0..3 go to slots 4, 1, 5.
+    let (slots, hkv, d) = (6, 2, 3);
+    let host = [4u32, 1, 5];
+    let rows = host.len();
+    let device = common::test_device();
+    let dtypes: Vec<DType> = kernel_cases(0.0, 0.0).into_iter().map(|c| c.0).collect();
+    for dtype in dtypes {
+        let pool_init = randn(&[2, slots, hkv, d], 31, 1.0);
+        let kv = randn(&[2, rows, hkv, d], 32, 1.0);
+        let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&device).unwrap();
+        let pool = on(&pool_init);
+        let index = Tensor::new(&host, &device).unwrap();
+        ops::write_kv_slots(&pool, &on(&kv), &index, &host).unwrap();
+        let got: Vec<f64> = pool
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let init: Vec<f64> = pool_init
+            .to_dtype(dtype)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let src: Vec<f64> = kv
+            .to_dtype(dtype)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let width = hkv * d;
+        for part in 0..2 {
+            for s in 0..slots {
+                let at = (part * slots + s) * width;
+                let want = match host.iter().position(|&h| h as usize == s) {
+                    Some(r) => &src[(part * rows + r) * width..][..width],
+                    None => &init[at..at + width],
+                };
+                assert_eq!(&got[at..at + width], want, "{dtype:?} part {part} slot {s}");
+            }
+        }
+    }
+    let pool = randn(&[2, slots, hkv, d], 31, 1.0);
+    let kv = randn(&[2, rows, hkv, d], 32, 1.0);
+    let index = Tensor::new(&host, &Device::Cpu).unwrap();
+    let err = |r: anyhow::Result<()>| format!("{:#}", r.unwrap_err());
+    let outside = [4u32, 1, 6];
+    let e = err(ops::write_kv_slots(
+        &pool,
+        &kv,
+        &Tensor::new(&outside, &Device::Cpu).unwrap(),
+        &outside,
+    ));
+    assert!(e.contains("slot 6 is outside the pool's 6"), "{e}");
+    let e = err(ops::write_kv_slots(
+        &pool,
+        &kv.get(0).unwrap(),
+        &index,
+        &host,
+    ));
+    assert!(
+        e.contains("pool [2, 6, 2, 3] and keys/values [3, 2, 3] disagree"),
+        "{e}"
+    );
+    let e = err(ops::write_kv_slots(
+        &pool,
+        &kv.to_dtype(DType::F32).unwrap(),
+        &index,
+        &host,
+    ));
+    assert!(e.contains("keys/values are F32"), "{e}");
 }

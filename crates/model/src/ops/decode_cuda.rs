@@ -179,3 +179,40 @@ pub(crate) fn sample_inverse_cdf(
     });
     Ok((dev.clone_dtoh(&tokens)?, dev.clone_dtoh(&logprobs)?))
 }
+
+/// Writes `kv` `[2, rows, width]` (keys, then values) into the slots `slots` (u32 `[rows]`) of
+/// `pool` `[2, slot_count, width]` in place. The caller checked the shapes and every slot.
+pub(super) fn kv_write(
+    pool: (&mut CudaStorage, &Layout),
+    kv: (&CudaStorage, &Layout),
+    slots: (&CudaStorage, &Layout),
+    (rows, slot_count, width): (usize, usize, usize),
+) -> Result<()> {
+    let dtype = kv.0.dtype();
+    let dev = kv.0.device().clone();
+    let Some((a, b)) = pool.1.contiguous_offsets() else {
+        candle_core::bail!("kv write: the pool must be contiguous")
+    };
+    let ints = [rows, slot_count, width].map(|x| x as i32);
+    let sv = view::<u32>(slots.0, slots.1, "kv write slots")?;
+    typed!(dtype, "kv write", |T| {
+        let src = view::<T>(kv.0, kv.1, "kv write keys and values")?;
+        let mut dst = pool.0.as_cuda_slice_mut::<T>()?.slice_mut(a..b);
+        let f = dev.get_or_load_custom_func(&kernel_name("kv_write", dtype)?, MODULE, PTX)?;
+        let mut builder = f.builder();
+        builder.arg(&mut dst).arg(&src).arg(&sv);
+        for x in &ints {
+            builder.arg(x);
+        }
+        let n = 2 * rows * width;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256).clamp(1, 8192) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature; every slot is below
+        // `slot_count`, so each write lies in the pool.
+        unsafe { builder.launch(cfg) }.w()?;
+    });
+    Ok(())
+}

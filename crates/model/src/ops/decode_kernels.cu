@@ -350,6 +350,20 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
   }
 }
 
+// ---- The decode step's new keys and values into their cache slots, in place, both in one
+// launch: pool [2, slot_count, width] (the keys' pool, then the values'), kv [2, rows, width]
+// (the step's keys, then its values), slots [rows] (the caller checked each < slot_count). ----
+template <typename T>
+__device__ void kv_write(T* pool, const T* kv, const uint32_t* slots, int rows, int slot_count,
+                         int width) {
+  const size_t per_part = (size_t)rows * width;
+  for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < 2 * per_part;
+       e += (size_t)gridDim.x * blockDim.x) {
+    const size_t part = e / per_part, r = (e % per_part) / width, j = e % width;
+    pool[(part * slot_count + slots[r]) * (size_t)width + j] = kv[e];
+  }
+}
+
 #define DK_INSTANTIATE(T, SFX)                                                                 \
   extern "C" __global__ void __launch_bounds__(256) paged_decode_##SFX(                        \
       const T* q, const T* k, const T* v, const uint32_t* tables, const uint32_t* lens, T* out, \
@@ -369,6 +383,10 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
       const T* logits, const double* uniforms, float inv_t, uint32_t* tokens, float* logprobs, \
       int v, int top_k, float top_p, float min_p) {                                            \
     sample_inverse_cdf<T>(logits, uniforms, inv_t, tokens, logprobs, v, top_k, top_p, min_p);  \
+  }                                                                                            \
+  extern "C" __global__ void kv_write_##SFX(T* pool, const T* kv, const uint32_t* slots,       \
+                                            int rows, int slot_count, int width) {             \
+    kv_write<T>(pool, kv, slots, rows, slot_count, width);                                     \
   }
 
 DK_INSTANTIATE(float, f32)

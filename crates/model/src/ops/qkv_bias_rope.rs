@@ -30,15 +30,16 @@ impl QkvHeads {
 /// `[rows, (heads + 2·kv_heads)·head_dim]` (q's columns, then k's, then v's: one product with
 /// the stacked weights) with `bias` (`[(heads + 2·kv_heads)·head_dim]`, stacked the same way)
 /// added and q, k rotated by `cos`/`sin` `[rows, head_dim/2]`: returns `q`
-/// `[rows, num_heads, head_dim]` and `k`, `v` `[rows, num_kv_heads, head_dim]`. The fused kernel
-/// (CPU f32/f64, CUDA f32/bf16) where it applies; else the bias add and [`super::rope`].
+/// `[rows, num_heads, head_dim]` and `kv` `[2, rows, num_kv_heads, head_dim]` (k, then v: what
+/// [`super::write_kv_slots`] writes into the cache). The fused kernel (CPU f32/f64, CUDA
+/// f32/bf16) where it applies; else the bias add and [`super::rope`].
 pub fn qkv_bias_rope(
     qkv: &Tensor,
     bias: Option<&Tensor>,
     cos: &Tensor,
     sin: &Tensor,
     heads: QkvHeads,
-) -> Result<(Tensor, Tensor, Tensor)> {
+) -> Result<(Tensor, Tensor)> {
     let QkvHeads {
         num_heads: nh,
         num_kv_heads: nkv,
@@ -90,7 +91,7 @@ pub fn qkv_bias_rope(
         };
         let q = super::rope(&part(0, nh)?, cos, sin)?;
         let k = super::rope(&part(nh, nkv)?, cos, sin)?;
-        return Ok((q, k, part(nh + nkv, nkv)?));
+        return Ok((q, Tensor::stack(&[&k, &part(nh + nkv, nkv)?], 0)?));
     }
     let op = QkvBiasRopeOp {
         bias: bias.map(Tensor::contiguous).transpose()?,
@@ -103,8 +104,7 @@ pub fn qkv_bias_rope(
     let (nq, nk) = (rows * nh * d, rows * nkv * d);
     Ok((
         out.narrow(0, 0, nq)?.reshape((rows, nh, d))?,
-        out.narrow(0, nq, nk)?.reshape((rows, nkv, d))?,
-        out.narrow(0, nq + nk, nk)?.reshape((rows, nkv, d))?,
+        out.narrow(0, nq, 2 * nk)?.reshape((2, rows, nkv, d))?,
     ))
 }
 

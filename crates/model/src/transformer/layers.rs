@@ -231,7 +231,9 @@ impl Attention {
         let (k, v) = match cache {
             Some(LayerCache::Dense(slot, reserved)) => slot.append(&k, &v, reserved)?,
             Some(LayerCache::Paged(pool, step)) => {
-                return self.attend_paged(&q.reshape((b, nh, hd))?, &k, &v, pool, step);
+                // k, v: [rows, kv_heads, 1, head_dim].
+                let kv = Tensor::stack(&[&k, &v], 0)?.reshape((2, b, nkv, hd))?;
+                return self.attend_paged(&q.reshape((b, nh, hd))?, &kv, pool, step);
             }
             None => (k, v),
         };
@@ -294,7 +296,7 @@ impl Attention {
         let hd = self.head_dim;
         let cos = ctx.cos.reshape((b * t, hd / 2))?;
         let sin = ctx.sin.reshape((b * t, hd / 2))?;
-        let (q, k, v) = crate::ops::qkv_bias_rope(
+        let (q, kv) = crate::ops::qkv_bias_rope(
             &crate::ops::linear(&x.reshape((b * t, hidden))?, &qkv.weight)?,
             qkv.bias.as_ref(),
             &cos,
@@ -305,22 +307,23 @@ impl Attention {
                 head_dim: hd,
             },
         )?;
-        self.attend_paged(&q, &k, &v, pool, step)
+        self.attend_paged(&q, &kv, pool, step)
     }
 
-    /// One decode token per row: its `k`, `v` written into the row's slot, then `q`
-    /// `[rows, heads, head_dim]` attending over the row's blocks, then `o_proj`.
+    /// One decode token per row: its key and value (`kv` `[2, rows, kv_heads, head_dim]`)
+    /// written into the row's slot, then `q` `[rows, heads, head_dim]` attending over the
+    /// row's blocks, then `o_proj`.
     fn attend_paged(
         &self,
         q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        kv: &Tensor,
         pool: &PoolLayer,
         step: &PagedStep,
     ) -> Result<Tensor> {
-        pool.write(&step.write_index, k, v)?;
+        pool.write(&step.slots, kv)?;
         let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let out = crate::ops::paged_decode_attention(q, &pool.k, &pool.v, &step.layout, scale)?;
+        let (keys, values) = (pool.keys()?, pool.values()?);
+        let out = crate::ops::paged_decode_attention(q, &keys, &values, &step.layout, scale)?;
         let rows = q.dim(0)?;
         self.o_proj
             .forward(&out.reshape((rows, 1, self.num_heads * self.head_dim))?)

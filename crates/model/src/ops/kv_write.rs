@@ -1,0 +1,153 @@
+//! The decode step's new keys and values written into their KV-cache slots in place: one
+//! launch for both pools (a layer's key and value pools are the two halves of one tensor),
+//! where two scatters took two, each with a `[rows, kv_heads·head_dim]` index.
+
+use super::kernels_apply;
+use anyhow::{bail, Result};
+use candle_core::{CpuStorage, DType, InplaceOp3, Layout, Tensor, WithDType};
+
+/// Writes `kv` `[2, rows, kv_heads, head_dim]` (the step's keys, then its values) into slots
+/// `slots` (u32 `[rows]` on the pool's device; `host_slots` the same values, checked here)
+/// of `pool` `[2, slots, kv_heads, head_dim]` (the keys' pool, then the values'), in place. The
+/// kernel (CPU f32/f64, CUDA f32/bf16) where it applies; else one scatter per half.
+pub fn write_kv_slots(
+    pool: &Tensor,
+    kv: &Tensor,
+    slots: &Tensor,
+    host_slots: &[u32],
+) -> Result<()> {
+    let (two, slot_count, hkv, d) = pool.dims4()?;
+    let rows = host_slots.len();
+    if two != 2 || kv.dims() != [2, rows, hkv, d] {
+        bail!(
+            "kv write: pool {:?} and keys/values {:?} disagree (expected [2, slots, kv_heads, head_dim] and [2, {rows}, kv_heads, head_dim])",
+            pool.dims(),
+            kv.dims()
+        );
+    }
+    if slots.dims() != [rows] || slots.dtype() != DType::U32 {
+        bail!(
+            "kv write: slots are {:?} {:?}, expected u32 [{rows}]",
+            slots.dtype(),
+            slots.dims()
+        );
+    }
+    if let Some(s) = host_slots.iter().find(|&&s| s as usize >= slot_count) {
+        bail!("kv write: slot {s} is outside the pool's {slot_count}");
+    }
+    if kv.dtype() != pool.dtype() || !kv.device().same_device(pool.device()) {
+        bail!(
+            "kv write: keys/values are {:?} on {:?}, the pool {:?} on {:?}",
+            kv.dtype(),
+            kv.device(),
+            pool.dtype(),
+            pool.device()
+        );
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    if kernels_apply(pool) && pool.is_contiguous() {
+        let op = KvWriteOp {
+            rows,
+            slot_count,
+            width: hkv * d,
+        };
+        pool.inplace_op3(&kv.contiguous()?, &slots.contiguous()?, &op)?;
+        return Ok(());
+    }
+    let width = hkv * d;
+    let index = slots
+        .reshape((rows, 1))?
+        .broadcast_as((rows, width))?
+        .contiguous()?;
+    for part in 0..2 {
+        // A reshape of the contiguous half shares its storage: the scatter writes in place.
+        let half = pool.get(part)?.reshape((slot_count, width))?;
+        half.scatter_set(
+            &index,
+            &kv.get(part)?.reshape((rows, width))?.contiguous()?,
+            0,
+        )?;
+    }
+    Ok(())
+}
+
+struct KvWriteOp {
+    rows: usize,
+    slot_count: usize,
+    width: usize,
+}
+
+/// The CPU twin of the CUDA kernel: row `r` of each half of `kv` into slot `slots[r]` of the
+/// same half of `pool`.
+fn write<T: Copy>(pool: &mut [T], kv: &[T], slots: &[u32], slot_count: usize, width: usize) {
+    let rows = slots.len();
+    for part in 0..2 {
+        for (r, &s) in slots.iter().enumerate() {
+            let src = (part * rows + r) * width;
+            let dst = (part * slot_count + s as usize) * width;
+            pool[dst..dst + width].copy_from_slice(&kv[src..src + width]);
+        }
+    }
+}
+
+impl KvWriteOp {
+    fn cpu_typed<T: WithDType>(
+        &self,
+        pool: &mut [T],
+        kv: (&CpuStorage, &Layout),
+        slots: (&CpuStorage, &Layout),
+    ) -> candle_core::Result<()> {
+        let kv = super::layout_slice::<T>(kv.0, kv.1, "kv write")?;
+        let slots = super::layout_slice::<u32>(slots.0, slots.1, "kv write slots")?;
+        if slots.len() != self.rows {
+            candle_core::bail!("kv write: {} slots for {} rows", slots.len(), self.rows)
+        }
+        write(pool, kv, slots, self.slot_count, self.width);
+        Ok(())
+    }
+}
+
+impl InplaceOp3 for KvWriteOp {
+    fn name(&self) -> &'static str {
+        "kv-write"
+    }
+
+    fn cpu_fwd(
+        &self,
+        pool: &mut CpuStorage,
+        lp: &Layout,
+        kv: &CpuStorage,
+        lk: &Layout,
+        slots: &CpuStorage,
+        ls: &Layout,
+    ) -> candle_core::Result<()> {
+        let Some((a, b)) = lp.contiguous_offsets() else {
+            candle_core::bail!("kv write: the pool must be contiguous")
+        };
+        match pool {
+            CpuStorage::F32(p) => self.cpu_typed(&mut p[a..b], (kv, lk), (slots, ls)),
+            CpuStorage::F64(p) => self.cpu_typed(&mut p[a..b], (kv, lk), (slots, ls)),
+            _ => candle_core::bail!("kv write kernel: f32 or f64 on the CPU"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        pool: &mut candle_core::CudaStorage,
+        lp: &Layout,
+        kv: &candle_core::CudaStorage,
+        lk: &Layout,
+        slots: &candle_core::CudaStorage,
+        ls: &Layout,
+    ) -> candle_core::Result<()> {
+        super::decode_cuda::kv_write(
+            (pool, lp),
+            (kv, lk),
+            (slots, ls),
+            (self.rows, self.slot_count, self.width),
+        )
+    }
+}
