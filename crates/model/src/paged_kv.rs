@@ -17,7 +17,7 @@
 //! ([`crate::ops::write_kv_slots`]).
 
 use crate::kv_cache::KvCache;
-use crate::ops::PagedLayout;
+use crate::ops::{KvSlots, PagedLayout};
 use crate::transformer::Transformer;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -45,16 +45,9 @@ impl PoolLayer {
 
     /// Writes `kv` (`[2, rows, kv_heads, head_dim]`: the keys, then the values) into the
     /// slots of `slots`, in place.
-    pub(crate) fn write(&self, slots: &SlotIndex, kv: &Tensor) -> Result<()> {
-        crate::ops::write_kv_slots(&self.kv, kv, &slots.device, &slots.host)
+    pub(crate) fn write(&self, slots: &KvSlots, kv: &Tensor) -> Result<()> {
+        crate::ops::write_kv_slots(&self.kv, kv, slots)
     }
-}
-
-/// The slots a forward writes, row by row: on the host (checked against the pool) and on the
-/// device (read by the write).
-pub(crate) struct SlotIndex {
-    host: Vec<u32>,
-    device: Tensor,
 }
 
 /// A sequence's blocks (in token order) and its length in tokens.
@@ -67,7 +60,7 @@ pub(crate) struct BlockTable {
 /// What one decode step writes and reads: each row's new slot (as a scatter index) and the
 /// rows' block tables with their lengths after the step's token.
 pub(crate) struct PagedStep {
-    pub(crate) slots: SlotIndex,
+    pub(crate) slots: KvSlots,
     pub(crate) layout: PagedLayout,
 }
 
@@ -205,7 +198,7 @@ impl BlockPool {
             table.blocks.push(self.alloc()?);
         }
         let slots: Vec<u32> = (0..n).map(|j| self.slot(&table, j) as u32).collect();
-        let slots = self.slot_index(slots)?;
+        let slots = KvSlots::new(slots, &self.device)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let (k, v) = cache.row_tokens(i, row)?;
             layer.write(&slots, &Tensor::stack(&[&k, &v], 0)?)?;
@@ -216,15 +209,6 @@ impl BlockPool {
     /// The slot of token `j` of `table`.
     fn slot(&self, table: &BlockTable, j: usize) -> usize {
         table.blocks[j / self.block_size] as usize * self.block_size + j % self.block_size
-    }
-
-    /// `slots` as a [`SlotIndex`] on the pool's device.
-    fn slot_index(&self, slots: Vec<u32>) -> Result<SlotIndex> {
-        let device = Tensor::new(slots.as_slice(), &self.device)?;
-        Ok(SlotIndex {
-            host: slots,
-            device,
-        })
     }
 
     /// Makes room for `table`'s next token and returns its slot: a new block at a block
@@ -268,7 +252,7 @@ impl BlockPool {
             tables.iter().map(|t| t.len + 1).collect(),
         )?;
         Ok(PagedStep {
-            slots: self.slot_index(slots)?,
+            slots: KvSlots::new(slots, &self.device)?,
             layout,
         })
     }

@@ -523,8 +523,8 @@ fn write_kv_slots_writes_each_row_into_its_slot_of_both_pools() {
         let kv = randn(&[2, rows, hkv, d], 32, 1.0);
         let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&device).unwrap();
         let pool = on(&pool_init);
-        let index = Tensor::new(&host, &device).unwrap();
-        ops::write_kv_slots(&pool, &on(&kv), &index, &host).unwrap();
+        let index = ops::KvSlots::new(host.to_vec(), &device).unwrap();
+        ops::write_kv_slots(&pool, &on(&kv), &index).unwrap();
         let got: Vec<f64> = pool
             .to_dtype(DType::F64)
             .unwrap()
@@ -564,22 +564,12 @@ fn write_kv_slots_writes_each_row_into_its_slot_of_both_pools() {
     }
     let pool = randn(&[2, slots, hkv, d], 31, 1.0);
     let kv = randn(&[2, rows, hkv, d], 32, 1.0);
-    let index = Tensor::new(&host, &Device::Cpu).unwrap();
+    let index = ops::KvSlots::new(host.to_vec(), &Device::Cpu).unwrap();
     let err = |r: anyhow::Result<()>| format!("{:#}", r.unwrap_err());
-    let outside = [4u32, 1, 6];
-    let e = err(ops::write_kv_slots(
-        &pool,
-        &kv,
-        &Tensor::new(&outside, &Device::Cpu).unwrap(),
-        &outside,
-    ));
+    let outside = ops::KvSlots::new(vec![4, 1, 6], &Device::Cpu).unwrap();
+    let e = err(ops::write_kv_slots(&pool, &kv, &outside));
     assert!(e.contains("slot 6 is outside the pool's 6"), "{e}");
-    let e = err(ops::write_kv_slots(
-        &pool,
-        &kv.get(0).unwrap(),
-        &index,
-        &host,
-    ));
+    let e = err(ops::write_kv_slots(&pool, &kv.get(0).unwrap(), &index));
     assert!(
         e.contains("pool [2, 6, 2, 3] and keys/values [3, 2, 3] disagree"),
         "{e}"
@@ -588,7 +578,6 @@ fn write_kv_slots_writes_each_row_into_its_slot_of_both_pools() {
         &pool,
         &kv.to_dtype(DType::F32).unwrap(),
         &index,
-        &host,
     ));
     assert!(e.contains("keys/values are F32"), "{e}");
 }

@@ -4,18 +4,36 @@
 
 use super::kernels_apply;
 use anyhow::{bail, Result};
-use candle_core::{CpuStorage, DType, InplaceOp3, Layout, Tensor, WithDType};
+use candle_core::{CpuStorage, Device, InplaceOp3, Layout, Tensor, WithDType};
 
-/// Writes `kv` `[2, rows, kv_heads, head_dim]` (the step's keys, then its values) into slots
-/// `slots` (u32 `[rows]` on the pool's device; `host_slots` the same values, checked here)
-/// of `pool` `[2, slots, kv_heads, head_dim]` (the keys' pool, then the values'), in place. The
-/// kernel (CPU f32/f64, CUDA f32/bf16) where it applies; else one scatter per half.
-pub fn write_kv_slots(
-    pool: &Tensor,
-    kv: &Tensor,
-    slots: &Tensor,
-    host_slots: &[u32],
-) -> Result<()> {
+/// The cache slots a forward writes, row by row: on the host (checked against the pool before
+/// any write) and on the device (read by the kernel), both from one list.
+#[derive(Debug)]
+pub struct KvSlots {
+    host: Vec<u32>,
+    device: Tensor,
+}
+
+impl KvSlots {
+    /// `slots[r]` is row `r`'s slot; the device copy goes to `device`.
+    pub fn new(slots: Vec<u32>, device: &Device) -> Result<Self> {
+        let on_device = Tensor::new(slots.as_slice(), device)?;
+        Ok(KvSlots {
+            host: slots,
+            device: on_device,
+        })
+    }
+}
+
+/// Writes `kv` `[2, rows, kv_heads, head_dim]` (the step's keys, then its values) into the
+/// slots `slots` of `pool` `[2, slots, kv_heads, head_dim]` (the keys' pool, then the values'),
+/// in place. The kernel (CPU f32/f64, CUDA f32/bf16) where it applies; else one scatter per
+/// half.
+pub fn write_kv_slots(pool: &Tensor, kv: &Tensor, slots: &KvSlots) -> Result<()> {
+    let KvSlots {
+        host: host_slots,
+        device: slots,
+    } = slots;
     let (two, slot_count, hkv, d) = pool.dims4()?;
     let rows = host_slots.len();
     if two != 2 || kv.dims() != [2, rows, hkv, d] {
@@ -25,21 +43,16 @@ pub fn write_kv_slots(
             kv.dims()
         );
     }
-    if slots.dims() != [rows] || slots.dtype() != DType::U32 {
-        bail!(
-            "kv write: slots are {:?} {:?}, expected u32 [{rows}]",
-            slots.dtype(),
-            slots.dims()
-        );
-    }
     if let Some(s) = host_slots.iter().find(|&&s| s as usize >= slot_count) {
         bail!("kv write: slot {s} is outside the pool's {slot_count}");
     }
-    if kv.dtype() != pool.dtype() || !kv.device().same_device(pool.device()) {
+    let devices = [kv.device(), slots.device()];
+    if kv.dtype() != pool.dtype() || !devices.iter().all(|d| d.same_device(pool.device())) {
         bail!(
-            "kv write: keys/values are {:?} on {:?}, the pool {:?} on {:?}",
+            "kv write: keys/values are {:?} on {:?}, the slots on {:?}, the pool {:?} on {:?}",
             kv.dtype(),
             kv.device(),
+            slots.device(),
             pool.dtype(),
             pool.device()
         );

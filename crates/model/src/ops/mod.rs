@@ -45,7 +45,7 @@ pub(crate) use head_softmax::row_sums;
 pub use head_softmax::{
     head_logits_grad, head_logits_grad_composed, head_row_stats, head_row_stats_composed,
 };
-pub use kv_write::write_kv_slots;
+pub use kv_write::{write_kv_slots, KvSlots};
 pub use linear::linear;
 pub use masked_softmax::{masked_softmax, masked_softmax_composed};
 pub use paged_attention::{paged_decode_attention, paged_decode_attention_composed, PagedLayout};
