@@ -525,31 +525,12 @@ fn write_kv_slots_writes_each_row_into_its_slot_of_both_pools() {
         let pool = on(&pool_init);
         let index = ops::KvSlots::new(host.to_vec(), &device).unwrap();
         ops::write_kv_slots(&pool, &on(&kv), &index).unwrap();
-        let got: Vec<f64> = pool
-            .to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let init: Vec<f64> = pool_init
-            .to_dtype(dtype)
-            .unwrap()
-            .to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let src: Vec<f64> = kv
-            .to_dtype(dtype)
-            .unwrap()
-            .to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        // Every value as the pool's dtype holds it, in f64.
+        let values = |t: &Tensor| -> Vec<f64> {
+            let t = t.to_dtype(dtype).unwrap().to_dtype(DType::F64).unwrap();
+            t.flatten_all().unwrap().to_vec1().unwrap()
+        };
+        let (got, init, src) = (values(&pool), values(&pool_init), values(&kv));
         let width = hkv * d;
         for part in 0..2 {
             for s in 0..slots {
