@@ -2,8 +2,7 @@
 //! sequence.
 //!
 //! Each layer keeps a key pool and a value pool `[slots, kv_heads, head_dim]` (the two halves
-//! of one tensor), `block_size`
-//! slots per block. A sequence is a [`BlockTable`]: its blocks in order and its length; token
+//! of one tensor), `block_size` slots per block. A sequence is a [`BlockTable`]: its blocks in order and its length; token
 //! `j` lies in slot `blocks[j / block_size] * block_size + j % block_size`. Blocks are
 //! reference-counted, so the samples of one request point at the same prompt blocks (the
 //! prompt is prefilled once and written once). A sequence appending into a block others still
@@ -57,7 +56,7 @@ pub(crate) struct BlockTable {
     pub(crate) len: usize,
 }
 
-/// What one decode step writes and reads: each row's new slot (as a scatter index) and the
+/// What one decode step writes and reads: each row's new slot ([`KvSlots`]) and the
 /// rows' block tables with their lengths after the step's token.
 pub(crate) struct PagedStep {
     pub(crate) slots: KvSlots,

@@ -60,16 +60,16 @@ pub fn write_kv_slots(pool: &Tensor, kv: &Tensor, slots: &KvSlots) -> Result<()>
     if rows == 0 {
         return Ok(());
     }
+    let width = hkv * d;
     if kernels_apply(pool) && pool.is_contiguous() {
         let op = KvWriteOp {
             rows,
             slot_count,
-            width: hkv * d,
+            width,
         };
         pool.inplace_op3(&kv.contiguous()?, &slots.contiguous()?, &op)?;
         return Ok(());
     }
-    let width = hkv * d;
     let index = slots
         .reshape((rows, 1))?
         .broadcast_as((rows, width))?
