@@ -5,6 +5,7 @@
 # embedded default and an HF-checkpoint recipe, with checkpoint, resume and report), and the
 # benchmarks next to PyTorch on the same card; a table is printed last. Logs: $OUT/logs.tar.gz.
 #   SECTIONS="tests e2e bench05 bench06 bench7b ckpt compile05 rollout" (default), or lora7b, or
+#   first (the call for a session's 15 minutes of device time: tests attn bench05 profile), or
 #   profile (tools/cupti_profile: GPU time per kernel in each phase of a training step and a
 #   decode, files profile-*.txt in $OUT), or
 #   attn (a short check of the newest kernels: the tests ops_attention and ops_head, and the
@@ -19,6 +20,17 @@ OUT=${OUT:-/tmp/gpu-out}
 W=/tmp/gpu-work
 rm -rf "$W" && mkdir -p "$OUT" "$W"
 SECTIONS=${SECTIONS:-"tests e2e bench05 bench06 bench7b ckpt compile05 rollout"}
+[ "$SECTIONS" = first ] && SECTIONS="tests attn bench05 profile"
+BUDGET_S=${BUDGET_S:-540}
+T0=$(date +%s)
+# lim N: N seconds, or what is left of the budget before the summary (25 s), if that is less.
+lim() {
+  local left=$((BUDGET_S - ($(date +%s) - T0) - 25))
+  [ "$left" -lt 1 ] && left=1
+  echo $(($1 < left ? $1 : left))
+}
+# late: under a minute of the budget left (the next step is skipped).
+late() { [ $((BUDGET_S - ($(date +%s) - T0))) -lt 60 ]; }
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 D=/tmp/composer-device
 mkdir -p "$D"
@@ -51,7 +63,8 @@ if want tests; then
   export COMPOSER_TEST_DEVICE=cuda
   for t in "$D"/tests/*; do
     name=$(basename "$t")
-    if timeout 200 "$t" --test-threads 1 >"$W/test-$name.log" 2>&1; then
+    late && { note "test $name: skipped (BUDGET_S=$BUDGET_S spent)"; continue; }
+    if timeout "$(lim 200)" "$t" --test-threads 1 >"$W/test-$name.log" 2>&1; then
       note "test $name: PASS ($(grep -o '[0-9]* passed' "$W/test-$name.log" | tail -1))"
     else
       note "test $name: FAIL"; grep -E "panicked|FAILED|failed|Error" "$W/test-$name.log" | head -8
@@ -64,8 +77,8 @@ if want e2e; then
   # The embedded default on the GPU: warm-up + 20 RL steps, checkpoint, resume to 26, report.
   sed 's/^\[model.builtin_tiny\]/[model]\ndevice = "cuda"\n\n[model.builtin_tiny]/' \
     crates/train/src/default_recipe.toml >"$W/default_cuda.toml"
-  if timeout 240 "$BIN" train "$W/default_cuda.toml" --quiet --steps 20 --run-dir "$W/run-default" >"$W/e2e-default.log" 2>&1 \
-    && timeout 120 "$BIN" train "$W/default_cuda.toml" --quiet --resume "$W/run-default" --steps 26 >>"$W/e2e-default.log" 2>&1; then
+  if timeout "$(lim 240)" "$BIN" train "$W/default_cuda.toml" --quiet --steps 20 --run-dir "$W/run-default" >"$W/e2e-default.log" 2>&1 \
+    && timeout "$(lim 120)" "$BIN" train "$W/default_cuda.toml" --quiet --resume "$W/run-default" --steps 26 >>"$W/e2e-default.log" 2>&1; then
     acc=$(grep -o '"eval/accuracy":[0-9.]*' "$W/run-default/metrics.jsonl" | tail -1)
     steps=$(grep -c '"step"' "$W/run-default/metrics.jsonl")
     note "e2e embedded default on cuda: PASS (20 steps + resume to 26; $steps metric rows; last $acc; report: $(ls "$W/run-default" | grep -c report.html))"
@@ -85,6 +98,7 @@ PY
   # gradient_checkpointing and padding_free; async: f32 with the generator on its own thread
   # (mode = "async": the published weights cross threads on the one CUDA stream).
   for variant in full lora bf16 ckpt async; do
+    late && { note "e2e $variant: skipped (BUDGET_S=$BUDGET_S spent)"; continue; }
     peft=false; bf16=false; ckpt=false; mode=sync
     [ "$variant" = lora ] && peft=true
     [ "$variant" = async ] && mode=async
@@ -115,8 +129,8 @@ max_staleness = 1
 [output]
 run_dir = "$W/run-hf-$variant"
 TOML
-    if timeout 150 "$BIN" train "$W/hf-$variant.toml" --quiet >"$W/e2e-hf-$variant.log" 2>&1 \
-      && timeout 100 "$BIN" train "$W/hf-$variant.toml" --quiet --resume "$W/run-hf-$variant" --steps 6 >>"$W/e2e-hf-$variant.log" 2>&1; then
+    if timeout "$(lim 150)" "$BIN" train "$W/hf-$variant.toml" --quiet >"$W/e2e-hf-$variant.log" 2>&1 \
+      && timeout "$(lim 100)" "$BIN" train "$W/hf-$variant.toml" --quiet --resume "$W/run-hf-$variant" --steps 6 >>"$W/e2e-hf-$variant.log" 2>&1; then
       note "e2e qwen2-tiny checkpoint on cuda ($variant): PASS ($(grep -c '"step"' "$W/run-hf-$variant/metrics.jsonl") metric rows, resume to 6; last $(grep -o '"loss/rlvr":[-0-9.e]*' "$W/run-hf-$variant/metrics.jsonl" | tail -1))"
     else
       note "e2e qwen2-tiny checkpoint on cuda ($variant): FAIL"; tail -12 "$W/e2e-hf-$variant.log"
@@ -127,7 +141,8 @@ fi
 # bench <tag> <timeout> <command...>: JSON to $W/<tag>.json, stderr to $W/<tag>.err.
 bench() {
   local tag=$1 limit=$2; shift 2
-  gpumem "$tag" timeout "$limit" "$@" >"$W/$tag.json" 2>"$W/$tag.err" \
+  late && { note "$tag: skipped (BUDGET_S=$BUDGET_S spent)"; return; }
+  gpumem "$tag" timeout "$(lim "$limit")" "$@" >"$W/$tag.json" 2>"$W/$tag.err" \
     || note "$tag failed: $(grep -m1 -iE 'error|out of memory' "$W/$tag.err" | cut -c1-200)"
   python3 -c 'import json,sys; d=open(sys.argv[2]).read().strip(); m=open(sys.argv[3]).read().strip(); print(json.dumps({"tag": sys.argv[1], "report": json.loads(d) if d else None, "peak_mem_mib": float(m) if m else None}))' \
     "$tag" "$W/$tag.json" "$W/$tag.mem" >>"$OUT/results.jsonl" 2>/dev/null
@@ -142,19 +157,29 @@ if want bench05; then
   bench "te05-d" 150 $TORCH --shape qwen2.5-0.5b --batch 1,64 --skip-train
 fi
 if want attn; then
-  # The newest kernels alone: the varlen attention's and the LM head's CUDA tests, then the
-  # 16k row below.
-  for t in ops_attention ops_head; do
-    if COMPOSER_TEST_DEVICE=cuda timeout 200 "$D/tests/$t" --test-threads 1 >"$W/test-$t.log" 2>&1; then
-      note "test $t (cuda): PASS ($(grep -o '[0-9]* passed' "$W/test-$t.log" | tail -1))"
+  # The newest kernels alone: the varlen attention's and the LM head's CUDA tests (unless the
+  # tests section ran them), the attention test again on the scalar kernels
+  # (COMPOSER_ATTENTION_TC=0; bf16 at head_dim 64/128 runs the tensor-core kernels otherwise),
+  # then the same workloads timed both ways.
+  runs=("ops_attention:" "ops_head:")
+  want tests && runs=()
+  runs+=("ops_attention:0")
+  for run in "${runs[@]}"; do
+    t=${run%%:*}; tc=${run#*:}
+    late && { note "test $t (cuda${tc:+, scalar}): skipped (BUDGET_S=$BUDGET_S spent)"; continue; }
+    if env ${tc:+COMPOSER_ATTENTION_TC=0} COMPOSER_TEST_DEVICE=cuda timeout "$(lim 200)" "$D/tests/$t" --test-threads 1 >"$W/test-$t$tc.log" 2>&1; then
+      note "test $t (cuda${tc:+, scalar kernels}): PASS ($(grep -o '[0-9]* passed' "$W/test-$t$tc.log" | tail -1))"
     else
-      note "test $t (cuda): FAIL"; grep -E "panicked|FAILED|failed|Error" "$W/test-$t.log" | head -8
+      note "test $t (cuda${tc:+, scalar kernels}): FAIL"; grep -E "panicked|FAILED|failed|Error" "$W/test-$t$tc.log" | head -8
     fi
   done
+  bench "c05-t16pf" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 16 --train-seq-len 512 --skip-decode --padding-free
+  COMPOSER_ATTENTION_TC=0 bench "c05-t16pf-scalar" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 16 --train-seq-len 512 --skip-decode --padding-free
 fi
 if want attn && ! want bench06; then
   bench "c06-t1pf" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode --gradient-checkpointing --padding-free
   bench "c06-t1pfn" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode --padding-free
+  COMPOSER_ATTENTION_TC=0 bench "c06-t1pfn-scalar" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode --padding-free
 fi
 if want bench06; then
   # Attention over the padded batch keeps [heads, T, T] scores per layer: at 16k tokens only
@@ -207,9 +232,10 @@ if want profile; then
              "t16pf:--batch 16 --train-seq-len 512 --skip-decode --padding-free" \
              "d64:--batch 64 --skip-train"; do
     tag=${run%%:*}; args=${run#*:}
+    late && { note "profile $tag: skipped (BUDGET_S=$BUDGET_S spent)"; continue; }
     # shellcheck disable=SC2086
     if CUDA_INJECTION64_PATH="$P/libkernel_profile.so" LD_LIBRARY_PATH="$P:$LD_LIBRARY_PATH" \
-      COMPOSER_CUPTI_OUT="$W/profile-$tag.txt" timeout 200 "$BIN" bench model --shape qwen2.5-0.5b \
+      COMPOSER_CUPTI_OUT="$W/profile-$tag.txt" timeout "$(lim 200)" "$BIN" bench model --shape qwen2.5-0.5b \
       --device cuda --dtype bf16 --json $args >"$W/profile-$tag.json" 2>"$W/profile-$tag.err"; then
       note "profile $tag: $(grep -c '^## phase' "$W/profile-$tag.txt" 2>/dev/null) phases in profile-$tag.txt"
     else

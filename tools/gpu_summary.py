@@ -66,10 +66,15 @@ def main():
     rows = [
         ("qwen2.5-0.5b", 16, 512, False, "c05-t16", "te05-t16", "tc05-t16"),
         ("qwen2.5-0.5b", 64, 512, False, "c05-t64", "te05-t64", "tc05-t64"),
+        # composer-rl padding-free: the varlen attention on tensor cores, then on the scalar
+        # kernels (COMPOSER_ATTENTION_TC=0).
+        ("qwen2.5-0.5b", 16, 512, False, "c05-t16pf", "te05-t16", "tc05-t16"),
+        ("qwen2.5-0.5b", 16, 512, False, "c05-t16pf-scalar", "te05-t16", "tc05-t16"),
         ("qwen3-0.6b", 1, 16384, False, "c06-t1", "te06-t1", None),
         # composer-rl padding-free (varlen flash-attention kernel), with and without checkpointing.
         ("qwen3-0.6b", 1, 16384, False, "c06-t1pf", "te06-t1", None),
         ("qwen3-0.6b", 1, 16384, False, "c06-t1pfn", "te06-t1", None),
+        ("qwen3-0.6b", 1, 16384, False, "c06-t1pfn-scalar", "te06-t1", None),
         ("qwen2.5-7b", 8, 1024, True, "c7-t8", "te7-t8", None),
         # composer-rl with gradient_checkpointing (per-layer recompute); torch without.
         ("qwen2.5-0.5b", 64, 512, False, "c05-t64c", "te05-t64", None),
@@ -84,7 +89,9 @@ def main():
         r_e = f"{c[0] / e[0]:>5.2f}" if c and e else "    -"
         r_k = f"{c[0] / k[0]:>7.2f}" if c and k else "      -"
         name = f"{shape} {b}x{seq}" + (" LoRA r16" if lora else "")
-        name += {"pf": " packed+ckpt", "pfn": " packed"}.get(ct.rsplit("t1", 1)[-1], "") if ct.startswith("c06") else ""
+        name += {"pf": " packed+ckpt", "pfn": " packed"}.get(ct.rsplit("t1", 1)[-1].removesuffix("-scalar"), "") if ct.startswith("c06") else ""
+        name += " packed" if ct.startswith("c05-t16pf") else ""
+        name += " scalar attn" if ct.endswith("-scalar") else ""
         print(f"{name:<34} | {fmt(c)} | {fmt(e)} | {fmt(k) if kt else f'{chr(45):>27}'} | {r_e}  {r_k}")
 
     print("\ncomposer-rl training step phases (s, synchronised): decoder forward / LM head + log-probs / backward")

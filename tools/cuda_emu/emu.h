@@ -55,6 +55,7 @@ inline float atomicAdd(float* a, float v) { return std::atomic_ref<float>(*a).fe
 struct EmuWarp {
   std::barrier<>* bar;
   alignas(8) unsigned char buf[32][8];  // one slot per lane, values of up to 8 bytes
+  uint32_t mma[32][6];                  // one lane's A and B registers of an mma
 };
 inline thread_local EmuWarp* emu_warp;
 inline std::barrier<>* emu_block_bar;
@@ -75,6 +76,39 @@ T emu_shuffle(T v, int src) {
 }
 template <class T> T __shfl_xor_sync(unsigned, T v, int lane_mask) { return emu_shuffle(v, (threadIdx.x & 31) ^ lane_mask); }
 template <class T> T __shfl_sync(unsigned, T v, int src_lane) { return emu_shuffle(v, src_lane); }
+
+// Two adjacent bf16 as one 32-bit register (the lower address in the low half).
+inline uint32_t ld_bf16x2(const __nv_bfloat16* p) {
+  return (uint32_t)p[0].x | ((uint32_t)p[1].x << 16);
+}
+
+// mma.sync.m16n8k16 (bf16 in, f32 accumulate) across the warp, with the fragment layouts of
+// the PTX ISA that crates/model/src/ops/cuda_common.cuh describes: every lane publishes its A
+// and B registers, then computes its own four outputs from the whole 16×16 A and 16×8 B (in f32,
+// k in order: the hardware's internal order and precision are not modelled).
+inline void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  const int lane = threadIdx.x & 31;
+  uint32_t* mine = emu_warp->mma[lane];
+  for (int r = 0; r < 4; r++) mine[r] = a[r];
+  mine[4] = b0;
+  mine[5] = b1;
+  emu_warp->bar->arrive_and_wait();
+  auto half = [](uint32_t reg, int hi) { return __bfloat162float(__nv_bfloat16{(uint16_t)(hi ? reg >> 16 : reg & 0xffff)}); };
+  // A(row, k): lane (row % 8)·4 + (k % 8)/2, register (row ≥ 8) + 2·(k ≥ 8), half k % 2.
+  auto A = [&](int row, int k) { return half(emu_warp->mma[(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k & 1); };
+  // B(k, col): lane col·4 + (k % 8)/2, register 4 + (k ≥ 8), half k % 2.
+  auto B = [&](int k, int col) { return half(emu_warp->mma[col * 4 + (k % 8) / 2][4 + (k >= 8)], k & 1); };
+  const int gid = lane >> 2, tig = lane & 3;
+  float out[4];
+  for (int e = 0; e < 4; e++) {
+    const int row = gid + 8 * (e >> 1), col = 2 * tig + (e & 1);
+    float acc = c[e];
+    for (int k = 0; k < 16; k++) acc += A(row, k) * B(k, col);
+    out[e] = acc;
+  }
+  emu_warp->bar->arrive_and_wait();  // nobody overwrites a register before every lane read it
+  for (int e = 0; e < 4; e++) c[e] = out[e];
+}
 
 // Launches `f` (a call of the kernel) on `grid` blocks of `block.x` threads with
 // `shared_bytes` of dynamic shared memory. Aborts on what a GPU launch would refuse here

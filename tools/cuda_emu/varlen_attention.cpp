@@ -89,8 +89,46 @@ double relerr(const std::vector<float>& a, const std::vector<double>& b, double*
   return den < 1e-20 ? m : sqrt(num / den);
 }
 
+// The tensor-core forward (bf16, d 64 or 128), launched as attention_cuda.rs launches it.
+void tc_forward(int d, const bf16* q, const bf16* k, const bf16* v, const int* cu, int ncu, bf16* o, float* lse, int n,
+                int hq, int hkv, float sf) {
+  auto f = d == 64 ? varlen_attn_fwd_tc_d64_bf16 : varlen_attn_fwd_tc_d128_bf16;
+  const int rows = 64;
+  emu_launch(Dim3{(unsigned)((n + rows - 1) / rows), (unsigned)hq, 1}, Dim3{128, 1, 1}, 2 * 2 * 64 * (size_t)(d + 8),
+             [&] { f(q, k, v, cu, ncu, o, lse, n, hq, hkv, d, sf, rows); });
+}
 template <typename T>
-bool run_case(std::vector<int> cu, int hq, int hkv, int d, unsigned seed, double tol) {
+void tc_forward_of(int, const T*, const T*, const T*, const int*, int, T*, float*, int, int, int, float) {
+  std::abort();  // f32 has no tensor-core kernels
+}
+template <>
+void tc_forward_of<bf16>(int d, const bf16* q, const bf16* k, const bf16* v, const int* cu, int ncu, bf16* o, float* lse,
+                         int n, int hq, int hkv, float sf) {
+  tc_forward(d, q, k, v, cu, ncu, o, lse, n, hq, hkv, sf);
+}
+// The tensor-core ∂Q and ∂K/∂V, launched as attention_cuda.rs launches them.
+template <typename T>
+void tc_backward_of(int, const T*, const T*, const T*, const T*, const float*, const float*, const int*, int, T*, T*, T*,
+                    int, int, int, float) {
+  std::abort();
+}
+template <>
+void tc_backward_of<bf16>(int d, const bf16* q, const bf16* k, const bf16* v, const bf16* dO, const float* lse,
+                          const float* delta, const int* cu, int ncu, bf16* dq, bf16* dk, bf16* dv, int n, int hq, int hkv,
+                          float sf) {
+  auto fq = d == 64 ? varlen_attn_bwd_dq_tc_d64_bf16 : varlen_attn_bwd_dq_tc_d128_bf16;
+  auto fkv = d == 64 ? varlen_attn_bwd_dkv_tc_d64_bf16 : varlen_attn_bwd_dkv_tc_d128_bf16;
+  const unsigned blocks = (unsigned)((n + 63) / 64);
+  emu_launch(Dim3{blocks, (unsigned)hq, 1}, Dim3{128, 1, 1}, 2 * 2 * 32 * (size_t)(d + 8),
+             [&] { fq(q, k, v, dO, lse, delta, cu, ncu, dq, n, hq, hkv, d, sf, 64); });
+  emu_launch(Dim3{blocks, (unsigned)hkv, 1}, Dim3{128, 1, 1}, 2 * 2 * (64 + 16) * (size_t)(d + 8) + 2 * 4 * 16,
+             [&] { fkv(q, k, v, dO, lse, delta, cu, ncu, dk, dv, n, hq, hkv, d, sf, 64); });
+}
+
+// `tc`: the tensor-core kernels (varlen_attn_*_tc) where the scalar ones run otherwise (the
+// delta kernel is shared).
+template <typename T>
+bool run_case(std::vector<int> cu, int hq, int hkv, int d, unsigned seed, double tol, bool tc) {
   int n = cu.back();
   std::mt19937 rng(seed); std::uniform_real_distribution<float> U(-1.f, 1.f);
   auto mk = [&](size_t m, float sc) { std::vector<T> x(m); for (auto& e : x) e = cvt<T>(U(rng) * sc); return x; };
@@ -106,33 +144,61 @@ bool run_case(std::vector<int> cu, int hq, int hkv, int d, unsigned seed, double
   std::vector<float> lse((size_t)n * hq, NAN), delta((size_t)n * hq, NAN);
   float sf = (float)scale; int ncu = cu.size();
   int rows = 4 * t.f_rpw;
-  emu_launch(Dim3{(unsigned)((n + rows - 1) / rows), (unsigned)hq, 1}, Dim3{128, 1, 1}, 4 * ((size_t)rows * d + d * (t.f_bk + 1) + t.f_bk * d),
-         [&] { K.fwd(q.data(), k.data(), v.data(), cu.data(), ncu, o.data(), lse.data(), n, hq, hkv, d, sf, rows); });
+  if (tc) {
+    tc_forward_of<T>(d, q.data(), k.data(), v.data(), cu.data(), ncu, o.data(), lse.data(), n, hq, hkv, sf);
+  } else {
+    emu_launch(Dim3{(unsigned)((n + rows - 1) / rows), (unsigned)hq, 1}, Dim3{128, 1, 1}, 4 * ((size_t)rows * d + d * (t.f_bk + 1) + t.f_bk * d),
+               [&] { K.fwd(q.data(), k.data(), v.data(), cu.data(), ncu, o.data(), lse.data(), n, hq, hkv, d, sf, rows); });
+  }
   // The backward's dO·O uses the kernel's own (rounded) output, as the op does.
   emu_launch(Dim3{(unsigned)((n * hq + 3) / 4), 1, 1}, Dim3{128, 1, 1}, 0, [&] { K.delta(dO.data(), o.data(), delta.data(), n * hq, d); });
-  rows = 4 * t.q_rpw;
-  emu_launch(Dim3{(unsigned)((n + rows - 1) / rows), (unsigned)hq, 1}, Dim3{128, 1, 1}, 4 * ((size_t)2 * rows * d + 2 * d * (t.q_bk + 1)),
-         [&] { K.dq(q.data(), k.data(), v.data(), dO.data(), lse.data(), delta.data(), cu.data(), ncu, dq.data(), n, hq, hkv, d, sf, rows); });
-  rows = 4 * t.kv_rpw;
-  emu_launch(Dim3{(unsigned)((n + rows - 1) / rows), (unsigned)hkv, 1}, Dim3{128, 1, 1}, 4 * ((size_t)2 * rows * d + 2 * d * (t.kv_bq + 1) + 2 * t.kv_bq),
-         [&] { K.dkv(q.data(), k.data(), v.data(), dO.data(), lse.data(), delta.data(), cu.data(), ncu, dk.data(), dv.data(), n, hq, hkv, d, sf, rows); });
+  if (tc) {
+    tc_backward_of<T>(d, q.data(), k.data(), v.data(), dO.data(), lse.data(), delta.data(), cu.data(), ncu, dq.data(), dk.data(), dv.data(), n, hq, hkv, sf);
+  } else {
+    rows = 4 * t.q_rpw;
+    emu_launch(Dim3{(unsigned)((n + rows - 1) / rows), (unsigned)hq, 1}, Dim3{128, 1, 1}, 4 * ((size_t)2 * rows * d + 2 * d * (t.q_bk + 1)),
+           [&] { K.dq(q.data(), k.data(), v.data(), dO.data(), lse.data(), delta.data(), cu.data(), ncu, dq.data(), n, hq, hkv, d, sf, rows); });
+    rows = 4 * t.kv_rpw;
+    emu_launch(Dim3{(unsigned)((n + rows - 1) / rows), (unsigned)hkv, 1}, Dim3{128, 1, 1}, 4 * ((size_t)2 * rows * d + 2 * d * (t.kv_bq + 1) + 2 * t.kv_bq),
+           [&] { K.dkv(q.data(), k.data(), v.data(), dO.data(), lse.data(), delta.data(), cu.data(), ncu, dk.data(), dv.data(), n, hq, hkv, d, sf, rows); });
+  }
   auto fl = [](const std::vector<T>& x) { std::vector<float> y(x.size()); for (size_t i = 0; i < x.size(); ++i) y[i] = back(x[i]); return y; };
   bool ok = true;
   const char* names[4] = {"out", "dq", "dk", "dv"};
   std::vector<float> got[4] = {fl(o), fl(dq), fl(dk), fl(dv)};
   std::vector<double>* want[4] = {&ro, &rdq, &rdk, &rdv};
-  printf("%s n=%d hq=%d hkv=%d d=%d:", sizeof(T) == 4 ? "f32 " : "bf16", n, hq, hkv, d);
+  printf("%s%s n=%d hq=%d hkv=%d d=%d:", sizeof(T) == 4 ? "f32 " : "bf16", tc ? " tc" : "", n, hq, hkv, d);
   for (int i = 0; i < 4; ++i) {
     double m; double e = relerr(got[i], *want[i], &m);
     printf(" %s rel %.1e max %.1e;", names[i], e, m);
     if (!(e <= tol)) ok = false;
   }
-  for (float x : lse) if (std::isnan(x)) ok = false;
+  // The log-sum-exp against f64 (the backward recomputes P from it).
+  double lse_err = 0;
+  for (size_t s = 0; s + 1 < cu.size(); ++s)
+    for (int i = cu[s]; i < cu[s + 1]; ++i)
+      for (int h = 0; h < hq; ++h) {
+        const int g = h / (hq / hkv);
+        std::vector<double> sc;
+        double mx = -1e300;
+        for (int j = cu[s]; j <= i; ++j) {
+          double x = 0;
+          for (int c = 0; c < d; ++c) x += back(q[((size_t)i * hq + h) * d + c]) * back(k[((size_t)j * hkv + g) * d + c]);
+          sc.push_back(x * scale);
+          mx = max(mx, x * scale);
+        }
+        double z = 0;
+        for (double x : sc) z += exp(x - mx);
+        const double e = fabs(lse[(size_t)i * hq + h] - (mx + log(z)));
+        lse_err = std::isnan(e) ? 1e300 : max(lse_err, e);
+      }
+  printf(" lse max %.1e;", lse_err);
+  if (!(lse_err <= 1e-3)) ok = false;
   printf(" %s\n", ok ? "ok" : "FAIL");
   return ok;
 }
 
-struct Case { bool bf16; std::vector<int> cu; int hq, hkv, d; unsigned seed; double tol; bool quick; };
+struct Case { bool bf16; std::vector<int> cu; int hq, hkv, d; unsigned seed; double tol; bool quick; bool tc = false; };
 
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);  // a line per case as it finishes
@@ -152,6 +218,13 @@ int main(int argc, char** argv) {
       {true, multi, 4, 2, 64, 11, 1e-2, true},
       {true, multi, 2, 1, 128, 12, 1e-2, false},
       {true, {0, 1, 37, 60}, 2, 1, 256, 13, 1e-2, true},
+      // The tensor-core forward: rows of a warp and of a block across segments, segments over
+      // several 64-key tiles, a last block past n, one-token segments, GQA 1-4.
+      {true, multi, 4, 2, 64, 14, 1e-2, true, true},
+      {true, multi, 2, 1, 128, 15, 1e-2, true, true},
+      {true, ones, 4, 1, 64, 16, 1e-2, false, true},
+      {true, {0, 150}, 3, 3, 128, 17, 1e-2, false, true},
+      {true, {0, 17, 200, 201, 290}, 4, 4, 64, 18, 1e-2, false, true},
   };
   std::vector<size_t> pick;
   for (int a = 1; a < argc; a++) {
@@ -167,7 +240,8 @@ int main(int argc, char** argv) {
   bool ok = true;
   for (size_t i : pick) {
     const Case& c = cases[i];
-    ok &= c.bf16 ? run_case<bf16>(c.cu, c.hq, c.hkv, c.d, c.seed, c.tol) : run_case<float>(c.cu, c.hq, c.hkv, c.d, c.seed, c.tol);
+    ok &= c.bf16 ? run_case<bf16>(c.cu, c.hq, c.hkv, c.d, c.seed, c.tol, c.tc)
+                 : run_case<float>(c.cu, c.hq, c.hkv, c.d, c.seed, c.tol, c.tc);
   }
   printf(ok ? "ALL OK\n" : "FAIL\n");
   return ok ? 0 : 1;

@@ -1,8 +1,9 @@
 //! Launchers of the causal variable-length GQA attention kernels (`varlen_attn_*` in
 //! `attention_kernels.cu`, their own PTX module): the forward (output and per-row
 //! log-sum-exp) and the backward (`delta = rowsum(∂O·O)`, then `∂Q` per query tile and
-//! `∂K`/`∂V` per key tile, no atomics). Their CPU twin is `attention_cpu`;
-//! `tests/ops_attention.rs` compares both against the composition.
+//! `∂K`/`∂V` per key tile, no atomics). bf16 with head_dim 64 or 128 runs the tensor-core
+//! kernels (`*_tc_*`, mma.sync), everything else the scalar ones. Their CPU twin is
+//! `attention_cpu`; `tests/ops_attention.rs` compares both against the composition.
 
 use super::attention_cpu::Dims;
 use super::cuda::{alloc, kernel_name, on_tensors, typed, view};
@@ -69,6 +70,21 @@ const TILES: [Tiles; 3] = [
         dkv_bq: 16,
     },
 ];
+
+/// Head dims the tensor-core kernels (`varlen_attn_*_tc_d{D}_bf16`) are instantiated for.
+const TC_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Rows per block of the tensor-core kernels (16 per warp): queries, or keys in ∂K/∂V.
+const TC_ROWS: usize = 16 * WARPS;
+
+/// Whether attention (forward and backward) runs on tensor cores: bf16 with a head_dim they
+/// are built for, unless `COMPOSER_ATTENTION_TC=0` (the scalar kernels instead: a diagnostic,
+/// and the baseline the GPU check compares them with).
+fn tensor_cores(dtype: DType, d: usize) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("COMPOSER_ATTENTION_TC").is_ok_and(|v| v == "0"));
+    dtype == DType::BF16 && TC_HEAD_DIMS.contains(&d) && !off
+}
 
 fn tiles(d: usize) -> Result<&'static Tiles> {
     match TILES.iter().find(|t| d <= t.dmax) {
@@ -186,20 +202,24 @@ pub(super) fn varlen_attention_fwd(
     let (n, d) = (dims.n, dims.d);
     let cu_dev = device_cu(&dev, cu)?;
     let n_cu = cu.len() as i32;
-    let rows = WARPS * tile.fwd_rpw;
+    let tc = tensor_cores(dtype, d);
+    // Tensor cores: K and V tiles of 64 bf16 rows padded to d + 8 (in f32 units: 64·(d + 8)).
+    let (rows, name, smem_floats) = if tc {
+        let name = format!("varlen_attn_fwd_tc_d{d}");
+        (TC_ROWS, name, 64 * (d + 8))
+    } else {
+        let rows = WARPS * tile.fwd_rpw;
+        let floats = rows * d + d * (tile.fwd_bk + 1) + tile.fwd_bk * d;
+        (rows, format!("varlen_attn_fwd_d{}", tile.dmax), floats)
+    };
     let rows_i = rows as i32;
-    let cfg = config(
-        n.div_ceil(rows),
-        dims.hq,
-        rows * d + d * (tile.fwd_bk + 1) + tile.fwd_bk * d,
-    )?;
+    let cfg = config(n.div_ceil(rows), dims.hq, smem_floats)?;
     let lse = alloc::<f32>(&dev, n * dims.hq)?;
     let out = typed!(dtype, "attention", |T| {
         let qv = view::<T>(q.0, q.1, "attention")?;
         let kv = view::<T>(k.0, k.1, "attention")?;
         let vv = view::<T>(v.0, v.1, "attention")?;
         let out = alloc::<T>(&dev, n * dims.hq * d)?;
-        let name = format!("varlen_attn_fwd_d{}", tile.dmax);
         let f = dev.get_or_load_custom_func(&kernel_name(&name, dtype)?, MODULE, PTX)?;
         let mut b = f.builder();
         b.arg(&qv)
@@ -242,6 +262,7 @@ pub(super) fn varlen_attention_bwd(
     let tile = tiles(dims.d)?;
     let scalars = Scalars::new(dims, scale)?;
     let Dims { n, hq, hkv, d } = *dims;
+    let tc = tensor_cores(dtype, d);
     let (nq, nkv) = (n * hq * d, n * hkv * d);
     let n_cu = cu.len() as i32;
     // ∂q, ∂k and ∂v one after the other in one buffer (one launcher call owns every input).
@@ -289,15 +310,27 @@ pub(super) fn varlen_attention_bwd(
                 let mut buf = alloc::<T>(&dev, nq + 2 * nkv)?;
                 let (mut dq, mut dkv) = buf.split_at_mut(nq);
                 let (mut dk, mut dv) = dkv.split_at_mut(nkv);
-                // ∂q: query tiles of every query head.
-                let rows = WARPS * tile.dq_rpw;
-                let rows_i = rows as i32;
-                let cfg = config(
-                    n.div_ceil(rows),
-                    hq,
-                    2 * rows * d + 2 * d * (tile.dq_bk + 1),
-                )?;
-                let name = format!("varlen_attn_bwd_dq_d{}", tile.dmax);
+                // ∂q: query tiles of every query head; ∂k, ∂v: key tiles of every key/value
+                // head. Tensor cores: 64-row blocks, ∂Q's key tiles of 32 and ∂K/∂V's query
+                // steps of 16 (bf16, padded rows of d + 8; the ∂K/∂V step's lse and delta).
+                let (dq_rows, dq_floats, dkv_rows, dkv_floats, suffix) = if tc {
+                    let (rows, padded) = (TC_ROWS, d + 8);
+                    (
+                        rows,
+                        32 * padded,
+                        rows,
+                        (rows + 16) * padded + 2 * 16,
+                        format!("tc_d{d}"),
+                    )
+                } else {
+                    let (qr, kr) = (WARPS * tile.dq_rpw, WARPS * tile.dkv_rpw);
+                    let dq_floats = 2 * qr * d + 2 * d * (tile.dq_bk + 1);
+                    let dkv_floats = 2 * kr * d + 2 * d * (tile.dkv_bq + 1) + 2 * tile.dkv_bq;
+                    (qr, dq_floats, kr, dkv_floats, format!("d{}", tile.dmax))
+                };
+                let rows_i = dq_rows as i32;
+                let cfg = config(n.div_ceil(dq_rows), hq, dq_floats)?;
+                let name = format!("varlen_attn_bwd_dq_{suffix}");
                 let f = dev.get_or_load_custom_func(&kernel_name(&name, dtype)?, MODULE, PTX)?;
                 let mut b = f.builder();
                 inputs.push(&mut b);
@@ -306,15 +339,9 @@ pub(super) fn varlen_attention_bwd(
                 // SAFETY: the arguments match the kernel's signature; the shared memory is
                 // the kernel's layout for this tile class.
                 unsafe { b.launch(cfg) }.w()?;
-                // ∂k, ∂v: key tiles of every key/value head.
-                let rows = WARPS * tile.dkv_rpw;
-                let rows_i = rows as i32;
-                let cfg = config(
-                    n.div_ceil(rows),
-                    hkv,
-                    2 * rows * d + 2 * d * (tile.dkv_bq + 1) + 2 * tile.dkv_bq,
-                )?;
-                let name = format!("varlen_attn_bwd_dkv_d{}", tile.dmax);
+                let rows_i = dkv_rows as i32;
+                let cfg = config(n.div_ceil(dkv_rows), hkv, dkv_floats)?;
+                let name = format!("varlen_attn_bwd_dkv_{suffix}");
                 let f = dev.get_or_load_custom_func(&kernel_name(&name, dtype)?, MODULE, PTX)?;
                 let mut b = f.builder();
                 inputs.push(&mut b);

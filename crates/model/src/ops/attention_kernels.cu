@@ -17,6 +17,8 @@
 // 64, 128, 256) so that every kernel's shared memory stays within 48 KiB; the launchers in
 // attention_cuda.rs hold the same table and pass the block's row count and the shared memory
 // size, both checked here (a mismatch traps: a launch error, not a silent overflow).
+// bf16 at head_dim 64 and 128 (Qwen's) runs the tensor-core versions further down
+// (varlen_attn_*_tc: the same contract and split, every product on mma.sync).
 #define ATT_WARPS 4
 
 // Bytes of dynamic shared memory the block was launched with (the kernels check that their
@@ -411,6 +413,441 @@ __device__ void varlen_attn_bwd_dkv(const T* q, const T* k, const T* v, const T*
   }
 }
 
+// ---- The forward on tensor cores (bf16, head_dim D = 64 or 128) ----
+// The same contract as varlen_attn_fwd (output and lse, same scale convention), with the two
+// products on mma.sync m16n8k16 (cuda_common.cuh), flash-attention-2 style: a warp owns 16
+// query rows whose q fragments stay in registers; S = q·Kᵀ for a tile of BK = 64 keys lands in
+// accumulator fragments, the online softmax runs on them in registers (a row's 64 scores are
+// spread over the 4 lanes of a group: two shuffles per reduction), and P — rounded to bf16, as
+// flash attention does — is reused as the A operand of P·V without leaving registers (the
+// accumulator layout of two adjacent 8-key tiles is the A layout of one 16-key step). K and V
+// tiles go through shared memory as bf16, rows padded by 8 elements so that a fragment's 32
+// lanes read 32 distinct banks. l sums the f32 probabilities. Rows of other segments and keys
+// past a row are masked to −∞; a tile holding no key of any of the warp's rows is skipped.
+template <int D>
+__device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, const int* cu,
+                                   int n_cu, bf16* out, float* lse, int n, int hq, int hkv, int d,
+                                   float scale, int block_rows) {
+  constexpr int BQ = 16 * ATT_WARPS, BK = 64, KS = D + 8;
+  if (block_rows != BQ || d != D || blockDim.x != 32 * ATT_WARPS ||
+      dynamic_smem_bytes() < 2u * 2 * BK * KS)
+    __trap();
+  extern __shared__ float smem[];
+  bf16* ks = reinterpret_cast<bf16*>(smem);  // [BK][KS]
+  bf16* vs = ks + BK * KS;                    // [BK][KS]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int h = blockIdx.y, g = h / (hq / hkv);
+  const int i0 = blockIdx.x * BQ;
+  if (i0 >= n) return;
+  const int i_last = min(i0 + BQ, n) - 1;
+  const int k_begin = cu[seg_of(cu, n_cu, i0)];
+  // The warp's rows w0..w0+15; this lane's two are w0 + gid (r = 0) and w0 + gid + 8 (r = 1).
+  // A row past n gets segment start n: no key is valid for it.
+  const int w0 = i0 + warp * 16, w_last = min(w0 + 15, n - 1);
+  const int w_kbegin = w0 < n ? cu[seg_of(cu, n_cu, w0)] : n;
+  int row[2], row_s[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row[r] = w0 + gid + 8 * r;
+    row_s[r] = row[r] < n ? cu[seg_of(cu, n_cu, row[r])] : n;
+  }
+  const bf16 zero = __float2bfloat16(0.f);
+  auto q_at = [&](int r, int c) {
+    return row[r] < n ? q[((size_t)row[r] * hq + h) * D + c] : zero;
+  };
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c = kk * 16 + 2 * tig;
+    qf[kk][0] = pack_bf16x2(q_at(0, c), q_at(0, c + 1));
+    qf[kk][1] = pack_bf16x2(q_at(1, c), q_at(1, c + 1));
+    qf[kk][2] = pack_bf16x2(q_at(0, c + 8), q_at(0, c + 9));
+    qf[kk][3] = pack_bf16x2(q_at(1, c + 8), q_at(1, c + 9));
+  }
+  float o[D / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[dt][e] = 0.f;
+  for (int j0 = k_begin; j0 <= i_last; j0 += BK) {
+    __syncthreads();  // the previous tile is consumed
+    for (int e = threadIdx.x; e < BK * D; e += blockDim.x) {
+      const int jj = e / D, c = e % D, j = j0 + jj;
+      bf16 kv = zero, vv = zero;
+      if (j <= i_last) {
+        const size_t at = ((size_t)j * hkv + g) * D + c;
+        kv = k[at];
+        vv = v[at];
+      }
+      ks[jj * KS + c] = kv;
+      vs[jj * KS + c] = vv;
+    }
+    __syncthreads();
+    // Warp-uniform: no key of this tile is valid for any of the warp's rows.
+    if (w0 >= n || j0 > w_last || j0 + BK <= w_kbegin) continue;
+    float s[BK / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+      for (int nt = 0; nt < BK / 8; ++nt) {
+        // B(k = dim, n = key) = K[key][dim]: key nt·8 + gid, dims kk·16 + 2·tig (+ 8).
+        const bf16* kr = ks + (nt * 8 + gid) * KS + kk * 16 + 2 * tig;
+        mma_bf16_16816(s[nt], qf[kk], ld_bf16x2(kr), ld_bf16x2(kr + 8));
+      }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, j = j0 + nt * 8 + 2 * tig + (e & 1);
+        const bool valid = j >= row_s[r] && j <= row[r];
+        s[nt][e] = valid ? s[nt][e] * scale : -INFINITY;
+        mx[r] = fmaxf(mx[r], s[nt][e]);
+      }
+    float m_use[2], corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
+      const float m_new = fmaxf(m[r], mx[r]);
+      // A row with no valid key yet keeps p = 0 (exp(−∞ − 0)) instead of exp(−∞ + ∞).
+      m_use[r] = m_new == -INFINITY ? 0.f : m_new;
+      corr[r] = expf(m[r] - m_use[r]);  // 0 while m[r] is −∞
+      m[r] = m_new;
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = expf(s[nt][e] - m_use[e >> 1]);
+        rs[e >> 1] += s[nt][e];
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      rs[r] += __shfl_xor_sync(FULL_MASK, rs[r], 1);
+      rs[r] += __shfl_xor_sync(FULL_MASK, rs[r], 2);
+      l[r] = l[r] * corr[r] + rs[r];
+    }
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      o[dt][0] *= corr[0];
+      o[dt][1] *= corr[0];
+      o[dt][2] *= corr[1];
+      o[dt][3] *= corr[1];
+    }
+#pragma unroll
+    for (int kt = 0; kt < BK / 16; ++kt) {
+      // P's 16 keys kt·16.. as an A operand: score tiles 2·kt (keys + 2·tig) and 2·kt + 1 (+ 8).
+      const uint32_t pa[4] = {pack_bf16x2(s[2 * kt][0], s[2 * kt][1]),
+                              pack_bf16x2(s[2 * kt][2], s[2 * kt][3]),
+                              pack_bf16x2(s[2 * kt + 1][0], s[2 * kt + 1][1]),
+                              pack_bf16x2(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        // B(k = key, n = dim) = V[key][dim]: keys kt·16 + 2·tig (+ 1, + 8, + 9), dim dt·8 + gid.
+        const bf16* vr = vs + (kt * 16 + 2 * tig) * KS + dt * 8 + gid;
+        mma_bf16_16816(o[dt], pa, pack_bf16x2(vr[0], vr[KS]), pack_bf16x2(vr[8 * KS], vr[9 * KS]));
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (row[r] >= n) continue;
+    const size_t base = ((size_t)row[r] * hq + h) * D;
+    const float inv = 1.f / l[r];
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      const int c = dt * 8 + 2 * tig;
+      out[base + c] = __float2bfloat16(o[dt][2 * r] * inv);
+      out[base + c + 1] = __float2bfloat16(o[dt][2 * r + 1] * inv);
+    }
+    if (tig == 0) lse[(size_t)row[r] * hq + h] = m[r] + logf(l[r]);
+  }
+}
+
+// ---- The backward on tensor cores (bf16, head_dim D = 64 or 128) ----
+// The scalar backward's split (∂Q per query tile, ∂K/∂V per key tile, each output owned by one
+// lane: no atomics, a fixed summation order), with every product on mma.sync. P and dS are
+// recomputed in f32 from the accumulators and rounded to bf16 only as the A operand of the next
+// product (as flash attention's backward does).
+
+// A operand fragment of a row-major bf16 tile in shared memory: rows r0 + gid (+ 8), columns
+// c0 + 2·tig (+ 1, + 8, + 9), `stride` elements per row.
+__device__ __forceinline__ void ld_a_frag(uint32_t (&a)[4], const bf16* t, int stride, int r0,
+                                          int c0, int gid, int tig) {
+  const bf16* p = t + (r0 + gid) * stride + c0 + 2 * tig;
+  a[0] = ld_bf16x2(p);
+  a[1] = ld_bf16x2(p + 8 * stride);
+  a[2] = ld_bf16x2(p + 8);
+  a[3] = ld_bf16x2(p + 8 * stride + 8);
+}
+
+// Two accumulator tiles (16×8 each, columns c and c + 8) as one A operand of 16 rows × 16.
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&lo)[4],
+                                         const float (&hi)[4]) {
+  a[0] = pack_bf16x2(lo[0], lo[1]);
+  a[1] = pack_bf16x2(lo[2], lo[3]);
+  a[2] = pack_bf16x2(hi[0], hi[1]);
+  a[3] = pack_bf16x2(hi[2], hi[3]);
+}
+
+// acc[dt] += a · T[k0.., dt·8..] for a row-major bf16 tile T [k][D] in shared memory (B operand
+// with k = T's rows: rows k0 + 2·tig (+ 1, + 8, + 9) of column dt·8 + gid).
+template <int D>
+__device__ __forceinline__ void mma_rows(float (&acc)[D / 8][4], const uint32_t (&a)[4],
+                                         const bf16* t, int stride, int k0, int gid, int tig) {
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    const bf16* p = t + (k0 + 2 * tig) * stride + dt * 8 + gid;
+    mma_bf16_16816(acc[dt], a, pack_bf16x2(p[0], p[stride]),
+                   pack_bf16x2(p[8 * stride], p[9 * stride]));
+  }
+}
+
+// ∂Q: block = 64 query rows (16 per warp) of head blockIdx.y; keys in tiles of 32 from the first
+// row's segment start. Per tile S = q·Kᵀ and dP = ∂O·Vᵀ (q and ∂O fragments in registers),
+// dS = P ∘ (dP − delta) with P = exp(S·scale − lse), then ∂Q += dS·K; ∂Q·scale at the end.
+template <int D>
+__device__ void varlen_attn_bwd_dq_tc(const bf16* q, const bf16* k, const bf16* v,
+                                      const bf16* dout, const float* lse, const float* delta,
+                                      const int* cu, int n_cu, bf16* dq, int n, int hq, int hkv,
+                                      int d, float scale, int block_rows) {
+  constexpr int BQ = 16 * ATT_WARPS, BK = 32, KS = D + 8;
+  if (block_rows != BQ || d != D || blockDim.x != 32 * ATT_WARPS ||
+      dynamic_smem_bytes() < 2u * 2 * BK * KS)
+    __trap();
+  extern __shared__ float smem[];
+  bf16* ks = reinterpret_cast<bf16*>(smem);  // [BK][KS]
+  bf16* vs = ks + BK * KS;                    // [BK][KS]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int h = blockIdx.y, g = h / (hq / hkv);
+  const int i0 = blockIdx.x * BQ;
+  if (i0 >= n) return;
+  const int i_last = min(i0 + BQ, n) - 1;
+  const int k_begin = cu[seg_of(cu, n_cu, i0)];
+  const int w0 = i0 + warp * 16, w_last = min(w0 + 15, n - 1);
+  const int w_kbegin = w0 < n ? cu[seg_of(cu, n_cu, w0)] : n;
+  int row[2], row_s[2];
+  float row_lse[2], row_delta[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row[r] = w0 + gid + 8 * r;
+    const bool in = row[r] < n;
+    row_s[r] = in ? cu[seg_of(cu, n_cu, row[r])] : n;
+    row_lse[r] = in ? lse[(size_t)row[r] * hq + h] : 0.f;
+    row_delta[r] = in ? delta[(size_t)row[r] * hq + h] : 0.f;
+  }
+  const bf16 zero = __float2bfloat16(0.f);
+  auto at = [&](const bf16* x, int r, int c) {
+    return row[r] < n ? x[((size_t)row[r] * hq + h) * D + c] : zero;
+  };
+  uint32_t qf[D / 16][4], gf[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c = kk * 16 + 2 * tig;
+    qf[kk][0] = pack_bf16x2(at(q, 0, c), at(q, 0, c + 1));
+    qf[kk][1] = pack_bf16x2(at(q, 1, c), at(q, 1, c + 1));
+    qf[kk][2] = pack_bf16x2(at(q, 0, c + 8), at(q, 0, c + 9));
+    qf[kk][3] = pack_bf16x2(at(q, 1, c + 8), at(q, 1, c + 9));
+    gf[kk][0] = pack_bf16x2(at(dout, 0, c), at(dout, 0, c + 1));
+    gf[kk][1] = pack_bf16x2(at(dout, 1, c), at(dout, 1, c + 1));
+    gf[kk][2] = pack_bf16x2(at(dout, 0, c + 8), at(dout, 0, c + 9));
+    gf[kk][3] = pack_bf16x2(at(dout, 1, c + 8), at(dout, 1, c + 9));
+  }
+  float acc[D / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[dt][e] = 0.f;
+  for (int j0 = k_begin; j0 <= i_last; j0 += BK) {
+    __syncthreads();  // the previous tile is consumed
+    for (int e = threadIdx.x; e < BK * D; e += blockDim.x) {
+      const int jj = e / D, c = e % D, j = j0 + jj;
+      bf16 kv = zero, vv = zero;
+      if (j <= i_last) {
+        const size_t o = ((size_t)j * hkv + g) * D + c;
+        kv = k[o];
+        vv = v[o];
+      }
+      ks[jj * KS + c] = kv;
+      vs[jj * KS + c] = vv;
+    }
+    __syncthreads();
+    if (w0 >= n || j0 > w_last || j0 + BK <= w_kbegin) continue;  // warp-uniform
+    float s[BK / 8][4], dp[BK / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+      for (int nt = 0; nt < BK / 8; ++nt) {
+        const int o = (nt * 8 + gid) * KS + kk * 16 + 2 * tig;
+        mma_bf16_16816(s[nt], qf[kk], ld_bf16x2(ks + o), ld_bf16x2(ks + o + 8));
+        mma_bf16_16816(dp[nt], gf[kk], ld_bf16x2(vs + o), ld_bf16x2(vs + o + 8));
+      }
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, j = j0 + nt * 8 + 2 * tig + (e & 1);
+        const bool valid = j >= row_s[r] && j <= row[r];
+        const float p = valid ? expf(s[nt][e] * scale - row_lse[r]) : 0.f;
+        s[nt][e] = p * (dp[nt][e] - row_delta[r]);  // dS
+      }
+#pragma unroll
+    for (int kt = 0; kt < BK / 16; ++kt) {
+      uint32_t a[4];
+      acc_to_a(a, s[2 * kt], s[2 * kt + 1]);
+      mma_rows<D>(acc, a, ks, KS, kt * 16, gid, tig);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (row[r] >= n) continue;
+    const size_t base = ((size_t)row[r] * hq + h) * D;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      const int c = dt * 8 + 2 * tig;
+      dq[base + c] = __float2bfloat16(acc[dt][2 * r] * scale);
+      dq[base + c + 1] = __float2bfloat16(acc[dt][2 * r + 1] * scale);
+    }
+  }
+}
+
+// ∂K, ∂V: block = 64 key rows (16 per warp) of key/value head blockIdx.y, in shared memory
+// with the 16 queries of each step (q, ∂O, their lse and delta), for every query head of the
+// group in turn, queries from the block's first key to the end of its last key's segment.
+// Per step Sᵀ = K·qᵀ and dPᵀ = V·∂Oᵀ (16 keys × 16 queries a warp), Pᵀ = exp(Sᵀ·scale − lse),
+// dSᵀ = Pᵀ ∘ (dPᵀ − delta); ∂V += Pᵀ·∂O and ∂K += dSᵀ·q, ∂K·scale at the end.
+template <int D>
+__device__ void varlen_attn_bwd_dkv_tc(const bf16* q, const bf16* k, const bf16* v,
+                                       const bf16* dout, const float* lse, const float* delta,
+                                       const int* cu, int n_cu, bf16* dk, bf16* dv, int n, int hq,
+                                       int hkv, int d, float scale, int block_rows) {
+  constexpr int BKV = 16 * ATT_WARPS, BQ = 16, KS = D + 8;
+  if (block_rows != BKV || d != D || blockDim.x != 32 * ATT_WARPS ||
+      dynamic_smem_bytes() < 2u * 2 * (BKV + BQ) * KS + 2 * 4 * BQ)
+    __trap();
+  extern __shared__ float smem[];
+  bf16* kts = reinterpret_cast<bf16*>(smem);  // [BKV][KS]
+  bf16* vts = kts + BKV * KS;                  // [BKV][KS]
+  bf16* qs = vts + BKV * KS;                   // [BQ][KS]
+  bf16* gs = qs + BQ * KS;                     // [BQ][KS]
+  float* lse_s = reinterpret_cast<float*>(gs + BQ * KS);  // [BQ]
+  float* delta_s = lse_s + BQ;                             // [BQ]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int g = blockIdx.y, rep = hq / hkv;
+  const int j0 = blockIdx.x * BKV;
+  if (j0 >= n) return;
+  const int j_last = min(j0 + BKV, n) - 1;
+  const int q_end = cu[seg_of(cu, n_cu, j_last) + 1];  // queries j0 .. q_end − 1
+  const bf16 zero = __float2bfloat16(0.f);
+  for (int e = threadIdx.x; e < BKV * D; e += blockDim.x) {
+    const int jj = e / D, c = e % D, j = j0 + jj;
+    bf16 kv = zero, vv = zero;
+    if (j < n) {
+      const size_t o = ((size_t)j * hkv + g) * D + c;
+      kv = k[o];
+      vv = v[o];
+    }
+    kts[jj * KS + c] = kv;
+    vts[jj * KS + c] = vv;
+  }
+  // This lane's two keys (rows gid, gid + 8 of the warp's 16) and their segments' ends: query
+  // i attends key j iff j <= i < end(j). A key past n gets end −1 (no query).
+  const int wk0 = j0 + warp * 16, wk_last = min(wk0 + 15, n - 1);
+  const int w_qend = wk0 < n ? cu[seg_of(cu, n_cu, wk_last) + 1] : 0;
+  int key[2], key_e[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    key[r] = wk0 + gid + 8 * r;
+    key_e[r] = key[r] < n ? cu[seg_of(cu, n_cu, key[r]) + 1] : -1;
+  }
+  float acc_k[D / 8][4], acc_v[D / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_k[dt][e] = acc_v[dt][e] = 0.f;
+  for (int h = g * rep; h < (g + 1) * rep; ++h) {
+    for (int i0 = j0; i0 < q_end; i0 += BQ) {
+      __syncthreads();  // the previous step's tiles are consumed (and K, V are written)
+      for (int e = threadIdx.x; e < BQ * D; e += blockDim.x) {
+        const int ii = e / D, c = e % D, i = i0 + ii;
+        bf16 qv = zero, gv = zero;
+        if (i < q_end) {
+          const size_t o = ((size_t)i * hq + h) * D + c;
+          qv = q[o];
+          gv = dout[o];
+        }
+        qs[ii * KS + c] = qv;
+        gs[ii * KS + c] = gv;
+      }
+      if (threadIdx.x < BQ) {
+        const int i = i0 + threadIdx.x;
+        lse_s[threadIdx.x] = i < q_end ? lse[(size_t)i * hq + h] : 0.f;
+        delta_s[threadIdx.x] = i < q_end ? delta[(size_t)i * hq + h] : 0.f;
+      }
+      __syncthreads();
+      if (wk0 >= n || i0 + BQ <= wk0 || i0 >= w_qend) continue;  // warp-uniform
+      float st[2][4], dpt[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t ka[4], va[4];
+        ld_a_frag(ka, kts, KS, warp * 16, kk * 16, gid, tig);
+        ld_a_frag(va, vts, KS, warp * 16, kk * 16, gid, tig);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int o = (nt * 8 + gid) * KS + kk * 16 + 2 * tig;
+          mma_bf16_16816(st[nt], ka, ld_bf16x2(qs + o), ld_bf16x2(qs + o + 8));
+          mma_bf16_16816(dpt[nt], va, ld_bf16x2(gs + o), ld_bf16x2(gs + o + 8));
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1, ii = nt * 8 + 2 * tig + (e & 1), i = i0 + ii;
+          const bool valid = i >= key[r] && i < key_e[r];
+          const float p = valid ? expf(st[nt][e] * scale - lse_s[ii]) : 0.f;
+          st[nt][e] = p;
+          dpt[nt][e] = p * (dpt[nt][e] - delta_s[ii]);  // dSᵀ
+        }
+      uint32_t pa[4], da[4];
+      acc_to_a(pa, st[0], st[1]);
+      acc_to_a(da, dpt[0], dpt[1]);
+      mma_rows<D>(acc_v, pa, gs, KS, 0, gid, tig);
+      mma_rows<D>(acc_k, da, qs, KS, 0, gid, tig);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (key[r] >= n) continue;
+    const size_t base = ((size_t)key[r] * hkv + g) * D;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      const int c = dt * 8 + 2 * tig;
+      dk[base + c] = __float2bfloat16(acc_k[dt][2 * r] * scale);
+      dk[base + c + 1] = __float2bfloat16(acc_k[dt][2 * r + 1] * scale);
+      dv[base + c] = __float2bfloat16(acc_v[dt][2 * r]);
+      dv[base + c + 1] = __float2bfloat16(acc_v[dt][2 * r + 1]);
+    }
+  }
+}
+
 // Tile table (d class: DC, forward RPW/BK, ∂Q RPW/BK, ∂K∂V RPW/BQ); attention_cuda.rs has
 // the same numbers for the grid and the shared memory size.
 #define ATT_INSTANTIATE_D(T, SFX, DMAX, DC, F_RPW, F_BK, Q_RPW, Q_BK, KV_RPW, KV_BQ)             \
@@ -446,3 +883,28 @@ __device__ void varlen_attn_bwd_dkv(const T* q, const T* k, const T* v, const T*
 
 ATT_INSTANTIATE(float, f32)
 ATT_INSTANTIATE(bf16, bf16)
+
+// The tensor-core forward, bf16 only, for the head dims it is instantiated for (attention_cuda.rs
+// launches it for those, the scalar kernels otherwise).
+#define ATT_INSTANTIATE_TC(D)                                                                    \
+  extern "C" __global__ void varlen_attn_fwd_tc_d##D##_bf16(                                     \
+      const bf16* q, const bf16* k, const bf16* v, const int* cu, int n_cu, bf16* out,            \
+      float* lse, int n, int hq, int hkv, int d, float scale, int block_rows) {                   \
+    varlen_attn_fwd_tc<D>(q, k, v, cu, n_cu, out, lse, n, hq, hkv, d, scale, block_rows);         \
+  }                                                                                               \
+  extern "C" __global__ void varlen_attn_bwd_dq_tc_d##D##_bf16(                                  \
+      const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,            \
+      const float* delta, const int* cu, int n_cu, bf16* dq, int n, int hq, int hkv, int d,       \
+      float scale, int block_rows) {                                                              \
+    varlen_attn_bwd_dq_tc<D>(q, k, v, dout, lse, delta, cu, n_cu, dq, n, hq, hkv, d, scale,       \
+                             block_rows);                                                         \
+  }                                                                                               \
+  extern "C" __global__ void varlen_attn_bwd_dkv_tc_d##D##_bf16(                                 \
+      const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,            \
+      const float* delta, const int* cu, int n_cu, bf16* dk, bf16* dv, int n, int hq, int hkv,    \
+      int d, float scale, int block_rows) {                                                       \
+    varlen_attn_bwd_dkv_tc<D>(q, k, v, dout, lse, delta, cu, n_cu, dk, dv, n, hq, hkv, d, scale,  \
+                              block_rows);                                                        \
+  }
+ATT_INSTANTIATE_TC(64)
+ATT_INSTANTIATE_TC(128)

@@ -25,3 +25,40 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
   return v;
 }
+
+// ---- Tensor cores: mma.sync m16n8k16, bf16 inputs, f32 accumulation (sm_80+) ----
+// The operand layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"),
+// with gid = lane / 4 and tig = lane % 4: A (16×16, row-major) register 0 holds row gid, columns
+// 2·tig and 2·tig + 1 (the lower column in the low half); register 1 row gid + 8; registers 2
+// and 3 the same rows at columns + 8. B (16×8) register 0 holds rows (k) 2·tig, 2·tig + 1 of
+// column gid, register 1 rows + 8. C/D (16×8, f32): c[0], c[1] row gid, columns 2·tig, 2·tig + 1;
+// c[2], c[3] row gid + 8. tools/cuda_emu/emu.h implements the same contract on CPU threads.
+
+// Two bf16 as one operand register, `lo` in the low half.
+__device__ __forceinline__ uint32_t pack_bf16x2(bf16 lo, bf16 hi) {
+  return (uint32_t)__bfloat16_as_ushort(lo) | ((uint32_t)__bfloat16_as_ushort(hi) << 16);
+}
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  return pack_bf16x2(__float2bfloat16(lo), __float2bfloat16(hi));
+}
+
+#ifdef __CUDA_ARCH__
+// Two adjacent bf16 at a 4-byte aligned address as one operand register.
+__device__ __forceinline__ uint32_t ld_bf16x2(const bf16* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+// c += A·B over one warp (every lane calls it, with its fragments).
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+  // Not volatile: the instruction has no effect beyond its outputs, so the compiler may
+  // schedule it freely.
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#else
+__device__ uint32_t ld_bf16x2(const bf16* p);
+__device__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+#endif
