@@ -413,6 +413,73 @@ __device__ void varlen_attn_bwd_dkv(const T* q, const T* k, const T* v, const T*
   }
 }
 
+// ---- Shared by the tensor-core kernels (bf16, head_dim D = 64 or 128) ----
+
+// Rows r0 .. r0 + ROWS − 1 of head `head` of a and b ([·, heads, D]) into the shared tiles
+// a_s, b_s ([ROWS][D + 8]); rows from r_end on are zero.
+template <int D, int ROWS>
+__device__ __forceinline__ void load_tile_pair(bf16* a_s, bf16* b_s, const bf16* a, const bf16* b,
+                                               int r0, int r_end, int head, int heads) {
+  const bf16 zero = __float2bfloat16(0.f);
+  for (int e = threadIdx.x; e < ROWS * D; e += blockDim.x) {
+    const int rr = e / D, c = e % D, r = r0 + rr;
+    bf16 av = zero, bv = zero;
+    if (r < r_end) {
+      const size_t o = ((size_t)r * heads + head) * D + c;
+      av = a[o];
+      bv = b[o];
+    }
+    a_s[rr * (D + 8) + c] = av;
+    b_s[rr * (D + 8) + c] = bv;
+  }
+}
+
+// A warp's 16 query rows w0 .. w0 + 15 of a block and this lane's two of them, w0 + gid (r = 0)
+// and w0 + gid + 8 (r = 1), with their segments' starts. A row past n gets segment start n: no
+// key is valid for it.
+struct WarpRows {
+  int w0, w_last, w_kbegin;
+  int row[2], row_s[2];
+
+  __device__ WarpRows(const int* cu, int n_cu, int w0_, int gid, int n) : w0(w0_) {
+    w_last = min(w0 + 15, n - 1);
+    w_kbegin = w0 < n ? cu[seg_of(cu, n_cu, w0)] : n;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row[r] = w0 + gid + 8 * r;
+      row_s[r] = row[r] < n ? cu[seg_of(cu, n_cu, row[r])] : n;
+    }
+  }
+
+  // Warp-uniform: whether the keys j0 .. j0 + bk − 1 hold none valid for any of the rows.
+  __device__ bool skips(int j0, int bk, int n) const {
+    return w0 >= n || j0 > w_last || j0 + bk <= w_kbegin;
+  }
+
+  // Whether row r attends key j.
+  __device__ bool attends(int r, int j) const { return j >= row_s[r] && j <= row[r]; }
+};
+
+// The A fragments of this lane's two rows of x [n, heads, D] (head h) over all of D, zero
+// for a row past n.
+template <int D>
+__device__ __forceinline__ void load_row_frags(uint32_t (&f)[D / 16][4], const bf16* x,
+                                               const WarpRows& w, int h, int heads, int n,
+                                               int tig) {
+  const bf16 zero = __float2bfloat16(0.f);
+  auto at = [&](int r, int c) {
+    return w.row[r] < n ? x[((size_t)w.row[r] * heads + h) * D + c] : zero;
+  };
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c = kk * 16 + 2 * tig;
+    f[kk][0] = pack_bf16x2(at(0, c), at(0, c + 1));
+    f[kk][1] = pack_bf16x2(at(1, c), at(1, c + 1));
+    f[kk][2] = pack_bf16x2(at(0, c + 8), at(0, c + 9));
+    f[kk][3] = pack_bf16x2(at(1, c + 8), at(1, c + 9));
+  }
+}
+
 // ---- The forward on tensor cores (bf16, head_dim D = 64 or 128) ----
 // The same contract as varlen_attn_fwd (output and lse, same scale convention), with the two
 // products on mma.sync m16n8k16 (cuda_common.cuh), flash-attention-2 style: a warp owns 16
@@ -442,29 +509,9 @@ __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, 
   if (i0 >= n) return;
   const int i_last = min(i0 + BQ, n) - 1;
   const int k_begin = cu[seg_of(cu, n_cu, i0)];
-  // The warp's rows w0..w0+15; this lane's two are w0 + gid (r = 0) and w0 + gid + 8 (r = 1).
-  // A row past n gets segment start n: no key is valid for it.
-  const int w0 = i0 + warp * 16, w_last = min(w0 + 15, n - 1);
-  const int w_kbegin = w0 < n ? cu[seg_of(cu, n_cu, w0)] : n;
-  int row[2], row_s[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row[r] = w0 + gid + 8 * r;
-    row_s[r] = row[r] < n ? cu[seg_of(cu, n_cu, row[r])] : n;
-  }
-  const bf16 zero = __float2bfloat16(0.f);
-  auto q_at = [&](int r, int c) {
-    return row[r] < n ? q[((size_t)row[r] * hq + h) * D + c] : zero;
-  };
+  const WarpRows w(cu, n_cu, i0 + warp * 16, gid, n);
   uint32_t qf[D / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const int c = kk * 16 + 2 * tig;
-    qf[kk][0] = pack_bf16x2(q_at(0, c), q_at(0, c + 1));
-    qf[kk][1] = pack_bf16x2(q_at(1, c), q_at(1, c + 1));
-    qf[kk][2] = pack_bf16x2(q_at(0, c + 8), q_at(0, c + 9));
-    qf[kk][3] = pack_bf16x2(q_at(1, c + 8), q_at(1, c + 9));
-  }
+  load_row_frags<D>(qf, q, w, h, hq, n, tig);
   float o[D / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt)
@@ -472,20 +519,9 @@ __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, 
     for (int e = 0; e < 4; ++e) o[dt][e] = 0.f;
   for (int j0 = k_begin; j0 <= i_last; j0 += BK) {
     __syncthreads();  // the previous tile is consumed
-    for (int e = threadIdx.x; e < BK * D; e += blockDim.x) {
-      const int jj = e / D, c = e % D, j = j0 + jj;
-      bf16 kv = zero, vv = zero;
-      if (j <= i_last) {
-        const size_t at = ((size_t)j * hkv + g) * D + c;
-        kv = k[at];
-        vv = v[at];
-      }
-      ks[jj * KS + c] = kv;
-      vs[jj * KS + c] = vv;
-    }
+    load_tile_pair<D, BK>(ks, vs, k, v, j0, i_last + 1, g, hkv);
     __syncthreads();
-    // Warp-uniform: no key of this tile is valid for any of the warp's rows.
-    if (w0 >= n || j0 > w_last || j0 + BK <= w_kbegin) continue;
+    if (w.skips(j0, BK, n)) continue;
     float s[BK / 8][4];
 #pragma unroll
     for (int nt = 0; nt < BK / 8; ++nt)
@@ -505,8 +541,7 @@ __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1, j = j0 + nt * 8 + 2 * tig + (e & 1);
-        const bool valid = j >= row_s[r] && j <= row[r];
-        s[nt][e] = valid ? s[nt][e] * scale : -INFINITY;
+        s[nt][e] = w.attends(r, j) ? s[nt][e] * scale : -INFINITY;
         mx[r] = fmaxf(mx[r], s[nt][e]);
       }
     float m_use[2], corr[2];
@@ -558,8 +593,8 @@ __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, 
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    if (row[r] >= n) continue;
-    const size_t base = ((size_t)row[r] * hq + h) * D;
+    if (w.row[r] >= n) continue;
+    const size_t base = ((size_t)w.row[r] * hq + h) * D;
     const float inv = 1.f / l[r];
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
@@ -567,7 +602,7 @@ __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, 
       out[base + c] = __float2bfloat16(o[dt][2 * r] * inv);
       out[base + c + 1] = __float2bfloat16(o[dt][2 * r + 1] * inv);
     }
-    if (tig == 0) lse[(size_t)row[r] * hq + h] = m[r] + logf(l[r]);
+    if (tig == 0) lse[(size_t)w.row[r] * hq + h] = m[r] + logf(l[r]);
   }
 }
 
@@ -632,35 +667,17 @@ __device__ void varlen_attn_bwd_dq_tc(const bf16* q, const bf16* k, const bf16* 
   if (i0 >= n) return;
   const int i_last = min(i0 + BQ, n) - 1;
   const int k_begin = cu[seg_of(cu, n_cu, i0)];
-  const int w0 = i0 + warp * 16, w_last = min(w0 + 15, n - 1);
-  const int w_kbegin = w0 < n ? cu[seg_of(cu, n_cu, w0)] : n;
-  int row[2], row_s[2];
+  const WarpRows w(cu, n_cu, i0 + warp * 16, gid, n);
   float row_lse[2], row_delta[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    row[r] = w0 + gid + 8 * r;
-    const bool in = row[r] < n;
-    row_s[r] = in ? cu[seg_of(cu, n_cu, row[r])] : n;
-    row_lse[r] = in ? lse[(size_t)row[r] * hq + h] : 0.f;
-    row_delta[r] = in ? delta[(size_t)row[r] * hq + h] : 0.f;
+    const bool in = w.row[r] < n;
+    row_lse[r] = in ? lse[(size_t)w.row[r] * hq + h] : 0.f;
+    row_delta[r] = in ? delta[(size_t)w.row[r] * hq + h] : 0.f;
   }
-  const bf16 zero = __float2bfloat16(0.f);
-  auto at = [&](const bf16* x, int r, int c) {
-    return row[r] < n ? x[((size_t)row[r] * hq + h) * D + c] : zero;
-  };
   uint32_t qf[D / 16][4], gf[D / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const int c = kk * 16 + 2 * tig;
-    qf[kk][0] = pack_bf16x2(at(q, 0, c), at(q, 0, c + 1));
-    qf[kk][1] = pack_bf16x2(at(q, 1, c), at(q, 1, c + 1));
-    qf[kk][2] = pack_bf16x2(at(q, 0, c + 8), at(q, 0, c + 9));
-    qf[kk][3] = pack_bf16x2(at(q, 1, c + 8), at(q, 1, c + 9));
-    gf[kk][0] = pack_bf16x2(at(dout, 0, c), at(dout, 0, c + 1));
-    gf[kk][1] = pack_bf16x2(at(dout, 1, c), at(dout, 1, c + 1));
-    gf[kk][2] = pack_bf16x2(at(dout, 0, c + 8), at(dout, 0, c + 9));
-    gf[kk][3] = pack_bf16x2(at(dout, 1, c + 8), at(dout, 1, c + 9));
-  }
+  load_row_frags<D>(qf, q, w, h, hq, n, tig);
+  load_row_frags<D>(gf, dout, w, h, hq, n, tig);
   float acc[D / 8][4];
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt)
@@ -668,19 +685,9 @@ __device__ void varlen_attn_bwd_dq_tc(const bf16* q, const bf16* k, const bf16* 
     for (int e = 0; e < 4; ++e) acc[dt][e] = 0.f;
   for (int j0 = k_begin; j0 <= i_last; j0 += BK) {
     __syncthreads();  // the previous tile is consumed
-    for (int e = threadIdx.x; e < BK * D; e += blockDim.x) {
-      const int jj = e / D, c = e % D, j = j0 + jj;
-      bf16 kv = zero, vv = zero;
-      if (j <= i_last) {
-        const size_t o = ((size_t)j * hkv + g) * D + c;
-        kv = k[o];
-        vv = v[o];
-      }
-      ks[jj * KS + c] = kv;
-      vs[jj * KS + c] = vv;
-    }
+    load_tile_pair<D, BK>(ks, vs, k, v, j0, i_last + 1, g, hkv);
     __syncthreads();
-    if (w0 >= n || j0 > w_last || j0 + BK <= w_kbegin) continue;  // warp-uniform
+    if (w.skips(j0, BK, n)) continue;
     float s[BK / 8][4], dp[BK / 8][4];
 #pragma unroll
     for (int nt = 0; nt < BK / 8; ++nt)
@@ -699,8 +706,7 @@ __device__ void varlen_attn_bwd_dq_tc(const bf16* q, const bf16* k, const bf16* 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1, j = j0 + nt * 8 + 2 * tig + (e & 1);
-        const bool valid = j >= row_s[r] && j <= row[r];
-        const float p = valid ? expf(s[nt][e] * scale - row_lse[r]) : 0.f;
+        const float p = w.attends(r, j) ? expf(s[nt][e] * scale - row_lse[r]) : 0.f;
         s[nt][e] = p * (dp[nt][e] - row_delta[r]);  // dS
       }
 #pragma unroll
@@ -712,8 +718,8 @@ __device__ void varlen_attn_bwd_dq_tc(const bf16* q, const bf16* k, const bf16* 
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    if (row[r] >= n) continue;
-    const size_t base = ((size_t)row[r] * hq + h) * D;
+    if (w.row[r] >= n) continue;
+    const size_t base = ((size_t)w.row[r] * hq + h) * D;
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
       const int c = dt * 8 + 2 * tig;
@@ -751,18 +757,7 @@ __device__ void varlen_attn_bwd_dkv_tc(const bf16* q, const bf16* k, const bf16*
   if (j0 >= n) return;
   const int j_last = min(j0 + BKV, n) - 1;
   const int q_end = cu[seg_of(cu, n_cu, j_last) + 1];  // queries j0 .. q_end − 1
-  const bf16 zero = __float2bfloat16(0.f);
-  for (int e = threadIdx.x; e < BKV * D; e += blockDim.x) {
-    const int jj = e / D, c = e % D, j = j0 + jj;
-    bf16 kv = zero, vv = zero;
-    if (j < n) {
-      const size_t o = ((size_t)j * hkv + g) * D + c;
-      kv = k[o];
-      vv = v[o];
-    }
-    kts[jj * KS + c] = kv;
-    vts[jj * KS + c] = vv;
-  }
+  load_tile_pair<D, BKV>(kts, vts, k, v, j0, n, g, hkv);
   // This lane's two keys (rows gid, gid + 8 of the warp's 16) and their segments' ends: query
   // i attends key j iff j <= i < end(j). A key past n gets end −1 (no query).
   const int wk0 = j0 + warp * 16, wk_last = min(wk0 + 15, n - 1);
@@ -781,17 +776,7 @@ __device__ void varlen_attn_bwd_dkv_tc(const bf16* q, const bf16* k, const bf16*
   for (int h = g * rep; h < (g + 1) * rep; ++h) {
     for (int i0 = j0; i0 < q_end; i0 += BQ) {
       __syncthreads();  // the previous step's tiles are consumed (and K, V are written)
-      for (int e = threadIdx.x; e < BQ * D; e += blockDim.x) {
-        const int ii = e / D, c = e % D, i = i0 + ii;
-        bf16 qv = zero, gv = zero;
-        if (i < q_end) {
-          const size_t o = ((size_t)i * hq + h) * D + c;
-          qv = q[o];
-          gv = dout[o];
-        }
-        qs[ii * KS + c] = qv;
-        gs[ii * KS + c] = gv;
-      }
+      load_tile_pair<D, BQ>(qs, gs, q, dout, i0, q_end, h, hq);
       if (threadIdx.x < BQ) {
         const int i = i0 + threadIdx.x;
         lse_s[threadIdx.x] = i < q_end ? lse[(size_t)i * hq + h] : 0.f;
