@@ -11,7 +11,10 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Optimizer, VarMap};
 use common::{as_f32s, as_u32s, fixture};
 use composer_model::lora::{export_adapter, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
-use composer_model::{token_logprobs, LoraConfig, Transformer};
+use composer_model::{
+    generate_deterministic, generate_with_stats, token_logprobs, GenerationRequest, LoraConfig,
+    SamplingParams, Transformer,
+};
 use rand::{Rng, SeedableRng};
 
 fn lora_fixture() -> PathBuf {
@@ -480,4 +483,64 @@ fn export_writes_the_adapter_or_merged_weights_with_the_tokenizer() {
         export_adapter(merged.path(), adapter.path(), true).unwrap_err()
     );
     assert!(e.contains(ADAPTER_CONFIG_FILE), "{e}");
+}
+
+#[test]
+fn adapted_rollouts_sample_what_the_separate_projections_sample() {
+    // Adapters on q and v but not k (a block of zero rows in the stacked q/k/v delta), on gate
+    // but not up, and on down, with non-zero B: the engine's decode adds each stack's adapters
+    // as one packed delta; the deterministic sampler runs every projection and adapter apart.
+    let dev = Device::Cpu;
+    let (mut model, _) =
+        Transformer::load_trainable(&fixture("qwen2-tiny"), &dev, DType::F32).unwrap();
+    let targets = ["q_proj", "v_proj", "gate_proj", "down_proj"].map(String::from);
+    let cfg = LoraConfig::new(4, 8.0, 0.0, Some(&targets)).unwrap();
+    let vm = model.add_lora(&cfg, 13).unwrap();
+    randomize_b(&vm, 5, 0.05);
+    let reqs = vec![
+        GenerationRequest {
+            prompt_ids: vec![380, 361, 10, 67, 14, 265, 8, 90, 3],
+            num_samples: 3,
+            seed: 11,
+        },
+        GenerationRequest {
+            prompt_ids: vec![5, 17],
+            num_samples: 2,
+            seed: 4,
+        },
+    ];
+    let params = SamplingParams {
+        temperature: 1.0,
+        max_new_tokens: 12,
+        stop_token_ids: Some(vec![]),
+        ..Default::default()
+    };
+    let apart = generate_deterministic(&model, &reqs, &params).unwrap();
+    let (stacked, _) = generate_with_stats(&model, &reqs, &params).unwrap();
+    let base = Transformer::load(&fixture("qwen2-tiny"), &dev, DType::F32).unwrap();
+    let (unadapted, _) = generate_with_stats(&base, &reqs, &params).unwrap();
+    let mut moved = 0f32;
+    for ((a, s), u) in apart
+        .iter()
+        .flatten()
+        .zip(stacked.iter().flatten())
+        .zip(unadapted.iter().flatten())
+    {
+        assert_eq!(a.completion_ids, s.completion_ids);
+        let pairs = a.sampler_logprobs.iter().zip(&s.sampler_logprobs);
+        for (x, y) in pairs {
+            assert!((x - y).abs() <= 1e-5, "separate {x} vs stacked {y}");
+        }
+        if a.completion_ids == u.completion_ids {
+            let pairs = a.sampler_logprobs.iter().zip(&u.sampler_logprobs);
+            moved = pairs.fold(moved, |m, (x, y)| m.max((x - y).abs()));
+        } else {
+            moved = f32::INFINITY;
+        }
+    }
+    // The adapters change what is sampled: the comparison above is not of two base models.
+    assert!(
+        moved > 1e-3,
+        "the adapters moved the log-probs by only {moved}"
+    );
 }

@@ -280,14 +280,14 @@ impl Attention {
     }
 
     /// The decode step's attention over the paged pool. With `qkv` (the stacked projections,
-    /// [`StackedQkv`]) one product gives q, k and v, and their biases and RoPE are one fused op
-    /// ([`crate::ops::qkv_bias_rope`]); otherwise [`Self::forward`].
+    /// [`Stacked`]) one product (and the adapters' two) gives q, k and v, and their biases and
+    /// RoPE are one fused op ([`crate::ops::qkv_bias_rope`]); otherwise [`Self::forward`].
     fn forward_decode(
         &self,
         x: &Tensor,
         ctx: &Ctx,
         cache: LayerCache,
-        qkv: Option<&StackedQkv>,
+        qkv: Option<&Stacked>,
     ) -> Result<Tensor> {
         let (LayerCache::Paged(pool, step), Some(qkv)) = (&cache, qkv) else {
             return self.forward(x, ctx, Some(cache));
@@ -297,7 +297,7 @@ impl Attention {
         let cos = ctx.cos.reshape((b * t, hd / 2))?;
         let sin = ctx.sin.reshape((b * t, hd / 2))?;
         let (q, kv) = crate::ops::qkv_bias_rope(
-            &crate::ops::linear(&x.reshape((b * t, hidden))?, &qkv.weight)?,
+            &qkv.product(&x.reshape((b * t, hidden))?)?,
             qkv.bias.as_ref(),
             &cos,
             &sin,
@@ -356,23 +356,98 @@ impl Attention {
     }
 }
 
-/// q/k/v's weights stacked `[(heads + 2·kv_heads)·head_dim, hidden]` (q's rows, k's, v's) and
-/// their biases alike: the decode step's one product for all three.
+/// Projections that read the same input stacked for the decode step's one product: q/k/v's
+/// weights `[(heads + 2·kv_heads)·head_dim, hidden]` (q's rows, k's, v's) and their biases
+/// alike, or gate's and up's `[2·intermediate, hidden]`; with their LoRA adapters, if any.
 #[derive(Debug)]
-pub(crate) struct StackedQkv {
+pub(crate) struct Stacked {
     weight: Tensor,
     bias: Option<Tensor>,
+    lora: Option<StackedLora>,
+}
+
+impl Stacked {
+    /// `linears` (reading the same input, biases on all or none) stacked in their order.
+    fn of(linears: &[&Linear]) -> Result<Stacked> {
+        let stack = |ts: &[&Tensor]| -> Result<Tensor> { Ok(Tensor::cat(ts, 0)?.detach()) };
+        let weights: Vec<&Tensor> = linears.iter().map(|l| &l.weight).collect();
+        let biases: Vec<&Tensor> = linears.iter().filter_map(|l| l.bias.as_ref()).collect();
+        Ok(Stacked {
+            weight: stack(&weights)?,
+            bias: (!biases.is_empty()).then(|| stack(&biases)).transpose()?,
+            lora: StackedLora::of(linears)?,
+        })
+    }
+
+    /// The stacked projections of `x` `[rows, in]`, without the biases: `x·Wᵀ`, plus the
+    /// adapters' packed delta.
+    fn product(&self, x: &Tensor) -> Result<Tensor> {
+        let y = crate::ops::linear(x, &self.weight)?;
+        match &self.lora {
+            Some(l) => l.add_to(&y, x),
+            None => Ok(y),
+        }
+    }
+}
+
+/// The LoRA adapters of stacked projections as two products: `x·aᵀ`, with `a` the adapted
+/// projections' `lora_A` stacked (`[Σ r, in]`), then `·bᵀ`, with `b` `[Σ out, Σ r]`
+/// block-diagonal — each adapter's `scaling · lora_B` on its projection's rows and its own
+/// rank's columns, zero rows for a projection without one. The result is the packed delta
+/// of the stacked product (exactly zero where `lora_B` is zero).
+#[derive(Debug)]
+struct StackedLora {
+    a: Tensor,
+    b: Tensor,
+}
+
+impl StackedLora {
+    /// Of `linears` in stacking order; None when none has an adapter.
+    fn of(linears: &[&Linear]) -> Result<Option<StackedLora>> {
+        let adapters: Vec<&LoraAdapter> = linears.iter().filter_map(|l| l.lora.as_ref()).collect();
+        if adapters.is_empty() {
+            return Ok(None);
+        }
+        let a = Tensor::cat(&adapters.iter().map(|ad| &ad.lora_a).collect::<Vec<_>>(), 0)?;
+        let rank = a.dim(0)?;
+        let mut blocks = Vec::with_capacity(linears.len());
+        let mut col = 0;
+        for l in linears {
+            let (out, dtype, dev) = (l.weight.dim(0)?, l.weight.dtype(), l.weight.device());
+            let zeros = |cols: usize| Tensor::zeros((out, cols), dtype, dev);
+            blocks.push(match &l.lora {
+                Some(ad) => {
+                    let r = ad.lora_a.dim(0)?;
+                    let b = (&ad.lora_b * ad.scaling)?;
+                    let block = Tensor::cat(&[&zeros(col)?, &b, &zeros(rank - col - r)?], 1)?;
+                    col += r;
+                    block
+                }
+                None => zeros(rank)?,
+            });
+        }
+        Ok(Some(StackedLora {
+            a: a.detach(),
+            b: Tensor::cat(&blocks, 0)?.detach(),
+        }))
+    }
+
+    /// `y + (x·aᵀ)·bᵀ` for the stacked product `y` of `x` `[rows, in]`.
+    fn add_to(&self, y: &Tensor, x: &Tensor) -> Result<Tensor> {
+        let delta = crate::ops::linear(&crate::ops::linear(x, &self.a)?, &self.b)?;
+        Ok((y + delta)?)
+    }
 }
 
 /// A decoder layer's projections stacked for the decode step, where they can be (see
 /// [`DecoderLayer::stack_for_decode`]): on a GPU, where the decode step is bound by launches,
-/// two products fewer per layer than the separate projections. A copy of those weights,
+/// two products fewer per layer than the separate projections (with adapters, two products
+/// per stack for all of its adapters instead of two per adapter). A copy of those weights,
 /// built from the weights the rollout samples with.
 #[derive(Debug)]
 pub(crate) struct LayerStacks {
-    qkv: Option<StackedQkv>,
-    /// gate's and up's weights stacked `[2·intermediate, hidden]`.
-    gate_up: Option<Tensor>,
+    qkv: Option<Stacked>,
+    gate_up: Option<Stacked>,
 }
 
 /// SwiGLU MLP (`mlp.*`).
@@ -387,13 +462,18 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    /// The decode step's MLP: with `gate_up` (gate's and up's weights stacked, `[2·I, hidden]`)
-    /// one product and one packed SwiGLU instead of two products and a SwiGLU.
-    fn forward_decode(&self, x: &Tensor, path: OpPath, gate_up: Option<&Tensor>) -> Result<Tensor> {
+    /// The decode step's MLP: with `gate_up` (gate's and up's projections stacked) one product
+    /// and one packed SwiGLU instead of two products and a SwiGLU.
+    fn forward_decode(
+        &self,
+        x: &Tensor,
+        path: OpPath,
+        gate_up: Option<&Stacked>,
+    ) -> Result<Tensor> {
         match gate_up {
-            Some(w) => self
+            Some(gu) => self
                 .down_proj
-                .forward(&crate::ops::swiglu_packed(&crate::ops::linear(x, w)?)?),
+                .forward(&crate::ops::swiglu_packed(&gu.product(x)?)?),
             None => self.forward(x, path, false),
         }
     }
@@ -460,30 +540,22 @@ impl DecoderLayer {
         next_norm.add_forward(&x, &mlp, ctx.path)
     }
 
-    /// This layer's projections stacked for the decode step ([`LayerStacks`]): q/k/v where
-    /// none has an adapter, the layer has no q/k norms, and all or none have biases; gate/up
-    /// where neither has an adapter or a bias.
+    /// This layer's projections stacked for the decode step ([`LayerStacks`]), adapters
+    /// included: q/k/v where the layer has no q/k norms (they act between the projection and
+    /// RoPE) and all or none have biases; gate/up where neither has a bias.
     pub(super) fn stack_for_decode(&self) -> Result<LayerStacks> {
         let a = &self.self_attn;
         let qkv = [&a.q_proj, &a.k_proj, &a.v_proj];
-        let biases: Vec<&Tensor> = qkv.iter().filter_map(|p| p.bias.as_ref()).collect();
-        let stack = |ts: &[&Tensor]| -> Result<Tensor> { Ok(Tensor::cat(ts, 0)?.detach()) };
-        let qkv = if a.q_norm.is_none()
-            && a.k_norm.is_none()
-            && qkv.iter().all(|p| p.lora.is_none())
-            && (biases.is_empty() || biases.len() == 3)
-        {
-            Some(StackedQkv {
-                weight: stack(&qkv.map(|p| &p.weight))?,
-                bias: (!biases.is_empty()).then(|| stack(&biases)).transpose()?,
-            })
+        let biases = qkv.iter().filter(|p| p.bias.is_some()).count();
+        let qkv = if a.q_norm.is_none() && a.k_norm.is_none() && (biases == 0 || biases == 3) {
+            Some(Stacked::of(&qkv)?)
         } else {
             None
         };
         let m = &self.mlp;
         let gate_up = [&m.gate_proj, &m.up_proj];
-        let gate_up = if gate_up.iter().all(|p| p.lora.is_none() && p.bias.is_none()) {
-            Some(stack(&gate_up.map(|p| &p.weight))?)
+        let gate_up = if gate_up.iter().all(|p| p.bias.is_none()) {
+            Some(Stacked::of(&gate_up)?)
         } else {
             None
         };
