@@ -8,7 +8,7 @@
 #   first (the call for a session's 15 minutes of device time: tests attn bench05 profile), or
 #   profile (tools/cupti_profile: GPU time per kernel in each phase of a training step and a
 #   decode, files profile-*.txt in $OUT), or
-#   attn (a short check of the newest kernels: the tests ops_attention and ops_head, and the
+#   attn (a short check of the newest kernels: the tests ops_attention and ops_step, and the
 #   16k-token Qwen3-0.6B row padding-free, with and without checkpointing).
 #   `rollout`: `bench rollout --workload grpo` (16 x 8 x 256 on the 0.5B shape) and `bench grpo`
 #   (whole GRPO steps vs TRL 1.16's GRPOTrainer; TRL and its missing pure-Python dependencies
@@ -161,7 +161,7 @@ if want attn; then
   # tests section ran them), the attention test again on the scalar kernels
   # (COMPOSER_ATTENTION_TC=0; bf16 at head_dim 64/128 runs the tensor-core kernels otherwise),
   # then the same workloads timed both ways.
-  runs=("ops_attention:" "ops_head:")
+  runs=("ops_attention:" "ops_step:")
   want tests && runs=()
   runs+=("ops_attention:0")
   for run in "${runs[@]}"; do

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds what tools/gpu_check.sh needs into .device/ (git-ignored; carried by the device tool):
 # the CUDA release binary, the CUDA test binaries of composer-model (parity, training_and_rollout,
-# ops, ops_attention, ops_head, paged_kv), the CUPTI kernel profiler, and the hf-tiny fixtures.
+# ops, ops_attention, ops_step, paged_kv), the CUPTI kernel profiler, and the hf-tiny fixtures.
 # Needs the toolkit from ../shared/cuda/setup-toolkit.sh in .cuda-toolkit/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ rm -rf .device /tmp/devpack && mkdir -p .device/shared/fixtures /tmp/devpack/tes
 # their PTX (~50-65 MB each stripped, ~23 MB for all three packed).
 strip -o /tmp/devpack/composer-rl "$CARGO_TARGET_DIR/release/composer-rl"
 cargo test --release -p composer-model --features cuda --no-run 2>&1 \
-  | grep -oE '\(/[^)]*/deps/(parity|training_and_rollout|ops|ops_attention|ops_head|paged_kv)-[0-9a-f]+\)' | tr -d '()' \
+  | grep -oE '\(/[^)]*/deps/(parity|training_and_rollout|ops|ops_attention|ops_step|paged_kv)-[0-9a-f]+\)' | tr -d '()' \
   | while read -r exe; do strip -o "/tmp/devpack/tests/$(basename "$exe" | cut -d- -f1)" "$exe"; done
 # The CUPTI kernel profiler (tools/cupti_profile, gpu_check.sh section `profile`), built
 # against CUPTI 13.0 and carried with that libcupti so records and headers agree.

@@ -4,7 +4,7 @@
 #   tools/cuda_emu/run.sh [--quick]                      every driver
 #   tools/cuda_emu/run.sh [--quick] DRIVER [ARGS...]     one driver; ARGS go to it (case indices)
 # DRIVER: varlen_attention (attention_kernels.cu), paged_decode, sample_inverse_cdf, kv_write (decode_kernels.cu),
-# head_softmax, add_rms_norm, qkv_bias_rope, rope, swiglu_packed (kernels.cu).
+# head_softmax, add_rms_norm, qkv_bias_rope, rope, swiglu_packed, adamw (kernels.cu).
 # --quick: each driver's quick subset of its cases (the default runs all of them).
 # SANITIZE=address (default: ASan + UBSan, out-of-bounds global/shared memory and undefined
 # behaviour abort), thread (TSan: a missing __syncthreads shows as a data race) or none
@@ -15,7 +15,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 ops="$here/../../crates/model/src/ops"
 quick=()
 if [ "${1:-}" = --quick ]; then quick=(--quick); shift; fi
-all=(varlen_attention paged_decode sample_inverse_cdf kv_write head_softmax add_rms_norm qkv_bias_rope rope swiglu_packed)
+all=(varlen_attention paged_decode sample_inverse_cdf kv_write head_softmax add_rms_norm qkv_bias_rope rope swiglu_packed adamw)
 if [ $# -gt 0 ]; then drivers=("$1"); shift; else drivers=("${all[@]}"); fi
 case "${SANITIZE:-address}" in
   address) flags=(-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all) ;;

@@ -1,6 +1,7 @@
 //! AdamW over named f32 `Var`s, with its state (m, v, step) saveable for checkpoints (candle's
-//! `AdamW` keeps its state private). The update follows `torch.optim.AdamW` (decoupled weight
-//! decay, bias-corrected moments, ε added after the square root):
+//! `AdamW` keeps its state private). The update is `torch.optim.AdamW`'s (decoupled weight
+//! decay, bias-corrected moments, ε added after the square root), in its arithmetic order, as
+//! two in-place passes per parameter ([`composer_model::ops::adamw_update`]):
 //!
 //! ```text
 //! θ ← θ − lr·λ·θ
@@ -13,6 +14,7 @@ use std::collections::HashMap;
 
 use anyhow::{Context, Result};
 use candle_core::{Tensor, Var};
+use composer_model::ops::{adamw_update, AdamWStep};
 
 /// AdamW hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -29,10 +31,9 @@ pub struct AdamWParams {
 pub struct AdamW {
     /// (name, var), sorted by name so every reduction has a fixed order.
     pub vars: Vec<(String, Var)>,
-    /// First moments, by name.
-    pub m: HashMap<String, Tensor>,
-    /// Second moments, by name.
-    pub v: HashMap<String, Tensor>,
+    /// Moments by name: `[2, …]` of the variable's shape, m then v (one tensor: the update's
+    /// first pass writes both).
+    pub moments: HashMap<String, Tensor>,
     /// Optimizer steps taken.
     pub step: u64,
     /// Hyper-parameters.
@@ -43,61 +44,56 @@ impl AdamW {
     /// Fresh state (zero moments) for `vars`.
     pub fn new(mut vars: Vec<(String, Var)>, params: AdamWParams) -> Result<Self> {
         vars.sort_by(|a, b| a.0.cmp(&b.0));
-        let mut m = HashMap::new();
-        let mut v = HashMap::new();
+        let mut moments = HashMap::new();
         for (name, var) in &vars {
-            m.insert(name.clone(), var.as_tensor().zeros_like()?);
-            v.insert(name.clone(), var.as_tensor().zeros_like()?);
+            let t = var.as_tensor();
+            let mut shape = vec![2];
+            shape.extend_from_slice(t.dims());
+            moments.insert(name.clone(), Tensor::zeros(shape, t.dtype(), t.device())?);
         }
         Ok(Self {
             vars,
-            m,
-            v,
+            moments,
             step: 0,
             params,
         })
     }
 
-    /// One update with learning rate `lr` from `grads` (by name; a missing gradient counts as 0).
+    /// One update with learning rate `lr` from `grads` (by name; a variable without a gradient
+    /// is not updated, its moments not decayed).
     pub fn step(&mut self, grads: &HashMap<String, Tensor>, lr: f64) -> Result<()> {
         self.step += 1;
-        let [b1, b2] = self.params.betas;
-        let t = self.step as i32;
-        let bc1 = 1.0 - b1.powi(t);
-        let bc2 = 1.0 - b2.powi(t);
+        let h = AdamWStep {
+            lr,
+            betas: self.params.betas,
+            eps: self.params.eps,
+            weight_decay: self.params.weight_decay,
+            step: self.step,
+        };
         for (name, var) in &self.vars {
             let Some(g) = grads.get(name) else { continue };
-            let m = self.m.get(name).context("optimizer state")?;
-            let v = self.v.get(name).context("optimizer state")?;
-            let m = ((m * b1)? + (g * (1.0 - b1))?)?;
-            let v = ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?;
-            let theta = var.as_tensor();
-            let theta = (theta * (1.0 - lr * self.params.weight_decay))?;
-            let denom = ((&v / bc2)?.sqrt()? + self.params.eps)?;
-            let upd = ((&m / bc1)? / denom)?;
-            var.set(&(theta - (upd * lr)?)?)?;
-            self.m.insert(name.clone(), m);
-            self.v.insert(name.clone(), v);
+            let moments = self.moments.get(name).context("optimizer state")?;
+            adamw_update(var.as_tensor(), moments, g, &h)
+                .with_context(|| format!("AdamW update of {name}"))?;
         }
         Ok(())
     }
 
     /// Moments as named tensors (`m.<name>`, `v.<name>`) for a safetensors file.
-    pub fn state_tensors(&self) -> HashMap<String, Tensor> {
+    pub fn state_tensors(&self) -> Result<HashMap<String, Tensor>> {
         let mut out = HashMap::new();
-        for (k, t) in &self.m {
-            out.insert(format!("m.{k}"), t.clone());
+        for (k, t) in &self.moments {
+            out.insert(format!("m.{k}"), t.get(0)?);
+            out.insert(format!("v.{k}"), t.get(1)?);
         }
-        for (k, t) in &self.v {
-            out.insert(format!("v.{k}"), t.clone());
-        }
-        out
+        Ok(out)
     }
 
     /// Restore moments from [`AdamW::state_tensors`] output and the step count.
     pub fn load_state(&mut self, tensors: &HashMap<String, Tensor>, step: u64) -> Result<()> {
         for (name, var) in &self.vars {
-            for (prefix, map) in [("m", &mut self.m), ("v", &mut self.v)] {
+            let mut halves = Vec::with_capacity(2);
+            for prefix in ["m", "v"] {
                 let key = format!("{prefix}.{name}");
                 let t = tensors
                     .get(&key)
@@ -109,23 +105,31 @@ impl AdamW {
                         var.dims()
                     );
                 }
-                map.insert(name.clone(), t.clone());
+                let t = t.to_dtype(var.dtype())?.to_device(var.device())?;
+                halves.push(t);
             }
+            self.moments
+                .insert(name.clone(), Tensor::stack(&halves, 0)?);
         }
         self.step = step;
         Ok(())
     }
 }
 
-/// Global L2 norm of the gradients (fixed summation order by name).
+/// Global L2 norm of the gradients: each one's sum of squares on its device, then one
+/// read-back of them all (not one per gradient: on a GPU each is a synchronisation), summed in
+/// f64 in name order.
 pub fn grad_norm(names: &[String], grads: &HashMap<String, Tensor>) -> Result<f64> {
-    let mut sq = 0f64;
-    for n in names {
-        if let Some(g) = grads.get(n) {
-            sq += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
-        }
+    let sums: Vec<Tensor> = names
+        .iter()
+        .filter_map(|n| grads.get(n))
+        .map(|g| g.to_dtype(candle_core::DType::F32)?.sqr()?.sum_all())
+        .collect::<candle_core::Result<_>>()?;
+    if sums.is_empty() {
+        return Ok(0.0);
     }
-    Ok(sq.sqrt())
+    let sums: Vec<f32> = Tensor::stack(&sums, 0)?.to_vec1()?;
+    Ok(sums.iter().map(|&x| x as f64).sum::<f64>().sqrt())
 }
 
 /// Scale all gradients so their global norm is at most `max_norm` (torch clip_grad_norm_:

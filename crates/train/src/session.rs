@@ -548,7 +548,7 @@ pub fn save(s: &Session, extra_files: Vec<(String, Vec<u8>)>) -> Result<PathBuf>
             config: s.model.config().to_hf_json("float32"),
             weights,
             tokenizer_json,
-            optimizer: s.opt.state_tensors(),
+            optimizer: s.opt.state_tensors()?,
             source_dir: s.model.source_dir.as_deref(),
             adapter_config: s
                 .lora_base

@@ -554,3 +554,32 @@ pub(crate) fn head_logits_grad(
         },
     )
 }
+
+/// One of AdamW's two in-place passes (`adamw_moments` / `adamw_params` in kernels.cu, f32):
+/// `name(dst, src, n, scalars…)` over the `n` elements of a parameter, `dst` updated in place.
+pub(crate) fn adamw_pass(
+    name: &str,
+    dst: (&mut CudaStorage, &Layout),
+    src: (&CudaStorage, &Layout),
+    n: usize,
+    scalars: &[f64],
+) -> Result<()> {
+    let dev = src.0.device().clone();
+    let Some((a, b)) = dst.1.contiguous_offsets() else {
+        candle_core::bail!("{name}: the updated tensor must be contiguous")
+    };
+    let src = view::<f32>(src.0, src.1, name)?;
+    let mut dst = dst.0.as_cuda_slice_mut::<f32>()?.slice_mut(a..b);
+    let f = dev.get_or_load_custom_func(&kernel_name(name, DType::F32)?, MODULE, PTX)?;
+    let n64 = n as u64;
+    let scalars: Vec<f32> = scalars.iter().map(|&x| x as f32).collect();
+    let mut builder = f.builder();
+    builder.arg(&mut dst).arg(&src).arg(&n64);
+    for x in &scalars {
+        builder.arg(x);
+    }
+    // SAFETY: the arguments match the kernel's signature; `dst` holds the pass's elements
+    // (n for a parameter, 2n for its moments) and `src` the other's, as adamw_update checked.
+    unsafe { builder.launch(elementwise_config(n)) }.w()?;
+    Ok(())
+}

@@ -410,3 +410,28 @@ __device__ void head_logits_grad(const T* z, const float* stats, const uint32_t*
 
 INSTANTIATE(float, f32)
 INSTANTIATE(bf16, bf16)
+
+// ---- AdamW's two in-place passes (ops/adamw.rs; CPU twins moments_pass / param_pass) ----
+// torch.optim.AdamW's arithmetic in its order, f32 (the master weights, moments and gradients).
+// mv = [m…, v…] of a parameter's n elements: m ← lerp(m, g, w), v ← v·β2 + ((1 − β2)·g)·g.
+extern "C" __global__ void adamw_moments_f32(float* mv, const float* g, unsigned long long n,
+                                             float w, float b2, float omb2) {
+  const bool small = w < 0.5f;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)blockDim.x * gridDim.x) {
+    const float gi = g[i], m = mv[i];
+    mv[i] = small ? m + w * (gi - m) : gi - (gi - m) * (1.f - w);
+    mv[n + i] = mv[n + i] * b2 + omb2 * gi * gi;
+  }
+}
+
+// θ ← θ·decay, then θ + (−step size)·(m / (√v / √(1 − β2^t) + ε)).
+extern "C" __global__ void adamw_params_f32(float* p, const float* mv, unsigned long long n,
+                                            float decay, float neg_step, float bc2_sqrt,
+                                            float eps) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)blockDim.x * gridDim.x) {
+    const float decayed = p[i] * decay;
+    p[i] = decayed + neg_step * (mv[i] / (sqrtf(mv[n + i]) / bc2_sqrt + eps));
+  }
+}

@@ -20,6 +20,7 @@
 //! kernel, a CUDA kernel (`decode_kernels.cu`, launched by `decode_cuda.rs`) and a gathering
 //! composition elsewhere.
 
+mod adamw;
 mod attention;
 mod attention_cpu;
 #[cfg(feature = "cuda")]
@@ -38,6 +39,7 @@ mod rms_norm;
 pub(crate) mod rope;
 mod swiglu;
 
+pub use adamw::{adamw_update, AdamWStep};
 pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, check_cu_seqlens};
 #[cfg(feature = "cuda")]
 pub(crate) use decode_cuda::sample_inverse_cdf as sample_inverse_cdf_cuda;
