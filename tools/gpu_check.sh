@@ -8,8 +8,9 @@
 #   first (the call for a session's 15 minutes of device time: tests attn bench05 profile), or
 #   profile (tools/cupti_profile: GPU time per kernel in each phase of a training step and a
 #   decode, files profile-*.txt in $OUT), or
-#   attn (a short check of the newest kernels: the tests ops_attention and ops_step, and the
-#   16k-token Qwen3-0.6B row padding-free, with and without checkpointing).
+#   attn (a short check of the newest kernels: the tests ops_attention and ops_step, again on
+#   the scalar attention kernels and with the padded batch through the varlen kernels, the
+#   0.5B step timed those ways, and the 16k-token Qwen3-0.6B row padding-free).
 #   `rollout`: `bench rollout --workload grpo` (16 x 8 x 256 on the 0.5B shape) and `bench grpo`
 #   (whole GRPO steps vs TRL 1.16's GRPOTrainer; TRL and its missing pure-Python dependencies
 #   are installed from .device/wheels, carried). Status lines and
@@ -161,20 +162,26 @@ if want attn; then
   # tests section ran them), the attention test again on the scalar kernels
   # (COMPOSER_ATTENTION_TC=0; bf16 at head_dim 64/128 runs the tensor-core kernels otherwise),
   # then the same workloads timed both ways.
+  # Then `ops` with COMPOSER_PADDED_ATTENTION=varlen: the padded training forward through the
+  # varlen kernels (its check against the composition, every parameter's gradient).
   runs=("ops_attention:" "ops_step:")
   want tests && runs=()
-  runs+=("ops_attention:0")
+  runs+=("ops_attention:COMPOSER_ATTENTION_TC=0" "ops:COMPOSER_PADDED_ATTENTION=varlen")
   for run in "${runs[@]}"; do
-    t=${run%%:*}; tc=${run#*:}
-    late && { note "test $t (cuda${tc:+, scalar}): skipped (BUDGET_S=$BUDGET_S spent)"; continue; }
-    if env ${tc:+COMPOSER_ATTENTION_TC=0} COMPOSER_TEST_DEVICE=cuda timeout "$(lim 200)" "$D/tests/$t" --test-threads 1 >"$W/test-$t$tc.log" 2>&1; then
-      note "test $t (cuda${tc:+, scalar kernels}): PASS ($(grep -o '[0-9]* passed' "$W/test-$t$tc.log" | tail -1))"
+    t=${run%%:*}; var=${run#*:}
+    late && { note "test $t (cuda ${var}): skipped (BUDGET_S=$BUDGET_S spent)"; continue; }
+    log="$W/test-$t-${var:-default}.log"
+    if env $var COMPOSER_TEST_DEVICE=cuda timeout "$(lim 200)" "$D/tests/$t" --test-threads 1 >"$log" 2>&1; then
+      note "test $t (cuda ${var}): PASS ($(grep -o '[0-9]* passed' "$log" | tail -1))"
     else
-      note "test $t (cuda${tc:+, scalar kernels}): FAIL"; grep -E "panicked|FAILED|failed|Error" "$W/test-$t$tc.log" | head -8
+      note "test $t (cuda ${var}): FAIL"; grep -E "panicked|FAILED|failed|Error" "$log" | head -8
     fi
   done
+  # The 0.5B step three ways: packed (varlen, tensor cores), packed on the scalar kernels, and
+  # the padded batch through the varlen kernels (c05-t16 in bench05 is the masked softmax).
   bench "c05-t16pf" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 16 --train-seq-len 512 --skip-decode --padding-free
   COMPOSER_ATTENTION_TC=0 bench "c05-t16pf-scalar" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 16 --train-seq-len 512 --skip-decode --padding-free
+  COMPOSER_PADDED_ATTENTION=varlen bench "c05-t16-varlen" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 16 --train-seq-len 512 --skip-decode
 fi
 if want attn && ! want bench06; then
   bench "c06-t1pf" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode --gradient-checkpointing --padding-free

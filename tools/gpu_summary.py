@@ -70,6 +70,8 @@ def main():
         # kernels (COMPOSER_ATTENTION_TC=0).
         ("qwen2.5-0.5b", 16, 512, False, "c05-t16pf", "te05-t16", "tc05-t16"),
         ("qwen2.5-0.5b", 16, 512, False, "c05-t16pf-scalar", "te05-t16", "tc05-t16"),
+        # the padded batch attending through the varlen kernels (COMPOSER_PADDED_ATTENTION=varlen)
+        ("qwen2.5-0.5b", 16, 512, False, "c05-t16-varlen", "te05-t16", "tc05-t16"),
         ("qwen3-0.6b", 1, 16384, False, "c06-t1", "te06-t1", None),
         # composer-rl padding-free (varlen flash-attention kernel), with and without checkpointing.
         ("qwen3-0.6b", 1, 16384, False, "c06-t1pf", "te06-t1", None),
@@ -92,6 +94,7 @@ def main():
         name += {"pf": " packed+ckpt", "pfn": " packed"}.get(ct.rsplit("t1", 1)[-1].removesuffix("-scalar"), "") if ct.startswith("c06") else ""
         name += " packed" if ct.startswith("c05-t16pf") else ""
         name += " scalar attn" if ct.endswith("-scalar") else ""
+        name += " varlen attn" if ct.endswith("-varlen") else ""
         print(f"{name:<34} | {fmt(c)} | {fmt(e)} | {fmt(k) if kt else f'{chr(45):>27}'} | {r_e}  {r_k}")
 
     print("\ncomposer-rl training step phases (s, synchronised): decoder forward / LM head + log-probs / backward")
@@ -140,4 +143,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        # A report of an unexpected form: say so; the raw reports are in results.jsonl.
+        print(f"\ngpu_summary: stopped at a report it cannot read ({type(e).__name__}: {e}); see results.jsonl")

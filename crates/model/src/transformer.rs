@@ -339,7 +339,7 @@ impl Transformer {
             .index_select(&pos, 0)?
             .reshape((b, t, half))?
             .to_dtype(self.dtype)?;
-        let (mask, cu_seqlens) = if path == OpPath::Kernels && self.device.is_cpu() {
+        let (mask, cu_seqlens) = if path == OpPath::Kernels && padded_batch_varlen(&self.device) {
             (None, packed_segments(&pads, t))
         } else {
             (self.build_mask(&pads, past, t)?, Vec::new())
@@ -469,6 +469,18 @@ impl Transformer {
             &self.device,
         )?))
     }
+}
+
+/// Whether a padded training batch on `device` attends through the varlen kernels (its rows'
+/// tokens as packed segments, [`packed_segments`]: no `[heads, T, T]` scores) rather than the
+/// masked softmax over the padded batch: always on the CPU; on CUDA with
+/// `COMPOSER_PADDED_ATTENTION=varlen` — the masked softmax stays CUDA's default until the varlen
+/// kernels have run on a GPU (tools/gpu_check.sh's `attn` section times both).
+fn padded_batch_varlen(device: &Device) -> bool {
+    static VARLEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    device.is_cpu()
+        || *VARLEN
+            .get_or_init(|| std::env::var("COMPOSER_PADDED_ATTENTION").is_ok_and(|v| v == "varlen"))
 }
 
 /// `cu_seqlens` of a `[B, T]` batch packed as `B·T` tokens, the same attention pattern as
