@@ -1,7 +1,8 @@
 //! `composer-rl bench rollout`: the rollout engine's decode throughput on an HF checkpoint, for
 //! a side-by-side comparison with transformers' `generate` on the same prompt ids (the CLI
-//! runs `tools/bench_generate_hf.py`), and the sampler-vs-scorer log-prob difference of
-//! deterministic mode on the same checkpoint.
+//! runs `tools/bench_generate_hf.py`); deterministic mode's throughput on the same workload
+//! (what its bitwise sampler-vs-scorer log-probs cost) and that difference on the same
+//! checkpoint.
 //!
 //! Every sample runs to `new_tokens` (no stop ids), as `generate(min_new_tokens =
 //! max_new_tokens)` does on the Python side, so both decode the same number of tokens.
@@ -41,6 +42,11 @@ pub struct RolloutBenchReport {
     pub tokens_per_s: f64,
     /// CPU threads of candle's pool.
     pub threads: usize,
+    /// Deterministic mode (`deterministic = true`: every sample alone, token by token) on the
+    /// same workload: tokens per second of each timed run, alternating with the engine's.
+    pub deterministic_runs_tokens_per_s: Vec<f64>,
+    /// Their median.
+    pub deterministic_tokens_per_s: f64,
     /// Tokens compared in deterministic mode.
     pub deterministic_tokens: usize,
     /// Max |sampler − scorer| log-prob over them (0 = bitwise equal).
@@ -58,8 +64,9 @@ pub fn median(xs: &[f64]) -> f64 {
     }
 }
 
-/// Decodes `batch × new_tokens` on the CPU (f32) `repeats` times, then checks deterministic
-/// mode's sampler log-probs against its scorer on two samples.
+/// Decodes `batch × new_tokens` on the CPU (f32) `repeats` times with the engine and as many
+/// in deterministic mode, alternating, then checks deterministic mode's sampler log-probs
+/// against its scorer on two samples.
 pub fn bench_rollout(opts: &RolloutBenchOptions) -> Result<RolloutBenchReport> {
     if opts.batch == 0 || opts.new_tokens == 0 || opts.repeats == 0 {
         bail!(
@@ -91,25 +98,43 @@ pub fn bench_rollout(opts: &RolloutBenchOptions) -> Result<RolloutBenchReport> {
         num_samples: opts.batch,
         seed,
     };
-    let mut runs = Vec::with_capacity(opts.repeats);
-    for run in 0..=opts.repeats {
+    let det_params = SamplingParams {
+        deterministic: true,
+        ..params.clone()
+    };
+    // Tokens per second of one run of `params` (every sample must reach --new-tokens).
+    let timed = |params: &SamplingParams, seed: u64| -> Result<f64> {
         let start = Instant::now();
-        let (out, stats) = generate_with_stats(&policy.model, &[request(run as u64)], &params)?;
+        let (out, stats) = if params.deterministic {
+            let out = crate::generate(&policy.model, &[request(seed)], params)?;
+            let n = out.iter().flatten().map(|s| s.completion_ids.len()).sum();
+            (out, n)
+        } else {
+            let (out, stats) = generate_with_stats(&policy.model, &[request(seed)], params)?;
+            (out, stats.generated_tokens)
+        };
         let secs = start.elapsed().as_secs_f64();
         let tokens: usize = out.iter().flatten().map(|s| s.completion_ids.len()).sum();
-        if tokens != opts.batch * opts.new_tokens || stats.generated_tokens != tokens {
+        if tokens != opts.batch * opts.new_tokens || stats != tokens {
             bail!("bench rollout: decoded {tokens} tokens, expected every sample to run to --new-tokens");
         }
+        Ok(tokens as f64 / secs)
+    };
+    // One warm-up each, then the timed runs alternating between the engine and deterministic
+    // mode so both see the machine's noise.
+    let (mut runs, mut det_runs) = (Vec::new(), Vec::new());
+    for run in 0..=opts.repeats {
+        let (engine, det) = (timed(&params, run as u64)?, timed(&det_params, run as u64)?);
         if run > 0 {
-            runs.push(tokens as f64 / secs);
+            runs.push(engine);
+            det_runs.push(det);
         }
     }
 
     // Deterministic mode: the sampler's log-probs against the scorer's on the same ids.
     let det_params = SamplingParams {
-        deterministic: true,
         max_new_tokens: opts.new_tokens.min(32),
-        ..params.clone()
+        ..det_params
     };
     let det_req = GenerationRequest {
         num_samples: 2,
@@ -133,6 +158,8 @@ pub fn bench_rollout(opts: &RolloutBenchOptions) -> Result<RolloutBenchReport> {
         tokens_per_s: median(&runs),
         runs_tokens_per_s: runs,
         threads: candle_core::utils::get_num_threads(),
+        deterministic_tokens_per_s: median(&det_runs),
+        deterministic_runs_tokens_per_s: det_runs,
         deterministic_tokens: compared,
         deterministic_max_abs_diff: max_diff,
     })
