@@ -435,8 +435,8 @@ __device__ __forceinline__ void load_tile_pair(bf16* a_s, bf16* b_s, const bf16*
 }
 
 // A warp's 16 query rows w0 .. w0 + 15 of a block and this lane's two of them, w0 + gid (r = 0)
-// and w0 + gid + 8 (r = 1), with their segments' starts. A row past n gets segment start n: no
-// key is valid for it.
+// and w0 + gid + 8 (r = 1), with their segments' starts. A row past n gets the segment start
+// INT_MAX: no key is valid for it.
 struct WarpRows {
   int w0, w_last, w_kbegin;
   int row[2], row_s[2];
@@ -447,7 +447,7 @@ struct WarpRows {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       row[r] = w0 + gid + 8 * r;
-      row_s[r] = row[r] < n ? cu[seg_of(cu, n_cu, row[r])] : n;
+      row_s[r] = row[r] < n ? cu[seg_of(cu, n_cu, row[r])] : 0x7fffffff;
     }
   }
 
