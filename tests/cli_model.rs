@@ -488,7 +488,10 @@ fn bench_rollout_decodes_every_token_and_deterministic_mode_matches_the_scorer()
         assert!(ours["tokens_per_s"].as_f64().unwrap() > 0.0, "{name}: {v}");
         let det = ours["deterministic_runs_tokens_per_s"].as_array().unwrap();
         assert_eq!(det.len(), 1, "{name}: {v}");
-        assert!(ours["deterministic_tokens_per_s"].as_f64().unwrap() > 0.0, "{name}: {v}");
+        assert!(
+            ours["deterministic_tokens_per_s"].as_f64().unwrap() > 0.0,
+            "{name}: {v}"
+        );
         assert_eq!(ours["deterministic_tokens"], 12, "{name}: {v}");
         assert_eq!(ours["deterministic_max_abs_diff"], 0.0, "{name}: {v}");
         assert!(v["transformers"].is_null(), "{v}");

@@ -11,8 +11,8 @@
 //! the sampler's own `log softmax(logits / T)` ([`sampler_log_softmax`]).
 //!
 //! The price is throughput: no batching and no multi-token prefill (see BENCHMARKS.md,
-//! "Deterministic mode"). Same RNG streams as [`generate`](crate::generate), so the
-//! same seed samples from the same uniforms.
+//! "Deterministic mode: what bitwise log-probs cost"). Same RNG streams as
+//! [`generate`](crate::generate), so the same seed samples from the same uniforms.
 
 use crate::kv_cache::KvCache;
 use crate::sampling::{
