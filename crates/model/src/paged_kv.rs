@@ -2,10 +2,10 @@
 //! sequence.
 //!
 //! Each layer keeps a key pool and a value pool `[slots, kv_heads, head_dim]` (the two halves
-//! of one tensor), `block_size` slots per block. A sequence is a [`BlockTable`]: its blocks in order and its length; token
-//! `j` lies in slot `blocks[j / block_size] * block_size + j % block_size`. Blocks are
-//! reference-counted, so the samples of one request point at the same prompt blocks (the
-//! prompt is prefilled once and written once). A sequence appending into a block others still
+//! of one tensor), `block_size` slots per block. A sequence is a [`BlockTable`]: its blocks in
+//! order and its length; token `j` lies in slot `blocks[j / block_size] * block_size + j %
+//! block_size`. Blocks are reference-counted, so the samples of one request point at the same
+//! prompt blocks (the prompt is prefilled once and written once). A sequence appending into a block others still
 //! read copies that block first (copy on write: only a prompt's partly filled last block is
 //! ever shared and appended to); a block is free again when no table holds it. Freed blocks
 //! are reused before the pool grows; the pool grows (one copy of each layer's pool) only when

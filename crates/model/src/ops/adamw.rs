@@ -105,8 +105,9 @@ pub fn adamw_update(param: &Tensor, moments: &Tensor, grad: &Tensor, h: &AdamWSt
     }
     let s = Scalars::new(h);
     let n = param.elem_count();
-    moments.inplace_op2(&grad.contiguous()?, &MomentsOp { n, s })?;
-    param.inplace_op2(moments, &ParamOp { n, s })?;
+    let pass = |pass| AdamWPass { pass, n, s };
+    moments.inplace_op2(&grad.contiguous()?, &pass(Pass::Moments))?;
+    param.inplace_op2(moments, &pass(Pass::Param))?;
     Ok(())
 }
 
@@ -171,14 +172,36 @@ fn param_pass<T: Elem>(p: &mut [T], mv: &[T], s: &Scalars) {
     }
 }
 
-struct MomentsOp {
+/// Which of the two passes an [`AdamWPass`] runs: the moments (`[2, n]`, updated) from the
+/// gradient (`[n]`), or the parameter (`[n]`, updated) from the moments.
+#[derive(Clone, Copy)]
+enum Pass {
+    Moments,
+    Param,
+}
+
+/// One pass over a parameter of `n` elements, in place on the first tensor.
+struct AdamWPass {
+    pass: Pass,
     n: usize,
     s: Scalars,
 }
 
-struct ParamOp {
-    n: usize,
-    s: Scalars,
+impl AdamWPass {
+    /// Elements of the updated tensor and of the one read.
+    fn lens(&self) -> (usize, usize) {
+        match self.pass {
+            Pass::Moments => (2 * self.n, self.n),
+            Pass::Param => (self.n, 2 * self.n),
+        }
+    }
+
+    fn run<T: Elem>(&self, dst: &mut [T], src: &[T]) {
+        match self.pass {
+            Pass::Moments => moments_pass(dst, src, &self.s),
+            Pass::Param => param_pass(dst, src, &self.s),
+        }
+    }
 }
 
 /// The contiguous range of `l`, or an error naming `what`.
@@ -189,36 +212,36 @@ fn range(l: &Layout, what: &str) -> candle_core::Result<(usize, usize)> {
     }
 }
 
-impl InplaceOp2 for MomentsOp {
+impl InplaceOp2 for AdamWPass {
     fn name(&self) -> &'static str {
-        "adamw-moments"
+        match self.pass {
+            Pass::Moments => "adamw-moments",
+            Pass::Param => "adamw-param",
+        }
     }
 
     fn cpu_fwd(
         &self,
-        mv: &mut CpuStorage,
-        lm: &Layout,
-        g: &CpuStorage,
-        lg: &Layout,
+        dst: &mut CpuStorage,
+        ld: &Layout,
+        src: &CpuStorage,
+        ls: &Layout,
     ) -> candle_core::Result<()> {
-        let (a, b) = range(lm, "moments")?;
-        let (c, d) = range(lg, "gradient")?;
-        if b - a != 2 * self.n || d - c != self.n {
+        let (a, b) = range(ld, "updated tensor")?;
+        let (c, d) = range(ls, "tensor read")?;
+        if (b - a, d - c) != self.lens() {
             candle_core::bail!(
-                "adamw: {} moments and {} gradient elements for a parameter of {}",
+                "{}: {} and {} elements for a parameter of {}",
+                self.name(),
                 b - a,
                 d - c,
                 self.n
             )
         }
-        match (mv, g) {
-            (CpuStorage::F32(mv), CpuStorage::F32(g)) => {
-                moments_pass(&mut mv[a..b], &g[c..d], &self.s)
-            }
-            (CpuStorage::F64(mv), CpuStorage::F64(g)) => {
-                moments_pass(&mut mv[a..b], &g[c..d], &self.s)
-            }
-            _ => candle_core::bail!("adamw: f32 or f64 moments and gradient of one dtype"),
+        match (dst, src) {
+            (CpuStorage::F32(dst), CpuStorage::F32(src)) => self.run(&mut dst[a..b], &src[c..d]),
+            (CpuStorage::F64(dst), CpuStorage::F64(src)) => self.run(&mut dst[a..b], &src[c..d]),
+            _ => candle_core::bail!("{}: f32 or f64 tensors of one dtype", self.name()),
         }
         Ok(())
     }
@@ -226,61 +249,22 @@ impl InplaceOp2 for MomentsOp {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        mv: &mut candle_core::CudaStorage,
-        lm: &Layout,
-        g: &candle_core::CudaStorage,
-        lg: &Layout,
+        dst: &mut candle_core::CudaStorage,
+        ld: &Layout,
+        src: &candle_core::CudaStorage,
+        ls: &Layout,
     ) -> candle_core::Result<()> {
         let s = &self.s;
-        let scalars = [s.lerp_weight, s.beta2, s.one_minus_beta2];
-        super::cuda::adamw_pass("adamw_moments", (mv, lm), (g, lg), self.n, &scalars)
-    }
-}
-
-impl InplaceOp2 for ParamOp {
-    fn name(&self) -> &'static str {
-        "adamw-param"
-    }
-
-    fn cpu_fwd(
-        &self,
-        p: &mut CpuStorage,
-        lp: &Layout,
-        mv: &CpuStorage,
-        lm: &Layout,
-    ) -> candle_core::Result<()> {
-        let (a, b) = range(lp, "parameter")?;
-        let (c, d) = range(lm, "moments")?;
-        if b - a != self.n || d - c != 2 * self.n {
-            candle_core::bail!(
-                "adamw: {} parameter and {} moments elements, expected {} and twice that",
-                b - a,
-                d - c,
-                self.n
-            )
-        }
-        match (p, mv) {
-            (CpuStorage::F32(p), CpuStorage::F32(mv)) => {
-                param_pass(&mut p[a..b], &mv[c..d], &self.s)
-            }
-            (CpuStorage::F64(p), CpuStorage::F64(mv)) => {
-                param_pass(&mut p[a..b], &mv[c..d], &self.s)
-            }
-            _ => candle_core::bail!("adamw: f32 or f64 parameter and moments of one dtype"),
-        }
-        Ok(())
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        p: &mut candle_core::CudaStorage,
-        lp: &Layout,
-        mv: &candle_core::CudaStorage,
-        lm: &Layout,
-    ) -> candle_core::Result<()> {
-        let s = &self.s;
-        let scalars = [s.decay, s.neg_step_size, s.bias_correction2_sqrt, s.eps];
-        super::cuda::adamw_pass("adamw_params", (p, lp), (mv, lm), self.n, &scalars)
+        let (kernel, scalars) = match self.pass {
+            Pass::Moments => (
+                "adamw_moments",
+                vec![s.lerp_weight, s.beta2, s.one_minus_beta2],
+            ),
+            Pass::Param => (
+                "adamw_params",
+                vec![s.decay, s.neg_step_size, s.bias_correction2_sqrt, s.eps],
+            ),
+        };
+        super::cuda::adamw_pass(kernel, (dst, ld), (src, ls), self.n, &scalars)
     }
 }

@@ -77,6 +77,18 @@ const TC_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Rows per block of the tensor-core kernels (16 per warp): queries, or keys in ∂K/∂V.
 const TC_ROWS: usize = 16 * WARPS;
 
+/// The tensor-core kernels' tiles through shared memory (their `BK`/`BQ`): keys per tile of
+/// the forward and of ∂Q, queries per step of ∂K/∂V. Each tile row is `d + 8` bf16 (padded
+/// against bank conflicts), and ∂K/∂V also holds its step's lse and delta (2 f32 per query).
+const TC_FWD_KEYS: usize = 64;
+const TC_DQ_KEYS: usize = 32;
+const TC_DKV_QUERIES: usize = 16;
+
+/// f32 units of shared memory for `rows` tile rows of two bf16 tensors (K and V, or q and ∂O).
+fn tc_tile_pair_floats(rows: usize, d: usize) -> usize {
+    rows * (d + 8)
+}
+
 /// Whether attention (forward and backward) runs on tensor cores: bf16 with a head_dim they
 /// are built for, unless `COMPOSER_ATTENTION_TC=0` (the scalar kernels instead: a diagnostic,
 /// and the baseline the GPU check compares them with).
@@ -203,10 +215,9 @@ pub(super) fn varlen_attention_fwd(
     let cu_dev = device_cu(&dev, cu)?;
     let n_cu = cu.len() as i32;
     let tc = tensor_cores(dtype, d);
-    // Tensor cores: K and V tiles of 64 bf16 rows padded to d + 8 (in f32 units: 64·(d + 8)).
     let (rows, name, smem_floats) = if tc {
         let name = format!("varlen_attn_fwd_tc_d{d}");
-        (TC_ROWS, name, 64 * (d + 8))
+        (TC_ROWS, name, tc_tile_pair_floats(TC_FWD_KEYS, d))
     } else {
         let rows = WARPS * tile.fwd_rpw;
         let floats = rows * d + d * (tile.fwd_bk + 1) + tile.fwd_bk * d;
@@ -311,15 +322,14 @@ pub(super) fn varlen_attention_bwd(
                 let (mut dq, mut dkv) = buf.split_at_mut(nq);
                 let (mut dk, mut dv) = dkv.split_at_mut(nkv);
                 // ∂q: query tiles of every query head; ∂k, ∂v: key tiles of every key/value
-                // head. Tensor cores: 64-row blocks, ∂Q's key tiles of 32 and ∂K/∂V's query
-                // steps of 16 (bf16, padded rows of d + 8; the ∂K/∂V step's lse and delta).
+                // head (on tensor cores, the block's keys and a step's queries in shared memory).
                 let (dq_rows, dq_floats, dkv_rows, dkv_floats, suffix) = if tc {
-                    let (rows, padded) = (TC_ROWS, d + 8);
+                    let dkv_tiles = tc_tile_pair_floats(TC_ROWS + TC_DKV_QUERIES, d);
                     (
-                        rows,
-                        32 * padded,
-                        rows,
-                        (rows + 16) * padded + 2 * 16,
+                        TC_ROWS,
+                        tc_tile_pair_floats(TC_DQ_KEYS, d),
+                        TC_ROWS,
+                        dkv_tiles + 2 * TC_DKV_QUERIES,
                         format!("tc_d{d}"),
                     )
                 } else {
