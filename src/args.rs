@@ -280,6 +280,10 @@ pub(crate) enum BenchCommand {
         /// Sequence length of the training step.
         #[arg(long)]
         train_seq_len: Option<usize>,
+        /// Also decode with the engine's fixed-shape steps captured as CUDA graphs
+        /// (`[rollout] cuda_graphs`), timed beside the plain decode in the same run.
+        #[arg(long, conflicts_with = "skip_decode")]
+        cuda_graphs: bool,
         /// Print the numbers as JSON instead of a table.
         #[arg(long)]
         json: bool,

@@ -19,6 +19,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             padding_free,
             dtype,
             train_seq_len,
+            cuda_graphs,
             json,
         } => {
             let device = composer_model::device_from_str(&device)?;
@@ -32,6 +33,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                 ..base
             };
             cfg.skip_decode = skip_decode;
+            cfg.cuda_graphs = cuda_graphs;
             cfg.lora_r = lora;
             cfg.gradient_checkpointing = gradient_checkpointing;
             cfg.padding_free = padding_free;

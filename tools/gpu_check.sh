@@ -154,7 +154,8 @@ if want bench05; then
     bench "c05-t$b" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch "$b" --train-seq-len 512 --skip-decode
     bench "te05-t$b" 150 $TORCH --shape qwen2.5-0.5b --batch "$b" --train-seq-len 512 --skip-decode
   done
-  bench "c05-d" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 1,16,64,256 --skip-train
+  # Decode with and without the fixed-shape steps captured as CUDA graphs, in one run.
+  bench "c05-d" 220 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 1,16,64,256 --skip-train --cuda-graphs
   bench "te05-d" 150 $TORCH --shape qwen2.5-0.5b --batch 1,64 --skip-train
 fi
 if want attn; then
@@ -200,7 +201,7 @@ fi
 if want bench7b; then
   bench "c7-t8" 200 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 8 --train-seq-len 1024 --lora 16 --skip-decode
   bench "te7-t8" 200 $TORCH --shape qwen2.5-7b --batch 8 --train-seq-len 1024 --lora 16 --skip-decode
-  bench "c7-d" 150 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 1,64 --skip-train
+  bench "c7-d" 200 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 1,64 --skip-train --cuda-graphs
 fi
 
 if want ckpt; then

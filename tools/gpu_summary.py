@@ -120,7 +120,9 @@ def main():
             roof = b / ((wbytes + kv) / bw)
             et_ = ers.get(b, {}).get("decode_tokens_per_s")
             tail = f" | HF generate {et_:>8.0f}  ratio {tps / et_:>5.1f}" if et_ else ""
-            print(f"{shape:<14} batch {b:>4}: {tps:>9.0f} tok/s  roofline {roof:>9.0f}  ({100 * tps / roof:>5.1f}%){tail}")
+            g = r.get("decode_graphs_tokens_per_s")
+            graphs = f" | CUDA graphs {g:>9.0f} ({100 * g / roof:>5.1f}%, {g / tps:>4.2f}x)" if g else ""
+            print(f"{shape:<14} batch {b:>4}: {tps:>9.0f} tok/s  roofline {roof:>9.0f}  ({100 * tps / roof:>5.1f}%){graphs}{tail}")
 
     rep = load(d, "c05-rollout-grpo")
     if rep and rep.get("arms"):

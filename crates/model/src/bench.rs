@@ -52,6 +52,10 @@ pub struct BenchConfig {
     /// into one row of segments ([`Transformer::forward_hidden_packed`]; the varlen attention
     /// kernel) instead of the padded batch.
     pub padding_free: bool,
+    /// Also time the decode with fixed-shape steps captured as CUDA graphs
+    /// ([`EngineConfig::cuda_graphs`](crate::EngineConfig::cuda_graphs)), alternating with
+    /// the plain decode.
+    pub cuda_graphs: bool,
 }
 
 /// The benchmarks' dtype on `device` when none is asked for: bf16 on CUDA, f32 on the CPU.
@@ -86,6 +90,7 @@ impl BenchConfig {
             train_iters: 3,
             skip_train: false,
             skip_decode: false,
+            cuda_graphs: false,
             lora_r: None,
             gradient_checkpointing: false,
             padding_free: false,
@@ -171,6 +176,8 @@ pub struct BenchRow {
     pub train_phase_s: Option<[f64; 3]>,
     /// Decode tokens per second (prefill excluded; None if skipped).
     pub decode_tokens_per_s: Option<f64>,
+    /// The same with CUDA graphs (`cuda_graphs`; None unless asked for).
+    pub decode_graphs_tokens_per_s: Option<f64>,
     /// Peak RSS of the process (MB) right after this row's training steps (Linux; the
     /// high-water mark of everything before, too).
     pub peak_rss_after_train_mb: Option<f64>,
@@ -218,8 +225,9 @@ impl BenchReport {
     /// A plain-text table.
     pub fn table(&self) -> String {
         let mb = |x: Option<f64>| x.map(|m| format!("{m:.0}")).unwrap_or_else(|| "-".into());
+        let rate = |x: Option<f64>| x.map(|t| format!("{t:.0}")).unwrap_or_else(|| "-".into());
         let mut s = format!(
-            "composer-model bench: {:.1}M params on {} (train {:?}, decode {:?}); peak RSS before training {} MB\n{:>6} {:>16} {:>16} {:>22}\n",
+            "composer-model bench: {:.1}M params on {} (train {:?}, decode {:?}); peak RSS before training {} MB\n{:>6} {:>16} {:>16} {:>20} {:>22}\n",
             self.num_parameters as f64 / 1e6,
             self.device,
             self.train_dtype,
@@ -228,22 +236,16 @@ impl BenchReport {
             "batch",
             "train tok/s",
             "decode tok/s",
+            "decode graphs tok/s",
             "peak RSS after train MB"
         );
         for r in &self.rows {
-            let train = r
-                .train_tokens_per_s
-                .map(|t| format!("{t:.0}"))
-                .unwrap_or_else(|| "-".into());
-            let decode = r
-                .decode_tokens_per_s
-                .map(|t| format!("{t:.0}"))
-                .unwrap_or_else(|| "-".into());
             s.push_str(&format!(
-                "{:>6} {:>16} {:>16} {:>22}\n",
+                "{:>6} {:>16} {:>16} {:>20} {:>22}\n",
                 r.batch,
-                train,
-                decode,
+                rate(r.train_tokens_per_s),
+                rate(r.decode_tokens_per_s),
+                rate(r.decode_graphs_tokens_per_s),
                 mb(r.peak_rss_after_train_mb)
             ));
         }
@@ -392,13 +394,19 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         let decode_tokens_per_s = if cfg.skip_decode {
             None
         } else {
-            Some(decode_rate(cfg, &decode_model, b)?)
+            Some(decode_rate(cfg, &decode_model, b, false)?)
+        };
+        let decode_graphs_tokens_per_s = if cfg.cuda_graphs && !cfg.skip_decode {
+            Some(decode_rate(cfg, &decode_model, b, true)?)
+        } else {
+            None
         };
         rows.push(BenchRow {
             batch: b,
             train_tokens_per_s,
             train_phase_s,
             decode_tokens_per_s,
+            decode_graphs_tokens_per_s,
             peak_rss_after_train_mb,
         });
     }
@@ -416,8 +424,14 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
 }
 
 /// Decode tokens/s at batch `b`: extra tokens over extra time between a 1-token and an
-/// N-token run, so the prefill is excluded.
-fn decode_rate(cfg: &BenchConfig, decode_model: &Transformer, b: usize) -> Result<f64> {
+/// N-token run, so the prefill is excluded; with `cuda_graphs`, the fixed-shape steps (each
+/// run captures its graphs: the capture is part of the time, as in a rollout).
+fn decode_rate(
+    cfg: &BenchConfig,
+    decode_model: &Transformer,
+    b: usize,
+    cuda_graphs: bool,
+) -> Result<f64> {
     let vocab = cfg.model.vocab_size as u32;
     let requests: Vec<GenerationRequest> = (0..b)
         .map(|i| GenerationRequest {
@@ -434,6 +448,10 @@ fn decode_rate(cfg: &BenchConfig, decode_model: &Transformer, b: usize) -> Resul
         top_k: 0,
         max_new_tokens: n,
         stop_token_ids: Some(vec![]),
+        engine: crate::EngineConfig {
+            cuda_graphs,
+            ..Default::default()
+        },
         ..Default::default()
     };
     generate(decode_model, &requests, &params(2))?;
@@ -442,15 +460,16 @@ fn decode_rate(cfg: &BenchConfig, decode_model: &Transformer, b: usize) -> Resul
     generate(decode_model, &requests, &params(1))?;
     sync(&cfg.device)?;
     let t_one = t0.elapsed().as_secs_f64();
+    let graphs = if cuda_graphs { ", CUDA graphs" } else { "" };
     profile_phase(&format!(
-        "decode batch {b}, {} new tokens",
+        "decode batch {b}, {} new tokens{graphs}",
         cfg.decode_tokens
     ));
     let t0 = Instant::now();
     generate(decode_model, &requests, &params(cfg.decode_tokens))?;
     sync(&cfg.device)?;
     let t_n = t0.elapsed().as_secs_f64();
-    profile_phase(&format!("after decode batch {b}"));
+    profile_phase(&format!("after decode batch {b}{graphs}"));
     Ok((b * (cfg.decode_tokens - 1)) as f64 / (t_n - t_one).max(1e-9))
 }
 

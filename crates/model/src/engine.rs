@@ -36,6 +36,7 @@
 //! Outputs do not depend on the schedule beyond rounding: sample `s` of a request always draws
 //! from the ChaCha8 stream `(request.seed, s)`, whenever it runs and whoever runs beside it.
 
+use crate::decode_graph::{DecodeGraphs, GraphStats};
 use crate::paged_kv::{BlockPool, BlockTable};
 use crate::prefill::{prefill, PrefillCounts};
 use crate::prefix_store::PrefixStore;
@@ -83,6 +84,8 @@ pub struct EngineStats {
     pub kv_pool_blocks: usize,
     /// Shared blocks copied on write (a prompt's partly filled last block).
     pub kv_block_copies: usize,
+    /// The fixed-shape decode's steps, captures and replays (`cuda_graphs`).
+    pub graphs: GraphStats,
     /// Per step, in order.
     pub steps: Vec<StepLoad>,
 }
@@ -219,6 +222,12 @@ pub fn generate_with_store(
     }
     let model = model.detached();
     let stacks = model.stack_for_decode()?;
+    let mut graphs = if cfg.cuda_graphs {
+        let longest = requests.iter().map(|r| need(r.prompt_ids.len())).max();
+        Some(DecodeGraphs::new(&model, bs, longest.unwrap_or(1))?)
+    } else {
+        None
+    };
     let mut pool = BlockPool::new(&model, bs, budget_blocks)?;
     let mut queue: VecDeque<(usize, usize)> = requests
         .iter()
@@ -239,9 +248,17 @@ pub fn generate_with_store(
         let mut logits = None;
         if !batch.active.is_empty() {
             let positions: Vec<usize> = batch.tables.iter().map(|t| t.len).collect();
-            let step = pool.prepare_step(&mut batch.tables)?;
-            logits =
-                Some(model.forward_paged(&batch.pending, &positions, &pool, &step, &stacks)?);
+            logits = Some(match graphs.as_mut() {
+                Some(g) => {
+                    let slots = pool.prepare_appends(&mut batch.tables)?;
+                    let rows = (batch.pending.as_slice(), positions.as_slice());
+                    g.forward(&model, rows, (&batch.tables, &slots), &mut pool, &stacks)?
+                }
+                None => {
+                    let step = pool.prepare_step(&mut batch.tables)?;
+                    model.forward_paged(&batch.pending, &positions, &pool, &step, &stacks)?
+                }
+            });
             batch.tables.iter_mut().for_each(|t| t.len += 1);
             stats.decode_forwards += 1;
         }
@@ -314,6 +331,7 @@ pub fn generate_with_store(
     }
     debug_assert!(batch.active.is_empty() && held.is_none());
     stats.kv_pool_blocks = pool.capacity_blocks();
+    stats.graphs = graphs.map(|g| g.stats).unwrap_or_default();
     stats.kv_block_copies = pool.copies;
     // Samples finish in any order; put them back in sample-index order per request.
     finished.sort_by_key(|(r, s, _)| (*r, *s));

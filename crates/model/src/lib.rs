@@ -36,6 +36,7 @@ pub mod bench_rollout_grpo;
 pub mod checkpoint;
 pub mod chunked_logprobs;
 pub mod config;
+mod decode_graph;
 pub mod deterministic;
 pub mod device;
 pub mod engine;
@@ -58,6 +59,7 @@ pub mod transformer;
 
 pub use chunked_logprobs::{head_logprobs, head_logprobs_with, HeadLogprobs, HeadOptions};
 pub use config::{ModelConfig, ModelType};
+pub use decode_graph::GraphStats;
 pub use deterministic::{generate_deterministic, score_deterministic};
 pub use device::device_from_str;
 pub use engine::{generate_with_stats, generate_with_store, EngineConfig, EngineStats};

@@ -81,6 +81,8 @@ pub(crate) struct BlockPool {
     held: usize,
     /// Blocks copied on write.
     pub(crate) copies: usize,
+    /// Times the pool grew (each growth makes new pool tensors).
+    generation: u64,
 }
 
 impl BlockPool {
@@ -103,6 +105,7 @@ impl BlockPool {
             max_blocks,
             held: 0,
             copies: 0,
+            generation: 0,
         })
     }
 
@@ -161,9 +164,27 @@ impl BlockPool {
             }
         }
         self.refs.resize(new, 0);
+        self.generation += 1;
         // Lowest ids on top of the free stack.
         self.free.extend((old as u32..new as u32).rev());
         Ok(())
+    }
+
+    /// Times the pool grew: the pool tensors of two equal generations are the same tensors
+    /// (what a captured decode step reads).
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Takes a block for good, outside the tables and the budget's count (the padded rows of
+    /// a fixed-shape decode step write and read it; `crate::decode_graph`).
+    pub(crate) fn scratch_block(&mut self) -> Result<u32> {
+        if self.free.is_empty() {
+            self.grow()?;
+        }
+        let b = self.free.pop().expect("grow adds free blocks");
+        self.refs[b as usize] = 1;
+        Ok(b)
     }
 
     /// Another holder of `table`'s blocks (a sample starting from a shared prompt).
@@ -237,14 +258,20 @@ impl BlockPool {
         Ok(self.slot(table, table.len))
     }
 
-    /// Prepares one decode step of `tables` (one new token each): takes the blocks the
-    /// tokens go to, and returns where they are written and what each row then attends to.
-    /// The tables' lengths are not advanced (the caller does after the forward).
-    pub(crate) fn prepare_step(&mut self, tables: &mut [BlockTable]) -> Result<PagedStep> {
+    /// Takes the blocks one new token of each of `tables` goes to; returns their slots.
+    pub(crate) fn prepare_appends(&mut self, tables: &mut [BlockTable]) -> Result<Vec<u32>> {
         let mut slots = Vec::with_capacity(tables.len());
         for t in tables.iter_mut() {
             slots.push(self.prepare_append(t)? as u32);
         }
+        Ok(slots)
+    }
+
+    /// Prepares one decode step of `tables` (one new token each): takes the blocks the
+    /// tokens go to, and returns where they are written and what each row then attends to.
+    /// The tables' lengths are not advanced (the caller does after the forward).
+    pub(crate) fn prepare_step(&mut self, tables: &mut [BlockTable]) -> Result<PagedStep> {
+        let slots = self.prepare_appends(tables)?;
         let layout = PagedLayout::new(
             self.block_size,
             tables.iter().map(|t| t.blocks.clone()).collect(),

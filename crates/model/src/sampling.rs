@@ -230,6 +230,10 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Token slots per block of the paged KV cache (>= 1; default 16).
     pub kv_block_size: usize,
+    /// Decode steps at fixed, padded shapes, captured once per padded batch size as a CUDA
+    /// graph and replayed (`crate::decode_graph`); on the CPU the same fixed-shape step runs
+    /// without capture. No other thread may use the device during the call.
+    pub cuda_graphs: bool,
 }
 
 /// The default block size of the paged KV cache.
@@ -242,6 +246,7 @@ impl Default for EngineConfig {
             kv_token_budget: 0,
             prefill_chunk: 0,
             kv_block_size: DEFAULT_KV_BLOCK_SIZE,
+            cuda_graphs: false,
         }
     }
 }

@@ -41,6 +41,7 @@ mod paged_decode;
 pub use layers::{Attention, DecoderLayer, Linear, Mlp, RmsNorm};
 use layers::{Ctx, LayerCache, OpPath, Rope};
 pub use packed::PackedBatch;
+pub(crate) use paged_decode::DecodeStacks;
 
 /// The `model.*` module: embeddings, layers, final norm.
 #[derive(Debug, Clone)]

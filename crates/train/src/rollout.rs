@@ -34,6 +34,7 @@ pub fn sampling_params(recipe: &Recipe, stop_ids: &[u32]) -> SamplingParams {
             kv_token_budget: r.kv_token_budget,
             prefill_chunk: r.prefill_chunk,
             kv_block_size: r.kv_block_size,
+            cuda_graphs: r.cuda_graphs,
         },
     }
 }

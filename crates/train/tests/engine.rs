@@ -443,6 +443,15 @@ fn rollout_scheduler_limits_change_when_samples_run_not_what_they_sample() {
         );
         assert_eq!(a["reward/mean"], b["reward/mean"], "{a}\n{b}");
     }
+    // The fixed-shape decode steps (`cuda_graphs`; no capture on the CPU) sample the same.
+    let fixed = run_with("cuda_graphs = true\nmax_running_sequences = 3\n").unwrap();
+    for (a, b) in all_at_once.iter().zip(&fixed) {
+        assert_eq!(
+            a["completions/lengths"], b["completions/lengths"],
+            "{a}\n{b}"
+        );
+        assert_eq!(a["reward/mean"], b["reward/mean"], "{a}\n{b}");
+    }
     // A budget that cannot hold one sample is refused naming the key.
     let err = run_with("kv_token_budget = 5\n").unwrap_err();
     assert!(err.contains("kv_token_budget"), "{err}");

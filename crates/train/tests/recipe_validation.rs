@@ -302,3 +302,28 @@ fn grpo_passk_and_remax_settings_they_cannot_honour_are_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn cuda_graphs_with_async_actors_on_a_gpu_is_refused() {
+    let graphs = with_key("rollout", "cuda_graphs = true");
+    let on_gpu = graphs.replace(
+        "[model.builtin_tiny]",
+        "[model]\ndevice = \"cuda\"\n\n[model.builtin_tiny]",
+    );
+    let text = on_gpu.replace("[train]\n", "[train]\nmode = \"async\"\n");
+    let err = match parse_recipe(&text, Path::new("recipes/bad.toml")) {
+        Ok(_) => panic!("recipe accepted:\n{text}"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(err.contains("recipes/bad.toml"), "no file in: {err}");
+    for key in ["[rollout] cuda_graphs", "[train] mode", "cuda"] {
+        assert!(err.contains(key), "no {key:?} in: {err}");
+    }
+    // Sync mode on the GPU, and async on the CPU (no capture there), parse.
+    parse_recipe(&on_gpu, Path::new("ok.toml")).unwrap();
+    parse_recipe(
+        &graphs.replace("[train]\n", "[train]\nmode = \"async\"\n"),
+        Path::new("ok.toml"),
+    )
+    .unwrap();
+}

@@ -23,6 +23,24 @@ impl KvSlots {
             device: on_device,
         })
     }
+
+    /// `slots[r]` is row `r`'s slot, already on the device in `device` (u32 `[rows]`, e.g. a
+    /// view of a buffer a CUDA graph reads): the host list is what the write is checked
+    /// against, the device tensor what the kernel reads, so the caller keeps them equal.
+    pub fn with_device(slots: Vec<u32>, device: Tensor) -> Result<Self> {
+        if device.dims() != [slots.len()] || device.dtype() != candle_core::DType::U32 {
+            bail!(
+                "kv slots: {} host slots but a {:?} {:?} device tensor",
+                slots.len(),
+                device.dtype(),
+                device.dims()
+            );
+        }
+        Ok(KvSlots {
+            host: slots,
+            device,
+        })
+    }
 }
 
 /// Writes `kv` `[2, rows, kv_heads, head_dim]` (the step's keys, then its values) into the

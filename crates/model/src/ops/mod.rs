@@ -33,7 +33,7 @@ mod head_softmax;
 mod kv_write;
 mod linear;
 mod masked_softmax;
-mod paged_attention;
+pub(crate) mod paged_attention;
 mod qkv_bias_rope;
 mod rms_norm;
 pub(crate) mod rope;

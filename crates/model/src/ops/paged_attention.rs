@@ -105,9 +105,12 @@ pub struct PagedLayout {
     /// once per layout (a step's layers share them).
     gathered: OnceLock<(Tensor, Tensor)>,
     /// The CUDA kernel's block tables `[rows, max_blocks]` and lengths `[rows]` (u32), built
-    /// once per layout.
+    /// once per layout (or given: [`PagedLayout::with_device_tables`]).
     #[cfg(feature = "cuda")]
     device_tables: OnceLock<(Tensor, Tensor)>,
+    /// The longest row the CUDA kernel is planned for, when fixed in advance (a captured
+    /// launch keeps its grid whatever later steps' rows are); else this step's longest.
+    plan_len: Option<usize>,
 }
 
 impl PagedLayout {
@@ -139,12 +142,43 @@ impl PagedLayout {
             gathered: OnceLock::new(),
             #[cfg(feature = "cuda")]
             device_tables: OnceLock::new(),
+            plan_len: None,
+        })
+    }
+
+    /// The same layout with the CUDA kernel's inputs given: `tables` u32 `[rows, width]` and
+    /// `lens` u32 `[rows]` on the device (views of a buffer a CUDA graph reads, holding this
+    /// layout's tables and lengths: the caller uploads them), and the kernel planned for rows
+    /// of up to `plan_len` keys, so one captured launch serves every later step whose rows
+    /// fit. The CPU kernel reads the host tables as before.
+    pub fn with_device_tables(self, tables: Tensor, lens: Tensor, plan_len: usize) -> Result<Self> {
+        let rows = self.rows();
+        let width = self.tables.iter().map(Vec::len).max().unwrap_or(0);
+        let (t_rows, t_width) = tables.dims2().context("paged attention: device tables")?;
+        if t_rows != rows || t_width < width || lens.dims() != [rows] || plan_len < self.longest() {
+            bail!(
+                "paged attention: device tables {:?} and lengths {:?} planned for {plan_len} keys do not hold {rows} rows of up to {width} blocks and {} keys",
+                tables.dims(),
+                lens.dims(),
+                self.longest()
+            );
+        }
+        #[cfg(feature = "cuda")]
+        let _ = self.device_tables.set((tables, lens));
+        Ok(PagedLayout {
+            plan_len: Some(plan_len),
+            ..self
         })
     }
 
     /// Keys the longest row attends to.
     fn longest(&self) -> usize {
         self.lens.iter().copied().max().unwrap_or(0)
+    }
+
+    /// Keys the CUDA kernel is planned for: the fixed plan length, else the longest row.
+    fn plan_len(&self) -> usize {
+        self.plan_len.unwrap_or_else(|| self.longest())
     }
 
     /// Rows in the step.
@@ -210,6 +244,21 @@ impl PagedLayout {
     }
 }
 
+/// Whether the CUDA kernel serves `heads` query heads over `kv_heads` of `head_dim`, blocks of
+/// `block_size` slots and rows of up to `plan_len` keys. A captured decode step needs it: the
+/// composed fallback's shapes follow each step's rows.
+pub(crate) fn cuda_kernel_serves(
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    plan_len: usize,
+) -> bool {
+    kv_heads > 0
+        && heads.is_multiple_of(kv_heads)
+        && decode_plan(kv_heads, heads / kv_heads, head_dim, block_size, plan_len).is_some()
+}
+
 /// Shapes `(rows, heads, kv_heads, head_dim)` of valid inputs.
 fn check_inputs(
     q: &Tensor,
@@ -273,7 +322,7 @@ pub fn paged_decode_attention(
                 hq / hkv,
                 d,
                 layout.block_size,
-                layout.longest(),
+                layout.plan_len(),
             )
             .is_some());
     if !kernel {
@@ -489,7 +538,7 @@ impl CustomOp3 for PagedDecode<'_> {
             hq / hkv,
             d,
             layout.block_size,
-            layout.longest(),
+            layout.plan_len(),
         ) else {
             candle_core::bail!(
                 "paged attention: the CUDA kernel cannot serve {hq} query heads over {hkv} of dim {d}"

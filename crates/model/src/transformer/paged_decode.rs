@@ -29,6 +29,12 @@ impl Transformer {
         }
     }
 
+    /// Whether the decode step runs the trainer's kernels (shapes fixed by the inputs alone,
+    /// what a captured CUDA graph needs) rather than candle's fused ops or compositions.
+    pub(crate) fn decode_is_kernel_path(&self) -> bool {
+        self.decode_path() == OpPath::Kernels
+    }
+
     /// [`DecodeStacks`] of this model's current weights.
     pub(crate) fn stack_for_decode(&self) -> Result<DecodeStacks> {
         if self.decode_path() != OpPath::Kernels {
@@ -65,9 +71,33 @@ impl Transformer {
         }
         let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         let pos = Tensor::new(pos, &self.device)?;
+        let ids = Tensor::new(tokens, &self.device)?;
+        self.forward_paged_on(&ids, &pos, pool, step, stacks)
+    }
+
+    /// [`Self::forward_paged`] on inputs already on the device — `ids` and `positions` u32
+    /// `[rows]` (checked by the caller against the model's positions) — and nothing read back:
+    /// every launch reads device memory only, so the step can be captured as a CUDA graph
+    /// (`crate::decode_graph`).
+    pub(crate) fn forward_paged_on(
+        &self,
+        ids: &Tensor,
+        positions: &Tensor,
+        pool: &BlockPool,
+        step: &PagedStep,
+        stacks: &DecodeStacks,
+    ) -> Result<Tensor> {
+        let b = ids.dim(0)?;
+        if positions.dims() != [b] || step.layout.rows() != b {
+            bail!(
+                "paged decode: {b} tokens, positions {:?}, {} rows in the step",
+                positions.dims(),
+                step.layout.rows()
+            );
+        }
         let half = self.cfg.head_dim / 2;
         let table = |t: &Tensor| -> Result<Tensor> {
-            Ok(t.index_select(&pos, 0)?
+            Ok(t.index_select(positions, 0)?
                 .reshape((b, 1, half))?
                 .to_dtype(self.dtype)?)
         };
@@ -80,11 +110,10 @@ impl Transformer {
             path,
             train: false,
         };
-        let ids = Tensor::new(tokens, &self.device)?;
         let mut x =
             self.model
                 .embed_tokens
-                .index_select(&ids, 0)?
+                .index_select(ids, 0)?
                 .reshape((b, 1, self.cfg.hidden_size))?;
         let layers = &self.model.layers;
         // `h` is `x` normalised for what reads it next: each layer's residual adds are fused

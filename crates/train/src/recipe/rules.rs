@@ -89,6 +89,12 @@ pub(super) fn validate(r: &Recipe) -> Result<()> {
             r.rollout.max_completion_length
         );
     }
+    if r.train.mode == TrainMode::Async && r.rollout.cuda_graphs && r.model.device.trim() != "cpu" {
+        bail!(
+            "key `[rollout] cuda_graphs = true` with `[train] mode = \"async\"` on device `{}`: a CUDA graph capture records all work on the device, the trainer's too; use `mode = \"sync\"` or `cuda_graphs = false`",
+            r.model.device
+        );
+    }
     if r.train.mode == TrainMode::Async && r.env.is_some() {
         bail!("key `[train] mode = \"async\"` does not support `[env]` rollouts yet; use `mode = \"sync\"`");
     }

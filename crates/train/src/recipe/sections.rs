@@ -242,6 +242,11 @@ pub struct RolloutSection {
     /// Token slots per block of the sampler's paged KV cache (>= 1).
     #[serde(default = "d_kv_block_size")]
     pub kv_block_size: usize,
+    /// Decode steps at fixed, padded batch sizes, each size captured once as a CUDA graph and
+    /// replayed (on the CPU the same steps run without capture). Not with `[train] mode =
+    /// "async"` on a GPU: a capture records all work on the device.
+    #[serde(default)]
+    pub cuda_graphs: bool,
 }
 
 impl Default for RolloutSection {
@@ -258,6 +263,7 @@ impl Default for RolloutSection {
             kv_token_budget: 0,
             prefill_chunk: 0,
             kv_block_size: d_kv_block_size(),
+            cuda_graphs: false,
         }
     }
 }
