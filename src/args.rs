@@ -383,6 +383,10 @@ pub(crate) struct BenchRolloutArgs {
     /// with mean N under a random model's near-uniform logits, capped at --new-tokens).
     #[arg(long, default_value_t = 96)]
     pub(crate) mean_completion: usize,
+    /// `grpo`: adds the continuous arm with its decode steps replayed as CUDA graphs
+    /// (`[rollout] cuda_graphs`).
+    #[arg(long)]
+    pub(crate) cuda_graphs: bool,
     #[command(flatten)]
     pub(crate) reference: ReferenceArgs,
     /// Print the numbers as JSON instead of a table.

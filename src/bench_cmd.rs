@@ -98,6 +98,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                     mean_completion: a.mean_completion,
                     rows: a.max_running,
                     repeats: a.repeats,
+                    cuda_graphs: a.cuda_graphs,
                 };
                 let shape = a.shape.as_deref();
                 bench_rollout_grpo(&opts, &a.model, shape, &a.device, a.dtype, a.json)

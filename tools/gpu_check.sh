@@ -221,7 +221,7 @@ if want compile05; then
 fi
 if want rollout; then
   # GRPO-shaped rollout: static batches vs continuous batching vs all at once (issue 17 §4).
-  bench "c05-rollout-grpo" 240 "$BIN" bench rollout --workload grpo --shape qwen2.5-0.5b --device cuda --json
+  bench "c05-rollout-grpo" 240 "$BIN" bench rollout --workload grpo --shape qwen2.5-0.5b --device cuda --cuda-graphs --json
   # Whole GRPO steps vs TRL (P1). TRL is pure Python: install what the image lacks, offline.
   for mod in trl accelerate datasets dill multiprocess xxhash; do
     python3 -c "import $mod" 2>/dev/null \

@@ -9,7 +9,9 @@
 //!   sample's row is refilled at once;
 //! * **continuous within the static arm's memory**: the same with `kv_token_budget` = the
 //!   static arm's peak KV slots;
-//! * **all at once**: every sample in one batch, no limit.
+//! * **all at once**: every sample in one batch, no limit;
+//! * with `cuda_graphs`, **continuous + CUDA graphs**: the continuous arm with its decode steps
+//!   at padded, fixed shapes replayed as CUDA graphs.
 //!
 //! Each arm reports wall time, tokens/s, decode steps, prefill tokens (a prompt is prefilled
 //! once for its G samples: the saving against G prefills is printed) and KV memory (paged
@@ -49,6 +51,9 @@ pub struct GrpoRolloutOptions {
     pub rows: usize,
     /// Timed runs of each arm (after one warm-up call); medians are reported.
     pub repeats: usize,
+    /// Adds the continuous arm again with its decode steps replayed as CUDA graphs
+    /// ([`EngineConfig::cuda_graphs`]; on the CPU the fixed-shape steps without capture).
+    pub cuda_graphs: bool,
 }
 
 impl Default for GrpoRolloutOptions {
@@ -62,6 +67,7 @@ impl Default for GrpoRolloutOptions {
             mean_completion: 96,
             rows: 32,
             repeats: 1,
+            cuda_graphs: false,
         }
     }
 }
@@ -234,7 +240,7 @@ pub fn bench_grpo_rollout(
         sync()?;
         Ok((o, s, t0.elapsed().as_secs_f64()))
     };
-    let mut runs: Vec<Vec<Run>> = vec![Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+    let mut runs: Vec<Vec<Run>> = vec![Vec::new(); 4 + usize::from(opts.cuda_graphs)];
     let mut static_peak = 0;
     for _ in 0..opts.repeats {
         let static_run = run_static()?;
@@ -246,13 +252,22 @@ pub fn bench_grpo_rollout(
             ..continuous
         })?);
         runs[3].push(run_engine(EngineConfig::default())?);
+        if opts.cuda_graphs {
+            runs[4].push(run_engine(EngineConfig {
+                cuda_graphs: true,
+                ..continuous
+            })?);
+        }
     }
-    let names = [
+    let mut names = vec![
         format!("static batches of {rows}"),
         format!("continuous, max_running {rows}"),
         format!("  + kv_token_budget {static_peak}"),
         format!("all {} at once", opts.prompts * opts.group),
     ];
+    if opts.cuda_graphs {
+        names.push(format!("continuous {rows} + CUDA graphs"));
+    }
 
     let tokens_of = |out: &[Vec<Sample>]| -> Vec<Vec<u32>> {
         out.iter()

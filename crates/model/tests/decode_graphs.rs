@@ -7,8 +7,8 @@ mod common;
 
 use candle_core::{DType, Device};
 use composer_model::{
-    generate_with_stats, score_with_temperature, EngineConfig, EngineStats, GenerationRequest,
-    ModelConfig, Sample, SamplingParams, Transformer,
+    generate_with_stats, EngineConfig, EngineStats, GenerationRequest, ModelConfig, Sample,
+    SamplingParams, Transformer,
 };
 
 fn params(max_new_tokens: usize, engine: EngineConfig) -> SamplingParams {
@@ -128,11 +128,8 @@ fn replayed_bf16_steps_match_the_scorer() {
     assert_graph_stats(&stats, &dev, "bf16");
     for (r, samples) in reqs.iter().zip(&out) {
         for s in samples {
-            let seq = [&r.prompt_ids[..], &s.completion_ids].concat();
-            let scored = score_with_temperature(&model, &[seq], 1.0)
-                .unwrap()
-                .remove(0);
-            let tail = &scored[r.prompt_ids.len() - 1..];
+            let tail = common::scored_completion(&model, &r.prompt_ids, s);
+            assert_eq!(tail.len(), s.sampler_logprobs.len());
             for (a, b) in tail.iter().zip(&s.sampler_logprobs) {
                 assert!((a - b).abs() <= 0.1, "scored {a} vs sampled {b}");
             }

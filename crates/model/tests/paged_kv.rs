@@ -10,8 +10,8 @@ use common::fixture;
 use composer_model::ops::{paged_decode_attention, paged_decode_attention_composed, PagedLayout};
 use composer_model::sampling::{sample_inverse_cdf, SampleFilter};
 use composer_model::{
-    generate_deterministic, generate_with_stats, generate_with_store, score_with_temperature,
-    EngineConfig, GenerationRequest, ModelConfig, PrefixStore, Sample, SamplingParams, Transformer,
+    generate_deterministic, generate_with_stats, generate_with_store, EngineConfig,
+    GenerationRequest, ModelConfig, PrefixStore, Sample, SamplingParams, Transformer,
 };
 
 /// Deterministic pseudo-random values in [-1, 1).
@@ -425,11 +425,7 @@ fn paged_decode_over_long_rows_matches_the_scorer() {
         let mut spread = (f32::INFINITY, f32::NEG_INFINITY);
         for (r, samples) in reqs.iter().zip(&out) {
             for s in samples {
-                let seq = [&r.prompt_ids[..], &s.completion_ids].concat();
-                let scored = score_with_temperature(&model, &[seq], 1.0)
-                    .unwrap()
-                    .remove(0);
-                let tail = &scored[r.prompt_ids.len() - 1..];
+                let tail = common::scored_completion(&model, &r.prompt_ids, s);
                 assert_eq!(tail.len(), s.sampler_logprobs.len());
                 for (a, b) in tail.iter().zip(&s.sampler_logprobs) {
                     assert!(

@@ -80,3 +80,17 @@ pub fn as_f32s(v: &serde_json::Value) -> Vec<f32> {
         .map(|x| x.as_f64().expect("num") as f32)
         .collect()
 }
+
+/// What the teacher-forced scorer (temperature 1) gives each completion token of `sample`
+/// after `prompt`: the values the sampler's log-probs are checked against.
+pub fn scored_completion(
+    model: &composer_model::Transformer,
+    prompt: &[u32],
+    sample: &composer_model::Sample,
+) -> Vec<f32> {
+    let seq = [prompt, &sample.completion_ids].concat();
+    let scored = composer_model::score_with_temperature(model, &[seq], 1.0)
+        .unwrap()
+        .remove(0);
+    scored[prompt.len() - 1..].to_vec()
+}
