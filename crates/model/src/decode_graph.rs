@@ -83,6 +83,16 @@ impl DecodeGraphs {
                 block_size,
                 width * block_size,
             );
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(d) = model.device() {
+            // A capture may neither wait on events recorded before it (cudarc's per-tensor
+            // tracking, `COMPOSER_CUDA_EVENT_TRACKING=1`) nor allocate synchronously.
+            if d.is_event_tracking() || !d.cuda_stream().context().has_async_alloc() {
+                bail!(
+                    "cuda_graphs = true needs stream-ordered allocation and cudarc's event tracking off (unset COMPOSER_CUDA_EVENT_TRACKING); set cuda_graphs = false"
+                );
+            }
+        }
         if !model.decode_is_kernel_path() || !served {
             bail!(
                 "cuda_graphs = true: this model's decode step cannot run at fixed shapes ({:?} on {:?}, {} heads over {} KV heads of dim {}; needs f32/bf16, the training kernels and head_dim <= 256); set cuda_graphs = false",
@@ -256,6 +266,33 @@ impl DecodeGraphs {
         #[cfg(feature = "cuda")]
         for b in self.buckets.values_mut() {
             b.graph = None;
+        }
+    }
+}
+
+/// Graphs keep the memory of their steps' temporaries in the driver's graph pool, apart from
+/// the allocator everything else uses: once the run's graphs are gone it goes back, so the
+/// trainer that runs next has it.
+#[cfg(feature = "cuda")]
+impl Drop for DecodeGraphs {
+    fn drop(&mut self) {
+        let captured = self.buckets.values().any(|b| b.graph.is_some()) || self.stats.captures > 0;
+        let device = self
+            .buckets
+            .values()
+            .next()
+            .map(|b| b.inputs.device().clone());
+        self.buckets.clear();
+        if let (true, Some(candle_core::Device::Cuda(dev))) = (captured, device) {
+            let stream = dev.cuda_stream();
+            if stream.synchronize().is_ok() {
+                // SAFETY: a plain driver call on the context's device; no graph of this run
+                // exists any more and the stream is idle.
+                unsafe {
+                    use candle_core::cuda_backend::cudarc::driver::sys;
+                    sys::cuDeviceGraphMemTrim(stream.context().cu_device());
+                }
+            }
         }
     }
 }
