@@ -227,6 +227,65 @@ pub(crate) struct PlanArgs {
 }
 
 #[derive(Args)]
+pub(crate) struct BenchModelArgs {
+    /// `small` (CPU-sized), `qwen2.5-0.5b`, `qwen3-0.6b`, `qwen2.5-7b` (random weights of
+    /// that shape) or `qwen-vocab` (hidden 64, 2 layers, Qwen's 151,936-token vocabulary:
+    /// the LM head's memory).
+    #[arg(long, default_value = "small")]
+    pub(crate) shape: String,
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    /// Batch sizes, comma separated.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) batch: Option<Vec<usize>>,
+    /// Decode only (skip the training forward+backward).
+    #[arg(long)]
+    pub(crate) skip_train: bool,
+    /// Training only (skip decoding).
+    #[arg(long, conflicts_with = "skip_train")]
+    pub(crate) skip_decode: bool,
+    /// Train LoRA adapters of rank R on every projection over the frozen base.
+    #[arg(long, value_name = "R")]
+    pub(crate) lora: Option<usize>,
+    /// Recompute each decoder layer's activations in the backward.
+    #[arg(long)]
+    pub(crate) gradient_checkpointing: bool,
+    /// Train padding-free: each batch's rows packed as segments of one row (the varlen
+    /// attention kernel instead of attention over the padded batch).
+    #[arg(long)]
+    pub(crate) padding_free: bool,
+    /// Dtype of the training step and of decoding: f32, bf16 or f16 (default: bf16 on
+    /// CUDA, f32 on CPU).
+    #[arg(long)]
+    pub(crate) dtype: Option<String>,
+    /// Sequence length of the training step.
+    #[arg(long)]
+    pub(crate) train_seq_len: Option<usize>,
+    /// Also decode with the engine's fixed-shape steps captured as CUDA graphs
+    /// (`[rollout] cuda_graphs`), timed beside the plain decode in the same run.
+    #[arg(long, conflicts_with = "skip_decode")]
+    pub(crate) cuda_graphs: bool,
+    /// Also run PyTorch's side (tools/bench_torch.py: transformers, sdpa, eager) on the same
+    /// shape, batch, sequence and dtype, before ours, and print both with ratios.
+    #[arg(long, conflicts_with = "skip_train")]
+    pub(crate) torch: bool,
+    /// With --torch, also PyTorch with `torch.compile` (training only).
+    #[arg(long, requires = "torch")]
+    pub(crate) torch_compile: bool,
+    /// Python for --torch: torch and transformers (peft for --lora) (default:
+    /// $COMPOSER_BENCH_PYTHON, else python3).
+    #[arg(long, requires = "torch")]
+    pub(crate) python: Option<PathBuf>,
+    /// The card's peak dense FLOP/s in TFLOP/s for MFU (default: from its name: H100/H200
+    /// 989, A100 312; none on the CPU).
+    #[arg(long)]
+    pub(crate) peak_tflops: Option<f64>,
+    /// Print the numbers as JSON instead of a table.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Args)]
 pub(crate) struct ServeEnvArgs {
     /// Environment: `code` (sandboxed Python tasks), `echo`, or `repo` (repository tasks
     /// with MCP tools, from `--tasks`; see REPO_ENV.md).
@@ -245,49 +304,10 @@ pub(crate) struct ServeEnvArgs {
 
 #[derive(Subcommand)]
 pub(crate) enum BenchCommand {
-    /// Training forward+backward and decode throughput (tokens/s) at batch 1, 16, 64.
-    Model {
-        /// `small` (CPU-sized), `qwen2.5-0.5b`, `qwen3-0.6b`, `qwen2.5-7b` (random weights of
-        /// that shape) or `qwen-vocab` (hidden 64, 2 layers, Qwen's 151,936-token vocabulary:
-        /// the LM head's memory).
-        #[arg(long, default_value = "small")]
-        shape: String,
-        #[arg(long, default_value = "cpu")]
-        device: String,
-        /// Batch sizes, comma separated.
-        #[arg(long, value_delimiter = ',')]
-        batch: Option<Vec<usize>>,
-        /// Decode only (skip the training forward+backward).
-        #[arg(long)]
-        skip_train: bool,
-        /// Training only (skip decoding).
-        #[arg(long, conflicts_with = "skip_train")]
-        skip_decode: bool,
-        /// Train LoRA adapters of rank R on every projection over the frozen base.
-        #[arg(long, value_name = "R")]
-        lora: Option<usize>,
-        /// Recompute each decoder layer's activations in the backward.
-        #[arg(long)]
-        gradient_checkpointing: bool,
-        /// Train padding-free: each batch's rows packed as segments of one row (the varlen
-        /// attention kernel instead of attention over the padded batch).
-        #[arg(long)]
-        padding_free: bool,
-        /// Dtype of the training step and of decoding: f32, bf16 or f16 (default: bf16 on
-        /// CUDA, f32 on CPU).
-        #[arg(long)]
-        dtype: Option<String>,
-        /// Sequence length of the training step.
-        #[arg(long)]
-        train_seq_len: Option<usize>,
-        /// Also decode with the engine's fixed-shape steps captured as CUDA graphs
-        /// (`[rollout] cuda_graphs`), timed beside the plain decode in the same run.
-        #[arg(long, conflicts_with = "skip_decode")]
-        cuda_graphs: bool,
-        /// Print the numbers as JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
+    /// Training forward+backward and decode throughput (tokens/s) at batch 1, 16, 64; with
+    /// `--torch`, PyTorch's eager (and `--torch-compile`'s compiled) side on the same card in
+    /// the same run, with peak memory, MFU and ratios.
+    Model(BenchModelArgs),
     /// Sync vs async layouts on the embedded default with a deliberately slow verifier: wall
     /// time to the target accuracy.
     Async(BenchAsyncArgs),

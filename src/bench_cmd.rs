@@ -8,63 +8,7 @@ use crate::args::BenchCommand;
 /// Runs one `bench` subcommand and prints its table (or JSON).
 pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Model {
-            shape,
-            device,
-            batch,
-            skip_train,
-            skip_decode,
-            lora,
-            gradient_checkpointing,
-            padding_free,
-            dtype,
-            train_seq_len,
-            cuda_graphs,
-            json,
-        } => {
-            let device = composer_model::device_from_str(&device)?;
-            let base = match shape.as_str() {
-                "small" => composer_model::bench::BenchConfig::small_cpu(),
-                "qwen-vocab" => composer_model::bench::BenchConfig::qwen_vocab_cpu(),
-                _ => composer_model::bench::BenchConfig::qwen2_5_0_5b(device.clone()),
-            };
-            let mut cfg = composer_model::bench::BenchConfig {
-                model: composer_model::bench::shape_model_config(&shape)?,
-                ..base
-            };
-            cfg.skip_decode = skip_decode;
-            cfg.cuda_graphs = cuda_graphs;
-            cfg.lora_r = lora;
-            cfg.gradient_checkpointing = gradient_checkpointing;
-            cfg.padding_free = padding_free;
-            if let Some(t) = train_seq_len {
-                let need = t.max(cfg.prompt_len + cfg.decode_tokens);
-                if need > cfg.model.max_position_embeddings {
-                    anyhow::bail!(
-                        "--train-seq-len {t} is over the shape's max_position_embeddings = {}",
-                        cfg.model.max_position_embeddings
-                    );
-                }
-                cfg.train_seq_len = t;
-            }
-            cfg.device = device;
-            if let Some(b) = batch {
-                cfg.batch_sizes = b;
-            }
-            cfg.skip_train |= skip_train;
-            if let Some(d) = dtype {
-                let d = parse_dtype(&d).context("--dtype")?;
-                cfg.train_dtype = d;
-                cfg.decode_dtype = d;
-            }
-            let report = composer_model::bench::run(&cfg)?;
-            if json {
-                println!("{}", serde_json::to_string(&report)?);
-            } else {
-                println!("{}", report.table());
-            }
-            Ok(())
-        }
+        BenchCommand::Model(a) => crate::bench_model_cmd::run(a),
         BenchCommand::Async(a) => {
             let table = composer_train::bench_async(&composer_train::AsyncBenchOptions {
                 seed: a.seed,
@@ -285,10 +229,26 @@ fn parse_len_range(s: &str) -> Result<(usize, usize)> {
 
 /// Runs a reference script (`script`'s text via `python -c`) with `flags` (name, value) and
 /// parses the JSON line it prints; `python` defaults to $COMPOSER_BENCH_PYTHON, else python3.
-fn run_python_reference(
+pub(crate) fn run_python_reference(
     python: Option<std::path::PathBuf>,
     script: &str,
     flags: &[(&str, std::ffi::OsString)],
+    what: &str,
+    needs: &str,
+) -> Result<serde_json::Value> {
+    let argv: Vec<std::ffi::OsString> = flags
+        .iter()
+        .flat_map(|(name, value)| [(*name).into(), value.clone()])
+        .collect();
+    let needs = format!("{needs}, or pass --skip-reference");
+    run_python_script(python, script, &argv, what, &needs)
+}
+
+/// [`run_python_reference`] with the script's arguments as they are.
+pub(crate) fn run_python_script(
+    python: Option<std::path::PathBuf>,
+    script: &str,
+    argv: &[std::ffi::OsString],
     what: &str,
     needs: &str,
 ) -> Result<serde_json::Value> {
@@ -298,16 +258,12 @@ fn run_python_reference(
     let out = std::process::Command::new(&python)
         .arg("-c")
         .arg(script)
-        .args(
-            flags
-                .iter()
-                .flat_map(|(name, value)| [(*name).into(), value.clone()]),
-        )
+        .args(argv)
         .output()
         .with_context(|| format!("running {} (--python)", python.display()))?;
     if !out.status.success() {
         anyhow::bail!(
-            "{what} failed ({}; --python {} needs {needs}, or pass --skip-reference): {}",
+            "{what} failed ({}; --python {} needs {needs}): {}",
             out.status,
             python.display(),
             String::from_utf8_lossy(&out.stderr)
@@ -437,7 +393,7 @@ fn bench_grpo(
 }
 
 /// `f32`, `bf16` or `f16` as a candle dtype.
-fn parse_dtype(name: &str) -> Result<candle_core::DType> {
+pub(crate) fn parse_dtype(name: &str) -> Result<candle_core::DType> {
     match name {
         "f32" => Ok(candle_core::DType::F32),
         "bf16" => Ok(candle_core::DType::BF16),

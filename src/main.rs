@@ -12,6 +12,7 @@ use clap::{Parser, Subcommand};
 
 mod args;
 mod bench_cmd;
+mod bench_model_cmd;
 
 use args::{
     train_help, BenchCommand, GenerateArgs, PlanArgs, RecordTracesArgs, ScoreArgs, ServeEnvArgs,

@@ -455,12 +455,62 @@ fn bench_model_runs_lora_with_checkpointing_and_refuses_bad_flags() {
             vec!["bench", "model", "--shape", "small", "--dtype", "f8"],
             "--dtype",
         ),
+        (
+            vec!["bench", "model", "--shape", "small", "--torch-compile"],
+            "--torch",
+        ),
+        (
+            vec!["bench", "model", "--shape", "small", "--peak-tflops", "0"],
+            "--peak-tflops",
+        ),
     ] {
         let out = composer_rl(&args);
         assert!(!out.status.success(), "{args:?} succeeded");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(want), "{args:?}: {stderr}");
     }
+}
+
+/// `bench model --torch` with a Python that cannot run PyTorch's side: our side still runs and
+/// the reference's row says why it failed, naming the interpreter (the reference itself needs
+/// torch, which CI does not install; BENCHMARKS.md has a run with it).
+#[test]
+fn bench_model_keeps_its_own_numbers_when_the_torch_side_fails() {
+    let out = composer_rl(&[
+        "bench",
+        "model",
+        "--shape",
+        "small",
+        "--batch",
+        "1",
+        "--train-seq-len",
+        "64",
+        "--skip-decode",
+        "--torch",
+        "--python",
+        "/nonexistent/python3",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_slice(out.stdout.trim_ascii()).expect("one JSON document");
+    let ours = &report["composer_rl"]["rows"][0];
+    assert!(
+        ours["train_tokens_per_s"].as_f64().unwrap() > 0.0,
+        "{report}"
+    );
+    let torch = report["torch"].as_array().unwrap();
+    assert_eq!(torch.len(), 1, "{report}");
+    let error = torch[0]["error"].as_str().unwrap();
+    assert!(error.contains("/nonexistent/python3"), "{error}");
+    // Training FLOPs per token of the small shape: 6·N plus causal attention 6·L·H·d·T.
+    let n = report["composer_rl"]["num_parameters"].as_f64().unwrap();
+    let flops = report["train_flops_per_token"].as_f64().unwrap();
+    assert_eq!(flops, 6.0 * n + 6.0 * (4 * 4 * 32 * 64) as f64, "{report}");
 }
 
 /// `bench rollout` (composer-rl's side; the transformers side needs torch) on each fixture:

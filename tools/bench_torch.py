@@ -10,7 +10,12 @@ Model: transformers' Qwen2ForCausalLM / Qwen3ForCausalLM with the shape of `--sh
 device in `--dtype`, attn_implementation="sdpa", eager mode unless `--compile` (then the
 training step runs through `torch.compile(model)`; decoding is skipped). `--lora R`: PEFT
 adapters of rank R, alpha 2R, on all linear layers (`target_modules="all-linear"`), base frozen.
-Peak memory: `torch.cuda.max_memory_allocated()` after each row.
+Peak memory: `torch.cuda.max_memory_allocated()` after each row, and the device's used memory
+(`torch.cuda.mem_get_info`, all of the card's, the CUDA context included) sampled every 10 ms
+during each row's training steps — the method `composer-rl bench model` uses for its own side;
+on the CPU the process's peak RSS. `--config-json` (an HF config.json's keys, what
+`composer-rl bench model --torch` passes) builds any Qwen2/Qwen3/Llama shape instead of
+`--shape`'s named ones.
 
 - Training: tokens/s of forward + mean next-token NLL + backward, sequence length 512,
   parameters in `--dtype` (a bf16 step, like composer-rl's bench in bf16), 1 warm-up, median of
@@ -22,7 +27,9 @@ Timings synchronise the device before reading the clock.
 """
 import argparse
 import json
+import resource
 import statistics
+import threading
 import time
 
 import torch
@@ -60,6 +67,47 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+class DeviceMemoryPeak:
+    """The device's used memory (total - free), sampled every 10 ms while in the block (MiB)."""
+
+    def __init__(self, device):
+        self.device, self.peak, self.done = device, 0.0, threading.Event()
+
+    def sample(self):
+        free, total = torch.cuda.mem_get_info(self.device)
+        self.peak = max(self.peak, (total - free) / 2**20)
+
+    def __enter__(self):
+        def loop():
+            while not self.done.wait(0.01):
+                self.sample()
+        if self.device.type == "cuda":
+            self.sample()
+            self.thread = threading.Thread(target=loop, daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.done.set()
+            self.thread.join()
+            self.sample()
+
+
+def model_for(args):
+    """(config, model class) of --config-json, else of --shape."""
+    if args.config_json:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        keys = json.loads(args.config_json)
+        for k in ("architectures", "torch_dtype", "dtype", "transformers_version"):
+            keys.pop(k, None)
+        cfg = AutoConfig.for_model(keys.pop("model_type"), **keys)
+        return cfg, AutoModelForCausalLM.from_config
+    config_cls, model_cls, keys = SHAPES[args.shape]
+    return config_cls(**COMMON, **keys), model_cls
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -72,6 +120,7 @@ def main():
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--config-json", default=None)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--lora", type=int, default=None)
     ap.add_argument("--json", action="store_true")
@@ -79,8 +128,7 @@ def main():
     device = torch.device(args.device)
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
     torch.manual_seed(0)
-    config_cls, model_cls, keys = SHAPES[args.shape]
-    cfg = config_cls(**COMMON, **keys)
+    cfg, model_cls = model_for(args)
     cfg._attn_implementation = "sdpa"
     torch.set_default_dtype(dtype)
     with device:
@@ -103,6 +151,7 @@ def main():
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:
         train_tps = None
+        mem = DeviceMemoryPeak(device)
         if not args.skip_train:
             t = args.train_seq_len
             ids = (torch.arange(b * t, device=device) * 7919 + 13) % vocab
@@ -116,22 +165,26 @@ def main():
                 nll.backward()
                 model.zero_grad(set_to_none=True)
 
-            step()
-            sync(device)
-            times = []
-            for _ in range(args.train_iters):
-                t0 = time.perf_counter()
+            with mem:
                 step()
                 sync(device)
-                times.append(time.perf_counter() - t0)
+                times = []
+                for _ in range(args.train_iters):
+                    t0 = time.perf_counter()
+                    step()
+                    sync(device)
+                    times.append(time.perf_counter() - t0)
             train_tps = b * t / statistics.median(times)
         peak_mb = torch.cuda.max_memory_allocated() / 1e6 if device.type == "cuda" else None
+        peak_device_mib = mem.peak if device.type == "cuda" and not args.skip_train else None
+        peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         if args.skip_decode:
             rows.append({"batch": b, "train_tokens_per_s": train_tps, "decode_tokens_per_s": None,
-                         "peak_gpu_mb": peak_mb})
+                         "peak_gpu_mb": peak_mb, "peak_device_mib": peak_device_mib,
+                         "peak_rss_mb": peak_rss_mb})
             continue
         model.eval()
         prompts = torch.tensor(
@@ -166,11 +219,12 @@ def main():
         t_n = time.perf_counter() - t0
         decode_tps = b * (args.decode_tokens - 1) / max(t_n - t_one, 1e-9)
         rows.append({"batch": b, "train_tokens_per_s": train_tps, "decode_tokens_per_s": decode_tps,
-                     "peak_gpu_mb": peak_mb})
+                     "peak_gpu_mb": peak_mb, "peak_device_mib": peak_device_mib,
+                     "peak_rss_mb": peak_rss_mb})
     mode = "torch.compile" if args.compile else "eager"
     report = {
         "framework": f"torch {torch.__version__} {mode}, sdpa" + (f", peft LoRA r={args.lora}" if args.lora else ""),
-        "shape": args.shape,
+        "shape": "config-json" if args.config_json else args.shape,
         "train_seq_len": args.train_seq_len,
         "num_parameters": num_parameters,
         "num_trainable_parameters": trainable,

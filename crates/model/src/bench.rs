@@ -3,8 +3,10 @@
 //! `tools/bench_torch.py` measures the same with transformers for a side-by-side.
 //! [`alloc_counter`] is the counting global allocator of the heap measurements.
 
+mod accounting;
 pub mod alloc_counter;
 mod profile_marks;
+pub use accounting::{device_name, peak_bf16_flops, train_flops_per_token, DevicePeakMemory};
 pub use profile_marks::profile_phase;
 
 use crate::chunked_logprobs::HeadOptions;
@@ -178,6 +180,9 @@ pub struct BenchRow {
     pub decode_tokens_per_s: Option<f64>,
     /// The same with CUDA graphs (`cuda_graphs`; None unless asked for).
     pub decode_graphs_tokens_per_s: Option<f64>,
+    /// The device's used memory at its peak during this row's training steps (MiB; CUDA
+    /// only, [`DevicePeakMemory`]).
+    pub peak_device_mib: Option<f64>,
     /// Peak RSS of the process (MB) right after this row's training steps (Linux; the
     /// high-water mark of everything before, too).
     pub peak_rss_after_train_mb: Option<f64>,
@@ -364,6 +369,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
     let peak_rss_before_train_mb = peak_rss_mb();
     let mut rows = Vec::new();
     for &b in &cfg.batch_sizes {
+        let device_memory = DevicePeakMemory::start(&cfg.device);
         let train_tokens_per_s = if cfg.skip_train {
             None
         } else {
@@ -390,6 +396,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
                 true,
             )?)
         };
+        let peak_device_mib = device_memory.stop().filter(|_| !cfg.skip_train);
         let peak_rss_after_train_mb = peak_rss_mb();
         let decode_tokens_per_s = if cfg.skip_decode {
             None
@@ -407,6 +414,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
             train_phase_s,
             decode_tokens_per_s,
             decode_graphs_tokens_per_s,
+            peak_device_mib,
             peak_rss_after_train_mb,
         });
     }
