@@ -19,7 +19,7 @@ const BENCH_TORCH_PY: &str = include_str!("../tools/bench_torch.py");
 /// Runs `bench model` and prints its table (or JSON).
 pub(crate) fn run(a: BenchModelArgs) -> Result<()> {
     let mut cfg = config(&a)?;
-    if a.peak_tflops.is_some_and(|t| !(t > 0.0)) {
+    if a.peak_tflops.is_some_and(|t| t.is_nan() || t <= 0.0) {
         anyhow::bail!("--peak-tflops must be > 0");
     }
     // A reference that fails (out of memory on a shape ours fits, a missing package) is a
