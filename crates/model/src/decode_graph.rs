@@ -12,7 +12,8 @@
 //!   to the run's longest possible table) lives in one u32 buffer per size, overwritten in
 //!   place before each replay (one upload);
 //! - the attention kernel is planned for the longest row the run can have, not this step's;
-//! - the logits land in a buffer per size, which sampling reads.
+//! - the logits land in one buffer sized for the largest step (each size writes its first
+//!   rows), which sampling reads.
 //!
 //! A size's first step runs eagerly (its result is that step's; candle caches the small
 //! shape/stride uploads its kernels make, which a capture may not do) and is then captured;
@@ -42,14 +43,11 @@ pub struct GraphStats {
     pub replays: usize,
 }
 
-/// One padded size's input buffer, logits and graph.
+/// One padded size's input buffer and graph.
 struct Bucket {
     /// u32 `[rows · (4 + width)]`: ids, positions, slots and lengths `[rows]` each, then the
     /// block tables `[rows, width]`.
     inputs: Tensor,
-    /// The step's logits `[rows, vocab]` (f32), which the captured step writes.
-    #[cfg(feature = "cuda")]
-    logits: Option<Tensor>,
     #[cfg(feature = "cuda")]
     graph: Option<candle_core::cuda_backend::cudarc::driver::CudaGraph>,
 }
@@ -63,16 +61,27 @@ pub(crate) struct DecodeGraphs {
     scratch: Option<u32>,
     /// The pool's generation the graphs were captured against.
     pool_generation: u64,
+    /// Rows of the largest padded step (a power of two).
+    max_rows: usize,
+    /// The steps' logits `[max_rows, vocab]` (f32): a step of `n` rows writes the first `n`
+    /// (CUDA; allocated at the first capture).
+    #[cfg(feature = "cuda")]
+    logits: Option<Tensor>,
     buckets: BTreeMap<usize, Bucket>,
     pub(crate) stats: GraphStats,
 }
 
 impl DecodeGraphs {
     /// The fixed-shape decode for `model` with blocks of `block_size` slots, rows of up to
-    /// `max_slots` tokens. Errors when the step cannot be captured: its ops would follow each
+    /// `max_slots` tokens, steps of up to `max_rows` rows. Errors when the step cannot be captured: its ops would follow each
     /// step's shapes (no training kernels for the model's device and dtype, or a head shape the
     /// paged attention kernel does not serve).
-    pub(crate) fn new(model: &Transformer, block_size: usize, max_slots: usize) -> Result<Self> {
+    pub(crate) fn new(
+        model: &Transformer,
+        block_size: usize,
+        max_slots: usize,
+        max_rows: usize,
+    ) -> Result<Self> {
         let width = max_slots.div_ceil(block_size).max(1);
         let c = &model.cfg;
         let served = model.device().is_cpu()
@@ -108,6 +117,9 @@ impl DecodeGraphs {
             width,
             scratch: None,
             pool_generation: 0,
+            max_rows: max_rows.max(1).next_power_of_two(),
+            #[cfg(feature = "cuda")]
+            logits: None,
             buckets: BTreeMap::new(),
             stats: GraphStats::default(),
         })
@@ -147,6 +159,12 @@ impl DecodeGraphs {
             self.pool_generation = pool.generation();
         }
         let n = rows.next_power_of_two();
+        if n > self.max_rows {
+            bail!(
+                "internal: a decode step of {rows} rows, more than the run's {}",
+                self.max_rows
+            );
+        }
         let (w, bs) = (self.width, self.block_size);
         let host = self.host_inputs(n, (tokens, positions), (tables, slots), scratch)?;
         // A replay runs no op's own checks: every slot and block it reaches is checked here.
@@ -162,8 +180,6 @@ impl DecodeGraphs {
             std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::btree_map::Entry::Vacant(e) => e.insert(Bucket {
                 inputs: Tensor::zeros(n * (4 + w), DType::U32, device)?,
-                #[cfg(feature = "cuda")]
-                logits: None,
                 #[cfg(feature = "cuda")]
                 graph: None,
             }),
@@ -198,14 +214,15 @@ impl DecodeGraphs {
                     .context("replaying the decode step's CUDA graph")?;
                 self.stats.replays += 1;
             } else {
-                let vocab = model.cfg.vocab_size;
-                let logits = match &bucket.logits {
+                let all = match &self.logits {
                     Some(l) => l.clone(),
-                    None => bucket
-                        .logits
-                        .insert(Tensor::zeros((n, vocab), DType::F32, device)?)
-                        .clone(),
+                    None => {
+                        let shape = (self.max_rows, model.cfg.vocab_size);
+                        let l = Tensor::zeros(shape, DType::F32, device)?;
+                        self.logits.insert(l).clone()
+                    }
                 };
+                let logits = all.narrow(0, 0, n)?;
                 let step_into_logits = || -> Result<()> {
                     let _cache = dev.enable_cuda_graph_htod_cache();
                     logits.slice_set(&forward()?, 0, 0)?;
@@ -218,10 +235,7 @@ impl DecodeGraphs {
                 })?);
                 self.stats.captures += 1;
             }
-            let logits = bucket
-                .logits
-                .as_ref()
-                .expect("set before the first capture");
+            let logits = self.logits.as_ref().expect("set before the first capture");
             return Ok(logits.narrow(0, 0, rows)?);
         }
         Ok(forward()?.narrow(0, 0, rows)?)

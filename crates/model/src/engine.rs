@@ -224,7 +224,12 @@ pub fn generate_with_store(
     let stacks = model.stack_for_decode()?;
     let mut graphs = if cfg.cuda_graphs {
         let longest = requests.iter().map(|r| need(r.prompt_ids.len())).max();
-        Some(DecodeGraphs::new(&model, bs, longest.unwrap_or(1))?)
+        let samples: usize = requests.iter().map(|r| r.num_samples).sum();
+        let rows = match cfg.max_running {
+            0 => samples,
+            m => m.min(samples),
+        };
+        Some(DecodeGraphs::new(&model, bs, longest.unwrap_or(1), rows)?)
     } else {
         None
     };

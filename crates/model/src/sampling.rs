@@ -232,7 +232,9 @@ pub struct EngineConfig {
     pub kv_block_size: usize,
     /// Decode steps at fixed, padded shapes, captured once per padded batch size as a CUDA
     /// graph and replayed (`crate::decode_graph`); on the CPU the same fixed-shape step runs
-    /// without capture. No other thread may use the device during the call.
+    /// without capture. No other thread may use the device during the call. Beyond
+    /// `kv_token_budget`: one scratch KV block (the padded rows') and a logits buffer of the
+    /// largest padded step (`[rows, vocab]`, f32).
     pub cuda_graphs: bool,
 }
 
