@@ -18,6 +18,7 @@ const BENCH_TORCH_PY: &str = include_str!("../tools/bench_torch.py");
 
 /// Runs `bench model` and prints its table (or JSON).
 pub(crate) fn run(a: BenchModelArgs) -> Result<()> {
+    composer_model::device::check_device_spec(&a.device).context("--device")?;
     let mut cfg = config(&a)?;
     if a.peak_tflops.is_some_and(|t| t.is_nan() || t <= 0.0) {
         anyhow::bail!("--peak-tflops must be > 0");

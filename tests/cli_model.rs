@@ -463,6 +463,12 @@ fn bench_model_runs_lora_with_checkpointing_and_refuses_bad_flags() {
             vec!["bench", "model", "--shape", "small", "--peak-tflops", "0"],
             "--peak-tflops",
         ),
+        (
+            vec![
+                "bench", "model", "--shape", "small", "--device", "tpu", "--torch",
+            ],
+            "unknown device `tpu`",
+        ),
     ] {
         let out = composer_rl(&args);
         assert!(!out.status.success(), "{args:?} succeeded");

@@ -16,23 +16,37 @@ use candle_core::Device;
 /// feature; otherwise a clear error). The same `cuda:N` always gives the same device (one
 /// stream), however many times and from whichever thread it is asked for.
 pub fn device_from_str(spec: &str) -> Result<Device> {
+    match cuda_ordinal(spec)? {
+        None => Ok(Device::Cpu),
+        Some(i) => cuda_device(spec.trim(), i),
+    }
+}
+
+/// Checks `spec` as [`device_from_str`] would, without opening the device: the same errors
+/// for a malformed spec or a CUDA device in a build without the `cuda` feature.
+pub fn check_device_spec(spec: &str) -> Result<()> {
+    if cuda_ordinal(spec)?.is_some() && !cfg!(feature = "cuda") {
+        bail!(
+            "device `{}` needs a build with the `cuda` feature (cargo build --features cuda)",
+            spec.trim()
+        );
+    }
+    Ok(())
+}
+
+/// `None` for the CPU, the ordinal for `cuda` / `cuda:N`.
+fn cuda_ordinal(spec: &str) -> Result<Option<usize>> {
     let spec = spec.trim();
     if spec == "cpu" {
-        return Ok(Device::Cpu);
+        return Ok(None);
     }
-    let ordinal = if spec == "cuda" {
-        Some(0)
-    } else if let Some(n) = spec.strip_prefix("cuda:") {
-        match n.parse::<usize>() {
-            Ok(i) => Some(i),
-            Err(_) => bail!("bad device `{spec}`: expected cuda:<ordinal>"),
-        }
-    } else {
-        None
-    };
-    match ordinal {
+    if spec == "cuda" {
+        return Ok(Some(0));
+    }
+    match spec.strip_prefix("cuda:").map(str::parse::<usize>) {
+        Some(Ok(i)) => Ok(Some(i)),
+        Some(Err(_)) => bail!("bad device `{spec}`: expected cuda:<ordinal>"),
         None => bail!("unknown device `{spec}` (expected `cpu`, `cuda` or `cuda:N`)"),
-        Some(i) => cuda_device(spec, i),
     }
 }
 
