@@ -112,6 +112,8 @@ pub struct GrpoRolloutReport {
     pub samples_differing: usize,
     /// The schedules, in order.
     pub arms: Vec<GrpoArm>,
+    /// Why the CUDA-graph arm (`cuda_graphs`) is missing, if it failed.
+    pub cuda_graphs_error: Option<String>,
 }
 
 /// Checks the workload before any model work.
@@ -242,6 +244,7 @@ pub fn bench_grpo_rollout(
     };
     let mut runs: Vec<Vec<Run>> = vec![Vec::new(); 4 + usize::from(opts.cuda_graphs)];
     let mut static_peak = 0;
+    let mut graphs_error = None;
     for _ in 0..opts.repeats {
         let static_run = run_static()?;
         static_peak = static_run.1.peak_kv_slots();
@@ -252,12 +255,19 @@ pub fn bench_grpo_rollout(
             ..continuous
         })?);
         runs[3].push(run_engine(EngineConfig::default())?);
-        if opts.cuda_graphs {
-            runs[4].push(run_engine(EngineConfig {
+        if opts.cuda_graphs && graphs_error.is_none() {
+            // A failing graph arm (a capture the device refuses) drops that arm only.
+            match run_engine(EngineConfig {
                 cuda_graphs: true,
                 ..continuous
-            })?);
+            }) {
+                Ok(run) => runs[4].push(run),
+                Err(e) => graphs_error = Some(format!("{e:#}")),
+            }
         }
+    }
+    if graphs_error.is_some() {
+        runs.truncate(4);
     }
     let mut names = vec![
         format!("static batches of {rows}"),
@@ -265,7 +275,7 @@ pub fn bench_grpo_rollout(
         format!("  + kv_token_budget {static_peak}"),
         format!("all {} at once", opts.prompts * opts.group),
     ];
-    if opts.cuda_graphs {
+    if runs.len() > 4 {
         names.push(format!("continuous {rows} + CUDA graphs"));
     }
 
@@ -323,6 +333,7 @@ pub fn bench_grpo_rollout(
             .sum(),
         samples_differing,
         arms,
+        cuda_graphs_error: graphs_error,
     })
 }
 
@@ -381,6 +392,9 @@ impl GrpoRolloutReport {
             self.prefill_tokens_unshared,
             self.prefill_tokens_unshared as f64 / shared.max(1) as f64
         ));
+        if let Some(e) = &self.cuda_graphs_error {
+            s.push_str(&format!("\nthe CUDA-graph arm failed: {e}"));
+        }
         s
     }
 }
