@@ -353,7 +353,7 @@ impl CustomOp3 for FusedHead {
             .map_err(msg)?;
             dh.push(dz.matmul(&w)?);
             if let Some(acc) = dw.as_mut() {
-                *acc = (&*acc + dz.t()?.matmul(&h_c)?.to_dtype(dt)?)?;
+                crate::ops::add_into(acc, &dz.t()?.matmul(&h_c)?).map_err(msg)?;
             }
             start += c;
         }

@@ -583,3 +583,30 @@ pub(crate) fn adamw_pass(
     unsafe { builder.launch(elementwise_config(n)) }.w()?;
     Ok(())
 }
+
+/// `acc += x` in place (`add_into_f32_<dtype of x>` in kernels.cu): `acc` f32, `x` f32 or bf16,
+/// both contiguous with the same element count.
+pub(crate) fn add_into_f32(
+    acc: (&mut CudaStorage, &Layout),
+    x: (&CudaStorage, &Layout),
+) -> Result<()> {
+    let dev = x.0.device().clone();
+    let Some((a, b)) = acc.1.contiguous_offsets() else {
+        candle_core::bail!("add_into: the sum must be contiguous")
+    };
+    let name = kernel_name("add_into_f32", x.0.dtype())?;
+    let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    let mut acc = acc.0.as_cuda_slice_mut::<f32>()?.slice_mut(a..b);
+    let n = (b - a) as u64;
+    typed!(x.0.dtype(), "add_into", |T| {
+        let xs = view::<T>(x.0, x.1, "add_into")?;
+        if xs.len() != b - a {
+            candle_core::bail!("add_into: {} elements and {}", b - a, xs.len())
+        }
+        let mut builder = f.builder();
+        builder.arg(&mut acc).arg(&xs).arg(&n);
+        // SAFETY: the arguments match the kernel's signature; both hold n elements.
+        unsafe { builder.launch(elementwise_config(b - a)) }.w()?;
+    });
+    Ok(())
+}

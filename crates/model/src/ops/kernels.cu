@@ -348,6 +348,14 @@ __device__ void head_logits_grad(const T* z, const float* stats, const uint32_t*
   }
 }
 
+// ---- acc += x, acc f32 and x in T (ops/add_into.rs; CPU twin AddInto::cpu_fwd) ----
+template <typename T>
+__device__ void add_into_f32(float* __restrict__ acc, const T* __restrict__ x, size_t n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)blockDim.x * gridDim.x)
+    acc[i] += to_f(x[i]);
+}
+
 #define INSTANTIATE(T, SFX)                                                                     \
   extern "C" __global__ void rms_norm_fwd_##SFX(const T* x, const T* w, T* y, int rows, int d,  \
                                                 float eps) {                                    \
@@ -364,6 +372,9 @@ __device__ void head_logits_grad(const T* z, const float* stats, const uint32_t*
   extern "C" __global__ void rms_norm_bwd_dw_##SFX(const T* x, const T* dy, float* dw,         \
                                                    int rows, int d, float eps) {                \
     rms_norm_bwd_dw<T>(x, dy, dw, rows, d, eps);                                                \
+  }                                                                                             \
+  extern "C" __global__ void add_into_f32_##SFX(float* acc, const T* x, unsigned long long n) { \
+    add_into_f32<T>(acc, x, n);                                                                 \
   }                                                                                             \
   extern "C" __global__ void cast_from_f32_##SFX(const float* src, T* dst, int n) {            \
     cast_from_f32<T>(src, dst, n);                                                              \

@@ -21,6 +21,7 @@
 //! composition elsewhere.
 
 mod adamw;
+mod add_into;
 mod attention;
 mod attention_cpu;
 #[cfg(feature = "cuda")]
@@ -40,6 +41,7 @@ pub(crate) mod rope;
 mod swiglu;
 
 pub use adamw::{adamw_update, AdamWStep};
+pub(crate) use add_into::add_into;
 pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, check_cu_seqlens};
 #[cfg(feature = "cuda")]
 pub(crate) use decode_cuda::sample_inverse_cdf as sample_inverse_cdf_cuda;
