@@ -406,15 +406,18 @@ fn paged_decode_over_long_rows_matches_the_scorer() {
             seed: 90 + i as u64,
         })
         .collect();
-    // bf16: the scorer's prefill kernels and the decode's round activations differently, so
-    // only a gross error shows (the kernel's own bf16 accuracy is checked above).
-    let dtypes: &[(DType, f32)] = if dev.is_cpu() {
-        &[(DType::F32, 1e-4)]
-    } else {
-        &[(DType::F32, 1e-4), (DType::BF16, 0.25)]
-    };
-    for &(dtype, tol) in dtypes {
+    // f32: the sampler's log-probs are the scorer's to 1e-4. bf16 (CUDA only): the scorer's
+    // prefill kernels and the decode round activations differently, so both are measured
+    // against the f32 scorer on the same (bf16-rounded) weights, and the decode may not be
+    // much further from it than the bf16 scorer is; a key read from the wrong slot moves the
+    // log-probs by about their spread (> 1).
+    let mut dtypes = vec![DType::F32];
+    if !dev.is_cpu() {
+        dtypes.push(DType::BF16);
+    }
+    for dtype in dtypes {
         let model = model.to_dtype(dtype).unwrap();
+        let reference = model.to_dtype(DType::F32).unwrap();
         let engine = EngineConfig {
             kv_block_size: 16,
             ..Default::default()
@@ -423,20 +426,40 @@ fn paged_decode_over_long_rows_matches_the_scorer() {
             .unwrap()
             .0;
         let mut spread = (f32::INFINITY, f32::NEG_INFINITY);
+        let (mut decode_err, mut score_err) = (Vec::new(), Vec::new());
         for (r, samples) in reqs.iter().zip(&out) {
             for s in samples {
-                let tail = common::scored_completion(&model, &r.prompt_ids, s);
-                assert_eq!(tail.len(), s.sampler_logprobs.len());
-                for (a, b) in tail.iter().zip(&s.sampler_logprobs) {
-                    assert!(
-                        (a - b).abs() <= tol,
-                        "{dtype:?}, prompt of {}: scored {a} vs sampled {b}",
-                        r.prompt_ids.len()
-                    );
+                let scored = common::scored_completion(&model, &r.prompt_ids, s);
+                let exact = common::scored_completion(&reference, &r.prompt_ids, s);
+                assert_eq!(scored.len(), s.sampler_logprobs.len());
+                for ((a, b), e) in scored.iter().zip(&s.sampler_logprobs).zip(&exact) {
+                    if dtype == DType::F32 {
+                        assert!(
+                            (a - b).abs() <= 1e-4,
+                            "F32, prompt of {}: scored {a} vs sampled {b}",
+                            r.prompt_ids.len()
+                        );
+                    }
+                    decode_err.push((b - e).abs());
+                    score_err.push((a - e).abs());
                     spread = (spread.0.min(*b), spread.1.max(*b));
                 }
             }
         }
+        let mean = |v: &[f32]| v.iter().sum::<f32>() / v.len() as f32;
+        let max = |v: &[f32]| v.iter().cloned().fold(0.0, f32::max);
+        let (decode, score) = (
+            (mean(&decode_err), max(&decode_err)),
+            (mean(&score_err), max(&score_err)),
+        );
+        assert!(
+            decode.0 <= 2.0 * score.0 + 0.02 && decode.1 <= 2.0 * score.1 + 0.1,
+            "{dtype:?}: |sampled − f32 scorer| mean {} max {} vs |scored − f32 scorer| mean {} max {}",
+            decode.0,
+            decode.1,
+            score.0,
+            score.1
+        );
         // Far from the uniform log-prob (−ln 384 ≈ −5.95) everywhere: the attention matters.
         assert!(spread.1 - spread.0 > 1.0, "{dtype:?}: log-probs {spread:?}");
     }
