@@ -157,6 +157,9 @@ if want bench05; then
   # Decode with and without the fixed-shape steps captured as CUDA graphs, in one run.
   bench "c05-d" 220 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 1,16,64,256 --skip-train --cuda-graphs
   bench "te05-d" 150 $TORCH --shape qwen2.5-0.5b --batch 1,64 --skip-train
+  # The paged decode kernel's keys in finer chunks (more blocks per step; the default aims at
+  # 256): measured beside c05-d before the default moves.
+  COMPOSER_DECODE_BLOCKS=1024 bench "c05-d-fine" 220 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 16,64,256 --skip-train --cuda-graphs
 fi
 if want attn; then
   # The newest kernels alone: the varlen attention's and the LM head's CUDA tests (unless the

@@ -50,9 +50,10 @@ def train_cell(rep, shape, seq, lora):
     return tps, rep["peak_mem_mib"], mfu
 
 
-def fmt(cell):
+def fmt(cell, ran=True):
+    """A training cell; `ran` = the benchmark left a JSON file (no file: not run in this call)."""
     if cell is None:
-        return f"{'fail/OOM':>27}"
+        return f"{'fail/OOM' if ran else 'not run':>27}"
     tps, mem, mfu = cell
     m = f"{mem / 1024:.1f} GiB" if mem else "-"
     return f"{tps:>9.0f} {m:>10} {100 * mfu:>5.1f}%"
@@ -83,10 +84,11 @@ def main():
         ("qwen2.5-7b", 8, 1024, True, "c7-t8c", "te7-t8", None),
     ]
     for shape, b, seq, lora, ct, et, kt in rows:
-        c = train_cell(load(d, ct), shape, seq, lora)
-        e = train_cell(load(d, et), shape, seq, lora)
-        k = train_cell(load(d, kt), shape, seq, lora) if kt else None
-        if c is None and e is None and k is None and load(d, ct) is None and load(d, et) is None:
+        cr, er, kr = load(d, ct), load(d, et), load(d, kt) if kt else None
+        c = train_cell(cr, shape, seq, lora)
+        e = train_cell(er, shape, seq, lora)
+        k = train_cell(kr, shape, seq, lora) if kt else None
+        if cr is None:
             continue
         r_e = f"{c[0] / e[0]:>5.2f}" if c and e else "    -"
         r_k = f"{c[0] / k[0]:>7.2f}" if c and k else "      -"
@@ -95,7 +97,7 @@ def main():
         name += " packed" if ct.startswith("c05-t16pf") else ""
         name += " scalar attn" if ct.endswith("-scalar") else ""
         name += " varlen attn" if ct.endswith("-varlen") else ""
-        print(f"{name:<34} | {fmt(c)} | {fmt(e)} | {fmt(k) if kt else f'{chr(45):>27}'} | {r_e}  {r_k}")
+        print(f"{name:<34} | {fmt(c)} | {fmt(e, er is not None)} | {fmt(k, kr is not None) if kt else f'{chr(45):>27}'} | {r_e}  {r_k}")
 
     print("\ncomposer-rl training step phases (s, synchronised): decoder forward / LM head + log-probs / backward")
     for shape, b, seq, lora, ct, et, kt in rows:
@@ -105,7 +107,8 @@ def main():
             print(f"{shape} {b}x{seq}{' LoRA' if lora else ''}: {fwd:.3f} / {head:.3f} / {bwd:.3f}")
 
     print("\ndecode (bf16, prompt 128, 64 new tokens, tokens/s excluding prefill; % of the HBM roofline)")
-    for shape, ct, et in [("qwen2.5-0.5b", "c05-d", "te05-d"), ("qwen2.5-7b", "c7-d", None)]:
+    for shape, ct, et in [("qwen2.5-0.5b", "c05-d", "te05-d"), ("qwen2.5-0.5b", "c05-d-fine", None),
+                          ("qwen2.5-7b", "c7-d", None)]:
         c, e = load(d, ct), load(d, et) if et else None
         if not c:
             continue
@@ -122,7 +125,8 @@ def main():
             tail = f" | HF generate {et_:>8.0f}  ratio {tps / et_:>5.1f}" if et_ else ""
             g = r.get("decode_graphs_tokens_per_s")
             graphs = f" | CUDA graphs {g:>9.0f} ({100 * g / roof:>5.1f}%, {g / tps:>4.2f}x)" if g else ""
-            print(f"{shape:<14} batch {b:>4}: {tps:>9.0f} tok/s  roofline {roof:>9.0f}  ({100 * tps / roof:>5.1f}%){graphs}{tail}")
+            label = shape + (" fine" if ct.endswith("-fine") else "")  # COMPOSER_DECODE_BLOCKS=1024
+            print(f"{label:<19} batch {b:>4}: {tps:>9.0f} tok/s  roofline {roof:>9.0f}  ({100 * tps / roof:>5.1f}%){graphs}{tail}")
 
     rep = load(d, "c05-rollout-grpo")
     if rep and rep.get("arms"):

@@ -28,8 +28,24 @@ pub(super) const DECODE_CHUNK: usize = 256;
 const DECODE_CHUNKS: [usize; 4] = [DECODE_CHUNK, 128, 64, 32];
 
 /// Blocks a step's grid should have for the GPU's SMs to be busy (about two per SM of an
-/// H100/H200): below it, keys are split into smaller chunks.
+/// H100/H200): below it, keys are split into smaller chunks. `COMPOSER_DECODE_BLOCKS=<n>`
+/// replaces it (a benchmark diagnostic, see [`decode_target_blocks`]).
 const DECODE_TARGET_BLOCKS: usize = 256;
+
+/// [`DECODE_TARGET_BLOCKS`], or `COMPOSER_DECODE_BLOCKS` when set to a positive integer: on an
+/// H200 a block of 128 keys took 46.6 µs per layer at batch 64 (BENCHMARKS.md, 2026-11-27),
+/// latency-bound on its serial key loop, so `tools/gpu_check.sh` times the decode with finer
+/// chunks beside the default before the default moves.
+fn decode_target_blocks() -> usize {
+    static TARGET: OnceLock<usize> = OnceLock::new();
+    *TARGET.get_or_init(|| {
+        std::env::var("COMPOSER_DECODE_BLOCKS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n: &usize| n > 0)
+            .unwrap_or(DECODE_TARGET_BLOCKS)
+    })
+}
 
 /// Threads per block of the CUDA kernel (8 warps).
 pub(super) const DECODE_THREADS: usize = 256;
@@ -55,7 +71,7 @@ pub(super) struct DecodePlan {
 
 /// The CUDA kernel's plan for `groups` (rows × KV heads) of `n_rep` query heads of
 /// `head_dim`, the longest row attending to `longest` keys: the largest chunk that fits
-/// shared memory and still gives [`DECODE_TARGET_BLOCKS`] blocks, else the smallest that
+/// shared memory and still gives [`decode_target_blocks`] blocks, else the smallest that
 /// fits. `None` when the kernel cannot serve the shape (head_dim over 256, a group too large
 /// for shared memory even at 32 keys per chunk, or over 65,535 chunks).
 pub(super) fn decode_plan(
@@ -83,7 +99,7 @@ pub(super) fn decode_plan(
             .filter(|&c| bytes(c) <= DECODE_SHARED_LIMIT)
     };
     let chunk = fitting()
-        .find(|&c| groups * longest.div_ceil(c) >= DECODE_TARGET_BLOCKS)
+        .find(|&c| groups * longest.div_ceil(c) >= decode_target_blocks())
         .or_else(|| fitting().next_back())?;
     let splits = longest.div_ceil(chunk).max(1);
     // The chunks are the grid's second axis (at most 65,535 blocks).
