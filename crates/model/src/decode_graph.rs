@@ -146,10 +146,7 @@ impl DecodeGraphs {
                 slots.len()
             );
         }
-        let max_pos = model.cfg.max_position_embeddings;
-        if let Some(p) = positions.iter().find(|&&p| p >= max_pos) {
-            bail!("paged decode: position {p} exceeds max_position_embeddings = {max_pos}");
-        }
+        model.check_positions(positions.iter().copied(), "paged decode")?;
         let scratch = match self.scratch {
             Some(s) => s,
             None => *self.scratch.insert(pool.scratch_block()?),
@@ -186,7 +183,7 @@ impl DecodeGraphs {
         };
         bucket
             .inputs
-            .slice_set(&Tensor::from_vec(host.clone(), n * (4 + w), device)?, 0, 0)?;
+            .slice_set(&Tensor::new(host.as_slice(), device)?, 0, 0)?;
         self.stats.padded_steps += 1;
         // The host copy of what the step reads: the KV write and the CPU kernel check and read
         // it, the CUDA kernels read the buffer's views.

@@ -86,6 +86,20 @@ pub struct Transformer {
 }
 
 impl Transformer {
+    /// An error naming `what` if a position lies past the RoPE tables
+    /// (`max_position_embeddings`): every forward that takes explicit positions checks here.
+    pub(crate) fn check_positions(
+        &self,
+        positions: impl IntoIterator<Item = usize>,
+        what: &str,
+    ) -> Result<()> {
+        let max_pos = self.cfg.max_position_embeddings;
+        if let Some(p) = positions.into_iter().find(|&p| p >= max_pos) {
+            bail!("{what}: position {p} exceeds max_position_embeddings = {max_pos}");
+        }
+        Ok(())
+    }
+
     /// The same weights without gradient tracking (shares storage: in-place optimizer
     /// updates of the variables are visible). Used by rollouts so decoding builds no graph.
     pub fn detached(&self) -> Self {
@@ -383,10 +397,7 @@ impl Transformer {
             );
         }
         crate::ops::check_cu_seqlens(&batch.cu_seqlens, n).context("packed batch")?;
-        let max_pos = self.cfg.max_position_embeddings;
-        if let Some(p) = batch.positions.iter().find(|&&p| p as usize >= max_pos) {
-            bail!("packed batch: position {p} exceeds max_position_embeddings = {max_pos}");
-        }
+        self.check_positions(batch.positions.iter().map(|&p| p as usize), "packed batch")?;
         let path = if self.training_kernels {
             OpPath::Kernels
         } else {

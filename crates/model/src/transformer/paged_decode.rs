@@ -65,10 +65,7 @@ impl Transformer {
                 step.layout.rows()
             );
         }
-        let max_pos = self.cfg.max_position_embeddings;
-        if let Some(p) = positions.iter().find(|&&p| p >= max_pos) {
-            bail!("paged decode: position {p} exceeds max_position_embeddings = {max_pos}");
-        }
+        self.check_positions(positions.iter().copied(), "paged decode")?;
         let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         let pos = Tensor::new(pos, &self.device)?;
         let ids = Tensor::new(tokens, &self.device)?;
