@@ -76,6 +76,23 @@ T emu_shuffle(T v, int src) {
 }
 template <class T> T __shfl_xor_sync(unsigned, T v, int lane_mask) { return emu_shuffle(v, (threadIdx.x & 31) ^ lane_mask); }
 template <class T> T __shfl_sync(unsigned, T v, int src_lane) { return emu_shuffle(v, src_lane); }
+// A lane below `delta` gets its own value back, as on a GPU.
+template <class T> T __shfl_up_sync(unsigned, T v, unsigned delta) {
+  const int lane = threadIdx.x & 31;
+  return emu_shuffle(v, lane >= (int)delta ? lane - (int)delta : lane);
+}
+inline int atomicMin(int* a, int v) {
+  std::atomic_ref<int> r(*a);
+  int old = r.load();
+  while (v < old && !r.compare_exchange_weak(old, v)) {}
+  return old;
+}
+inline int atomicMax(int* a, int v) {
+  std::atomic_ref<int> r(*a);
+  int old = r.load();
+  while (v > old && !r.compare_exchange_weak(old, v)) {}
+  return old;
+}
 
 // Two adjacent bf16 as one 32-bit register (the lower address in the low half).
 inline uint32_t ld_bf16x2(const __nv_bfloat16* p) {

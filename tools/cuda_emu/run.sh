@@ -9,6 +9,8 @@
 # SANITIZE=address (default: ASan + UBSan, out-of-bounds global/shared memory and undefined
 # behaviour abort), thread (TSan: a missing __syncthreads shows as a data race) or none
 # (plain -O2, fastest). Exits non-zero when a build fails or a driver reports FAIL.
+# EMU_DEFINES="-DDS_THREADS=64": extra compiler flags (the sampler's block size is a macro; 1,024
+# host threads per block make its driver slow, and the kernel's scan must work at any size).
 # Needs g++ >= 11 (C++20 <barrier>, std::atomic_ref).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -38,7 +40,7 @@ done
 failed=()
 for driver in "${drivers[@]}"; do
   if [ ! -f "$here/$driver.cpp" ]; then echo "no driver $driver (one of: ${all[*]})" >&2; exit 2; fi
-  g++ -std=c++20 "${flags[@]}" -I"$here/inc" -I"$here" -I"$work" -I"$ops" "$here/$driver.cpp" -o "$work/$driver" -pthread
+  g++ -std=c++20 "${flags[@]}" ${EMU_DEFINES:-} -I"$here/inc" -I"$here" -I"$work" -I"$ops" "$here/$driver.cpp" -o "$work/$driver" -pthread
   echo "== $driver (SANITIZE=${SANITIZE:-address}${quick:+, quick})"
   "$work/$driver" "${quick[@]}" "$@" || failed+=("$driver")
 done

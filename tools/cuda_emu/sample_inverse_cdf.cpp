@@ -81,7 +81,7 @@ int run(int rows, int v, unsigned seed) {
     std::vector<float> lps(rows);
     float inv_t = (float)(1.0 / t);
     const int top_k = f.top_k >= v ? 0 : f.top_k;
-    emu_launch(Dim3{(unsigned)rows, 1, 1}, Dim3{256, 1, 1}, 0, [&] {
+    emu_launch(Dim3{(unsigned)rows, 1, 1}, Dim3{DS_THREADS, 1, 1}, 0, [&] {
       if constexpr (sizeof(T) == 4)
         sample_inverse_cdf_f32(x.data(), u.data(), inv_t, tokens.data(), lps.data(), v, top_k, (float)f.top_p, (float)f.min_p);
       else

@@ -110,7 +110,7 @@ pub(super) fn paged_decode(
 }
 
 /// Threads per block of the sampling kernel (`DS_THREADS`).
-const SAMPLE_THREADS: u32 = 256;
+const SAMPLE_THREADS: u32 = 1024;
 
 /// Draws one token per row of `logits` `[rows, V]` (f32 or bf16, on the CUDA device) at
 /// temperature `1 / inv_t` from what `filter` keeps, by inverse CDF at `uniforms[row]` (the CPU

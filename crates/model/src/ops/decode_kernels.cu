@@ -199,9 +199,13 @@ __device__ void paged_decode_combine(const float* __restrict__ part_o,
 // first kept id, in id order, whose cumulative p (f64) exceeds u·Σp_kept with p > 0
 // (u = uniforms[row]); a target past the end (rounding) takes the last kept id with p > 0.
 // Writes the token and its (unfiltered) logp. Thread t owns the ids of segment t (contiguous,
-// ⌈V / blockDim⌉ each): segment sums, a scan by thread 0, then the owning thread walks its
-// segment. blockDim.x = DS_THREADS.
-#define DS_THREADS 256
+// ⌈V / blockDim⌉ each): segment sums, a block-wide scan of them, then the owning thread walks
+// its segment. blockDim.x = DS_THREADS: 1,024 threads, as a row's passes over V = 151,936
+// logits are latency-bound per thread (one block per row; 256 threads took 453 µs for 64 rows
+// on an H200, 2026-11-27).
+#ifndef DS_THREADS  // tools/cuda_emu builds it smaller too: the scan must not depend on it
+#define DS_THREADS 1024
+#endif
 
 // A float's position in the total order of floats, as an unsigned key (larger float, larger key).
 __device__ __forceinline__ uint32_t order_key(float f) {
@@ -275,10 +279,10 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
                                    int v, int top_k, float top_p, float min_p) {
   __shared__ float part[DS_THREADS / 32];
   __shared__ double dpart[DS_THREADS / 32];
-  __shared__ double seg[DS_THREADS + 1];
+  __shared__ double warp_base[32];
   __shared__ float row_lse;
-  __shared__ double row_target;
-  __shared__ int owner;
+  __shared__ double row_total;
+  __shared__ int found, last_with_mass;
   const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nwarps = blockDim.x >> 5;
   const T* x = logits + (size_t)row * v;
@@ -312,34 +316,52 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
     const float xi = to_f(x[i]) * inv_t;
     if (xi >= cut) s += (double)expf(xi - lse);
   }
-  seg[tid + 1] = s;
+  // The mass before and after segment t: inclusive scans of the segment sums within each warp,
+  // then over the warps' totals, exclusive prefixes taken by shuffles (not subtraction) so a
+  // segment's `after` is its successor's `before` exactly.
+  double incl = s;
+  for (int o = 1; o < 32; o <<= 1) {
+    const double up = __shfl_up_sync(FULL_MASK, incl, o);
+    if (lane >= o) incl += up;
+  }
+  double excl = __shfl_up_sync(FULL_MASK, incl, 1);
+  if (lane == 0) excl = 0.0;
+  if (lane == 31) dpart[warp] = incl;
   __syncthreads();
-  if (tid == 0) {
-    // seg[t] becomes the mass before segment t; the target's segment is the first whose
-    // mass ends past it, else (rounding) the last one with mass.
-    seg[0] = 0.0;
-    for (int t = 0; t < (int)blockDim.x; t++) seg[t + 1] += seg[t];
-    const double target = uniforms[row] * seg[blockDim.x];
-    int found = -1, last = 0;
-    for (int t = 0; t < (int)blockDim.x; t++) {
-      if (seg[t + 1] > seg[t]) {
-        last = t;
-        if (found < 0 && seg[t + 1] > target) found = t;
-      }
+  if (warp == 0) {
+    double w_incl = lane < nwarps ? dpart[lane] : 0.0;
+    for (int o = 1; o < 32; o <<= 1) {
+      const double up = __shfl_up_sync(FULL_MASK, w_incl, o);
+      if (lane >= o) w_incl += up;
     }
-    owner = found >= 0 ? found : last;
-    row_target = target;
+    double w_excl = __shfl_up_sync(FULL_MASK, w_incl, 1);
+    if (lane == 0) w_excl = 0.0;
+    warp_base[lane] = w_excl;
+    if (lane == nwarps - 1) row_total = w_incl;
+    if (lane == 0) {
+      found = 0x7fffffff;
+      last_with_mass = 0;
+    }
   }
   __syncthreads();
-  if (tid == owner) {
-    double acc = seg[tid];
+  const double before = warp_base[warp] + excl, after = warp_base[warp] + incl;
+  // The target's segment is the first whose mass ends past it, else (rounding) the last one
+  // with mass.
+  const double target = uniforms[row] * row_total;
+  if (after > before) {
+    atomicMax(&last_with_mass, tid);
+    if (after > target) atomicMin(&found, tid);
+  }
+  __syncthreads();
+  if (tid == (found != 0x7fffffff ? found : last_with_mass)) {
+    double acc = before;
     int pick = -1, last = lo;
     for (int i = lo; i < hi; i++) {
       const float xi = to_f(x[i]) * inv_t;
       const float p = xi >= cut ? expf(xi - lse) : 0.f;
       if (p > 0.f) last = i;
       acc += (double)p;
-      if (acc > row_target && p > 0.f) {
+      if (acc > target && p > 0.f) {
         pick = i;
         break;
       }
