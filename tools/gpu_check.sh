@@ -166,11 +166,12 @@ if want attn; then
   # tests section ran them), the attention test again on the scalar kernels
   # (COMPOSER_ATTENTION_TC=0; bf16 at head_dim 64/128 runs the tensor-core kernels otherwise),
   # then the same workloads timed both ways.
-  # Then `ops` with COMPOSER_PADDED_ATTENTION=varlen: the padded training forward through the
-  # varlen kernels (its check against the composition, every parameter's gradient).
+  # Then `ops` with COMPOSER_PADDED_ATTENTION=masked: the padded training forward through the
+  # masked softmax, no longer CUDA's default (its check against the composition, every
+  # parameter's gradient).
   runs=("ops_attention:" "ops_step:")
   want tests && runs=()
-  runs+=("ops_attention:COMPOSER_ATTENTION_TC=0" "ops:COMPOSER_PADDED_ATTENTION=varlen")
+  runs+=("ops_attention:COMPOSER_ATTENTION_TC=0" "ops:COMPOSER_PADDED_ATTENTION=masked")
   for run in "${runs[@]}"; do
     t=${run%%:*}; var=${run#*:}
     late && { note "test $t (cuda ${var}): skipped (BUDGET_S=$BUDGET_S spent)"; continue; }
@@ -182,10 +183,11 @@ if want attn; then
     fi
   done
   # The 0.5B step three ways: packed (varlen, tensor cores), packed on the scalar kernels, and
-  # the padded batch through the varlen kernels (c05-t16 in bench05 is the masked softmax).
+  # the padded batch through the masked softmax (c05-t16 in bench05 attends through the varlen
+  # kernels, the default).
   bench "c05-t16pf" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 16 --train-seq-len 512 --skip-decode --padding-free
   COMPOSER_ATTENTION_TC=0 bench "c05-t16pf-scalar" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 16 --train-seq-len 512 --skip-decode --padding-free
-  COMPOSER_PADDED_ATTENTION=varlen bench "c05-t16-varlen" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 16 --train-seq-len 512 --skip-decode
+  COMPOSER_PADDED_ATTENTION=masked bench "c05-t16-masked" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 16 --train-seq-len 512 --skip-decode
 fi
 if want attn && ! want bench06; then
   bench "c06-t1pf" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode --gradient-checkpointing --padding-free

@@ -71,8 +71,10 @@ def main():
         # kernels (COMPOSER_ATTENTION_TC=0).
         ("qwen2.5-0.5b", 16, 512, False, "c05-t16pf", "te05-t16", "tc05-t16"),
         ("qwen2.5-0.5b", 16, 512, False, "c05-t16pf-scalar", "te05-t16", "tc05-t16"),
-        # the padded batch attending through the varlen kernels (COMPOSER_PADDED_ATTENTION=varlen)
+        # the padded batch attending through the varlen kernels (COMPOSER_PADDED_ATTENTION=varlen,
+        # before 2026-11-27) or the masked softmax (=masked, since varlen is the default)
         ("qwen2.5-0.5b", 16, 512, False, "c05-t16-varlen", "te05-t16", "tc05-t16"),
+        ("qwen2.5-0.5b", 16, 512, False, "c05-t16-masked", "te05-t16", "tc05-t16"),
         ("qwen3-0.6b", 1, 16384, False, "c06-t1", "te06-t1", None),
         # composer-rl padding-free (varlen flash-attention kernel), with and without checkpointing.
         ("qwen3-0.6b", 1, 16384, False, "c06-t1pf", "te06-t1", None),
@@ -97,6 +99,7 @@ def main():
         name += " packed" if ct.startswith("c05-t16pf") else ""
         name += " scalar attn" if ct.endswith("-scalar") else ""
         name += " varlen attn" if ct.endswith("-varlen") else ""
+        name += " masked softmax" if ct.endswith("-masked") else ""
         print(f"{name:<34} | {fmt(c)} | {fmt(e, er is not None)} | {fmt(k, kr is not None) if kt else f'{chr(45):>27}'} | {r_e}  {r_k}")
 
     print("\ncomposer-rl training step phases (s, synchronised): decoder forward / LM head + log-probs / backward")

@@ -485,14 +485,15 @@ impl Transformer {
 
 /// Whether a padded training batch on `device` attends through the varlen kernels (its rows'
 /// tokens as packed segments, [`packed_segments`]: no `[heads, T, T]` scores) rather than the
-/// masked softmax over the padded batch: always on the CPU; on CUDA with
-/// `COMPOSER_PADDED_ATTENTION=varlen` — the masked softmax stays CUDA's default until the varlen
-/// kernels have run on a GPU (tools/gpu_check.sh's `attn` section times both).
+/// masked softmax over the padded batch: always on the CPU, and on CUDA unless
+/// `COMPOSER_PADDED_ATTENTION=masked` (a diagnostic: on an H200 the varlen kernels trained the
+/// 0.5B shape at 16×512 at 1.17× the masked softmax's tokens/s in 13.4 against 21.6 GiB,
+/// BENCHMARKS.md 2026-11-27; tools/gpu_check.sh's `attn` section times both).
 fn padded_batch_varlen(device: &Device) -> bool {
-    static VARLEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    static MASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     device.is_cpu()
-        || *VARLEN
-            .get_or_init(|| std::env::var("COMPOSER_PADDED_ATTENTION").is_ok_and(|v| v == "varlen"))
+        || !*MASKED
+            .get_or_init(|| std::env::var("COMPOSER_PADDED_ATTENTION").is_ok_and(|v| v == "masked"))
 }
 
 /// `cu_seqlens` of a `[B, T]` batch packed as `B·T` tokens, the same attention pattern as
