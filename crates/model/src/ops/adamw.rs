@@ -9,7 +9,7 @@
 //! θ ← θ − (lr / (1−β1^t)) · m / (√v / √(1−β2^t) + ε)
 //! ```
 
-use super::kernels_apply_to;
+use super::{contiguous_range, kernels_apply_to};
 use anyhow::{bail, Result};
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor};
 
@@ -204,14 +204,6 @@ impl AdamWPass {
     }
 }
 
-/// The contiguous range of `l`, or an error naming `what`.
-fn range(l: &Layout, what: &str) -> candle_core::Result<(usize, usize)> {
-    match l.contiguous_offsets() {
-        Some(r) => Ok(r),
-        None => candle_core::bail!("adamw: the {what} must be contiguous"),
-    }
-}
-
 impl InplaceOp2 for AdamWPass {
     fn name(&self) -> &'static str {
         match self.pass {
@@ -227,8 +219,8 @@ impl InplaceOp2 for AdamWPass {
         src: &CpuStorage,
         ls: &Layout,
     ) -> candle_core::Result<()> {
-        let (a, b) = range(ld, "updated tensor")?;
-        let (c, d) = range(ls, "tensor read")?;
+        let (a, b) = contiguous_range(ld, "adamw", "updated tensor")?;
+        let (c, d) = contiguous_range(ls, "adamw", "tensor read")?;
         if (b - a, d - c) != self.lens() {
             candle_core::bail!(
                 "{}: {} and {} elements for a parameter of {}",

@@ -5,6 +5,7 @@
 //! `badd_f32` 0.58 ms per chunk, ten chunks a step); this is one pass that reads `x` and updates
 //! `acc`.
 
+use super::contiguous_range;
 use anyhow::{bail, Result};
 use candle_core::{CpuStorage, DType, Device, InplaceOp2, Layout, Tensor};
 
@@ -44,13 +45,6 @@ pub(crate) fn add_into(acc: &mut Tensor, x: &Tensor) -> Result<()> {
 /// The in-place pass of [`add_into`] (CUDA kernel `add_into_f32_<x dtype>` in kernels.cu).
 struct AddInto;
 
-fn range(l: &Layout, what: &str) -> candle_core::Result<(usize, usize)> {
-    match l.contiguous_offsets() {
-        Some(r) => Ok(r),
-        None => candle_core::bail!("add_into: the {what} must be contiguous"),
-    }
-}
-
 fn add_widened<T: Copy>(dst: &mut [f32], src: &[T], widen: impl Fn(T) -> f32) {
     for (d, &s) in dst.iter_mut().zip(src) {
         *d += widen(s);
@@ -69,8 +63,8 @@ impl InplaceOp2 for AddInto {
         src: &CpuStorage,
         ls: &Layout,
     ) -> candle_core::Result<()> {
-        let (a, b) = range(ld, "sum")?;
-        let (c, d) = range(ls, "term")?;
+        let (a, b) = contiguous_range(ld, "add_into", "sum")?;
+        let (c, d) = contiguous_range(ls, "add_into", "term")?;
         if b - a != d - c {
             candle_core::bail!("add_into: {} elements and {}", b - a, d - c)
         }

@@ -70,6 +70,19 @@ pub fn kernels_apply_to(device: &Device, dtype: DType) -> bool {
     }
 }
 
+/// The contiguous element range of an in-place op's operand, or an error naming the op and
+/// the operand.
+pub(super) fn contiguous_range(
+    l: &Layout,
+    op: &str,
+    what: &str,
+) -> candle_core::Result<(usize, usize)> {
+    match l.contiguous_offsets() {
+        Some(r) => Ok(r),
+        None => candle_core::bail!("{op}: the {what} must be contiguous"),
+    }
+}
+
 /// [`kernels_apply_to`] for `t`'s device and dtype.
 pub fn kernels_apply(t: &Tensor) -> bool {
     kernels_apply_to(t.device(), t.dtype())
