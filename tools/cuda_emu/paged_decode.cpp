@@ -15,7 +15,7 @@ struct Case { int hq, hkv, d, bs; std::vector<int> lens; };
 bool plan(int groups, int n_rep, int d, int longest, int& chunk, int& splits, size_t& bytes) {
   if (d <= 0 || d > 256) return false;
   const int thread_groups = 256 / d;
-  auto need = [&](int c) { return 4 * ((size_t)n_rep * d + (size_t)n_rep * c + 2 * n_rep + 8 * d * (thread_groups - 1)); };
+  auto need = [&](int c) { return 4 * ((size_t)n_rep * d + (size_t)n_rep * c + 2 * n_rep + 8 * d * (thread_groups - 1) + c); };
   int pick = 0, smallest = 0;
   for (int c : {256, 128, 64, 32}) {
     if (need(c) > 48 * 1024) continue;

@@ -84,14 +84,15 @@ pub(super) fn decode_plan(
     if head_dim == 0 || head_dim > DECODE_MAX_HEAD_DIM || n_rep == 0 {
         return None;
     }
-    // Floats: the group's queries, its scores, max and sum per head, and the value sums of
-    // the thread groups beyond the first (see decode_kernels.cu).
+    // 4-byte words: the group's queries, its scores, max and sum per head, the value sums of
+    // the thread groups beyond the first, and the chunk's KV slots (see decode_kernels.cu).
     let thread_groups = DECODE_THREADS / head_dim;
     let bytes = |chunk: usize| {
         4 * (n_rep * head_dim
             + n_rep * chunk
             + 2 * n_rep
-            + DECODE_HEADS_PER_PASS * head_dim * (thread_groups - 1))
+            + DECODE_HEADS_PER_PASS * head_dim * (thread_groups - 1)
+            + chunk)
     };
     let fitting = || {
         DECODE_CHUNKS
@@ -590,9 +591,9 @@ mod tests {
         assert_eq!((p.chunk, p.splits), (32, 128));
         // 64 rows × 2 of 200 keys: 128 chunks is the largest giving 256 blocks.
         assert_eq!(decode_plan(128, 7, 64, 16, 200).unwrap().chunk, 128);
-        // 32 query heads of dim 256 per KV head: 128-key chunks would need 49,408 bytes.
+        // 32 query heads of dim 256 per KV head: 128-key chunks would need 49,920 bytes.
         let p = decode_plan(4096, 32, 256, 16, 1000).unwrap();
-        assert_eq!((p.chunk, p.shared_bytes), (64, 41_216));
+        assert_eq!((p.chunk, p.shared_bytes), (64, 41_472));
         for (n_rep, d) in [(1, 1), (7, 64), (7, 128), (16, 256), (40, 256), (8, 80)] {
             for groups in [1, 300] {
                 let p = decode_plan(groups, n_rep, d, 16, 777).unwrap();
