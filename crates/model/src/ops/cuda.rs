@@ -565,9 +565,7 @@ pub(crate) fn adamw_pass(
     scalars: &[f64],
 ) -> Result<()> {
     let dev = src.0.device().clone();
-    let Some((a, b)) = dst.1.contiguous_offsets() else {
-        candle_core::bail!("{name}: the updated tensor must be contiguous")
-    };
+    let (a, b) = super::contiguous_range(dst.1, name, "updated tensor")?;
     let src = view::<f32>(src.0, src.1, name)?;
     let mut dst = dst.0.as_cuda_slice_mut::<f32>()?.slice_mut(a..b);
     let f = dev.get_or_load_custom_func(&kernel_name(name, DType::F32)?, MODULE, PTX)?;
@@ -591,9 +589,7 @@ pub(crate) fn add_into_f32(
     x: (&CudaStorage, &Layout),
 ) -> Result<()> {
     let dev = x.0.device().clone();
-    let Some((a, b)) = acc.1.contiguous_offsets() else {
-        candle_core::bail!("add_into: the sum must be contiguous")
-    };
+    let (a, b) = super::contiguous_range(acc.1, "add_into", "sum")?;
     let name = kernel_name("add_into_f32", x.0.dtype())?;
     let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
     let mut acc = acc.0.as_cuda_slice_mut::<f32>()?.slice_mut(a..b);
