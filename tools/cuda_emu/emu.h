@@ -32,6 +32,8 @@ using std::max;
 using std::min;
 
 struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 struct Dim3 { unsigned x = 1, y = 1, z = 1; };
 inline thread_local Dim3 threadIdx, blockIdx;
 inline Dim3 blockDim, gridDim;
@@ -127,19 +129,48 @@ inline void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, u
   for (int e = 0; e < 4; e++) c[e] = out[e];
 }
 
+// ldmatrix.x4 (cuda_common.cuh's ldsm_x4 / ldsm_x4_t) across the warp, from the PTX ISA's
+// description: lane l publishes the address of row l % 8 of matrix l / 8 (which must be 16-byte
+// aligned); lane t receives, in register i, elements (t / 4, 2·(t % 4)) and (t / 4, 2·(t % 4) + 1)
+// of matrix i — or, transposed, (2·(t % 4), t / 4) and (2·(t % 4) + 1, t / 4).
+inline void emu_ldsm_x4(uint32_t (&r)[4], const __nv_bfloat16* p, bool trans) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+    std::fprintf(stderr, "ldmatrix: lane %u's row address %p is not 16-byte aligned\n", threadIdx.x & 31, (const void*)p);
+    std::abort();
+  }
+  const int lane = threadIdx.x & 31;
+  std::memcpy(emu_warp->buf[lane], &p, sizeof(p));
+  emu_warp->bar->arrive_and_wait();
+  auto row = [&](int i, int rr) {
+    const __nv_bfloat16* q;
+    std::memcpy(&q, emu_warp->buf[8 * i + rr], sizeof(q));
+    return q;
+  };
+  const int gid = lane >> 2, tig = lane & 3;
+  for (int i = 0; i < 4; i++) {
+    const uint16_t lo = trans ? row(i, 2 * tig)[gid].x : row(i, gid)[2 * tig].x;
+    const uint16_t hi = trans ? row(i, 2 * tig + 1)[gid].x : row(i, gid)[2 * tig + 1].x;
+    r[i] = (uint32_t)lo | ((uint32_t)hi << 16);
+  }
+  emu_warp->bar->arrive_and_wait();  // nobody overwrites an address before every lane read it
+}
+inline void ldsm_x4(uint32_t (&r)[4], const __nv_bfloat16* p) { emu_ldsm_x4(r, p, false); }
+inline void ldsm_x4_t(uint32_t (&r)[4], const __nv_bfloat16* p) { emu_ldsm_x4(r, p, true); }
+
 // Launches `f` (a call of the kernel) on `grid` blocks of `block.x` threads with
 // `shared_bytes` of dynamic shared memory. Aborts on what a GPU launch would refuse here
-// (more than 1024 threads, more than the 48 KiB of dynamic shared memory the kernels are
-// launched with) and on 2-D/3-D blocks (not emulated).
+// (more than 1024 threads, more than `smem_limit` bytes of dynamic shared memory: 48 KiB unless
+// the launcher opts the kernel in to more, as attention_cuda.rs does for ∂K/∂V) and on 2-D/3-D
+// blocks (not emulated).
 template <class F>
-void emu_launch(Dim3 grid, Dim3 block, size_t shared_bytes, F f) {
+void emu_launch(Dim3 grid, Dim3 block, size_t shared_bytes, F f, size_t smem_limit = 48 * 1024) {
   if (block.x == 0 || block.x > 1024 || block.y != 1 || block.z != 1 || grid.x == 0 || grid.y == 0 || grid.z == 0) {
     std::fprintf(stderr, "emu_launch: unsupported shape grid (%u,%u,%u) block (%u,%u,%u)\n", grid.x, grid.y, grid.z,
                  block.x, block.y, block.z);
     std::abort();
   }
-  if (shared_bytes > 48 * 1024) {
-    std::fprintf(stderr, "emu_launch: %zu bytes of dynamic shared memory > 48 KiB\n", shared_bytes);
+  if (shared_bytes > smem_limit) {
+    std::fprintf(stderr, "emu_launch: %zu bytes of dynamic shared memory > %zu\n", shared_bytes, smem_limit);
     std::abort();
   }
   gridDim = grid;

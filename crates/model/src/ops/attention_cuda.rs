@@ -8,8 +8,9 @@
 use super::attention_cpu::Dims;
 use super::cuda::{alloc, kernel_name, on_tensors, typed, view};
 use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
@@ -23,7 +24,11 @@ const MODULE: &str = "composer_model_attention";
 const WARPS: usize = 4;
 
 /// The largest dynamic shared memory a kernel may ask for without opting in.
-const MAX_SHARED_BYTES: usize = 48 * 1024;
+const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
+
+/// The largest any attention kernel asks for (the tensor-core ∂K/∂V at head_dim 128, opted in
+/// by [`launch`]): 99 KiB is the least an sm_80+ card allows a block.
+const MAX_SHARED_BYTES: usize = 99 * 1024;
 
 /// The tiles of one head_dim class, as instantiated by `ATT_INSTANTIATE` in attention_kernels.cu (the
 /// kernels check the row count and shared memory they are launched with against their own).
@@ -82,7 +87,7 @@ const TC_ROWS: usize = 16 * WARPS;
 /// against bank conflicts), and ∂K/∂V also holds its step's lse and delta (2 f32 per query).
 const TC_FWD_KEYS: usize = 64;
 const TC_DQ_KEYS: usize = 32;
-const TC_DKV_QUERIES: usize = 16;
+const TC_DKV_QUERIES: usize = 64;
 
 /// f32 units of shared memory for `rows` tile rows of two bf16 tensors (K and V, or q and ∂O).
 fn tc_tile_pair_floats(rows: usize, d: usize) -> usize {
@@ -119,6 +124,33 @@ fn config(blocks: usize, heads: usize, floats: usize) -> Result<LaunchConfig> {
         block_dim: ((32 * WARPS) as u32, 1, 1),
         shared_mem_bytes: bytes as u32,
     })
+}
+
+/// Launches `b` (a builder of `f`) with `cfg`, first opting `f` in to `cfg`'s shared memory
+/// when it is past the 48 KiB a kernel gets by default.
+///
+/// # Safety
+/// As `LaunchArgs::launch`: the arguments pushed match the kernel's signature.
+unsafe fn launch(
+    f: &impl std::ops::Deref<Target = CudaFunction>,
+    b: &mut LaunchArgs<'_>,
+    cfg: LaunchConfig,
+) -> Result<()> {
+    if cfg.shared_mem_bytes as usize > DEFAULT_SHARED_BYTES {
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            cfg.shared_mem_bytes as i32,
+        )
+        .map_err(|e| {
+            candle_core::Error::Msg(format!(
+                "attention: the GPU refused {} bytes of shared memory for a block: {e}",
+                cfg.shared_mem_bytes
+            ))
+        })?;
+    }
+    // SAFETY: the caller's.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
 }
 
 /// The scalar arguments every attention kernel ends with, before its rows per block: the
@@ -357,8 +389,8 @@ pub(super) fn varlen_attention_bwd(
                 inputs.push(&mut b);
                 b.arg(&mut dk).arg(&mut dv);
                 scalars.push(&mut b, &rows_i);
-                // SAFETY: as above.
-                unsafe { b.launch(cfg) }.w()?;
+                // SAFETY: as above (past 48 KiB at head_dim 128 on tensor cores: opted in).
+                unsafe { launch(&f, &mut b, cfg) }?;
                 Ok(T::wrap_cuda_slice(buf, dev))
             })
         },

@@ -416,10 +416,28 @@ __device__ void varlen_attn_bwd_dkv(const T* q, const T* k, const T* v, const T*
 // ---- Shared by the tensor-core kernels (bf16, head_dim D = 64 or 128) ----
 
 // Rows r0 .. r0 + ROWS − 1 of head `head` of a and b ([·, heads, D]) into the shared tiles
-// a_s, b_s ([ROWS][D + 8]); rows from r_end on are zero.
+// a_s, b_s ([ROWS][D + 8]); rows from r_end on are zero. 16 bytes (8 bf16) a load when both
+// tensors start 16-byte aligned (every row and column offset is then a multiple of 8
+// elements: D is); a view at an odd offset takes the element-wise path.
 template <int D, int ROWS>
 __device__ __forceinline__ void load_tile_pair(bf16* a_s, bf16* b_s, const bf16* a, const bf16* b,
                                                int r0, int r_end, int head, int heads) {
+  static_assert(D % 8 == 0, "rows are copied 8 bf16 at a time");
+  if (((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0) {
+    constexpr int VR = D / 8;  // 16-byte vectors a row
+    for (int e = threadIdx.x; e < ROWS * VR; e += blockDim.x) {
+      const int rr = e / VR, c = (e % VR) * 8, r = r0 + rr;
+      uint4 av = make_uint4(0u, 0u, 0u, 0u), bv = av;
+      if (r < r_end) {
+        const size_t o = ((size_t)r * heads + head) * D + c;
+        av = *reinterpret_cast<const uint4*>(a + o);
+        bv = *reinterpret_cast<const uint4*>(b + o);
+      }
+      *reinterpret_cast<uint4*>(a_s + rr * (D + 8) + c) = av;
+      *reinterpret_cast<uint4*>(b_s + rr * (D + 8) + c) = bv;
+    }
+    return;
+  }
   const bf16 zero = __float2bfloat16(0.f);
   for (int e = threadIdx.x; e < ROWS * D; e += blockDim.x) {
     const int rr = e / D, c = e % D, r = r0 + rr;
@@ -432,6 +450,27 @@ __device__ __forceinline__ void load_tile_pair(bf16* a_s, bf16* b_s, const bf16*
     a_s[rr * (D + 8) + c] = av;
     b_s[rr * (D + 8) + c] = bv;
   }
+}
+
+// B operands of S = x·Tᵀ from a row-major tile T [·][D + 8] in shared memory (K, or q/∂O in
+// ∂K/∂V): for the 16 rows t0 .. t0 + 15 of T (two n = 8 tiles) and dims k0 .. k0 + 15, b[0..1]
+// for rows t0.. and b[2..3] for rows t0 + 8.. (one ldmatrix.x4; the B(k = dim, n = row)
+// fragment of a matrix stored [n][k] is ldmatrix's plain layout).
+template <int D>
+__device__ __forceinline__ void ld_b_rows(uint32_t (&b)[4], const bf16* t, int t0, int k0,
+                                          int lane) {
+  const int mi = lane >> 3, rr = lane & 7;
+  ldsm_x4(b, t + (t0 + (mi >> 1) * 8 + rr) * (D + 8) + k0 + (mi & 1) * 8);
+}
+
+// B operands of acc += a·T for a row-major tile T [k][D + 8] (V, or K in ∂Q, or q/∂O in
+// ∂K/∂V), k rows k0 .. k0 + 15 and the 16 columns c0 .. c0 + 15: b[0..1] for columns c0..,
+// b[2..3] for c0 + 8.. (one transposed ldmatrix.x4).
+template <int D>
+__device__ __forceinline__ void ld_b_cols(uint32_t (&b)[4], const bf16* t, int k0, int c0,
+                                          int lane) {
+  const int mi = lane >> 3, rr = lane & 7;
+  ldsm_x4_t(b, t + (k0 + (mi & 1) * 8 + rr) * (D + 8) + c0 + (mi >> 1) * 8);
 }
 
 // A warp's 16 query rows w0 .. w0 + 15 of a block and this lane's two of them, w0 + gid (r = 0)
@@ -530,10 +569,12 @@ __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, 
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
-      for (int nt = 0; nt < BK / 8; ++nt) {
-        // B(k = dim, n = key) = K[key][dim]: key nt·8 + gid, dims kk·16 + 2·tig (+ 8).
-        const bf16* kr = ks + (nt * 8 + gid) * KS + kk * 16 + 2 * tig;
-        mma_bf16_16816(s[nt], qf[kk], ld_bf16x2(kr), ld_bf16x2(kr + 8));
+      for (int nt = 0; nt < BK / 8; nt += 2) {
+        // B(k = dim, n = key) = K[key][dim]: keys nt·8 .. nt·8 + 15, dims kk·16 ...
+        uint32_t b[4];
+        ld_b_rows<D>(b, ks, nt * 8, kk * 16, lane);
+        mma_bf16_16816(s[nt], qf[kk], b[0], b[1]);
+        mma_bf16_16816(s[nt + 1], qf[kk], b[2], b[3]);
       }
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -584,10 +625,12 @@ __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, 
                               pack_bf16x2(s[2 * kt + 1][0], s[2 * kt + 1][1]),
                               pack_bf16x2(s[2 * kt + 1][2], s[2 * kt + 1][3])};
 #pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        // B(k = key, n = dim) = V[key][dim]: keys kt·16 + 2·tig (+ 1, + 8, + 9), dim dt·8 + gid.
-        const bf16* vr = vs + (kt * 16 + 2 * tig) * KS + dt * 8 + gid;
-        mma_bf16_16816(o[dt], pa, pack_bf16x2(vr[0], vr[KS]), pack_bf16x2(vr[8 * KS], vr[9 * KS]));
+      for (int dt = 0; dt < D / 8; dt += 2) {
+        // B(k = key, n = dim) = V[key][dim]: keys kt·16 .., dims dt·8 .. dt·8 + 15.
+        uint32_t b[4];
+        ld_b_cols<D>(b, vs, kt * 16, dt * 8, lane);
+        mma_bf16_16816(o[dt], pa, b[0], b[1]);
+        mma_bf16_16816(o[dt + 1], pa, b[2], b[3]);
       }
     }
   }
@@ -614,13 +657,12 @@ __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, 
 
 // A operand fragment of a row-major bf16 tile in shared memory: rows r0 + gid (+ 8), columns
 // c0 + 2·tig (+ 1, + 8, + 9), `stride` elements per row.
+// One ldmatrix.x4: matrix i is rows r0 + 8·(i % 2), columns c0 + 8·(i / 2) (the A fragment's
+// register order).
 __device__ __forceinline__ void ld_a_frag(uint32_t (&a)[4], const bf16* t, int stride, int r0,
-                                          int c0, int gid, int tig) {
-  const bf16* p = t + (r0 + gid) * stride + c0 + 2 * tig;
-  a[0] = ld_bf16x2(p);
-  a[1] = ld_bf16x2(p + 8 * stride);
-  a[2] = ld_bf16x2(p + 8);
-  a[3] = ld_bf16x2(p + 8 * stride + 8);
+                                          int c0, int lane) {
+  const int mi = lane >> 3, rr = lane & 7;
+  ldsm_x4(a, t + (r0 + (mi & 1) * 8 + rr) * stride + c0 + (mi >> 1) * 8);
 }
 
 // Two accumulator tiles (16×8 each, columns c and c + 8) as one A operand of 16 rows × 16.
@@ -632,16 +674,17 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&lo)[4],
   a[3] = pack_bf16x2(hi[2], hi[3]);
 }
 
-// acc[dt] += a · T[k0.., dt·8..] for a row-major bf16 tile T [k][D] in shared memory (B operand
-// with k = T's rows: rows k0 + 2·tig (+ 1, + 8, + 9) of column dt·8 + gid).
+// acc[dt] += a · T[k0 .. k0 + 15, dt·8 ..] for a row-major bf16 tile T [k][D + 8] in shared
+// memory (B operand with k = T's rows, loaded transposed).
 template <int D>
 __device__ __forceinline__ void mma_rows(float (&acc)[D / 8][4], const uint32_t (&a)[4],
-                                         const bf16* t, int stride, int k0, int gid, int tig) {
+                                         const bf16* t, int k0, int lane) {
 #pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) {
-    const bf16* p = t + (k0 + 2 * tig) * stride + dt * 8 + gid;
-    mma_bf16_16816(acc[dt], a, pack_bf16x2(p[0], p[stride]),
-                   pack_bf16x2(p[8 * stride], p[9 * stride]));
+  for (int dt = 0; dt < D / 8; dt += 2) {
+    uint32_t b[4];
+    ld_b_cols<D>(b, t, k0, dt * 8, lane);
+    mma_bf16_16816(acc[dt], a, b[0], b[1]);
+    mma_bf16_16816(acc[dt + 1], a, b[2], b[3]);
   }
 }
 
@@ -696,10 +739,14 @@ __device__ void varlen_attn_bwd_dq_tc(const bf16* q, const bf16* k, const bf16* 
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
-      for (int nt = 0; nt < BK / 8; ++nt) {
-        const int o = (nt * 8 + gid) * KS + kk * 16 + 2 * tig;
-        mma_bf16_16816(s[nt], qf[kk], ld_bf16x2(ks + o), ld_bf16x2(ks + o + 8));
-        mma_bf16_16816(dp[nt], gf[kk], ld_bf16x2(vs + o), ld_bf16x2(vs + o + 8));
+      for (int nt = 0; nt < BK / 8; nt += 2) {
+        uint32_t kb[4], vb[4];
+        ld_b_rows<D>(kb, ks, nt * 8, kk * 16, lane);
+        ld_b_rows<D>(vb, vs, nt * 8, kk * 16, lane);
+        mma_bf16_16816(s[nt], qf[kk], kb[0], kb[1]);
+        mma_bf16_16816(s[nt + 1], qf[kk], kb[2], kb[3]);
+        mma_bf16_16816(dp[nt], gf[kk], vb[0], vb[1]);
+        mma_bf16_16816(dp[nt + 1], gf[kk], vb[2], vb[3]);
       }
 #pragma unroll
     for (int nt = 0; nt < BK / 8; ++nt)
@@ -713,7 +760,7 @@ __device__ void varlen_attn_bwd_dq_tc(const bf16* q, const bf16* k, const bf16* 
     for (int kt = 0; kt < BK / 16; ++kt) {
       uint32_t a[4];
       acc_to_a(a, s[2 * kt], s[2 * kt + 1]);
-      mma_rows<D>(acc, a, ks, KS, kt * 16, gid, tig);
+      mma_rows<D>(acc, a, ks, kt * 16, lane);
     }
   }
 #pragma unroll
@@ -730,16 +777,19 @@ __device__ void varlen_attn_bwd_dq_tc(const bf16* q, const bf16* k, const bf16* 
 }
 
 // ∂K, ∂V: block = 64 key rows (16 per warp) of key/value head blockIdx.y, in shared memory
-// with the 16 queries of each step (q, ∂O, their lse and delta), for every query head of the
-// group in turn, queries from the block's first key to the end of its last key's segment.
-// Per step Sᵀ = K·qᵀ and dPᵀ = V·∂Oᵀ (16 keys × 16 queries a warp), Pᵀ = exp(Sᵀ·scale − lse),
-// dSᵀ = Pᵀ ∘ (dPᵀ − delta); ∂V += Pᵀ·∂O and ∂K += dSᵀ·q, ∂K·scale at the end.
+// with a step of 64 queries (q, ∂O, their lse and delta), for every query head of the group in
+// turn, queries from the block's first key to the end of its last key's segment. A warp walks
+// the step's queries 16 at a time, skipping those none of its keys meets: Sᵀ = K·qᵀ and
+// dPᵀ = V·∂Oᵀ (16 keys × 16 queries), Pᵀ = exp(Sᵀ·scale − lse), dSᵀ = Pᵀ ∘ (dPᵀ − delta);
+// ∂V += Pᵀ·∂O and ∂K += dSᵀ·q, ∂K·scale at the end. (The step is 64 queries so that the block
+// syncs and loads once per 64; at head_dim 128 that is 70 KB of shared memory, which the
+// launcher opts in to.)
 template <int D>
 __device__ void varlen_attn_bwd_dkv_tc(const bf16* q, const bf16* k, const bf16* v,
                                        const bf16* dout, const float* lse, const float* delta,
                                        const int* cu, int n_cu, bf16* dk, bf16* dv, int n, int hq,
                                        int hkv, int d, float scale, int block_rows) {
-  constexpr int BKV = 16 * ATT_WARPS, BQ = 16, KS = D + 8;
+  constexpr int BKV = 16 * ATT_WARPS, BQ = 64, KS = D + 8;
   if (block_rows != BKV || d != D || blockDim.x != 32 * ATT_WARPS ||
       dynamic_smem_bytes() < 2u * 2 * (BKV + BQ) * KS + 2 * 4 * BQ)
     __trap();
@@ -777,45 +827,48 @@ __device__ void varlen_attn_bwd_dkv_tc(const bf16* q, const bf16* k, const bf16*
     for (int i0 = j0; i0 < q_end; i0 += BQ) {
       __syncthreads();  // the previous step's tiles are consumed (and K, V are written)
       load_tile_pair<D, BQ>(qs, gs, q, dout, i0, q_end, h, hq);
-      if (threadIdx.x < BQ) {
-        const int i = i0 + threadIdx.x;
-        lse_s[threadIdx.x] = i < q_end ? lse[(size_t)i * hq + h] : 0.f;
-        delta_s[threadIdx.x] = i < q_end ? delta[(size_t)i * hq + h] : 0.f;
+      for (int t = threadIdx.x; t < BQ; t += blockDim.x) {
+        const int i = i0 + t;
+        lse_s[t] = i < q_end ? lse[(size_t)i * hq + h] : 0.f;
+        delta_s[t] = i < q_end ? delta[(size_t)i * hq + h] : 0.f;
       }
       __syncthreads();
-      if (wk0 >= n || i0 + BQ <= wk0 || i0 >= w_qend) continue;  // warp-uniform
-      float st[2][4], dpt[2][4];
+      for (int sub = 0; sub < BQ; sub += 16) {
+        const int i1 = i0 + sub;  // this sub-step's queries i1 .. i1 + 15
+        if (wk0 >= n || i1 >= q_end || i1 + 16 <= wk0 || i1 >= w_qend) continue;  // warp-uniform
+        float st[2][4], dpt[2][4];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.f;
+          for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t ka[4], va[4];
-        ld_a_frag(ka, kts, KS, warp * 16, kk * 16, gid, tig);
-        ld_a_frag(va, vts, KS, warp * 16, kk * 16, gid, tig);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int o = (nt * 8 + gid) * KS + kk * 16 + 2 * tig;
-          mma_bf16_16816(st[nt], ka, ld_bf16x2(qs + o), ld_bf16x2(qs + o + 8));
-          mma_bf16_16816(dpt[nt], va, ld_bf16x2(gs + o), ld_bf16x2(gs + o + 8));
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t ka[4], va[4], qb[4], gb[4];
+          ld_a_frag(ka, kts, KS, warp * 16, kk * 16, lane);
+          ld_a_frag(va, vts, KS, warp * 16, kk * 16, lane);
+          ld_b_rows<D>(qb, qs, sub, kk * 16, lane);
+          ld_b_rows<D>(gb, gs, sub, kk * 16, lane);
+          mma_bf16_16816(st[0], ka, qb[0], qb[1]);
+          mma_bf16_16816(st[1], ka, qb[2], qb[3]);
+          mma_bf16_16816(dpt[0], va, gb[0], gb[1]);
+          mma_bf16_16816(dpt[1], va, gb[2], gb[3]);
         }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1, ii = sub + nt * 8 + 2 * tig + (e & 1), i = i0 + ii;
+            const bool valid = i >= key[r] && i < key_e[r];
+            const float p = valid ? expf(st[nt][e] * scale - lse_s[ii]) : 0.f;
+            st[nt][e] = p;
+            dpt[nt][e] = p * (dpt[nt][e] - delta_s[ii]);  // dSᵀ
+          }
+        uint32_t pa[4], da[4];
+        acc_to_a(pa, st[0], st[1]);
+        acc_to_a(da, dpt[0], dpt[1]);
+        mma_rows<D>(acc_v, pa, gs, sub, lane);
+        mma_rows<D>(acc_k, da, qs, sub, lane);
       }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1, ii = nt * 8 + 2 * tig + (e & 1), i = i0 + ii;
-          const bool valid = i >= key[r] && i < key_e[r];
-          const float p = valid ? expf(st[nt][e] * scale - lse_s[ii]) : 0.f;
-          st[nt][e] = p;
-          dpt[nt][e] = p * (dpt[nt][e] - delta_s[ii]);  // dSᵀ
-        }
-      uint32_t pa[4], da[4];
-      acc_to_a(pa, st[0], st[1]);
-      acc_to_a(da, dpt[0], dpt[1]);
-      mma_rows<D>(acc_v, pa, gs, KS, 0, gid, tig);
-      mma_rows<D>(acc_k, da, qs, KS, 0, gid, tig);
     }
   }
 #pragma unroll

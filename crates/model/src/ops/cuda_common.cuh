@@ -58,7 +58,28 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// ldmatrix.x4 (sm_75+): four 8×8 bf16 matrices from shared memory in one warp-wide load.
+// Lane l gives the address of row l % 8 of matrix l / 8 (16 contiguous bytes, 16-byte
+// aligned); r[i] receives matrix i's fragment: lane t holds row t / 4, columns 2·(t % 4) and
+// + 1 (the lower column in the low half) — the A fragment's and, for a matrix stored
+// [n][k], the B fragment's register layout above. `_t` loads each matrix transposed: lane t
+// holds rows 2·(t % 4) and + 1 of column t / 4 (the B fragment of a matrix stored [k][n]).
+// Volatile: they read shared memory, so they must stay between the __syncthreads around it.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const bf16* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
 #else
 __device__ uint32_t ld_bf16x2(const bf16* p);
 __device__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+__device__ void ldsm_x4(uint32_t (&r)[4], const bf16* p);
+__device__ void ldsm_x4_t(uint32_t (&r)[4], const bf16* p);
 #endif
