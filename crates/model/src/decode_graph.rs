@@ -63,7 +63,7 @@ pub(crate) struct DecodeGraphs {
     pool_generation: u64,
     /// Rows of the largest padded step (a power of two).
     max_rows: usize,
-    /// The steps' logits `[max_rows, vocab]` (f32): a step of `n` rows writes the first `n`
+    /// The steps' logits `[max_rows, vocab]` (the model's dtype): a step of `n` rows writes the first `n`
     /// (CUDA; allocated at the first capture).
     #[cfg(feature = "cuda")]
     logits: Option<Tensor>,
@@ -127,7 +127,7 @@ impl DecodeGraphs {
 
     /// The decode forward of rows `tables` (already prepared: `slots[r]` is where row `r`'s
     /// token goes, its table's length the tokens before it) feeding `tokens[r]` at position
-    /// `positions[r]`: the next-token logits `[rows, vocab]` (f32), from the padded size's
+    /// `positions[r]`: the next-token logits `[rows, vocab]` (the model's dtype), from the padded size's
     /// graph where there is one.
     pub(crate) fn forward(
         &mut self,
@@ -215,7 +215,7 @@ impl DecodeGraphs {
                     Some(l) => l.clone(),
                     None => {
                         let shape = (self.max_rows, model.cfg.vocab_size);
-                        let l = Tensor::zeros(shape, DType::F32, device)?;
+                        let l = Tensor::zeros(shape, model.dtype(), device)?;
                         self.logits.insert(l).clone()
                     }
                 };

@@ -281,7 +281,9 @@ pub fn generate_with_store(
                 &mut stats,
             )?;
             logits = Some(match logits {
-                Some(l) => Tensor::cat(&[&l, &row_logits], 0)?,
+                // The decode step's are in the model's dtype, the prefill's in f32 made from
+                // it: narrowing those back is exact.
+                Some(l) => Tensor::cat(&[&l, &row_logits.to_dtype(l.dtype())?], 0)?,
                 None => row_logits,
             });
         }

@@ -256,17 +256,24 @@ impl Transformer {
     /// LM head on final hidden states `[.., hidden]` → f32 logits `[.., vocab]` (f64 for an
     /// f64 model, so finite-difference gradient checks keep their precision).
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let lin = Linear {
-            weight: self.lm_head.clone(),
-            bias: None,
-            lora: None,
-        };
         let out_dtype = if self.dtype == DType::F64 {
             DType::F64
         } else {
             DType::F32
         };
-        Ok(lin.forward(hidden)?.to_dtype(out_dtype)?)
+        Ok(self.head_logits(hidden)?.to_dtype(out_dtype)?)
+    }
+
+    /// [`Self::logits`] in the model's own dtype: a bf16 model's stay bf16. The decode step
+    /// hands these to the sampler, which reads them in f32 — the very values `logits` gives
+    /// (widening bf16 is exact) without writing an f32 `[rows, vocab]` copy each step.
+    pub(crate) fn head_logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let lin = Linear {
+            weight: self.lm_head.clone(),
+            bias: None,
+            lora: None,
+        };
+        Ok(lin.forward(hidden)?)
     }
 
     /// The fused, chunked LM head on final hidden states `[N, hidden]`: log-probs at `ids`

@@ -47,7 +47,7 @@ impl Transformer {
     /// Feeds `tokens[b]` to row `b` of a paged batch (inference path, no backward): each
     /// layer writes the tokens' keys/values into the slots `step` prepared and attends over
     /// the rows' blocks. `positions[b]` is row `b`'s length before the token. Returns the
-    /// next-token logits `[rows, vocab]`. `stacks` are [`Self::stack_for_decode`]'s of this
+    /// next-token logits `[rows, vocab]` in the model's dtype ([`Self::head_logits`]). `stacks` are [`Self::stack_for_decode`]'s of this
     /// model's weights.
     pub(crate) fn forward_paged(
         &self,
@@ -126,6 +126,6 @@ impl Transformer {
             let cache = LayerCache::Paged(pool.layer(i), step);
             (x, h) = layer.forward_decode(&x, &h, &ctx, cache, stacks.0.get(i), next_norm)?;
         }
-        Ok(self.logits(&h)?.squeeze(1)?)
+        Ok(self.head_logits(&h)?.squeeze(1)?)
     }
 }
