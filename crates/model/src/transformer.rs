@@ -273,7 +273,7 @@ impl Transformer {
             bias: None,
             lora: None,
         };
-        Ok(lin.forward(hidden)?)
+        lin.forward(hidden)
     }
 
     /// The fused, chunked LM head on final hidden states `[N, hidden]`: log-probs at `ids`
