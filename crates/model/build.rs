@@ -1,5 +1,6 @@
 //! With `--features cuda`: compiles the training ops' CUDA kernels (src/ops/kernels.cu), the
-//! var-len flash attention (src/ops/attention_kernels.cu) and the rollout engine's decode
+//! var-len flash attention (src/ops/attention_kernels.cu, with its tensor-core kernels in
+//! attention_tc_kernels.cuh) and the rollout engine's decode
 //! kernels (src/ops/decode_kernels.cu), all sharing src/ops/cuda_common.cuh, to PTX, one module
 //! each, with the toolkit's `nvcc` (`NVCC`, else `nvcc` on PATH; see
 //! ../shared/cuda/setup-toolkit.sh).
@@ -12,6 +13,7 @@ use std::process::Command;
 fn main() {
     println!("cargo:rerun-if-changed=src/ops/kernels.cu");
     println!("cargo:rerun-if-changed=src/ops/attention_kernels.cu");
+    println!("cargo:rerun-if-changed=src/ops/attention_tc_kernels.cuh");
     println!("cargo:rerun-if-changed=src/ops/decode_kernels.cu");
     println!("cargo:rerun-if-changed=src/ops/cuda_common.cuh");
     println!("cargo:rerun-if-env-changed=NVCC");

@@ -11,21 +11,27 @@
 
 struct Case { int hq, hkv, d, bs; std::vector<int> lens; };
 
-// As decode_plan in paged_attention.rs (`groups` = rows × KV heads).
+// As decode_plan in paged_attention.rs (`groups` = rows × KV heads): the vectorised passes'
+// reduction region where some chunk fits with it, else the scalar passes'.
 bool plan(int groups, int n_rep, int d, int longest, int& chunk, int& splits, size_t& bytes) {
   if (d <= 0 || d > 256) return false;
   const int thread_groups = 256 / d;
-  auto need = [&](int c) { return 4 * ((size_t)n_rep * d + (size_t)n_rep * c + 2 * n_rep + 8 * d * (thread_groups - 1) + c); };
-  int pick = 0, smallest = 0;
-  for (int c : {256, 128, 64, 32}) {
-    if (need(c) > 48 * 1024) continue;
-    smallest = c;
-    if (!pick && (size_t)groups * ((longest + c - 1) / c) >= 256) pick = c;
+  const size_t scalar_red = (size_t)8 * d * (thread_groups - 1);
+  const size_t vec_red = std::max(scalar_red, (size_t)7 * d * (d <= 128 ? 2 : 1));
+  for (size_t reduction : {vec_red, scalar_red}) {
+    auto need = [&](int c) { return 4 * ((size_t)n_rep * d + (size_t)n_rep * c + 2 * n_rep + reduction + c); };
+    int pick = 0, smallest = 0;
+    for (int c : {256, 128, 64, 32}) {
+      if (need(c) > 48 * 1024) continue;
+      smallest = c;
+      if (!pick && (size_t)groups * ((longest + c - 1) / c) >= 256) pick = c;
+    }
+    if (!pick) pick = smallest;
+    if (!pick) continue;
+    chunk = pick; splits = std::max(1, (longest + pick - 1) / pick); bytes = need(pick);
+    return splits <= 65535;
   }
-  if (!pick) pick = smallest;
-  if (!pick) return false;
-  chunk = pick; splits = std::max(1, (longest + pick - 1) / pick); bytes = need(pick);
-  return splits <= 65535;
+  return false;
 }
 
 
@@ -114,6 +120,9 @@ int main(int argc, char** argv) {
       {14, 2, 128, 5, {1, 10, 255, 257, 40}},  {7, 1, 64, 32, {64, 1, 31, 600}},
       {16, 1, 256, 16, {300, 3}},              {32, 1, 256, 8, {200, 1}},
       {4, 2, 80, 16, {33, 290}},               {2, 1, 320, 4, {5, 9}},
+      // 40 query heads of dim 256: the vectorised passes' reduction does not fit beside them,
+      // so bf16 takes the scalar passes too.
+      {40, 1, 256, 16, {100, 3}},
   };
   {
     Case many{4, 2, 64, 16, {}};

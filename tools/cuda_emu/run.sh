@@ -29,11 +29,14 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # The kernel sources as they are, but for the dynamic shared memory declarations: a pointer to
 # the launch's buffer (emu.h) instead of `extern __shared__`, which a host compiler cannot give.
-for src in attention_kernels decode_kernels kernels; do
+# attention_tc_kernels.cuh, which attention_kernels.cu includes, is rewritten under its own name
+# in the work directory (searched before the sources' directory).
+for src in attention_kernels.cu decode_kernels.cu kernels.cu attention_tc_kernels.cuh; do
+  case "$src" in *.cu) out="${src%.cu}_emu.cu" ;; *) out="$src" ;; esac
   sed -E 's/extern __shared__ float ([A-Za-z_][A-Za-z0-9_]*)\[\];/float* \1 = emu_dynamic_smem;/' \
-    "$ops/$src.cu" >"$work/${src}_emu.cu"
-  if grep -n 'extern __shared__' "$work/${src}_emu.cu" >&2; then
-    echo "$src.cu: a dynamic shared memory declaration run.sh does not rewrite" >&2
+    "$ops/$src" >"$work/$out"
+  if grep -n 'extern __shared__' "$work/$out" >&2; then
+    echo "$src: a dynamic shared memory declaration run.sh does not rewrite" >&2
     exit 1
   fi
 done

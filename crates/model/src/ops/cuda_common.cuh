@@ -14,6 +14,18 @@ template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __flo
 
 #define FULL_MASK 0xffffffffu
 
+// Bytes of dynamic shared memory the block was launched with (kernels check their layout
+// against it, or lay out their last region from it).
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
+#else
+__device__ unsigned dynamic_smem_bytes();
+#endif
+
 // Butterfly reductions over a warp: every lane gets the same value (a + b == b + a in floating
 // point, so the result does not depend on the lane).
 __device__ __forceinline__ float warp_sum(float v) {

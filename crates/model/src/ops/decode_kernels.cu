@@ -13,6 +13,123 @@
 // Largest head_dim: a warp holds one key row in DK_MAX_D / 32 registers per lane.
 #define DK_MAX_D 256
 
+// 16 bytes of a key or value row as f32: 4 floats or 8 bf16 (widened exactly).
+template <typename T> struct Vec16;
+template <> struct Vec16<float> {
+  static constexpr int N = 4;
+  __device__ static void load(const float* p, float (&x)[4]) {
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    x[0] = v.x;
+    x[1] = v.y;
+    x[2] = v.z;
+    x[3] = v.w;
+  }
+};
+template <> struct Vec16<bf16> {
+  static constexpr int N = 8;
+  __device__ static void load(const bf16* p, float (&x)[8]) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      x[2 * i] = __uint_as_float(w[i] << 16);  // the lower address is the low half
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+};
+
+// The vectorised value pass of paged_decode (see there): thread t reads columns cv·VEC.. (cv =
+// t mod L) of the keys of key group t / L (256 / L groups, keys strided by that), summing the
+// probability-weighted values of up to DK_HEADS_PER_PASS query heads in registers; the groups
+// of a warp meet by shuffles, the warps through `red` (`red_words` long: as many heads at a time
+// as fit, at least one); warp 0's first L lanes write the result.
+template <typename T>
+__device__ void vec_values(const T* __restrict__ v, const uint32_t* slot_s, const float* sc,
+                           const float* m_s, const float* l_s, float* red, int red_words,
+                           T* __restrict__ out,
+                           float* __restrict__ part_o, float* __restrict__ part_m,
+                           float* __restrict__ part_l, int n, int chunk, int n_rep, int g, int hkv,
+                           int hq, int d, int row, int split, int splits, int L) {
+  constexpr int VEC = Vec16<T>::N;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int groups = blockDim.x / L, kg = tid / L, cv = tid % L;
+  const int rh = min(DK_HEADS_PER_PASS, red_words / ((nwarps - 1) * d));  // heads a round
+  for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
+    float acc[DK_HEADS_PER_PASS][VEC];
+#pragma unroll
+    for (int h = 0; h < DK_HEADS_PER_PASS; h++)
+#pragma unroll
+      for (int e = 0; e < VEC; e++) acc[h][e] = 0.f;
+#pragma unroll 2
+    for (int jj = kg; jj < n; jj += groups) {
+      float x[VEC];
+      Vec16<T>::load(v + ((size_t)slot_s[jj] * hkv + g) * d + cv * VEC, x);
+#pragma unroll
+      for (int h = 0; h < DK_HEADS_PER_PASS; h++) {
+        if (r0 + h < n_rep) {
+          const float p = sc[(r0 + h) * chunk + jj];
+#pragma unroll
+          for (int e = 0; e < VEC; e++) acc[h][e] += p * x[e];
+        }
+      }
+    }
+    // The warp's key groups (lanes cv, cv + L, …) into its first L lanes.
+    for (int o = L; o < 32; o <<= 1) {
+#pragma unroll
+      for (int h = 0; h < DK_HEADS_PER_PASS; h++)
+#pragma unroll
+        for (int e = 0; e < VEC; e++) acc[h][e] += __shfl_xor_sync(0xffffffffu, acc[h][e], o);
+    }
+    // The warps into warp 0, heads h0 .. h0 + rh − 1 a round (block-uniform bounds; the
+    // register array is indexed by unrolled constants only).
+    for (int h0 = 0; h0 < DK_HEADS_PER_PASS && r0 + h0 < n_rep; h0 += rh) {
+      if (warp > 0 && lane < L) {
+#pragma unroll
+        for (int h = 0; h < DK_HEADS_PER_PASS; h++)
+          if (h >= h0 && h < h0 + rh) {
+#pragma unroll
+            for (int e = 0; e < VEC; e++)
+              red[((warp - 1) * rh + h - h0) * d + cv * VEC + e] = acc[h][e];
+          }
+      }
+      __syncthreads();
+      if (warp == 0 && lane < L) {
+        for (int w = 1; w < nwarps; w++) {
+#pragma unroll
+          for (int h = 0; h < DK_HEADS_PER_PASS; h++)
+            if (h >= h0 && h < h0 + rh) {
+#pragma unroll
+              for (int e = 0; e < VEC; e++)
+                acc[h][e] += red[((w - 1) * rh + h - h0) * d + cv * VEC + e];
+            }
+        }
+      }
+      __syncthreads();  // `red` is reused by the next heads
+    }
+    if (warp == 0 && lane < L) {
+#pragma unroll
+      for (int i = 0; i < DK_HEADS_PER_PASS; i++) {
+        const int r = r0 + i;
+        if (r >= n_rep) break;
+        const size_t h = (size_t)row * hq + (size_t)g * n_rep + r;
+#pragma unroll
+        for (int e = 0; e < VEC; e++) {
+          const int col = cv * VEC + e;
+          if (splits == 1) {
+            out[h * d + col] = from_f<T>(acc[i][e] / l_s[r]);
+          } else {
+            part_o[(h * splits + split) * d + col] = acc[i][e];
+          }
+        }
+        if (splits > 1 && cv == 0) {
+          part_m[h * splits + split] = m_s[r];
+          part_l[h * splits + split] = l_s[r];
+        }
+      }
+    }
+  }
+}
+
 // ---- Paged decode attention, one block per (row, kv head, chunk of keys) ----
 // q [rows, hq, d]; k, v [slots, hkv, d]; tables [rows, max_blocks] (row b's token j lies in
 // slot tables[b][j / block_size] * block_size + j % block_size); lens [rows] (>= 1). The
@@ -23,8 +140,15 @@
 //   splits > 1: the chunk's unnormalised sums go to part_o [rows, hq, splits, d] with its max
 //   and exp-sum in part_m / part_l [rows, hq, splits]; paged_decode_combine merges them.
 // blockDim.x = 256 (8 warps); head_dim d <= DK_MAX_D. Dynamic shared memory (4-byte words):
-// q [n_rep·d] | scores [n_rep·chunk] | max, sum [2·n_rep] | reduction [8·d·(256/d − 1)] |
-// the chunk's KV slots [chunk] (u32).
+// q [n_rep·d] | scores [n_rep·chunk] | max, sum [2·n_rep] | reduction [what is left, at least
+// 8·d·(256/d − 1)] | the chunk's KV slots [chunk] (u32), the last `chunk` words.
+// Two ways through the key and value passes, the same maths in another summation order:
+// vectorised — each key or value row read 16 bytes a lane by L = d / Vec16<T>::N lanes, so a
+// warp has 32 / L keys (and the block 256 / L) in flight at once — when L is a power of two up
+// to 32, both pools start 16-byte aligned and the reduction region holds 7·d words (the plan
+// gives it 7·d·(d ≤ 128 ? 2 : 1) where that fits); else a warp per key and a thread per column. (On
+// an H200 the second, one key after another per warp, took 46.6 µs per layer at batch 64:
+// latency-bound.)
 template <typename T>
 __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
                              const T* __restrict__ v, const uint32_t* __restrict__ tables,
@@ -46,8 +170,10 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
   float* sc = q_s + n_rep * d;        // [n_rep, chunk]
   float* m_s = sc + n_rep * chunk;    // [n_rep]
   float* l_s = m_s + n_rep;           // [n_rep]
-  float* red = l_s + n_rep;           // [(groups − 1), DK_HEADS_PER_PASS, d]
-  uint32_t* slot_s = reinterpret_cast<uint32_t*>(red + DK_HEADS_PER_PASS * d * (blockDim.x / d - 1));
+  float* red = l_s + n_rep;  // [(groups − 1), DK_HEADS_PER_PASS, d] or [7, heads, d]
+  uint32_t* slot_s = reinterpret_cast<uint32_t*>(smem + dynamic_smem_bytes() / 4 - chunk);
+  const int red_words = (int)(reinterpret_cast<float*>(slot_s) - red);
+  if (red_words < DK_HEADS_PER_PASS * d * ((int)blockDim.x / d - 1)) __trap();  // plan mismatch
 
   const T* qg = q + ((size_t)row * hq + (size_t)g * n_rep) * d;
   for (int i = tid; i < n_rep * d; i += blockDim.x) q_s[i] = to_f(qg[i]);
@@ -60,41 +186,85 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
   }
   __syncthreads();
 
-  // Scores: a warp per key, the key row read once (DK_MAX_D / 32 values per lane) for every
-  // query head of the group; the partial dot products of up to DK_HEADS_PER_PASS heads are
-  // reduced across the warp together (independent shuffles overlap).
-  for (int jj = warp; jj < n; jj += nwarps) {
-    const T* kr = k + ((size_t)slot_s[jj] * hkv + g) * d;
-    float kreg[DK_MAX_D / 32];
+  constexpr int VEC = Vec16<T>::N;
+  const int vec_lanes = d % VEC == 0 ? d / VEC : 0;  // L
+  const bool vec = vec_lanes > 0 && vec_lanes <= 32 && (vec_lanes & (vec_lanes - 1)) == 0 &&
+                   ((reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15) == 0 &&
+                   red_words >= (nwarps - 1) * d;
+  if (vec) {
+    // Scores: lane `cv` of each L-lane group reads columns cv·VEC.. of the group's key; the
+    // group's partial dot products meet by shuffles within the group.
+    const int L = vec_lanes, keys_per_warp = 32 / L, sub = lane / L, cv = lane % L;
+#pragma unroll 2
+    for (int base = warp * keys_per_warp; base < n; base += nwarps * keys_per_warp) {
+      const int jj = base + sub;
+      float kx[VEC];
+      if (jj < n) {
+        Vec16<T>::load(k + ((size_t)slot_s[jj] * hkv + g) * d + cv * VEC, kx);
+      } else {
 #pragma unroll
-    for (int i = 0; i < DK_MAX_D / 32; i++) {
-      const int e = lane + 32 * i;
-      kreg[i] = e < d ? to_f(kr[e]) : 0.f;
-    }
-    for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
-      float s[DK_HEADS_PER_PASS];
+        for (int e = 0; e < VEC; e++) kx[e] = 0.f;
+      }
+      for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
+        float s[DK_HEADS_PER_PASS];
 #pragma unroll
-      for (int h = 0; h < DK_HEADS_PER_PASS; h++) {
-        s[h] = 0.f;
-        if (r0 + h < n_rep) {
-          const float* qr = q_s + (r0 + h) * d;
+        for (int h = 0; h < DK_HEADS_PER_PASS; h++) {
+          s[h] = 0.f;
+          if (r0 + h < n_rep) {
+            const float* qr = q_s + (r0 + h) * d + cv * VEC;
 #pragma unroll
-          for (int i = 0; i < DK_MAX_D / 32; i++) {
-            const int e = lane + 32 * i;
-            if (e < d) s[h] += qr[e] * kreg[i];
+            for (int e = 0; e < VEC; e++) s[h] += qr[e] * kx[e];
           }
         }
+        for (int o = L / 2; o > 0; o >>= 1) {
+#pragma unroll
+          for (int h = 0; h < DK_HEADS_PER_PASS; h++)
+            s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
+        }
+        if (cv == 0 && jj < n) {
+#pragma unroll
+          for (int h = 0; h < DK_HEADS_PER_PASS; h++)
+            if (r0 + h < n_rep) sc[(r0 + h) * chunk + jj] = s[h] * scale;
+        }
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-        for (int h = 0; h < DK_HEADS_PER_PASS; h++)
-          s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
+    }
+  } else {
+    // Scores: a warp per key, the key row read once (DK_MAX_D / 32 values per lane) for every
+    // query head of the group; the partial dot products of up to DK_HEADS_PER_PASS heads are
+    // reduced across the warp together (independent shuffles overlap).
+    for (int jj = warp; jj < n; jj += nwarps) {
+      const T* kr = k + ((size_t)slot_s[jj] * hkv + g) * d;
+      float kreg[DK_MAX_D / 32];
+  #pragma unroll
+      for (int i = 0; i < DK_MAX_D / 32; i++) {
+        const int e = lane + 32 * i;
+        kreg[i] = e < d ? to_f(kr[e]) : 0.f;
       }
-      if (lane == 0) {
-#pragma unroll
-        for (int h = 0; h < DK_HEADS_PER_PASS; h++)
-          if (r0 + h < n_rep) sc[(r0 + h) * chunk + jj] = s[h] * scale;
+      for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
+        float s[DK_HEADS_PER_PASS];
+  #pragma unroll
+        for (int h = 0; h < DK_HEADS_PER_PASS; h++) {
+          s[h] = 0.f;
+          if (r0 + h < n_rep) {
+            const float* qr = q_s + (r0 + h) * d;
+  #pragma unroll
+            for (int i = 0; i < DK_MAX_D / 32; i++) {
+              const int e = lane + 32 * i;
+              if (e < d) s[h] += qr[e] * kreg[i];
+            }
+          }
+        }
+  #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+  #pragma unroll
+          for (int h = 0; h < DK_HEADS_PER_PASS; h++)
+            s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
+        }
+        if (lane == 0) {
+  #pragma unroll
+          for (int h = 0; h < DK_HEADS_PER_PASS; h++)
+            if (r0 + h < n_rep) sc[(r0 + h) * chunk + jj] = s[h] * scale;
+        }
       }
     }
   }
@@ -120,54 +290,61 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
   }
   __syncthreads();
 
-  // Weighted values: `groups` groups of d threads, each thread one column, group p taking
-  // keys p, p + groups, …; the groups' sums are added through shared memory.
-  const int groups = blockDim.x / d;
-  const int col = tid % d, grp = tid / d;
-  const bool active = grp < groups;
-  for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
-    float acc[DK_HEADS_PER_PASS];
-#pragma unroll
-    for (int i = 0; i < DK_HEADS_PER_PASS; i++) acc[i] = 0.f;
-    if (active) {
-      // Unrolled by two: two keys' value loads in flight per thread (more spills registers).
-#pragma unroll 2
-      for (int jj = grp; jj < n; jj += groups) {
-        const float x = to_f(v[((size_t)slot_s[jj] * hkv + g) * d + col]);
-#pragma unroll
-        for (int i = 0; i < DK_HEADS_PER_PASS; i++)
-          if (r0 + i < n_rep) acc[i] += sc[(r0 + i) * chunk + jj] * x;
-      }
-    }
-    if (groups > 1) {
-      if (active && grp > 0) {
-#pragma unroll
-        for (int i = 0; i < DK_HEADS_PER_PASS; i++)
-          red[((grp - 1) * DK_HEADS_PER_PASS + i) * d + col] = acc[i];
-      }
-      __syncthreads();
-      if (grp == 0) {
-        for (int p = 1; p < groups; p++) {
-#pragma unroll
+  if (vec) {
+    vec_values<T>(v, slot_s, sc, m_s, l_s, red, red_words, out, part_o, part_m, part_l, n, chunk,
+                  n_rep, g, hkv, hq, d, row, split, splits, vec_lanes);
+    return;
+  }
+  {
+    // Weighted values: `groups` groups of d threads, each thread one column, group p taking
+    // keys p, p + groups, …; the groups' sums are added through shared memory.
+    const int groups = blockDim.x / d;
+    const int col = tid % d, grp = tid / d;
+    const bool active = grp < groups;
+    for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
+      float acc[DK_HEADS_PER_PASS];
+  #pragma unroll
+      for (int i = 0; i < DK_HEADS_PER_PASS; i++) acc[i] = 0.f;
+      if (active) {
+        // Unrolled by two: two keys' value loads in flight per thread (more spills registers).
+  #pragma unroll 2
+        for (int jj = grp; jj < n; jj += groups) {
+          const float x = to_f(v[((size_t)slot_s[jj] * hkv + g) * d + col]);
+  #pragma unroll
           for (int i = 0; i < DK_HEADS_PER_PASS; i++)
-            acc[i] += red[((p - 1) * DK_HEADS_PER_PASS + i) * d + col];
+            if (r0 + i < n_rep) acc[i] += sc[(r0 + i) * chunk + jj] * x;
         }
       }
-      __syncthreads();  // `red` is reused by the next pass
-    }
-    if (grp == 0) {
-#pragma unroll
-      for (int i = 0; i < DK_HEADS_PER_PASS; i++) {
-        const int r = r0 + i;
-        if (r >= n_rep) break;
-        const size_t h = (size_t)row * hq + (size_t)g * n_rep + r;
-        if (splits == 1) {
-          out[h * d + col] = from_f<T>(acc[i] / l_s[r]);
-        } else {
-          part_o[(h * splits + split) * d + col] = acc[i];
-          if (col == 0) {
-            part_m[h * splits + split] = m_s[r];
-            part_l[h * splits + split] = l_s[r];
+      if (groups > 1) {
+        if (active && grp > 0) {
+  #pragma unroll
+          for (int i = 0; i < DK_HEADS_PER_PASS; i++)
+            red[((grp - 1) * DK_HEADS_PER_PASS + i) * d + col] = acc[i];
+        }
+        __syncthreads();
+        if (grp == 0) {
+          for (int p = 1; p < groups; p++) {
+  #pragma unroll
+            for (int i = 0; i < DK_HEADS_PER_PASS; i++)
+              acc[i] += red[((p - 1) * DK_HEADS_PER_PASS + i) * d + col];
+          }
+        }
+        __syncthreads();  // `red` is reused by the next pass
+      }
+      if (grp == 0) {
+  #pragma unroll
+        for (int i = 0; i < DK_HEADS_PER_PASS; i++) {
+          const int r = r0 + i;
+          if (r >= n_rep) break;
+          const size_t h = (size_t)row * hq + (size_t)g * n_rep + r;
+          if (splits == 1) {
+            out[h * d + col] = from_f<T>(acc[i] / l_s[r]);
+          } else {
+            part_o[(h * splits + split) * d + col] = acc[i];
+            if (col == 0) {
+              part_m[h * splits + split] = m_s[r];
+              part_l[h * splits + split] = l_s[r];
+            }
           }
         }
       }

@@ -84,31 +84,39 @@ pub(super) fn decode_plan(
     if head_dim == 0 || head_dim > DECODE_MAX_HEAD_DIM || n_rep == 0 {
         return None;
     }
-    // 4-byte words: the group's queries, its scores, max and sum per head, the value sums of
-    // the thread groups beyond the first, and the chunk's KV slots (see decode_kernels.cu).
+    // 4-byte words: the group's queries, its scores, max and sum per head, a reduction
+    // region, and the chunk's KV slots last (see decode_kernels.cu). The reduction holds the
+    // value sums of the thread groups beyond the first (the scalar passes), and where that
+    // fits, those of the 7 warps beyond the first, two query heads at a time (one at head_dim
+    // 256), which the vectorised passes need.
     let thread_groups = DECODE_THREADS / head_dim;
-    let bytes = |chunk: usize| {
-        4 * (n_rep * head_dim
-            + n_rep * chunk
-            + 2 * n_rep
-            + DECODE_HEADS_PER_PASS * head_dim * (thread_groups - 1)
-            + chunk)
+    let scalar_reduction = DECODE_HEADS_PER_PASS * head_dim * (thread_groups - 1);
+    let warp_heads = if head_dim <= 128 { 2 } else { 1 };
+    let vec_reduction = scalar_reduction.max((DECODE_THREADS / 32 - 1) * warp_heads * head_dim);
+    let bytes = |chunk: usize, reduction: usize| {
+        4 * (n_rep * head_dim + n_rep * chunk + 2 * n_rep + reduction + chunk)
     };
-    let fitting = || {
-        DECODE_CHUNKS
+    let (chunk, reduction) =
+        [vec_reduction, scalar_reduction]
             .into_iter()
-            .filter(|&c| bytes(c) <= DECODE_SHARED_LIMIT)
-    };
-    let chunk = fitting()
-        .find(|&c| groups * longest.div_ceil(c) >= decode_target_blocks())
-        .or_else(|| fitting().next_back())?;
+            .find_map(|reduction| {
+                let fitting = || {
+                    DECODE_CHUNKS
+                        .into_iter()
+                        .filter(move |&c| bytes(c, reduction) <= DECODE_SHARED_LIMIT)
+                };
+                let chunk = fitting()
+                    .find(|&c| groups * longest.div_ceil(c) >= decode_target_blocks())
+                    .or_else(|| fitting().next_back())?;
+                Some((chunk, reduction))
+            })?;
     let splits = longest.div_ceil(chunk).max(1);
     // The chunks are the grid's second axis (at most 65,535 blocks).
     (splits <= 65_535).then_some(DecodePlan {
         block_size,
         chunk,
         splits,
-        shared_bytes: bytes(chunk),
+        shared_bytes: bytes(chunk, reduction),
     })
 }
 
@@ -591,9 +599,10 @@ mod tests {
         assert_eq!((p.chunk, p.splits), (32, 128));
         // 64 rows × 2 of 200 keys: 128 chunks is the largest giving 256 blocks.
         assert_eq!(decode_plan(128, 7, 64, 16, 200).unwrap().chunk, 128);
-        // 32 query heads of dim 256 per KV head: 128-key chunks would need 49,920 bytes.
+        // 32 query heads of dim 256 per KV head: 128-key chunks would need 57,088 bytes (the
+        // vectorised value pass's reduction of 7 warps × 256 included).
         let p = decode_plan(4096, 32, 256, 16, 1000).unwrap();
-        assert_eq!((p.chunk, p.shared_bytes), (64, 41_472));
+        assert_eq!((p.chunk, p.shared_bytes), (64, 48_640));
         for (n_rep, d) in [(1, 1), (7, 64), (7, 128), (16, 256), (40, 256), (8, 80)] {
             for groups in [1, 300] {
                 let p = decode_plan(groups, n_rep, d, 16, 777).unwrap();

@@ -1,0 +1,503 @@
+// The tensor-core versions of the causal var-len GQA flash attention (bf16, head_dim 64 and
+// 128): the contract, tiling split and summation order of the scalar kernels in
+// attention_kernels.cu, which includes this file at its end (one PTX module; seg_of,
+// ATT_WARPS and cuda_common.cuh come from there). tools/cuda_emu runs it on CPU threads.
+#pragma once
+
+// ---- Shared by the tensor-core kernels (bf16, head_dim D = 64 or 128) ----
+
+// Rows r0 .. r0 + ROWS − 1 of head `head` of a and b ([·, heads, D]) into the shared tiles
+// a_s, b_s ([ROWS][D + 8]); rows from r_end on are zero. 16 bytes (8 bf16) a load when both
+// tensors start 16-byte aligned (every row and column offset is then a multiple of 8
+// elements: D is); a view at an odd offset takes the element-wise path.
+template <int D, int ROWS>
+__device__ __forceinline__ void load_tile_pair(bf16* a_s, bf16* b_s, const bf16* a, const bf16* b,
+                                               int r0, int r_end, int head, int heads) {
+  static_assert(D % 8 == 0, "rows are copied 8 bf16 at a time");
+  if (((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0) {
+    constexpr int VR = D / 8;  // 16-byte vectors a row
+    for (int e = threadIdx.x; e < ROWS * VR; e += blockDim.x) {
+      const int rr = e / VR, c = (e % VR) * 8, r = r0 + rr;
+      uint4 av = make_uint4(0u, 0u, 0u, 0u), bv = av;
+      if (r < r_end) {
+        const size_t o = ((size_t)r * heads + head) * D + c;
+        av = *reinterpret_cast<const uint4*>(a + o);
+        bv = *reinterpret_cast<const uint4*>(b + o);
+      }
+      *reinterpret_cast<uint4*>(a_s + rr * (D + 8) + c) = av;
+      *reinterpret_cast<uint4*>(b_s + rr * (D + 8) + c) = bv;
+    }
+    return;
+  }
+  const bf16 zero = __float2bfloat16(0.f);
+  for (int e = threadIdx.x; e < ROWS * D; e += blockDim.x) {
+    const int rr = e / D, c = e % D, r = r0 + rr;
+    bf16 av = zero, bv = zero;
+    if (r < r_end) {
+      const size_t o = ((size_t)r * heads + head) * D + c;
+      av = a[o];
+      bv = b[o];
+    }
+    a_s[rr * (D + 8) + c] = av;
+    b_s[rr * (D + 8) + c] = bv;
+  }
+}
+
+// B operands of S = x·Tᵀ from a row-major tile T [·][D + 8] in shared memory (K, or q/∂O in
+// ∂K/∂V): for the 16 rows t0 .. t0 + 15 of T (two n = 8 tiles) and dims k0 .. k0 + 15, b[0..1]
+// for rows t0.. and b[2..3] for rows t0 + 8.. (one ldmatrix.x4; the B(k = dim, n = row)
+// fragment of a matrix stored [n][k] is ldmatrix's plain layout).
+template <int D>
+__device__ __forceinline__ void ld_b_rows(uint32_t (&b)[4], const bf16* t, int t0, int k0,
+                                          int lane) {
+  const int mi = lane >> 3, rr = lane & 7;
+  ldsm_x4(b, t + (t0 + (mi >> 1) * 8 + rr) * (D + 8) + k0 + (mi & 1) * 8);
+}
+
+// B operands of acc += a·T for a row-major tile T [k][D + 8] (V, or K in ∂Q, or q/∂O in
+// ∂K/∂V), k rows k0 .. k0 + 15 and the 16 columns c0 .. c0 + 15: b[0..1] for columns c0..,
+// b[2..3] for c0 + 8.. (one transposed ldmatrix.x4).
+template <int D>
+__device__ __forceinline__ void ld_b_cols(uint32_t (&b)[4], const bf16* t, int k0, int c0,
+                                          int lane) {
+  const int mi = lane >> 3, rr = lane & 7;
+  ldsm_x4_t(b, t + (k0 + (mi & 1) * 8 + rr) * (D + 8) + c0 + (mi >> 1) * 8);
+}
+
+// A warp's 16 query rows w0 .. w0 + 15 of a block and this lane's two of them, w0 + gid (r = 0)
+// and w0 + gid + 8 (r = 1), with their segments' starts. A row past n gets the segment start
+// INT_MAX: no key is valid for it.
+struct WarpRows {
+  int w0, w_last, w_kbegin;
+  int row[2], row_s[2];
+
+  __device__ WarpRows(const int* cu, int n_cu, int w0_, int gid, int n) : w0(w0_) {
+    w_last = min(w0 + 15, n - 1);
+    w_kbegin = w0 < n ? cu[seg_of(cu, n_cu, w0)] : n;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row[r] = w0 + gid + 8 * r;
+      row_s[r] = row[r] < n ? cu[seg_of(cu, n_cu, row[r])] : 0x7fffffff;
+    }
+  }
+
+  // Warp-uniform: whether the keys j0 .. j0 + bk − 1 hold none valid for any of the rows.
+  __device__ bool skips(int j0, int bk, int n) const {
+    return w0 >= n || j0 > w_last || j0 + bk <= w_kbegin;
+  }
+
+  // Whether row r attends key j.
+  __device__ bool attends(int r, int j) const { return j >= row_s[r] && j <= row[r]; }
+};
+
+// The A fragments of this lane's two rows of x [n, heads, D] (head h) over all of D, zero
+// for a row past n.
+template <int D>
+__device__ __forceinline__ void load_row_frags(uint32_t (&f)[D / 16][4], const bf16* x,
+                                               const WarpRows& w, int h, int heads, int n,
+                                               int tig) {
+  const bf16 zero = __float2bfloat16(0.f);
+  auto at = [&](int r, int c) {
+    return w.row[r] < n ? x[((size_t)w.row[r] * heads + h) * D + c] : zero;
+  };
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c = kk * 16 + 2 * tig;
+    f[kk][0] = pack_bf16x2(at(0, c), at(0, c + 1));
+    f[kk][1] = pack_bf16x2(at(1, c), at(1, c + 1));
+    f[kk][2] = pack_bf16x2(at(0, c + 8), at(0, c + 9));
+    f[kk][3] = pack_bf16x2(at(1, c + 8), at(1, c + 9));
+  }
+}
+
+// ---- The forward on tensor cores (bf16, head_dim D = 64 or 128) ----
+// The same contract as varlen_attn_fwd (output and lse, same scale convention), with the two
+// products on mma.sync m16n8k16 (cuda_common.cuh), flash-attention-2 style: a warp owns 16
+// query rows whose q fragments stay in registers; S = q·Kᵀ for a tile of BK = 64 keys lands in
+// accumulator fragments, the online softmax runs on them in registers (a row's 64 scores are
+// spread over the 4 lanes of a group: two shuffles per reduction), and P — rounded to bf16, as
+// flash attention does — is reused as the A operand of P·V without leaving registers (the
+// accumulator layout of two adjacent 8-key tiles is the A layout of one 16-key step). K and V
+// tiles go through shared memory as bf16, rows padded by 8 elements so that a fragment's 32
+// lanes read 32 distinct banks. l sums the f32 probabilities. Rows of other segments and keys
+// past a row are masked to −∞; a tile holding no key of any of the warp's rows is skipped.
+template <int D>
+__device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, const int* cu,
+                                   int n_cu, bf16* out, float* lse, int n, int hq, int hkv, int d,
+                                   float scale, int block_rows) {
+  constexpr int BQ = 16 * ATT_WARPS, BK = 64, KS = D + 8;
+  if (block_rows != BQ || d != D || blockDim.x != 32 * ATT_WARPS ||
+      dynamic_smem_bytes() < 2u * 2 * BK * KS)
+    __trap();
+  extern __shared__ float smem[];
+  bf16* ks = reinterpret_cast<bf16*>(smem);  // [BK][KS]
+  bf16* vs = ks + BK * KS;                    // [BK][KS]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int h = blockIdx.y, g = h / (hq / hkv);
+  const int i0 = blockIdx.x * BQ;
+  if (i0 >= n) return;
+  const int i_last = min(i0 + BQ, n) - 1;
+  const int k_begin = cu[seg_of(cu, n_cu, i0)];
+  const WarpRows w(cu, n_cu, i0 + warp * 16, gid, n);
+  uint32_t qf[D / 16][4];
+  load_row_frags<D>(qf, q, w, h, hq, n, tig);
+  float o[D / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[dt][e] = 0.f;
+  for (int j0 = k_begin; j0 <= i_last; j0 += BK) {
+    __syncthreads();  // the previous tile is consumed
+    load_tile_pair<D, BK>(ks, vs, k, v, j0, i_last + 1, g, hkv);
+    __syncthreads();
+    if (w.skips(j0, BK, n)) continue;
+    float s[BK / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+      for (int nt = 0; nt < BK / 8; nt += 2) {
+        // B(k = dim, n = key) = K[key][dim]: keys nt·8 .. nt·8 + 15, dims kk·16 ...
+        uint32_t b[4];
+        ld_b_rows<D>(b, ks, nt * 8, kk * 16, lane);
+        mma_bf16_16816(s[nt], qf[kk], b[0], b[1]);
+        mma_bf16_16816(s[nt + 1], qf[kk], b[2], b[3]);
+      }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, j = j0 + nt * 8 + 2 * tig + (e & 1);
+        s[nt][e] = w.attends(r, j) ? s[nt][e] * scale : -INFINITY;
+        mx[r] = fmaxf(mx[r], s[nt][e]);
+      }
+    float m_use[2], corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
+      const float m_new = fmaxf(m[r], mx[r]);
+      // A row with no valid key yet keeps p = 0 (exp(−∞ − 0)) instead of exp(−∞ + ∞).
+      m_use[r] = m_new == -INFINITY ? 0.f : m_new;
+      corr[r] = expf(m[r] - m_use[r]);  // 0 while m[r] is −∞
+      m[r] = m_new;
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = expf(s[nt][e] - m_use[e >> 1]);
+        rs[e >> 1] += s[nt][e];
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      rs[r] += __shfl_xor_sync(FULL_MASK, rs[r], 1);
+      rs[r] += __shfl_xor_sync(FULL_MASK, rs[r], 2);
+      l[r] = l[r] * corr[r] + rs[r];
+    }
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      o[dt][0] *= corr[0];
+      o[dt][1] *= corr[0];
+      o[dt][2] *= corr[1];
+      o[dt][3] *= corr[1];
+    }
+#pragma unroll
+    for (int kt = 0; kt < BK / 16; ++kt) {
+      // P's 16 keys kt·16.. as an A operand: score tiles 2·kt (keys + 2·tig) and 2·kt + 1 (+ 8).
+      const uint32_t pa[4] = {pack_bf16x2(s[2 * kt][0], s[2 * kt][1]),
+                              pack_bf16x2(s[2 * kt][2], s[2 * kt][3]),
+                              pack_bf16x2(s[2 * kt + 1][0], s[2 * kt + 1][1]),
+                              pack_bf16x2(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+#pragma unroll
+      for (int dt = 0; dt < D / 8; dt += 2) {
+        // B(k = key, n = dim) = V[key][dim]: keys kt·16 .., dims dt·8 .. dt·8 + 15.
+        uint32_t b[4];
+        ld_b_cols<D>(b, vs, kt * 16, dt * 8, lane);
+        mma_bf16_16816(o[dt], pa, b[0], b[1]);
+        mma_bf16_16816(o[dt + 1], pa, b[2], b[3]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (w.row[r] >= n) continue;
+    const size_t base = ((size_t)w.row[r] * hq + h) * D;
+    const float inv = 1.f / l[r];
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      const int c = dt * 8 + 2 * tig;
+      out[base + c] = __float2bfloat16(o[dt][2 * r] * inv);
+      out[base + c + 1] = __float2bfloat16(o[dt][2 * r + 1] * inv);
+    }
+    if (tig == 0) lse[(size_t)w.row[r] * hq + h] = m[r] + logf(l[r]);
+  }
+}
+
+// ---- The backward on tensor cores (bf16, head_dim D = 64 or 128) ----
+// The scalar backward's split (∂Q per query tile, ∂K/∂V per key tile, each output owned by one
+// lane: no atomics, a fixed summation order), with every product on mma.sync. P and dS are
+// recomputed in f32 from the accumulators and rounded to bf16 only as the A operand of the next
+// product (as flash attention's backward does).
+
+// A operand fragment of a row-major bf16 tile in shared memory: rows r0 + gid (+ 8), columns
+// c0 + 2·tig (+ 1, + 8, + 9), `stride` elements per row.
+// One ldmatrix.x4: matrix i is rows r0 + 8·(i % 2), columns c0 + 8·(i / 2) (the A fragment's
+// register order).
+__device__ __forceinline__ void ld_a_frag(uint32_t (&a)[4], const bf16* t, int stride, int r0,
+                                          int c0, int lane) {
+  const int mi = lane >> 3, rr = lane & 7;
+  ldsm_x4(a, t + (r0 + (mi & 1) * 8 + rr) * stride + c0 + (mi >> 1) * 8);
+}
+
+// Two accumulator tiles (16×8 each, columns c and c + 8) as one A operand of 16 rows × 16.
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&lo)[4],
+                                         const float (&hi)[4]) {
+  a[0] = pack_bf16x2(lo[0], lo[1]);
+  a[1] = pack_bf16x2(lo[2], lo[3]);
+  a[2] = pack_bf16x2(hi[0], hi[1]);
+  a[3] = pack_bf16x2(hi[2], hi[3]);
+}
+
+// acc[dt] += a · T[k0 .. k0 + 15, dt·8 ..] for a row-major bf16 tile T [k][D + 8] in shared
+// memory (B operand with k = T's rows, loaded transposed).
+template <int D>
+__device__ __forceinline__ void mma_rows(float (&acc)[D / 8][4], const uint32_t (&a)[4],
+                                         const bf16* t, int k0, int lane) {
+#pragma unroll
+  for (int dt = 0; dt < D / 8; dt += 2) {
+    uint32_t b[4];
+    ld_b_cols<D>(b, t, k0, dt * 8, lane);
+    mma_bf16_16816(acc[dt], a, b[0], b[1]);
+    mma_bf16_16816(acc[dt + 1], a, b[2], b[3]);
+  }
+}
+
+// ∂Q: block = 64 query rows (16 per warp) of head blockIdx.y; keys in tiles of 32 from the first
+// row's segment start. Per tile S = q·Kᵀ and dP = ∂O·Vᵀ (q and ∂O fragments in registers),
+// dS = P ∘ (dP − delta) with P = exp(S·scale − lse), then ∂Q += dS·K; ∂Q·scale at the end.
+template <int D>
+__device__ void varlen_attn_bwd_dq_tc(const bf16* q, const bf16* k, const bf16* v,
+                                      const bf16* dout, const float* lse, const float* delta,
+                                      const int* cu, int n_cu, bf16* dq, int n, int hq, int hkv,
+                                      int d, float scale, int block_rows) {
+  constexpr int BQ = 16 * ATT_WARPS, BK = 32, KS = D + 8;
+  if (block_rows != BQ || d != D || blockDim.x != 32 * ATT_WARPS ||
+      dynamic_smem_bytes() < 2u * 2 * BK * KS)
+    __trap();
+  extern __shared__ float smem[];
+  bf16* ks = reinterpret_cast<bf16*>(smem);  // [BK][KS]
+  bf16* vs = ks + BK * KS;                    // [BK][KS]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int h = blockIdx.y, g = h / (hq / hkv);
+  const int i0 = blockIdx.x * BQ;
+  if (i0 >= n) return;
+  const int i_last = min(i0 + BQ, n) - 1;
+  const int k_begin = cu[seg_of(cu, n_cu, i0)];
+  const WarpRows w(cu, n_cu, i0 + warp * 16, gid, n);
+  float row_lse[2], row_delta[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const bool in = w.row[r] < n;
+    row_lse[r] = in ? lse[(size_t)w.row[r] * hq + h] : 0.f;
+    row_delta[r] = in ? delta[(size_t)w.row[r] * hq + h] : 0.f;
+  }
+  uint32_t qf[D / 16][4], gf[D / 16][4];
+  load_row_frags<D>(qf, q, w, h, hq, n, tig);
+  load_row_frags<D>(gf, dout, w, h, hq, n, tig);
+  float acc[D / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[dt][e] = 0.f;
+  for (int j0 = k_begin; j0 <= i_last; j0 += BK) {
+    __syncthreads();  // the previous tile is consumed
+    load_tile_pair<D, BK>(ks, vs, k, v, j0, i_last + 1, g, hkv);
+    __syncthreads();
+    if (w.skips(j0, BK, n)) continue;
+    float s[BK / 8][4], dp[BK / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+      for (int nt = 0; nt < BK / 8; nt += 2) {
+        uint32_t kb[4], vb[4];
+        ld_b_rows<D>(kb, ks, nt * 8, kk * 16, lane);
+        ld_b_rows<D>(vb, vs, nt * 8, kk * 16, lane);
+        mma_bf16_16816(s[nt], qf[kk], kb[0], kb[1]);
+        mma_bf16_16816(s[nt + 1], qf[kk], kb[2], kb[3]);
+        mma_bf16_16816(dp[nt], gf[kk], vb[0], vb[1]);
+        mma_bf16_16816(dp[nt + 1], gf[kk], vb[2], vb[3]);
+      }
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, j = j0 + nt * 8 + 2 * tig + (e & 1);
+        const float p = w.attends(r, j) ? expf(s[nt][e] * scale - row_lse[r]) : 0.f;
+        s[nt][e] = p * (dp[nt][e] - row_delta[r]);  // dS
+      }
+#pragma unroll
+    for (int kt = 0; kt < BK / 16; ++kt) {
+      uint32_t a[4];
+      acc_to_a(a, s[2 * kt], s[2 * kt + 1]);
+      mma_rows<D>(acc, a, ks, kt * 16, lane);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (w.row[r] >= n) continue;
+    const size_t base = ((size_t)w.row[r] * hq + h) * D;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      const int c = dt * 8 + 2 * tig;
+      dq[base + c] = __float2bfloat16(acc[dt][2 * r] * scale);
+      dq[base + c + 1] = __float2bfloat16(acc[dt][2 * r + 1] * scale);
+    }
+  }
+}
+
+// ∂K, ∂V: block = 64 key rows (16 per warp) of key/value head blockIdx.y, in shared memory
+// with a step of 64 queries (q, ∂O, their lse and delta), for every query head of the group in
+// turn, queries from the block's first key to the end of its last key's segment. A warp walks
+// the step's queries 16 at a time, skipping those none of its keys meets: Sᵀ = K·qᵀ and
+// dPᵀ = V·∂Oᵀ (16 keys × 16 queries), Pᵀ = exp(Sᵀ·scale − lse), dSᵀ = Pᵀ ∘ (dPᵀ − delta);
+// ∂V += Pᵀ·∂O and ∂K += dSᵀ·q, ∂K·scale at the end. (The step is 64 queries so that the block
+// syncs and loads once per 64; at head_dim 128 that is 70 KB of shared memory, which the
+// launcher opts in to.)
+template <int D>
+__device__ void varlen_attn_bwd_dkv_tc(const bf16* q, const bf16* k, const bf16* v,
+                                       const bf16* dout, const float* lse, const float* delta,
+                                       const int* cu, int n_cu, bf16* dk, bf16* dv, int n, int hq,
+                                       int hkv, int d, float scale, int block_rows) {
+  constexpr int BKV = 16 * ATT_WARPS, BQ = 64, KS = D + 8;
+  if (block_rows != BKV || d != D || blockDim.x != 32 * ATT_WARPS ||
+      dynamic_smem_bytes() < 2u * 2 * (BKV + BQ) * KS + 2 * 4 * BQ)
+    __trap();
+  extern __shared__ float smem[];
+  bf16* kts = reinterpret_cast<bf16*>(smem);  // [BKV][KS]
+  bf16* vts = kts + BKV * KS;                  // [BKV][KS]
+  bf16* qs = vts + BKV * KS;                   // [BQ][KS]
+  bf16* gs = qs + BQ * KS;                     // [BQ][KS]
+  float* lse_s = reinterpret_cast<float*>(gs + BQ * KS);  // [BQ]
+  float* delta_s = lse_s + BQ;                             // [BQ]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int g = blockIdx.y, rep = hq / hkv;
+  const int j0 = blockIdx.x * BKV;
+  if (j0 >= n) return;
+  const int j_last = min(j0 + BKV, n) - 1;
+  const int q_end = cu[seg_of(cu, n_cu, j_last) + 1];  // queries j0 .. q_end − 1
+  load_tile_pair<D, BKV>(kts, vts, k, v, j0, n, g, hkv);
+  // This lane's two keys (rows gid, gid + 8 of the warp's 16) and their segments' ends: query
+  // i attends key j iff j <= i < end(j). A key past n gets end −1 (no query).
+  const int wk0 = j0 + warp * 16, wk_last = min(wk0 + 15, n - 1);
+  const int w_qend = wk0 < n ? cu[seg_of(cu, n_cu, wk_last) + 1] : 0;
+  int key[2], key_e[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    key[r] = wk0 + gid + 8 * r;
+    key_e[r] = key[r] < n ? cu[seg_of(cu, n_cu, key[r]) + 1] : -1;
+  }
+  float acc_k[D / 8][4], acc_v[D / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_k[dt][e] = acc_v[dt][e] = 0.f;
+  for (int h = g * rep; h < (g + 1) * rep; ++h) {
+    for (int i0 = j0; i0 < q_end; i0 += BQ) {
+      __syncthreads();  // the previous step's tiles are consumed (and K, V are written)
+      load_tile_pair<D, BQ>(qs, gs, q, dout, i0, q_end, h, hq);
+      for (int t = threadIdx.x; t < BQ; t += blockDim.x) {
+        const int i = i0 + t;
+        lse_s[t] = i < q_end ? lse[(size_t)i * hq + h] : 0.f;
+        delta_s[t] = i < q_end ? delta[(size_t)i * hq + h] : 0.f;
+      }
+      __syncthreads();
+      for (int sub = 0; sub < BQ; sub += 16) {
+        const int i1 = i0 + sub;  // this sub-step's queries i1 .. i1 + 15
+        if (wk0 >= n || i1 >= q_end || i1 + 16 <= wk0 || i1 >= w_qend) continue;  // warp-uniform
+        float st[2][4], dpt[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t ka[4], va[4], qb[4], gb[4];
+          ld_a_frag(ka, kts, KS, warp * 16, kk * 16, lane);
+          ld_a_frag(va, vts, KS, warp * 16, kk * 16, lane);
+          ld_b_rows<D>(qb, qs, sub, kk * 16, lane);
+          ld_b_rows<D>(gb, gs, sub, kk * 16, lane);
+          mma_bf16_16816(st[0], ka, qb[0], qb[1]);
+          mma_bf16_16816(st[1], ka, qb[2], qb[3]);
+          mma_bf16_16816(dpt[0], va, gb[0], gb[1]);
+          mma_bf16_16816(dpt[1], va, gb[2], gb[3]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1, ii = sub + nt * 8 + 2 * tig + (e & 1), i = i0 + ii;
+            const bool valid = i >= key[r] && i < key_e[r];
+            const float p = valid ? expf(st[nt][e] * scale - lse_s[ii]) : 0.f;
+            st[nt][e] = p;
+            dpt[nt][e] = p * (dpt[nt][e] - delta_s[ii]);  // dSᵀ
+          }
+        uint32_t pa[4], da[4];
+        acc_to_a(pa, st[0], st[1]);
+        acc_to_a(da, dpt[0], dpt[1]);
+        mma_rows<D>(acc_v, pa, gs, sub, lane);
+        mma_rows<D>(acc_k, da, qs, sub, lane);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (key[r] >= n) continue;
+    const size_t base = ((size_t)key[r] * hkv + g) * D;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      const int c = dt * 8 + 2 * tig;
+      dk[base + c] = __float2bfloat16(acc_k[dt][2 * r] * scale);
+      dk[base + c + 1] = __float2bfloat16(acc_k[dt][2 * r + 1] * scale);
+      dv[base + c] = __float2bfloat16(acc_v[dt][2 * r]);
+      dv[base + c + 1] = __float2bfloat16(acc_v[dt][2 * r + 1]);
+    }
+  }
+}
+
+// The tensor-core forward, bf16 only, for the head dims it is instantiated for (attention_cuda.rs
+// launches it for those, the scalar kernels otherwise).
+#define ATT_INSTANTIATE_TC(D)                                                                    \
+  extern "C" __global__ void varlen_attn_fwd_tc_d##D##_bf16(                                     \
+      const bf16* q, const bf16* k, const bf16* v, const int* cu, int n_cu, bf16* out,            \
+      float* lse, int n, int hq, int hkv, int d, float scale, int block_rows) {                   \
+    varlen_attn_fwd_tc<D>(q, k, v, cu, n_cu, out, lse, n, hq, hkv, d, scale, block_rows);         \
+  }                                                                                               \
+  extern "C" __global__ void varlen_attn_bwd_dq_tc_d##D##_bf16(                                  \
+      const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,            \
+      const float* delta, const int* cu, int n_cu, bf16* dq, int n, int hq, int hkv, int d,       \
+      float scale, int block_rows) {                                                              \
+    varlen_attn_bwd_dq_tc<D>(q, k, v, dout, lse, delta, cu, n_cu, dq, n, hq, hkv, d, scale,       \
+                             block_rows);                                                         \
+  }                                                                                               \
+  extern "C" __global__ void varlen_attn_bwd_dkv_tc_d##D##_bf16(                                 \
+      const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,            \
+      const float* delta, const int* cu, int n_cu, bf16* dk, bf16* dv, int n, int hq, int hkv,    \
+      int d, float scale, int block_rows) {                                                       \
+    varlen_attn_bwd_dkv_tc<D>(q, k, v, dout, lse, delta, cu, n_cu, dk, dv, n, hq, hkv, d, scale,  \
+                              block_rows);                                                        \
+  }
+ATT_INSTANTIATE_TC(64)
+ATT_INSTANTIATE_TC(128)
