@@ -4,7 +4,7 @@
 //! and `tests/paged_kv.rs` compares both with a dense reference on `$COMPOSER_TEST_DEVICE`.
 
 use super::cuda::{alloc, kernel_name, typed, view};
-use super::paged_attention::{DecodePlan, DECODE_THREADS};
+use super::decode_plan::{DecodePlan, DECODE_THREADS};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};

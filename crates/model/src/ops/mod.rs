@@ -30,6 +30,7 @@ mod attention_cuda;
 mod cuda;
 #[cfg(feature = "cuda")]
 mod decode_cuda;
+mod decode_plan;
 mod head_softmax;
 mod kv_write;
 mod linear;

@@ -4,12 +4,14 @@
 //! The pool holds `[slots, kv_heads, head_dim]` keys (and values), `block_size` slots per
 //! block; token `j` of a row lies in slot `table[j / block_size] * block_size + j % block_size`.
 //! The CPU kernel (f32/f64) and, built with `--features cuda`, the CUDA kernel (f32/bf16,
-//! `decode_kernels.cu`: a block per row, KV head and chunk of up to [`DECODE_CHUNK`] keys,
+//! `decode_kernels.cu`: a block per row, KV head and chunk of up to
+//! [`DECODE_CHUNK`](super::decode_plan::DECODE_CHUNK) keys,
 //! the chunks merged flash-decoding style) read the slots in place (no per-step copy of the rows'
 //! K/V); elsewhere [`paged_decode_attention_composed`] gathers each row's slots into a
 //! contiguous, masked batch with candle ops (the device-generic fallback, and the reference of
 //! the tests). Inference only: no backward.
 
+use super::decode_plan::decode_plan;
 use super::{dot, kernels_apply, layout_slice, par_map, work_dtype, Real};
 use anyhow::{bail, Context, Result};
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
@@ -18,107 +20,6 @@ use std::sync::OnceLock;
 /// Multiply-adds per K or V pass (keys read × query heads × head_dim) below which the CPU
 /// kernel runs on the calling thread: spawning threads costs more than it saves.
 const PARALLEL_WORK: usize = 1 << 22;
-
-/// Keys one block of the CUDA kernel scores at most (a row's keys split into chunks of this
-/// many or fewer, merged by a second kernel when a row has more than one).
-pub(super) const DECODE_CHUNK: usize = 256;
-
-/// The smaller chunks the CUDA kernel may use: to fit shared memory, or to give a step with
-/// few rows enough blocks.
-const DECODE_CHUNKS: [usize; 4] = [DECODE_CHUNK, 128, 64, 32];
-
-/// Blocks a step's grid should have for the GPU's SMs to be busy (about two per SM of an
-/// H100/H200): below it, keys are split into smaller chunks. `COMPOSER_DECODE_BLOCKS=<n>`
-/// replaces it (a benchmark diagnostic, see [`decode_target_blocks`]).
-const DECODE_TARGET_BLOCKS: usize = 256;
-
-/// [`DECODE_TARGET_BLOCKS`], or `COMPOSER_DECODE_BLOCKS` when set to a positive integer: on an
-/// H200 a block of 128 keys took 46.6 µs per layer at batch 64 (BENCHMARKS.md, 2026-11-27),
-/// latency-bound on its serial key loop, so `tools/gpu_check.sh` times the decode with finer
-/// chunks beside the default before the default moves.
-fn decode_target_blocks() -> usize {
-    static TARGET: OnceLock<usize> = OnceLock::new();
-    *TARGET.get_or_init(|| {
-        std::env::var("COMPOSER_DECODE_BLOCKS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&n: &usize| n > 0)
-            .unwrap_or(DECODE_TARGET_BLOCKS)
-    })
-}
-
-/// Threads per block of the CUDA kernel (8 warps).
-pub(super) const DECODE_THREADS: usize = 256;
-
-/// Shared memory a CUDA block may use without opting in (48 KiB).
-const DECODE_SHARED_LIMIT: usize = 48 * 1024;
-
-/// Query heads a CUDA thread accumulates at once (`DK_HEADS_PER_PASS` in the kernel).
-const DECODE_HEADS_PER_PASS: usize = 8;
-
-/// Largest head_dim of the CUDA kernel (`DK_MAX_D`).
-const DECODE_MAX_HEAD_DIM: usize = 256;
-
-/// How the CUDA kernel runs one step: keys per chunk, chunks of the longest row, and the
-/// block's shared memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct DecodePlan {
-    pub(super) block_size: usize,
-    pub(super) chunk: usize,
-    pub(super) splits: usize,
-    pub(super) shared_bytes: usize,
-}
-
-/// The CUDA kernel's plan for `groups` (rows × KV heads) of `n_rep` query heads of
-/// `head_dim`, the longest row attending to `longest` keys: the largest chunk that fits
-/// shared memory and still gives [`decode_target_blocks`] blocks, else the smallest that
-/// fits. `None` when the kernel cannot serve the shape (head_dim over 256, a group too large
-/// for shared memory even at 32 keys per chunk, or over 65,535 chunks).
-pub(super) fn decode_plan(
-    groups: usize,
-    n_rep: usize,
-    head_dim: usize,
-    block_size: usize,
-    longest: usize,
-) -> Option<DecodePlan> {
-    if head_dim == 0 || head_dim > DECODE_MAX_HEAD_DIM || n_rep == 0 {
-        return None;
-    }
-    // 4-byte words: the group's queries, its scores, max and sum per head, a reduction
-    // region, and the chunk's KV slots last (see decode_kernels.cu). The reduction holds the
-    // value sums of the thread groups beyond the first (the scalar passes), and where that
-    // fits, those of the 7 warps beyond the first, two query heads at a time (one at head_dim
-    // 256), which the vectorised passes need.
-    let thread_groups = DECODE_THREADS / head_dim;
-    let scalar_reduction = DECODE_HEADS_PER_PASS * head_dim * (thread_groups - 1);
-    let warp_heads = if head_dim <= 128 { 2 } else { 1 };
-    let vec_reduction = scalar_reduction.max((DECODE_THREADS / 32 - 1) * warp_heads * head_dim);
-    let bytes = |chunk: usize, reduction: usize| {
-        4 * (n_rep * head_dim + n_rep * chunk + 2 * n_rep + reduction + chunk)
-    };
-    let (chunk, reduction) =
-        [vec_reduction, scalar_reduction]
-            .into_iter()
-            .find_map(|reduction| {
-                let fitting = || {
-                    DECODE_CHUNKS
-                        .into_iter()
-                        .filter(move |&c| bytes(c, reduction) <= DECODE_SHARED_LIMIT)
-                };
-                let chunk = fitting()
-                    .find(|&c| groups * longest.div_ceil(c) >= decode_target_blocks())
-                    .or_else(|| fitting().next_back())?;
-                Some((chunk, reduction))
-            })?;
-    let splits = longest.div_ceil(chunk).max(1);
-    // The chunks are the grid's second axis (at most 65,535 blocks).
-    (splits <= 65_535).then_some(DecodePlan {
-        block_size,
-        chunk,
-        splits,
-        shared_bytes: bytes(chunk, reduction),
-    })
-}
 
 /// Where the rows of one decode step find their keys and values in a block pool.
 #[derive(Debug)]
@@ -579,43 +480,5 @@ impl CustomOp3 for PagedDecode<'_> {
             self.scale,
         )?;
         Ok((out, lq.shape().clone()))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The CUDA kernel's chunking: full chunks when the step has blocks enough, finer ones
-    /// for few rows, shorter ones when a large group would overflow shared memory, and no
-    /// plan past the kernel's limits.
-    #[test]
-    fn decode_plans_fit_shared_memory_and_fill_the_grid() {
-        // 128 rows × 2 KV heads of ≤ 256 keys: 256 blocks at full chunks, one per row.
-        let p = decode_plan(256, 7, 64, 16, 256).unwrap();
-        assert_eq!((p.chunk, p.splits), (256, 1));
-        // One row: the finest chunk (4,096 keys → 128 chunks per KV head).
-        let p = decode_plan(2, 7, 64, 16, 4096).unwrap();
-        assert_eq!((p.chunk, p.splits), (32, 128));
-        // 64 rows × 2 of 200 keys: 128 chunks is the largest giving 256 blocks.
-        assert_eq!(decode_plan(128, 7, 64, 16, 200).unwrap().chunk, 128);
-        // 32 query heads of dim 256 per KV head: 128-key chunks would need 57,088 bytes (the
-        // vectorised value pass's reduction of 7 warps × 256 included).
-        let p = decode_plan(4096, 32, 256, 16, 1000).unwrap();
-        assert_eq!((p.chunk, p.shared_bytes), (64, 48_640));
-        for (n_rep, d) in [(1, 1), (7, 64), (7, 128), (16, 256), (40, 256), (8, 80)] {
-            for groups in [1, 300] {
-                let p = decode_plan(groups, n_rep, d, 16, 777).unwrap();
-                assert!(
-                    p.shared_bytes <= DECODE_SHARED_LIMIT,
-                    "{n_rep} x {d}: {p:?}"
-                );
-                assert_eq!(p.splits, 777usize.div_ceil(p.chunk));
-            }
-        }
-        // head_dim over 256, a group no chunk fits, more chunks than the grid's second axis.
-        assert_eq!(decode_plan(1, 1, 320, 16, 10), None);
-        assert_eq!(decode_plan(1, 64, 256, 16, 10), None);
-        assert_eq!(decode_plan(1, 1, 64, 16, 256 * 65_536), None);
     }
 }

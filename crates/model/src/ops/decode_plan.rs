@@ -1,0 +1,145 @@
+//! How the CUDA paged decode kernel (`decode_kernels.cu`) runs one step: keys per chunk,
+//! chunks per row and the block's shared memory ([`decode_plan`]). A host-side computation,
+//! tested on the CPU; `tools/cuda_emu/paged_decode.cpp` holds the same formula.
+
+use std::sync::OnceLock;
+
+/// Keys one block of the CUDA kernel scores at most (a row's keys split into chunks of this
+/// many or fewer, merged by a second kernel when a row has more than one).
+pub(crate) const DECODE_CHUNK: usize = 256;
+
+/// The smaller chunks the CUDA kernel may use: to fit shared memory, or to give a step with
+/// few rows enough blocks.
+const DECODE_CHUNKS: [usize; 4] = [DECODE_CHUNK, 128, 64, 32];
+
+/// Blocks a step's grid should have for the GPU's SMs to be busy (about two per SM of an
+/// H100/H200): below it, keys are split into smaller chunks. `COMPOSER_DECODE_BLOCKS=<n>`
+/// replaces it (a benchmark diagnostic, see [`decode_target_blocks`]).
+const DECODE_TARGET_BLOCKS: usize = 256;
+
+/// [`DECODE_TARGET_BLOCKS`], or `COMPOSER_DECODE_BLOCKS` when set to a positive integer: on an
+/// H200 a block of 128 keys took 46.6 µs per layer at batch 64 (BENCHMARKS.md, 2026-11-27),
+/// latency-bound on its serial key loop (since vectorised: many keys in flight per warp), so
+/// `tools/gpu_check.sh` times the decode with finer chunks beside the default before the
+/// default moves.
+fn decode_target_blocks() -> usize {
+    static TARGET: OnceLock<usize> = OnceLock::new();
+    *TARGET.get_or_init(|| {
+        std::env::var("COMPOSER_DECODE_BLOCKS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n: &usize| n > 0)
+            .unwrap_or(DECODE_TARGET_BLOCKS)
+    })
+}
+
+/// Threads per block of the CUDA kernel (8 warps).
+pub(crate) const DECODE_THREADS: usize = 256;
+
+/// Shared memory a CUDA block may use without opting in (48 KiB).
+const DECODE_SHARED_LIMIT: usize = 48 * 1024;
+
+/// Query heads a CUDA thread accumulates at once (`DK_HEADS_PER_PASS` in the kernel).
+const DECODE_HEADS_PER_PASS: usize = 8;
+
+/// Largest head_dim of the CUDA kernel (`DK_MAX_D`).
+const DECODE_MAX_HEAD_DIM: usize = 256;
+
+/// How the CUDA kernel runs one step: keys per chunk, chunks of the longest row, and the
+/// block's shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct DecodePlan {
+    pub(super) block_size: usize,
+    pub(super) chunk: usize,
+    pub(super) splits: usize,
+    pub(super) shared_bytes: usize,
+}
+
+/// The CUDA kernel's plan for `groups` (rows × KV heads) of `n_rep` query heads of
+/// `head_dim`, the longest row attending to `longest` keys: the largest chunk that fits
+/// shared memory and still gives [`decode_target_blocks`] blocks, else the smallest that
+/// fits. `None` when the kernel cannot serve the shape (head_dim over 256, a group too large
+/// for shared memory even at 32 keys per chunk, or over 65,535 chunks).
+pub(super) fn decode_plan(
+    groups: usize,
+    n_rep: usize,
+    head_dim: usize,
+    block_size: usize,
+    longest: usize,
+) -> Option<DecodePlan> {
+    if head_dim == 0 || head_dim > DECODE_MAX_HEAD_DIM || n_rep == 0 {
+        return None;
+    }
+    // 4-byte words: the group's queries, its scores, max and sum per head, a reduction
+    // region, and the chunk's KV slots last (see decode_kernels.cu). The reduction holds the
+    // value sums of the thread groups beyond the first (the scalar passes), and where that
+    // fits, those of the 7 warps beyond the first, two query heads at a time (one at head_dim
+    // 256), which the vectorised passes need.
+    let thread_groups = DECODE_THREADS / head_dim;
+    let scalar_reduction = DECODE_HEADS_PER_PASS * head_dim * (thread_groups - 1);
+    let warp_heads = if head_dim <= 128 { 2 } else { 1 };
+    let vec_reduction = scalar_reduction.max((DECODE_THREADS / 32 - 1) * warp_heads * head_dim);
+    let bytes = |chunk: usize, reduction: usize| {
+        4 * (n_rep * head_dim + n_rep * chunk + 2 * n_rep + reduction + chunk)
+    };
+    let (chunk, reduction) =
+        [vec_reduction, scalar_reduction]
+            .into_iter()
+            .find_map(|reduction| {
+                let fitting = || {
+                    DECODE_CHUNKS
+                        .into_iter()
+                        .filter(move |&c| bytes(c, reduction) <= DECODE_SHARED_LIMIT)
+                };
+                let chunk = fitting()
+                    .find(|&c| groups * longest.div_ceil(c) >= decode_target_blocks())
+                    .or_else(|| fitting().next_back())?;
+                Some((chunk, reduction))
+            })?;
+    let splits = longest.div_ceil(chunk).max(1);
+    // The chunks are the grid's second axis (at most 65,535 blocks).
+    (splits <= 65_535).then_some(DecodePlan {
+        block_size,
+        chunk,
+        splits,
+        shared_bytes: bytes(chunk, reduction),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CUDA kernel's chunking: full chunks when the step has blocks enough, finer ones
+    /// for few rows, shorter ones when a large group would overflow shared memory, and no
+    /// plan past the kernel's limits.
+    #[test]
+    fn decode_plans_fit_shared_memory_and_fill_the_grid() {
+        // 128 rows × 2 KV heads of ≤ 256 keys: 256 blocks at full chunks, one per row.
+        let p = decode_plan(256, 7, 64, 16, 256).unwrap();
+        assert_eq!((p.chunk, p.splits), (256, 1));
+        // One row: the finest chunk (4,096 keys → 128 chunks per KV head).
+        let p = decode_plan(2, 7, 64, 16, 4096).unwrap();
+        assert_eq!((p.chunk, p.splits), (32, 128));
+        // 64 rows × 2 of 200 keys: 128 chunks is the largest giving 256 blocks.
+        assert_eq!(decode_plan(128, 7, 64, 16, 200).unwrap().chunk, 128);
+        // 32 query heads of dim 256 per KV head: 128-key chunks would need 57,088 bytes (the
+        // vectorised value pass's reduction of 7 warps × 256 included).
+        let p = decode_plan(4096, 32, 256, 16, 1000).unwrap();
+        assert_eq!((p.chunk, p.shared_bytes), (64, 48_640));
+        for (n_rep, d) in [(1, 1), (7, 64), (7, 128), (16, 256), (40, 256), (8, 80)] {
+            for groups in [1, 300] {
+                let p = decode_plan(groups, n_rep, d, 16, 777).unwrap();
+                assert!(
+                    p.shared_bytes <= DECODE_SHARED_LIMIT,
+                    "{n_rep} x {d}: {p:?}"
+                );
+                assert_eq!(p.splits, 777usize.div_ceil(p.chunk));
+            }
+        }
+        // head_dim over 256, a group no chunk fits, more chunks than the grid's second axis.
+        assert_eq!(decode_plan(1, 1, 320, 16, 10), None);
+        assert_eq!(decode_plan(1, 64, 256, 16, 10), None);
+        assert_eq!(decode_plan(1, 1, 64, 16, 256 * 65_536), None);
+    }
+}
