@@ -68,12 +68,13 @@ __device__ __forceinline__ void ld_b_cols(uint32_t (&b)[4], const bf16* t, int k
 // and w0 + gid + 8 (r = 1), with their segments' starts. A row past n gets the segment start
 // INT_MAX: no key is valid for it.
 struct WarpRows {
-  int w0, w_last, w_kbegin;
+  int w0, w_last, w_kbegin, w_klast;
   int row[2], row_s[2];
 
   __device__ WarpRows(const int* cu, int n_cu, int w0_, int gid, int n) : w0(w0_) {
     w_last = min(w0 + 15, n - 1);
     w_kbegin = w0 < n ? cu[seg_of(cu, n_cu, w0)] : n;
+    w_klast = w0 < n ? cu[seg_of(cu, n_cu, w_last)] : n;  // the last row's segment start
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       row[r] = w0 + gid + 8 * r;
@@ -86,9 +87,18 @@ struct WarpRows {
     return w0 >= n || j0 > w_last || j0 + bk <= w_kbegin;
   }
 
+  // Warp-uniform: whether every row attends every key j0 .. j0 + bk − 1 (no mask needed: the
+  // keys lie in the last row's segment, which starts at or after every other row's, and end
+  // at or before the first row).
+  __device__ bool covers(int j0, int bk) const { return j0 >= w_klast && j0 + bk - 1 <= w0; }
+
   // Whether row r attends key j.
   __device__ bool attends(int r, int j) const { return j >= row_s[r] && j <= row[r]; }
 };
+
+// log2(e): the kernels exponentiate with exp2f, the softmax scale (and lse) taken to base 2.
+#define ATT_LOG2E 1.4426950408889634f
+#define ATT_LN2 0.6931471805599453f
 
 // The A fragments of this lane's two rows of x [n, heads, D] (head h) over all of D, zero
 // for a row past n.
@@ -140,6 +150,7 @@ __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, 
   const int i_last = min(i0 + BQ, n) - 1;
   const int k_begin = cu[seg_of(cu, n_cu, i0)];
   const WarpRows w(cu, n_cu, i0 + warp * 16, gid, n);
+  const float scale2 = scale * ATT_LOG2E;
   uint32_t qf[D / 16][4];
   load_row_frags<D>(qf, q, w, h, hq, n, tig);
   float o[D / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -167,15 +178,26 @@ __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, 
         mma_bf16_16816(s[nt], qf[kk], b[0], b[1]);
         mma_bf16_16816(s[nt + 1], qf[kk], b[2], b[3]);
       }
+    // Scores in base 2 (s·scale·log2 e), masked unless the tile lies inside every row's range.
     float mx[2] = {-INFINITY, -INFINITY};
+    if (w.covers(j0, BK)) {
 #pragma unroll
-    for (int nt = 0; nt < BK / 8; ++nt)
+      for (int nt = 0; nt < BK / 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1, j = j0 + nt * 8 + 2 * tig + (e & 1);
-        s[nt][e] = w.attends(r, j) ? s[nt][e] * scale : -INFINITY;
-        mx[r] = fmaxf(mx[r], s[nt][e]);
-      }
+        for (int e = 0; e < 4; ++e) {
+          s[nt][e] *= scale2;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+        }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1, j = j0 + nt * 8 + 2 * tig + (e & 1);
+          s[nt][e] = w.attends(r, j) ? s[nt][e] * scale2 : -INFINITY;
+          mx[r] = fmaxf(mx[r], s[nt][e]);
+        }
+    }
     float m_use[2], corr[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -184,7 +206,7 @@ __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, 
       const float m_new = fmaxf(m[r], mx[r]);
       // A row with no valid key yet keeps p = 0 (exp(−∞ − 0)) instead of exp(−∞ + ∞).
       m_use[r] = m_new == -INFINITY ? 0.f : m_new;
-      corr[r] = expf(m[r] - m_use[r]);  // 0 while m[r] is −∞
+      corr[r] = exp2f(m[r] - m_use[r]);  // 0 while m[r] is −∞
       m[r] = m_new;
     }
     float rs[2] = {0.f, 0.f};
@@ -192,7 +214,7 @@ __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, 
     for (int nt = 0; nt < BK / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[nt][e] = expf(s[nt][e] - m_use[e >> 1]);
+        s[nt][e] = exp2f(s[nt][e] - m_use[e >> 1]);
         rs[e >> 1] += s[nt][e];
       }
 #pragma unroll
@@ -236,7 +258,8 @@ __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, 
       out[base + c] = __float2bfloat16(o[dt][2 * r] * inv);
       out[base + c + 1] = __float2bfloat16(o[dt][2 * r + 1] * inv);
     }
-    if (tig == 0) lse[(size_t)w.row[r] * hq + h] = m[r] + logf(l[r]);
+    // m is in base 2: lse = (m + log2 l)·ln 2.
+    if (tig == 0) lse[(size_t)w.row[r] * hq + h] = (m[r] + log2f(l[r])) * ATT_LN2;
   }
 }
 
@@ -302,11 +325,12 @@ __device__ void varlen_attn_bwd_dq_tc(const bf16* q, const bf16* k, const bf16* 
   const int i_last = min(i0 + BQ, n) - 1;
   const int k_begin = cu[seg_of(cu, n_cu, i0)];
   const WarpRows w(cu, n_cu, i0 + warp * 16, gid, n);
+  const float scale2 = scale * ATT_LOG2E;
   float row_lse[2], row_delta[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const bool in = w.row[r] < n;
-    row_lse[r] = in ? lse[(size_t)w.row[r] * hq + h] : 0.f;
+    row_lse[r] = in ? lse[(size_t)w.row[r] * hq + h] * ATT_LOG2E : 0.f;  // base 2
     row_delta[r] = in ? delta[(size_t)w.row[r] * hq + h] : 0.f;
   }
   uint32_t qf[D / 16][4], gf[D / 16][4];
@@ -339,12 +363,15 @@ __device__ void varlen_attn_bwd_dq_tc(const bf16* q, const bf16* k, const bf16* 
         mma_bf16_16816(dp[nt], gf[kk], vb[0], vb[1]);
         mma_bf16_16816(dp[nt + 1], gf[kk], vb[2], vb[3]);
       }
+    // P = 2^(S·scale·log2 e − lse·log2 e), masked unless the tile is inside every row's range.
+    const bool full = w.covers(j0, BK);
 #pragma unroll
     for (int nt = 0; nt < BK / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1, j = j0 + nt * 8 + 2 * tig + (e & 1);
-        const float p = w.attends(r, j) ? expf(s[nt][e] * scale - row_lse[r]) : 0.f;
+        const float p =
+            full || w.attends(r, j) ? exp2f(fmaf(s[nt][e], scale2, -row_lse[r])) : 0.f;
         s[nt][e] = p * (dp[nt][e] - row_delta[r]);  // dS
       }
 #pragma unroll
@@ -394,6 +421,7 @@ __device__ void varlen_attn_bwd_dkv_tc(const bf16* q, const bf16* k, const bf16*
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gid = lane >> 2, tig = lane & 3;
   const int g = blockIdx.y, rep = hq / hkv;
+  const float scale2 = scale * ATT_LOG2E;
   const int j0 = blockIdx.x * BKV;
   if (j0 >= n) return;
   const int j_last = min(j0 + BKV, n) - 1;
@@ -420,7 +448,7 @@ __device__ void varlen_attn_bwd_dkv_tc(const bf16* q, const bf16* k, const bf16*
       load_tile_pair<D, BQ>(qs, gs, q, dout, i0, q_end, h, hq);
       for (int t = threadIdx.x; t < BQ; t += blockDim.x) {
         const int i = i0 + t;
-        lse_s[t] = i < q_end ? lse[(size_t)i * hq + h] : 0.f;
+        lse_s[t] = i < q_end ? lse[(size_t)i * hq + h] * ATT_LOG2E : 0.f;  // base 2
         delta_s[t] = i < q_end ? delta[(size_t)i * hq + h] : 0.f;
       }
       __syncthreads();
@@ -450,7 +478,7 @@ __device__ void varlen_attn_bwd_dkv_tc(const bf16* q, const bf16* k, const bf16*
           for (int e = 0; e < 4; ++e) {
             const int r = e >> 1, ii = sub + nt * 8 + 2 * tig + (e & 1), i = i0 + ii;
             const bool valid = i >= key[r] && i < key_e[r];
-            const float p = valid ? expf(st[nt][e] * scale - lse_s[ii]) : 0.f;
+            const float p = valid ? exp2f(fmaf(st[nt][e], scale2, -lse_s[ii])) : 0.f;
             st[nt][e] = p;
             dpt[nt][e] = p * (dpt[nt][e] - delta_s[ii]);  // dSᵀ
           }
