@@ -154,6 +154,20 @@ inline void emu_ldsm_x4(uint32_t (&r)[4], const __nv_bfloat16* p, bool trans) {
   }
   emu_warp->bar->arrive_and_wait();  // nobody overwrites an address before every lane read it
 }
+// cp.async (cuda_common.cuh's cp_async_16 / commit / wait): the copy is done at once (so a
+// kernel that overwrites a stage other threads still read shows as a race under TSan; one that
+// reads before waiting is not caught here); both addresses must be 16-byte aligned.
+inline void cp_async_16(void* dst, const void* src, int src_bytes) {
+  if ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % 16 != 0) {
+    std::fprintf(stderr, "cp.async: %p <- %p is not 16-byte aligned\n", dst, src);
+    std::abort();
+  }
+  if (src_bytes == 16) std::memcpy(dst, src, 16);
+  else if (src_bytes == 0) std::memset(dst, 0, 16);
+  else { std::fprintf(stderr, "cp.async: src_bytes %d (the kernels use 0 or 16)\n", src_bytes); std::abort(); }
+}
+inline void cp_async_commit() {}
+template <int N> void cp_async_wait() {}
 inline void ldsm_x4(uint32_t (&r)[4], const __nv_bfloat16* p) { emu_ldsm_x4(r, p, false); }
 inline void ldsm_x4_t(uint32_t (&r)[4], const __nv_bfloat16* p) { emu_ldsm_x4(r, p, true); }
 

@@ -94,8 +94,9 @@ void tc_forward(int d, const bf16* q, const bf16* k, const bf16* v, const int* c
                 int hq, int hkv, float sf) {
   auto f = d == 64 ? varlen_attn_fwd_tc_d64_bf16 : varlen_attn_fwd_tc_d128_bf16;
   const int rows = 64;
-  emu_launch(Dim3{(unsigned)((n + rows - 1) / rows), (unsigned)hq, 1}, Dim3{128, 1, 1}, 2 * 2 * 64 * (size_t)(d + 8),
-             [&] { f(q, k, v, cu, ncu, o, lse, n, hq, hkv, d, sf, rows); });
+  // Two stages of 64-key K/V tiles (opted in past 48 KiB at head_dim 128, as the launcher does).
+  emu_launch(Dim3{(unsigned)((n + rows - 1) / rows), (unsigned)hq, 1}, Dim3{128, 1, 1}, 2 * 2 * 2 * 64 * (size_t)(d + 8),
+             [&] { f(q, k, v, cu, ncu, o, lse, n, hq, hkv, d, sf, rows); }, 99 * 1024);
 }
 template <typename T>
 void tc_forward_of(int, const T*, const T*, const T*, const int*, int, T*, float*, int, int, int, float) {

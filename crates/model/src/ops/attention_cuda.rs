@@ -26,8 +26,8 @@ const WARPS: usize = 4;
 /// The largest dynamic shared memory a kernel may ask for without opting in.
 const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
 
-/// The largest any attention kernel asks for (the tensor-core ∂K/∂V at head_dim 128, opted in
-/// by [`launch`]): 99 KiB is the least an sm_80+ card allows a block.
+/// The largest any attention kernel asks for (the tensor-core forward and ∂K/∂V at head_dim
+/// 128, opted in by [`launch`]): 99 KiB is the least an sm_80+ card allows a block.
 const MAX_SHARED_BYTES: usize = 99 * 1024;
 
 /// The tiles of one head_dim class, as instantiated by `ATT_INSTANTIATE` in attention_kernels.cu (the
@@ -83,7 +83,7 @@ const TC_HEAD_DIMS: [usize; 2] = [64, 128];
 const TC_ROWS: usize = 16 * WARPS;
 
 /// The tensor-core kernels' tiles through shared memory (their `BK`/`BQ`): keys per tile of
-/// the forward and of ∂Q, queries per step of ∂K/∂V. Each tile row is `d + 8` bf16 (padded
+/// the forward (two tiles in flight) and of ∂Q, queries per step of ∂K/∂V. Each tile row is `d + 8` bf16 (padded
 /// against bank conflicts), and ∂K/∂V also holds its step's lse and delta (2 f32 per query).
 const TC_FWD_KEYS: usize = 64;
 const TC_DQ_KEYS: usize = 32;
@@ -249,7 +249,8 @@ pub(super) fn varlen_attention_fwd(
     let tc = tensor_cores(dtype, d);
     let (rows, name, smem_floats) = if tc {
         let name = format!("varlen_attn_fwd_tc_d{d}");
-        (TC_ROWS, name, tc_tile_pair_floats(TC_FWD_KEYS, d))
+        // Two stages of K/V tiles: the next tile's copy overlaps this one's products.
+        (TC_ROWS, name, 2 * tc_tile_pair_floats(TC_FWD_KEYS, d))
     } else {
         let rows = WARPS * tile.fwd_rpw;
         let floats = rows * d + d * (tile.fwd_bk + 1) + tile.fwd_bk * d;
@@ -274,8 +275,8 @@ pub(super) fn varlen_attention_fwd(
             .arg(&lse);
         scalars.push(&mut b, &rows_i);
         // SAFETY: the arguments match the kernel's signature; the shared memory is the
-        // kernel's layout for this tile class.
-        unsafe { b.launch(cfg) }.w()?;
+        // kernel's layout for this tile class (opted in past 48 KiB).
+        unsafe { launch(&f, &mut b, cfg) }?;
         T::wrap_cuda_slice(out, dev.clone())
     });
     let lse = Tensor::from_storage(

@@ -43,6 +43,21 @@ __device__ __forceinline__ void load_tile_pair(bf16* a_s, bf16* b_s, const bf16*
   }
 }
 
+// load_tile_pair's copy as cp.async, issued and not waited for (the caller commits and waits):
+// a and b must start 16-byte aligned; rows from r_end on are zero-filled.
+template <int D, int ROWS>
+__device__ __forceinline__ void issue_tile_pair(bf16* a_s, bf16* b_s, const bf16* a, const bf16* b,
+                                                int r0, int r_end, int head, int heads) {
+  constexpr int VR = D / 8;  // 16-byte vectors a row
+  for (int e = threadIdx.x; e < ROWS * VR; e += blockDim.x) {
+    const int rr = e / VR, c = (e % VR) * 8, r = r0 + rr;
+    const bool in = r < r_end;
+    const size_t o = in ? ((size_t)r * heads + head) * D + c : 0;
+    cp_async_16(a_s + rr * (D + 8) + c, a + o, in ? 16 : 0);
+    cp_async_16(b_s + rr * (D + 8) + c, b + o, in ? 16 : 0);
+  }
+}
+
 // B operands of S = x·Tᵀ from a row-major tile T [·][D + 8] in shared memory (K, or q/∂O in
 // ∂K/∂V): for the 16 rows t0 .. t0 + 15 of T (two n = 8 tiles) and dims k0 .. k0 + 15, b[0..1]
 // for rows t0.. and b[2..3] for rows t0 + 8.. (one ldmatrix.x4; the B(k = dim, n = row)
@@ -120,6 +135,119 @@ __device__ __forceinline__ void load_row_frags(uint32_t (&f)[D / 16][4], const b
   }
 }
 
+// One key tile of the forward for a warp: S = q·Kᵀ, the online softmax update of m, l and o,
+// then o += P·V (ks, vs: the tile's keys and values in shared memory).
+template <int D, int BK>
+__device__ __forceinline__ void attend_tile(const bf16* ks, const bf16* vs,
+                                            const uint32_t (&qf)[D / 16][4], float (&o)[D / 8][4],
+                                            float (&m)[2], float (&l)[2], const WarpRows& w,
+                                            int j0, float scale2, int lane, int tig) {
+  float s[BK / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; nt += 2) {
+      // B(k = dim, n = key) = K[key][dim]: keys nt·8 .. nt·8 + 15, dims kk·16 ...
+      uint32_t b[4];
+      ld_b_rows<D>(b, ks, nt * 8, kk * 16, lane);
+      mma_bf16_16816(s[nt], qf[kk], b[0], b[1]);
+      mma_bf16_16816(s[nt + 1], qf[kk], b[2], b[3]);
+    }
+  // Scores in base 2 (s·scale·log2 e), masked unless the tile lies inside every row's range.
+  float mx[2] = {-INFINITY, -INFINITY};
+  if (w.covers(j0, BK)) {
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] *= scale2;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+      }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, j = j0 + nt * 8 + 2 * tig + (e & 1);
+        s[nt][e] = w.attends(r, j) ? s[nt][e] * scale2 : -INFINITY;
+        mx[r] = fmaxf(mx[r], s[nt][e]);
+      }
+  }
+  float m_use[2], corr[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
+    const float m_new = fmaxf(m[r], mx[r]);
+    // A row with no valid key yet keeps p = 0 (exp(−∞ − 0)) instead of exp(−∞ + ∞).
+    m_use[r] = m_new == -INFINITY ? 0.f : m_new;
+    corr[r] = exp2f(m[r] - m_use[r]);  // 0 while m[r] is −∞
+    m[r] = m_new;
+  }
+  float rs[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[nt][e] = exp2f(s[nt][e] - m_use[e >> 1]);
+      rs[e >> 1] += s[nt][e];
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    rs[r] += __shfl_xor_sync(FULL_MASK, rs[r], 1);
+    rs[r] += __shfl_xor_sync(FULL_MASK, rs[r], 2);
+    l[r] = l[r] * corr[r] + rs[r];
+  }
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    o[dt][0] *= corr[0];
+    o[dt][1] *= corr[0];
+    o[dt][2] *= corr[1];
+    o[dt][3] *= corr[1];
+  }
+#pragma unroll
+  for (int kt = 0; kt < BK / 16; ++kt) {
+    // P's 16 keys kt·16.. as an A operand: score tiles 2·kt (keys + 2·tig) and 2·kt + 1 (+ 8).
+    const uint32_t pa[4] = {pack_bf16x2(s[2 * kt][0], s[2 * kt][1]),
+                            pack_bf16x2(s[2 * kt][2], s[2 * kt][3]),
+                            pack_bf16x2(s[2 * kt + 1][0], s[2 * kt + 1][1]),
+                            pack_bf16x2(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+#pragma unroll
+    for (int dt = 0; dt < D / 8; dt += 2) {
+      // B(k = key, n = dim) = V[key][dim]: keys kt·16 .., dims dt·8 .. dt·8 + 15.
+      uint32_t b[4];
+      ld_b_cols<D>(b, vs, kt * 16, dt * 8, lane);
+      mma_bf16_16816(o[dt], pa, b[0], b[1]);
+      mma_bf16_16816(o[dt + 1], pa, b[2], b[3]);
+    }
+  }
+}
+
+// The forward's result for a warp's rows: out = o / l, lse = (m + log2 l)·ln 2 (m in base 2).
+template <int D>
+__device__ __forceinline__ void write_rows(bf16* out, float* lse, const float (&o)[D / 8][4],
+                                           const float (&m)[2], const float (&l)[2],
+                                           const WarpRows& w, int h, int hq, int n, int tig) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (w.row[r] >= n) continue;
+    const size_t base = ((size_t)w.row[r] * hq + h) * D;
+    const float inv = 1.f / l[r];
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      const int c = dt * 8 + 2 * tig;
+      out[base + c] = __float2bfloat16(o[dt][2 * r] * inv);
+      out[base + c + 1] = __float2bfloat16(o[dt][2 * r + 1] * inv);
+    }
+    // m is in base 2: lse = (m + log2 l)·ln 2.
+    if (tig == 0) lse[(size_t)w.row[r] * hq + h] = (m[r] + log2f(l[r])) * ATT_LN2;
+  }
+}
+
 // ---- The forward on tensor cores (bf16, head_dim D = 64 or 128) ----
 // The same contract as varlen_attn_fwd (output and lse, same scale convention), with the two
 // products on mma.sync m16n8k16 (cuda_common.cuh), flash-attention-2 style: a warp owns 16
@@ -129,19 +257,20 @@ __device__ __forceinline__ void load_row_frags(uint32_t (&f)[D / 16][4], const b
 // flash attention does — is reused as the A operand of P·V without leaving registers (the
 // accumulator layout of two adjacent 8-key tiles is the A layout of one 16-key step). K and V
 // tiles go through shared memory as bf16, rows padded by 8 elements so that a fragment's 32
-// lanes read 32 distinct banks. l sums the f32 probabilities. Rows of other segments and keys
-// past a row are masked to −∞; a tile holding no key of any of the warp's rows is skipped.
+// lanes read 32 distinct banks, in two stages: the next tile's copy (cp.async, when K and V
+// start 16-byte aligned) runs while this one is computed. l sums the f32 probabilities. Rows
+// of other segments and keys past a row are masked to −∞; a tile holding no key of any of the
+// warp's rows is skipped.
 template <int D>
 __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, const int* cu,
                                    int n_cu, bf16* out, float* lse, int n, int hq, int hkv, int d,
                                    float scale, int block_rows) {
   constexpr int BQ = 16 * ATT_WARPS, BK = 64, KS = D + 8;
   if (block_rows != BQ || d != D || blockDim.x != 32 * ATT_WARPS ||
-      dynamic_smem_bytes() < 2u * 2 * BK * KS)
+      dynamic_smem_bytes() < 2u * 2 * 2 * BK * KS)
     __trap();
   extern __shared__ float smem[];
-  bf16* ks = reinterpret_cast<bf16*>(smem);  // [BK][KS]
-  bf16* vs = ks + BK * KS;                    // [BK][KS]
+  bf16* stages = reinterpret_cast<bf16*>(smem);  // 2 × ([BK][KS] keys, [BK][KS] values)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gid = lane >> 2, tig = lane & 3;
   const int h = blockIdx.y, g = h / (hq / hkv);
@@ -158,109 +287,36 @@ __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, 
   for (int dt = 0; dt < D / 8; ++dt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[dt][e] = 0.f;
-  for (int j0 = k_begin; j0 <= i_last; j0 += BK) {
-    __syncthreads();  // the previous tile is consumed
-    load_tile_pair<D, BK>(ks, vs, k, v, j0, i_last + 1, g, hkv);
-    __syncthreads();
-    if (w.skips(j0, BK, n)) continue;
-    float s[BK / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < BK / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-      for (int nt = 0; nt < BK / 8; nt += 2) {
-        // B(k = dim, n = key) = K[key][dim]: keys nt·8 .. nt·8 + 15, dims kk·16 ...
-        uint32_t b[4];
-        ld_b_rows<D>(b, ks, nt * 8, kk * 16, lane);
-        mma_bf16_16816(s[nt], qf[kk], b[0], b[1]);
-        mma_bf16_16816(s[nt + 1], qf[kk], b[2], b[3]);
-      }
-    // Scores in base 2 (s·scale·log2 e), masked unless the tile lies inside every row's range.
-    float mx[2] = {-INFINITY, -INFINITY};
-    if (w.covers(j0, BK)) {
-#pragma unroll
-      for (int nt = 0; nt < BK / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[nt][e] *= scale2;
-          mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-        }
+  // Tile t (keys k_begin + t·BK ..) lives in stage t % 2; tile t + 1 is fetched while tile t is
+  // computed. Misaligned K/V (a view at an odd offset) are copied synchronously instead.
+  const bool async = ((reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15) == 0;
+  const int tiles = (i_last - k_begin) / BK + 1;
+  auto fetch = [&](int t) {
+    bf16* kst = stages + (t & 1) * 2 * BK * KS;
+    if (async) {
+      issue_tile_pair<D, BK>(kst, kst + BK * KS, k, v, k_begin + t * BK, i_last + 1, g, hkv);
+      cp_async_commit();
     } else {
-#pragma unroll
-      for (int nt = 0; nt < BK / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1, j = j0 + nt * 8 + 2 * tig + (e & 1);
-          s[nt][e] = w.attends(r, j) ? s[nt][e] * scale2 : -INFINITY;
-          mx[r] = fmaxf(mx[r], s[nt][e]);
-        }
+      load_tile_pair<D, BK>(kst, kst + BK * KS, k, v, k_begin + t * BK, i_last + 1, g, hkv);
     }
-    float m_use[2], corr[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
-      const float m_new = fmaxf(m[r], mx[r]);
-      // A row with no valid key yet keeps p = 0 (exp(−∞ − 0)) instead of exp(−∞ + ∞).
-      m_use[r] = m_new == -INFINITY ? 0.f : m_new;
-      corr[r] = exp2f(m[r] - m_use[r]);  // 0 while m[r] is −∞
-      m[r] = m_new;
+  };
+  fetch(0);
+  for (int t = 0; t < tiles; ++t) {
+    const int j0 = k_begin + t * BK;
+    if (t + 1 < tiles) fetch(t + 1);  // into the stage every thread finished with (see below)
+    if (async) {
+      if (t + 1 < tiles)
+        cp_async_wait<1>();  // this thread's copies of tile t have landed
+      else
+        cp_async_wait<0>();
     }
-    float rs[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < BK / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[nt][e] = exp2f(s[nt][e] - m_use[e >> 1]);
-        rs[e >> 1] += s[nt][e];
-      }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      rs[r] += __shfl_xor_sync(FULL_MASK, rs[r], 1);
-      rs[r] += __shfl_xor_sync(FULL_MASK, rs[r], 2);
-      l[r] = l[r] * corr[r] + rs[r];
-    }
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      o[dt][0] *= corr[0];
-      o[dt][1] *= corr[0];
-      o[dt][2] *= corr[1];
-      o[dt][3] *= corr[1];
-    }
-#pragma unroll
-    for (int kt = 0; kt < BK / 16; ++kt) {
-      // P's 16 keys kt·16.. as an A operand: score tiles 2·kt (keys + 2·tig) and 2·kt + 1 (+ 8).
-      const uint32_t pa[4] = {pack_bf16x2(s[2 * kt][0], s[2 * kt][1]),
-                              pack_bf16x2(s[2 * kt][2], s[2 * kt][3]),
-                              pack_bf16x2(s[2 * kt + 1][0], s[2 * kt + 1][1]),
-                              pack_bf16x2(s[2 * kt + 1][2], s[2 * kt + 1][3])};
-#pragma unroll
-      for (int dt = 0; dt < D / 8; dt += 2) {
-        // B(k = key, n = dim) = V[key][dim]: keys kt·16 .., dims dt·8 .. dt·8 + 15.
-        uint32_t b[4];
-        ld_b_cols<D>(b, vs, kt * 16, dt * 8, lane);
-        mma_bf16_16816(o[dt], pa, b[0], b[1]);
-        mma_bf16_16816(o[dt + 1], pa, b[2], b[3]);
-      }
-    }
+    __syncthreads();  // … and every thread's
+    const bf16* ks = stages + (t & 1) * 2 * BK * KS;
+    const bf16* vs = ks + BK * KS;
+    if (!w.skips(j0, BK, n)) attend_tile<D, BK>(ks, vs, qf, o, m, l, w, j0, scale2, lane, tig);
+    __syncthreads();  // stage t % 2 is consumed before tile t + 2 is fetched into it
   }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (w.row[r] >= n) continue;
-    const size_t base = ((size_t)w.row[r] * hq + h) * D;
-    const float inv = 1.f / l[r];
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      const int c = dt * 8 + 2 * tig;
-      out[base + c] = __float2bfloat16(o[dt][2 * r] * inv);
-      out[base + c + 1] = __float2bfloat16(o[dt][2 * r + 1] * inv);
-    }
-    // m is in base 2: lse = (m + log2 l)·ln 2.
-    if (tig == 0) lse[(size_t)w.row[r] * hq + h] = (m[r] + log2f(l[r])) * ATT_LN2;
-  }
+  write_rows<D>(out, lse, o, m, l, w, h, hq, n, tig);
 }
 
 // ---- The backward on tensor cores (bf16, head_dim D = 64 or 128) ----
@@ -506,9 +562,12 @@ __device__ void varlen_attn_bwd_dkv_tc(const bf16* q, const bf16* k, const bf16*
 }
 
 // The tensor-core forward, bf16 only, for the head dims it is instantiated for (attention_cuda.rs
-// launches it for those, the scalar kernels otherwise).
+// launches it for those, the scalar kernels otherwise). The forward is bounded to 3 blocks an
+// SM at head_dim 128 (168 registers, ptxas spills 24 bytes; unbounded it took 173, two
+// blocks) and 4 at 64.
 #define ATT_INSTANTIATE_TC(D)                                                                    \
-  extern "C" __global__ void varlen_attn_fwd_tc_d##D##_bf16(                                     \
+  extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, D == 128 ? 3 : 4)                  \
+      varlen_attn_fwd_tc_d##D##_bf16(                                                            \
       const bf16* q, const bf16* k, const bf16* v, const int* cu, int n_cu, bf16* out,            \
       float* lse, int n, int hq, int hkv, int d, float scale, int block_rows) {                   \
     varlen_attn_fwd_tc<D>(q, k, v, cu, n_cu, out, lse, n, hq, hkv, d, scale, block_rows);         \

@@ -89,7 +89,28 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const bf16* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));
 }
+// cp.async (sm_80+): 16 bytes from global to shared memory without passing through
+// registers, completing in the background; `src_bytes` = 0 writes 16 zero bytes instead (src is
+// not read). Completion is tracked in commit groups: cp_async_wait<N>() returns once at most N
+// of this thread's groups are pending (a __syncthreads after it makes every thread's copies
+// visible to the block).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 #else
+__device__ void cp_async_16(void* dst, const void* src, int src_bytes);
+__device__ void cp_async_commit();
+template <int N> __device__ void cp_async_wait();
 __device__ uint32_t ld_bf16x2(const bf16* p);
 __device__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 __device__ void ldsm_x4(uint32_t (&r)[4], const bf16* p);
