@@ -120,7 +120,7 @@ void tc_backward_of<bf16>(int d, const bf16* q, const bf16* k, const bf16* v, co
   auto fq = d == 64 ? varlen_attn_bwd_dq_tc_d64_bf16 : varlen_attn_bwd_dq_tc_d128_bf16;
   auto fkv = d == 64 ? varlen_attn_bwd_dkv_tc_d64_bf16 : varlen_attn_bwd_dkv_tc_d128_bf16;
   const unsigned blocks = (unsigned)((n + 63) / 64);
-  emu_launch(Dim3{blocks, (unsigned)hq, 1}, Dim3{128, 1, 1}, 2 * 2 * 32 * (size_t)(d + 8),
+  emu_launch(Dim3{blocks, (unsigned)hq, 1}, Dim3{128, 1, 1}, 2 * 2 * 2 * 32 * (size_t)(d + 8),  // two stages
              [&] { fq(q, k, v, dO, lse, delta, cu, ncu, dq, n, hq, hkv, d, sf, 64); });
   // ∂K/∂V: 64 keys and a step of 64 queries (opted in past 48 KiB at head_dim 128, as the
   // launcher does; 99 KiB is the least any sm_80+ card allows).

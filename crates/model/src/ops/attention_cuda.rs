@@ -83,7 +83,7 @@ const TC_HEAD_DIMS: [usize; 2] = [64, 128];
 const TC_ROWS: usize = 16 * WARPS;
 
 /// The tensor-core kernels' tiles through shared memory (their `BK`/`BQ`): keys per tile of
-/// the forward (two tiles in flight) and of ∂Q, queries per step of ∂K/∂V. Each tile row is `d + 8` bf16 (padded
+/// the forward and of ∂Q (two tiles in flight in each), queries per step of ∂K/∂V. Each tile row is `d + 8` bf16 (padded
 /// against bank conflicts), and ∂K/∂V also holds its step's lse and delta (2 f32 per query).
 const TC_FWD_KEYS: usize = 64;
 const TC_DQ_KEYS: usize = 32;
@@ -360,7 +360,7 @@ pub(super) fn varlen_attention_bwd(
                     let dkv_tiles = tc_tile_pair_floats(TC_ROWS + TC_DKV_QUERIES, d);
                     (
                         TC_ROWS,
-                        tc_tile_pair_floats(TC_DQ_KEYS, d),
+                        2 * tc_tile_pair_floats(TC_DQ_KEYS, d), // two stages
                         TC_ROWS,
                         dkv_tiles + 2 * TC_DKV_QUERIES,
                         format!("tc_d{d}"),

@@ -58,6 +58,42 @@ __device__ __forceinline__ void issue_tile_pair(bf16* a_s, bf16* b_s, const bf16
   }
 }
 
+// The key tiles t = 0 .. tiles − 1 (keys k_begin + t·BK .., rows from r_end on zero) of K and V
+// head g through two shared-memory stages (`stages`: 2 × ([BK][D + 8] keys, [BK][D + 8] values)):
+// body(t, ks, vs) runs on tile t while tile t + 1 is copied by cp.async (K and V 16-byte
+// aligned; a synchronous element-wise copy otherwise). Called by every thread of the block.
+template <int D, int BK, class Body>
+__device__ __forceinline__ void pipelined_kv_tiles(bf16* stages, const bf16* k, const bf16* v,
+                                                   int k_begin, int r_end, int g, int hkv,
+                                                   int tiles, Body body) {
+  constexpr int TILE = BK * (D + 8);
+  const bool async = ((reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15) == 0;
+  auto fetch = [&](int t) {
+    bf16* kst = stages + (t & 1) * 2 * TILE;
+    if (async) {
+      issue_tile_pair<D, BK>(kst, kst + TILE, k, v, k_begin + t * BK, r_end, g, hkv);
+      cp_async_commit();
+    } else {
+      load_tile_pair<D, BK>(kst, kst + TILE, k, v, k_begin + t * BK, r_end, g, hkv);
+    }
+  };
+  fetch(0);
+  for (int t = 0; t < tiles; ++t) {
+    // Into the stage every thread finished with (the barrier closing the previous iteration).
+    if (t + 1 < tiles) fetch(t + 1);
+    if (async) {
+      if (t + 1 < tiles)
+        cp_async_wait<1>();  // this thread's copies of tile t have landed
+      else
+        cp_async_wait<0>();
+    }
+    __syncthreads();  // … and every thread's
+    const bf16* ks = stages + (t & 1) * 2 * TILE;
+    body(t, ks, ks + TILE);
+    __syncthreads();  // stage t % 2 is consumed before tile t + 2 is fetched into it
+  }
+}
+
 // B operands of S = x·Tᵀ from a row-major tile T [·][D + 8] in shared memory (K, or q/∂O in
 // ∂K/∂V): for the 16 rows t0 .. t0 + 15 of T (two n = 8 tiles) and dims k0 .. k0 + 15, b[0..1]
 // for rows t0.. and b[2..3] for rows t0 + 8.. (one ldmatrix.x4; the B(k = dim, n = row)
@@ -287,35 +323,13 @@ __device__ void varlen_attn_fwd_tc(const bf16* q, const bf16* k, const bf16* v, 
   for (int dt = 0; dt < D / 8; ++dt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[dt][e] = 0.f;
-  // Tile t (keys k_begin + t·BK ..) lives in stage t % 2; tile t + 1 is fetched while tile t is
-  // computed. Misaligned K/V (a view at an odd offset) are copied synchronously instead.
-  const bool async = ((reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15) == 0;
   const int tiles = (i_last - k_begin) / BK + 1;
-  auto fetch = [&](int t) {
-    bf16* kst = stages + (t & 1) * 2 * BK * KS;
-    if (async) {
-      issue_tile_pair<D, BK>(kst, kst + BK * KS, k, v, k_begin + t * BK, i_last + 1, g, hkv);
-      cp_async_commit();
-    } else {
-      load_tile_pair<D, BK>(kst, kst + BK * KS, k, v, k_begin + t * BK, i_last + 1, g, hkv);
-    }
-  };
-  fetch(0);
-  for (int t = 0; t < tiles; ++t) {
-    const int j0 = k_begin + t * BK;
-    if (t + 1 < tiles) fetch(t + 1);  // into the stage every thread finished with (see below)
-    if (async) {
-      if (t + 1 < tiles)
-        cp_async_wait<1>();  // this thread's copies of tile t have landed
-      else
-        cp_async_wait<0>();
-    }
-    __syncthreads();  // … and every thread's
-    const bf16* ks = stages + (t & 1) * 2 * BK * KS;
-    const bf16* vs = ks + BK * KS;
-    if (!w.skips(j0, BK, n)) attend_tile<D, BK>(ks, vs, qf, o, m, l, w, j0, scale2, lane, tig);
-    __syncthreads();  // stage t % 2 is consumed before tile t + 2 is fetched into it
-  }
+  pipelined_kv_tiles<D, BK>(stages, k, v, k_begin, i_last + 1, g, hkv, tiles,
+                            [&](int t, const bf16* ks, const bf16* vs) {
+                              const int j0 = k_begin + t * BK;
+                              if (!w.skips(j0, BK, n))
+                                attend_tile<D, BK>(ks, vs, qf, o, m, l, w, j0, scale2, lane, tig);
+                            });
   write_rows<D>(out, lse, o, m, l, w, h, hq, n, tig);
 }
 
@@ -368,11 +382,10 @@ __device__ void varlen_attn_bwd_dq_tc(const bf16* q, const bf16* k, const bf16* 
                                       int d, float scale, int block_rows) {
   constexpr int BQ = 16 * ATT_WARPS, BK = 32, KS = D + 8;
   if (block_rows != BQ || d != D || blockDim.x != 32 * ATT_WARPS ||
-      dynamic_smem_bytes() < 2u * 2 * BK * KS)
+      dynamic_smem_bytes() < 2u * 2 * 2 * BK * KS)
     __trap();
   extern __shared__ float smem[];
-  bf16* ks = reinterpret_cast<bf16*>(smem);  // [BK][KS]
-  bf16* vs = ks + BK * KS;                    // [BK][KS]
+  bf16* stages = reinterpret_cast<bf16*>(smem);  // 2 × ([BK][KS] keys, [BK][KS] values)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gid = lane >> 2, tig = lane & 3;
   const int h = blockIdx.y, g = h / (hq / hkv);
@@ -397,11 +410,11 @@ __device__ void varlen_attn_bwd_dq_tc(const bf16* q, const bf16* k, const bf16* 
   for (int dt = 0; dt < D / 8; ++dt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[dt][e] = 0.f;
-  for (int j0 = k_begin; j0 <= i_last; j0 += BK) {
-    __syncthreads();  // the previous tile is consumed
-    load_tile_pair<D, BK>(ks, vs, k, v, j0, i_last + 1, g, hkv);
-    __syncthreads();
-    if (w.skips(j0, BK, n)) continue;
+  const int tiles = (i_last - k_begin) / BK + 1;
+  pipelined_kv_tiles<D, BK>(stages, k, v, k_begin, i_last + 1, g, hkv, tiles,
+                            [&](int t, const bf16* ks, const bf16* vs) {
+    const int j0 = k_begin + t * BK;
+    if (w.skips(j0, BK, n)) return;
     float s[BK / 8][4], dp[BK / 8][4];
 #pragma unroll
     for (int nt = 0; nt < BK / 8; ++nt)
@@ -436,7 +449,7 @@ __device__ void varlen_attn_bwd_dq_tc(const bf16* q, const bf16* k, const bf16* 
       acc_to_a(a, s[2 * kt], s[2 * kt + 1]);
       mma_rows<D>(acc, a, ks, kt * 16, lane);
     }
-  }
+  });
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (w.row[r] >= n) continue;
