@@ -77,6 +77,7 @@ int main(int argc, char** argv) {
   bad += run<float>(3, 3001, 1, 0.7, false, 3);
   bad += run<float>(4, 100, 0, 1.3, false, 4);  // fewer logits than threads, no ids
   bad += run<bf16>(2, 2048, 9, 1.0, true, 5);   // a dominant logit, a repeated id
+  bad += run<bf16>(3, 1003, 2, 1.0, false, 8);  // rows past a 16-byte boundary, a vector's tail
   if (!quick) {
     bad += run<float>(2, 151936, 5, 1.0, false, 6);
     bad += run<bf16>(2, 151936, 5, 0.8, false, 7);

@@ -13,31 +13,6 @@
 // Largest head_dim: a warp holds one key row in DK_MAX_D / 32 registers per lane.
 #define DK_MAX_D 256
 
-// 16 bytes of a key or value row as f32: 4 floats or 8 bf16 (widened exactly).
-template <typename T> struct Vec16;
-template <> struct Vec16<float> {
-  static constexpr int N = 4;
-  __device__ static void load(const float* p, float (&x)[4]) {
-    const float4 v = *reinterpret_cast<const float4*>(p);
-    x[0] = v.x;
-    x[1] = v.y;
-    x[2] = v.z;
-    x[3] = v.w;
-  }
-};
-template <> struct Vec16<bf16> {
-  static constexpr int N = 8;
-  __device__ static void load(const bf16* p, float (&x)[8]) {
-    const uint4 v = *reinterpret_cast<const uint4*>(p);
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      x[2 * i] = __uint_as_float(w[i] << 16);  // the lower address is the low half
-      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  }
-};
-
 // The vectorised value pass of paged_decode (see there): thread t reads columns cv·VEC.. (cv =
 // t mod L) of the keys of key group t / L (256 / L groups, keys strided by that), summing the
 // probability-weighted values of up to DK_HEADS_PER_PASS query heads in registers; the groups
