@@ -210,14 +210,43 @@ __device__ void qkv_bias_rope(const T* qkv, const T* bias, int has_bias, const T
 }
 
 // ---- SwiGLU: y = silu(g)·u; backward writes [∂g | ∂u] into one buffer of 2n ----
+// Both walk the elements 16 bytes a thread when every buffer they touch starts 16-byte aligned
+// (the elements past the last whole vector, and misaligned views, one by one).
+
+// Whether all of `ptrs` start 16-byte aligned.
+template <int K>
+__device__ __forceinline__ bool aligned16(const void* const (&ptrs)[K]) {
+  uintptr_t bits = 0;
+#pragma unroll
+  for (int i = 0; i < K; i++) bits |= reinterpret_cast<uintptr_t>(ptrs[i]);
+  return (bits & 15) == 0;
+}
+
+__device__ __forceinline__ float swiglu_of(float g, float u) {
+  const float s = 1.f / (1.f + expf(-g));
+  return g * s * u;
+}
+
 template <typename T>
 __device__ void swiglu_fwd(const T* g, const T* u, T* y, size_t n) {
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x) {
-    const float gv = to_f(g[i]);
-    const float s = 1.f / (1.f + expf(-gv));
-    y[i] = from_f<T>(gv * s * to_f(u[i]));
+  constexpr int VEC = Vec16<T>::N;
+  const size_t stride = (size_t)gridDim.x * blockDim.x;
+  const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  size_t scalar_from = 0;
+  if (aligned16<3>({g, u, y})) {
+    const size_t vecs = n / VEC;
+    for (size_t i = first; i < vecs; i += stride) {
+      float gv[VEC], uv[VEC];
+      Vec16<T>::load(g + i * VEC, gv);
+      Vec16<T>::load(u + i * VEC, uv);
+#pragma unroll
+      for (int e = 0; e < VEC; e++) gv[e] = swiglu_of(gv[e], uv[e]);
+      Vec16<T>::store(y + i * VEC, gv);
+    }
+    scalar_from = vecs * VEC;
   }
+  for (size_t i = scalar_from + first; i < n; i += stride)
+    y[i] = from_f<T>(swiglu_of(to_f(g[i]), to_f(u[i])));
 }
 
 // The decode's SwiGLU from packed rows [gate | up] of 2·inter (one product with the stacked
@@ -233,14 +262,38 @@ __device__ void swiglu_packed_fwd(const T* gu, T* y, size_t n, size_t inter) {
   }
 }
 
+// (∂g, ∂u) of one element.
+__device__ __forceinline__ void swiglu_grads(float g, float u, float d, float& dg, float& du) {
+  const float s = 1.f / (1.f + expf(-g));
+  dg = d * u * s * (1.f + g * (1.f - s));
+  du = d * g * s;
+}
+
 template <typename T>
 __device__ void swiglu_bwd(const T* g, const T* u, const T* dy, T* out, size_t n) {
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x) {
-    const float gv = to_f(g[i]), uv = to_f(u[i]), d = to_f(dy[i]);
-    const float s = 1.f / (1.f + expf(-gv));
-    out[i] = from_f<T>(d * uv * s * (1.f + gv * (1.f - s)));
-    out[n + i] = from_f<T>(d * gv * s);
+  constexpr int VEC = Vec16<T>::N;
+  const size_t stride = (size_t)gridDim.x * blockDim.x;
+  const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  size_t scalar_from = 0;
+  if (aligned16<5>({g, u, dy, out, out + n})) {
+    const size_t vecs = n / VEC;
+    for (size_t i = first; i < vecs; i += stride) {
+      float gv[VEC], uv[VEC], dv[VEC], dg[VEC], du[VEC];
+      Vec16<T>::load(g + i * VEC, gv);
+      Vec16<T>::load(u + i * VEC, uv);
+      Vec16<T>::load(dy + i * VEC, dv);
+#pragma unroll
+      for (int e = 0; e < VEC; e++) swiglu_grads(gv[e], uv[e], dv[e], dg[e], du[e]);
+      Vec16<T>::store(out + i * VEC, dg);
+      Vec16<T>::store(out + n + i * VEC, du);
+    }
+    scalar_from = vecs * VEC;
+  }
+  for (size_t i = scalar_from + first; i < n; i += stride) {
+    float dg, du;
+    swiglu_grads(to_f(g[i]), to_f(u[i]), to_f(dy[i]), dg, du);
+    out[i] = from_f<T>(dg);
+    out[n + i] = from_f<T>(du);
   }
 }
 
