@@ -210,33 +210,33 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
     for (int jj = warp; jj < n; jj += nwarps) {
       const T* kr = k + ((size_t)slot_s[jj] * hkv + g) * d;
       float kreg[DK_MAX_D / 32];
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < DK_MAX_D / 32; i++) {
         const int e = lane + 32 * i;
         kreg[i] = e < d ? to_f(kr[e]) : 0.f;
       }
       for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
         float s[DK_HEADS_PER_PASS];
-  #pragma unroll
+#pragma unroll
         for (int h = 0; h < DK_HEADS_PER_PASS; h++) {
           s[h] = 0.f;
           if (r0 + h < n_rep) {
             const float* qr = q_s + (r0 + h) * d;
-  #pragma unroll
+#pragma unroll
             for (int i = 0; i < DK_MAX_D / 32; i++) {
               const int e = lane + 32 * i;
               if (e < d) s[h] += qr[e] * kreg[i];
             }
           }
         }
-  #pragma unroll
+#pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
-  #pragma unroll
+#pragma unroll
           for (int h = 0; h < DK_HEADS_PER_PASS; h++)
             s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
         }
         if (lane == 0) {
-  #pragma unroll
+#pragma unroll
           for (int h = 0; h < DK_HEADS_PER_PASS; h++)
             if (r0 + h < n_rep) sc[(r0 + h) * chunk + jj] = s[h] * scale;
         }
@@ -278,28 +278,28 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
     const bool active = grp < groups;
     for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
       float acc[DK_HEADS_PER_PASS];
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < DK_HEADS_PER_PASS; i++) acc[i] = 0.f;
       if (active) {
         // Unrolled by two: two keys' value loads in flight per thread (more spills registers).
-  #pragma unroll 2
+#pragma unroll 2
         for (int jj = grp; jj < n; jj += groups) {
           const float x = to_f(v[((size_t)slot_s[jj] * hkv + g) * d + col]);
-  #pragma unroll
+#pragma unroll
           for (int i = 0; i < DK_HEADS_PER_PASS; i++)
             if (r0 + i < n_rep) acc[i] += sc[(r0 + i) * chunk + jj] * x;
         }
       }
       if (groups > 1) {
         if (active && grp > 0) {
-  #pragma unroll
+#pragma unroll
           for (int i = 0; i < DK_HEADS_PER_PASS; i++)
             red[((grp - 1) * DK_HEADS_PER_PASS + i) * d + col] = acc[i];
         }
         __syncthreads();
         if (grp == 0) {
           for (int p = 1; p < groups; p++) {
-  #pragma unroll
+#pragma unroll
             for (int i = 0; i < DK_HEADS_PER_PASS; i++)
               acc[i] += red[((p - 1) * DK_HEADS_PER_PASS + i) * d + col];
           }
@@ -307,7 +307,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
         __syncthreads();  // `red` is reused by the next pass
       }
       if (grp == 0) {
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < DK_HEADS_PER_PASS; i++) {
           const int r = r0 + i;
           if (r >= n_rep) break;
