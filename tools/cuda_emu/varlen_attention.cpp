@@ -122,9 +122,9 @@ void tc_backward_of<bf16>(int d, const bf16* q, const bf16* k, const bf16* v, co
   const unsigned blocks = (unsigned)((n + 63) / 64);
   emu_launch(Dim3{blocks, (unsigned)hq, 1}, Dim3{128, 1, 1}, 2 * 2 * 2 * 32 * (size_t)(d + 8),  // two stages
              [&] { fq(q, k, v, dO, lse, delta, cu, ncu, dq, n, hq, hkv, d, sf, 64); });
-  // ∂K/∂V: 64 keys and a step of 64 queries (opted in past 48 KiB at head_dim 128, as the
-  // launcher does; 99 KiB is the least any sm_80+ card allows).
-  emu_launch(Dim3{blocks, (unsigned)hkv, 1}, Dim3{128, 1, 1}, 2 * 2 * (64 + 64) * (size_t)(d + 8) + 2 * 4 * 64,
+  // ∂K/∂V: 64 keys and two stages of 48 queries with their lse and delta (opted in past 48 KiB
+  // at head_dim 128, as the launcher does; 99 KiB is the least any sm_80+ card allows).
+  emu_launch(Dim3{blocks, (unsigned)hkv, 1}, Dim3{128, 1, 1}, 2 * 2 * 64 * (size_t)(d + 8) + 2 * (2 * 2 * 48 * (size_t)(d + 8) + 2 * 4 * 48),
              [&] { fkv(q, k, v, dO, lse, delta, cu, ncu, dk, dv, n, hq, hkv, d, sf, 64); }, 99 * 1024);
 }
 

@@ -83,11 +83,11 @@ const TC_HEAD_DIMS: [usize; 2] = [64, 128];
 const TC_ROWS: usize = 16 * WARPS;
 
 /// The tensor-core kernels' tiles through shared memory (their `BK`/`BQ`): keys per tile of
-/// the forward and of ∂Q (two tiles in flight in each), queries per step of ∂K/∂V. Each tile row is `d + 8` bf16 (padded
+/// the forward and of ∂Q, queries per step of ∂K/∂V (two in flight in each). Each tile row is `d + 8` bf16 (padded
 /// against bank conflicts), and ∂K/∂V also holds its step's lse and delta (2 f32 per query).
 const TC_FWD_KEYS: usize = 64;
 const TC_DQ_KEYS: usize = 32;
-const TC_DKV_QUERIES: usize = 64;
+const TC_DKV_QUERIES: usize = 48;
 
 /// f32 units of shared memory for `rows` tile rows of two bf16 tensors (K and V, or q and ∂O).
 fn tc_tile_pair_floats(rows: usize, d: usize) -> usize {
@@ -355,14 +355,15 @@ pub(super) fn varlen_attention_bwd(
                 let (mut dq, mut dkv) = buf.split_at_mut(nq);
                 let (mut dk, mut dv) = dkv.split_at_mut(nkv);
                 // ∂q: query tiles of every query head; ∂k, ∂v: key tiles of every key/value
-                // head (on tensor cores, the block's keys and a step's queries in shared memory).
+                // head (on tensor cores, the block's keys and two stages of a step's queries
+                // with their lse and delta in shared memory).
                 let (dq_rows, dq_floats, dkv_rows, dkv_floats, suffix) = if tc {
-                    let dkv_tiles = tc_tile_pair_floats(TC_ROWS + TC_DKV_QUERIES, d);
+                    let dkv_stage = tc_tile_pair_floats(TC_DKV_QUERIES, d) + 2 * TC_DKV_QUERIES;
                     (
                         TC_ROWS,
                         2 * tc_tile_pair_floats(TC_DQ_KEYS, d), // two stages
                         TC_ROWS,
-                        dkv_tiles + 2 * TC_DKV_QUERIES,
+                        tc_tile_pair_floats(TC_ROWS, d) + 2 * dkv_stage,
                         format!("tc_d{d}"),
                     )
                 } else {

@@ -58,40 +58,66 @@ __device__ __forceinline__ void issue_tile_pair(bf16* a_s, bf16* b_s, const bf16
   }
 }
 
+// Runs body(t, stage) for steps t = 0 .. steps − 1 with step t's data in shared-memory stage
+// t % 2, copied one step ahead by fetch(t, stage): with `async`, fetch issues cp.async copies
+// and commits them (every thread commits, copies or not), and step t is waited for before its
+// body; otherwise fetch copies synchronously. A barrier before each body makes the step's data
+// visible to the block, one after it frees the stage for step t + 2. Called by every thread.
+template <class Fetch, class Body>
+__device__ __forceinline__ void two_stage(int steps, bool async, Fetch fetch, Body body) {
+  fetch(0, 0);
+  for (int t = 0; t < steps; ++t) {
+    if (t + 1 < steps) fetch(t + 1, (t + 1) & 1);  // into the stage every thread finished with
+    if (async) {
+      if (t + 1 < steps)
+        cp_async_wait<1>();  // this thread's copies of step t have landed
+      else
+        cp_async_wait<0>();
+    }
+    __syncthreads();  // … and every thread's
+    body(t, t & 1);
+    __syncthreads();  // stage t % 2 is consumed before step t + 2 is fetched into it
+  }
+}
+
+// Whether two tensors start 16-byte aligned (their tiles can then be copied by cp.async).
+__device__ __forceinline__ bool aligned_pair(const bf16* a, const bf16* b) {
+  return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0;
+}
+
+// A tile pair (rows r0.. of head `head`) into a_s, b_s: by cp.async, committed, when `async`
+// (a and b 16-byte aligned), else synchronously (load_tile_pair).
+template <int D, int ROWS>
+__device__ __forceinline__ void fetch_tile_pair(bool async, bf16* a_s, bf16* b_s, const bf16* a,
+                                                const bf16* b, int r0, int r_end, int head,
+                                                int heads) {
+  if (async) {
+    issue_tile_pair<D, ROWS>(a_s, b_s, a, b, r0, r_end, head, heads);
+    cp_async_commit();
+  } else {
+    load_tile_pair<D, ROWS>(a_s, b_s, a, b, r0, r_end, head, heads);
+  }
+}
+
 // The key tiles t = 0 .. tiles − 1 (keys k_begin + t·BK .., rows from r_end on zero) of K and V
 // head g through two shared-memory stages (`stages`: 2 × ([BK][D + 8] keys, [BK][D + 8] values)):
-// body(t, ks, vs) runs on tile t while tile t + 1 is copied by cp.async (K and V 16-byte
-// aligned; a synchronous element-wise copy otherwise). Called by every thread of the block.
+// body(t, ks, vs) runs on tile t while tile t + 1 is copied (two_stage).
 template <int D, int BK, class Body>
 __device__ __forceinline__ void pipelined_kv_tiles(bf16* stages, const bf16* k, const bf16* v,
                                                    int k_begin, int r_end, int g, int hkv,
                                                    int tiles, Body body) {
   constexpr int TILE = BK * (D + 8);
-  const bool async = ((reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15) == 0;
-  auto fetch = [&](int t) {
-    bf16* kst = stages + (t & 1) * 2 * TILE;
-    if (async) {
-      issue_tile_pair<D, BK>(kst, kst + TILE, k, v, k_begin + t * BK, r_end, g, hkv);
-      cp_async_commit();
-    } else {
-      load_tile_pair<D, BK>(kst, kst + TILE, k, v, k_begin + t * BK, r_end, g, hkv);
-    }
-  };
-  fetch(0);
-  for (int t = 0; t < tiles; ++t) {
-    // Into the stage every thread finished with (the barrier closing the previous iteration).
-    if (t + 1 < tiles) fetch(t + 1);
-    if (async) {
-      if (t + 1 < tiles)
-        cp_async_wait<1>();  // this thread's copies of tile t have landed
-      else
-        cp_async_wait<0>();
-    }
-    __syncthreads();  // … and every thread's
-    const bf16* ks = stages + (t & 1) * 2 * TILE;
-    body(t, ks, ks + TILE);
-    __syncthreads();  // stage t % 2 is consumed before tile t + 2 is fetched into it
-  }
+  const bool async = aligned_pair(k, v);
+  two_stage(
+      tiles, async,
+      [&](int t, int stage) {
+        bf16* kst = stages + stage * 2 * TILE;
+        fetch_tile_pair<D, BK>(async, kst, kst + TILE, k, v, k_begin + t * BK, r_end, g, hkv);
+      },
+      [&](int t, int stage) {
+        const bf16* ks = stages + stage * 2 * TILE;
+        body(t, ks, ks + TILE);
+      });
 }
 
 // B operands of S = x·Tᵀ from a row-major tile T [·][D + 8] in shared memory (K, or q/∂O in
@@ -464,29 +490,29 @@ __device__ void varlen_attn_bwd_dq_tc(const bf16* q, const bf16* k, const bf16* 
 }
 
 // ∂K, ∂V: block = 64 key rows (16 per warp) of key/value head blockIdx.y, in shared memory
-// with a step of 64 queries (q, ∂O, their lse and delta), for every query head of the group in
-// turn, queries from the block's first key to the end of its last key's segment. A warp walks
-// the step's queries 16 at a time, skipping those none of its keys meets: Sᵀ = K·qᵀ and
-// dPᵀ = V·∂Oᵀ (16 keys × 16 queries), Pᵀ = exp(Sᵀ·scale − lse), dSᵀ = Pᵀ ∘ (dPᵀ − delta);
-// ∂V += Pᵀ·∂O and ∂K += dSᵀ·q, ∂K·scale at the end. (The step is 64 queries so that the block
-// syncs and loads once per 64; at head_dim 128 that is 70 KB of shared memory, which the
-// launcher opts in to.)
+// with steps of 48 queries (q, ∂O, their lse and delta; two stages, the next step's copied by
+// cp.async while this one is computed), for every query head of the group in turn, queries
+// from the block's first key to the end of its last key's segment. A warp walks the step's
+// queries 16 at a time, skipping those none of its keys meets: Sᵀ = K·qᵀ and dPᵀ = V·∂Oᵀ
+// (16 keys × 16 queries), Pᵀ = exp(Sᵀ·scale − lse), dSᵀ = Pᵀ ∘ (dPᵀ − delta); ∂V += Pᵀ·∂O and
+// ∂K += dSᵀ·q, ∂K·scale at the end. (At head_dim 128 that is 87 KB of shared memory, which the
+// launcher opts in to; 48 queries a step keep it under the 99 KiB every sm_80+ card allows.)
 template <int D>
 __device__ void varlen_attn_bwd_dkv_tc(const bf16* q, const bf16* k, const bf16* v,
                                        const bf16* dout, const float* lse, const float* delta,
                                        const int* cu, int n_cu, bf16* dk, bf16* dv, int n, int hq,
                                        int hkv, int d, float scale, int block_rows) {
-  constexpr int BKV = 16 * ATT_WARPS, BQ = 64, KS = D + 8;
+  constexpr int BKV = 16 * ATT_WARPS, BQ = 48, KS = D + 8;
+  // A stage: q and ∂O tiles [BQ][KS] each, then lse and delta [BQ] (f32).
+  constexpr int STAGE = 2 * BQ * KS * 2 + 2 * BQ * 4;  // bytes (a multiple of 16)
+  static_assert(STAGE % 16 == 0, "cp.async needs 16-byte aligned stages");
   if (block_rows != BKV || d != D || blockDim.x != 32 * ATT_WARPS ||
-      dynamic_smem_bytes() < 2u * 2 * (BKV + BQ) * KS + 2 * 4 * BQ)
+      dynamic_smem_bytes() < 2u * 2 * BKV * KS + 2 * STAGE)
     __trap();
   extern __shared__ float smem[];
   bf16* kts = reinterpret_cast<bf16*>(smem);  // [BKV][KS]
   bf16* vts = kts + BKV * KS;                  // [BKV][KS]
-  bf16* qs = vts + BKV * KS;                   // [BQ][KS]
-  bf16* gs = qs + BQ * KS;                     // [BQ][KS]
-  float* lse_s = reinterpret_cast<float*>(gs + BQ * KS);  // [BQ]
-  float* delta_s = lse_s + BQ;                             // [BQ]
+  char* stages = reinterpret_cast<char*>(vts + BKV * KS);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gid = lane >> 2, tig = lane & 3;
   const int g = blockIdx.y, rep = hq / hkv;
@@ -495,7 +521,7 @@ __device__ void varlen_attn_bwd_dkv_tc(const bf16* q, const bf16* k, const bf16*
   if (j0 >= n) return;
   const int j_last = min(j0 + BKV, n) - 1;
   const int q_end = cu[seg_of(cu, n_cu, j_last) + 1];  // queries j0 .. q_end − 1
-  load_tile_pair<D, BKV>(kts, vts, k, v, j0, n, g, hkv);
+  load_tile_pair<D, BKV>(kts, vts, k, v, j0, n, g, hkv);  // visible after two_stage's barrier
   // This lane's two keys (rows gid, gid + 8 of the warp's 16) and their segments' ends: query
   // i attends key j iff j <= i < end(j). A key past n gets end −1 (no query).
   const int wk0 = j0 + warp * 16, wk_last = min(wk0 + 15, n - 1);
@@ -511,54 +537,72 @@ __device__ void varlen_attn_bwd_dkv_tc(const bf16* q, const bf16* k, const bf16*
   for (int dt = 0; dt < D / 8; ++dt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_k[dt][e] = acc_v[dt][e] = 0.f;
-  for (int h = g * rep; h < (g + 1) * rep; ++h) {
-    for (int i0 = j0; i0 < q_end; i0 += BQ) {
-      __syncthreads();  // the previous step's tiles are consumed (and K, V are written)
-      load_tile_pair<D, BQ>(qs, gs, q, dout, i0, q_end, h, hq);
-      for (int t = threadIdx.x; t < BQ; t += blockDim.x) {
-        const int i = i0 + t;
-        lse_s[t] = i < q_end ? lse[(size_t)i * hq + h] * ATT_LOG2E : 0.f;  // base 2
-        delta_s[t] = i < q_end ? delta[(size_t)i * hq + h] : 0.f;
-      }
-      __syncthreads();
-      for (int sub = 0; sub < BQ; sub += 16) {
-        const int i1 = i0 + sub;  // this sub-step's queries i1 .. i1 + 15
-        if (wk0 >= n || i1 >= q_end || i1 + 16 <= wk0 || i1 >= w_qend) continue;  // warp-uniform
-        float st[2][4], dpt[2][4];
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          uint32_t ka[4], va[4], qb[4], gb[4];
-          ld_a_frag(ka, kts, KS, warp * 16, kk * 16, lane);
-          ld_a_frag(va, vts, KS, warp * 16, kk * 16, lane);
-          ld_b_rows<D>(qb, qs, sub, kk * 16, lane);
-          ld_b_rows<D>(gb, gs, sub, kk * 16, lane);
-          mma_bf16_16816(st[0], ka, qb[0], qb[1]);
-          mma_bf16_16816(st[1], ka, qb[2], qb[3]);
-          mma_bf16_16816(dpt[0], va, gb[0], gb[1]);
-          mma_bf16_16816(dpt[1], va, gb[2], gb[3]);
+  // Steps: for each query head h of the group, the queries j0 .. q_end − 1 in tiles of BQ.
+  const int per_head = (q_end - j0 + BQ - 1) / BQ;
+  const bool async = aligned_pair(q, dout);
+  auto stage_of = [&](int stage, bf16*& qs, bf16*& gs, float*& lse_s, float*& delta_s) {
+    char* base = stages + stage * STAGE;
+    qs = reinterpret_cast<bf16*>(base);
+    gs = qs + BQ * KS;
+    lse_s = reinterpret_cast<float*>(gs + BQ * KS);
+    delta_s = lse_s + BQ;
+  };
+  two_stage(
+      rep * per_head, async,
+      [&](int t, int stage) {
+        const int h = g * rep + t / per_head, i0 = j0 + (t % per_head) * BQ;
+        bf16 *qs, *gs;
+        float *lse_s, *delta_s;
+        stage_of(stage, qs, gs, lse_s, delta_s);
+        fetch_tile_pair<D, BQ>(async, qs, gs, q, dout, i0, q_end, h, hq);
+        for (int x = threadIdx.x; x < BQ; x += blockDim.x) {
+          const int i = i0 + x;
+          lse_s[x] = i < q_end ? lse[(size_t)i * hq + h] * ATT_LOG2E : 0.f;  // base 2
+          delta_s[x] = i < q_end ? delta[(size_t)i * hq + h] : 0.f;
         }
+      },
+      [&](int t, int stage) {
+        const int i0 = j0 + (t % per_head) * BQ;
+        bf16 *qs, *gs;
+        float *lse_s, *delta_s;
+        stage_of(stage, qs, gs, lse_s, delta_s);
+        for (int sub = 0; sub < BQ; sub += 16) {
+          const int i1 = i0 + sub;  // this sub-step's queries i1 .. i1 + 15
+          if (wk0 >= n || i1 >= q_end || i1 + 16 <= wk0 || i1 >= w_qend) continue;  // warp-uniform
+          float st[2][4], dpt[2][4];
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+          for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = e >> 1, ii = sub + nt * 8 + 2 * tig + (e & 1), i = i0 + ii;
-            const bool valid = i >= key[r] && i < key_e[r];
-            const float p = valid ? exp2f(fmaf(st[nt][e], scale2, -lse_s[ii])) : 0.f;
-            st[nt][e] = p;
-            dpt[nt][e] = p * (dpt[nt][e] - delta_s[ii]);  // dSᵀ
+            for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.f;
+#pragma unroll
+          for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t ka[4], va[4], qb[4], gb[4];
+            ld_a_frag(ka, kts, KS, warp * 16, kk * 16, lane);
+            ld_a_frag(va, vts, KS, warp * 16, kk * 16, lane);
+            ld_b_rows<D>(qb, qs, sub, kk * 16, lane);
+            ld_b_rows<D>(gb, gs, sub, kk * 16, lane);
+            mma_bf16_16816(st[0], ka, qb[0], qb[1]);
+            mma_bf16_16816(st[1], ka, qb[2], qb[3]);
+            mma_bf16_16816(dpt[0], va, gb[0], gb[1]);
+            mma_bf16_16816(dpt[1], va, gb[2], gb[3]);
           }
-        uint32_t pa[4], da[4];
-        acc_to_a(pa, st[0], st[1]);
-        acc_to_a(da, dpt[0], dpt[1]);
-        mma_rows<D>(acc_v, pa, gs, sub, lane);
-        mma_rows<D>(acc_k, da, qs, sub, lane);
-      }
-    }
-  }
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int r = e >> 1, ii = sub + nt * 8 + 2 * tig + (e & 1), i = i0 + ii;
+              const bool valid = i >= key[r] && i < key_e[r];
+              const float p = valid ? exp2f(fmaf(st[nt][e], scale2, -lse_s[ii])) : 0.f;
+              st[nt][e] = p;
+              dpt[nt][e] = p * (dpt[nt][e] - delta_s[ii]);  // dSᵀ
+            }
+          uint32_t pa[4], da[4];
+          acc_to_a(pa, st[0], st[1]);
+          acc_to_a(da, dpt[0], dpt[1]);
+          mma_rows<D>(acc_v, pa, gs, sub, lane);
+          mma_rows<D>(acc_k, da, qs, sub, lane);
+        }
+      });
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (key[r] >= n) continue;
