@@ -83,8 +83,9 @@ const TC_HEAD_DIMS: [usize; 2] = [64, 128];
 const TC_ROWS: usize = 16 * WARPS;
 
 /// The tensor-core kernels' tiles through shared memory (their `BK`/`BQ`): keys per tile of
-/// the forward and of ∂Q, queries per step of ∂K/∂V (two in flight in each). Each tile row is `d + 8` bf16 (padded
-/// against bank conflicts), and ∂K/∂V also holds its step's lse and delta (2 f32 per query).
+/// the forward and of ∂Q, queries per step of ∂K/∂V (two in flight in each). Each tile row is
+/// `d + 8` bf16 (padded against bank conflicts), and ∂K/∂V's steps also hold their lse and
+/// delta (2 f32 per query).
 const TC_FWD_KEYS: usize = 64;
 const TC_DQ_KEYS: usize = 32;
 const TC_DKV_QUERIES: usize = 48;
