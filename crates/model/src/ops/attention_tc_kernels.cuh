@@ -14,7 +14,7 @@ template <int D, int ROWS>
 __device__ __forceinline__ void load_tile_pair(bf16* a_s, bf16* b_s, const bf16* a, const bf16* b,
                                                int r0, int r_end, int head, int heads) {
   static_assert(D % 8 == 0, "rows are copied 8 bf16 at a time");
-  if (((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0) {
+  if (aligned16<2>({a, b})) {
     constexpr int VR = D / 8;  // 16-byte vectors a row
     for (int e = threadIdx.x; e < ROWS * VR; e += blockDim.x) {
       const int rr = e / VR, c = (e % VR) * 8, r = r0 + rr;
@@ -80,11 +80,6 @@ __device__ __forceinline__ void two_stage(int steps, bool async, Fetch fetch, Bo
   }
 }
 
-// Whether two tensors start 16-byte aligned (their tiles can then be copied by cp.async).
-__device__ __forceinline__ bool aligned_pair(const bf16* a, const bf16* b) {
-  return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0;
-}
-
 // A tile pair (rows r0.. of head `head`) into a_s, b_s: by cp.async, committed, when `async`
 // (a and b 16-byte aligned), else synchronously (load_tile_pair).
 template <int D, int ROWS>
@@ -107,7 +102,7 @@ __device__ __forceinline__ void pipelined_kv_tiles(bf16* stages, const bf16* k, 
                                                    int k_begin, int r_end, int g, int hkv,
                                                    int tiles, Body body) {
   constexpr int TILE = BK * (D + 8);
-  const bool async = aligned_pair(k, v);
+  const bool async = aligned16<2>({k, v});
   two_stage(
       tiles, async,
       [&](int t, int stage) {
@@ -539,7 +534,7 @@ __device__ void varlen_attn_bwd_dkv_tc(const bf16* q, const bf16* k, const bf16*
     for (int e = 0; e < 4; ++e) acc_k[dt][e] = acc_v[dt][e] = 0.f;
   // Steps: for each query head h of the group, the queries j0 .. q_end − 1 in tiles of BQ.
   const int per_head = (q_end - j0 + BQ - 1) / BQ;
-  const bool async = aligned_pair(q, dout);
+  const bool async = aligned16<2>({q, dout});
   auto stage_of = [&](int stage, bf16*& qs, bf16*& gs, float*& lse_s, float*& delta_s) {
     char* base = stages + stage * STAGE;
     qs = reinterpret_cast<bf16*>(base);

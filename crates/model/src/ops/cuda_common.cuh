@@ -54,6 +54,15 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return pack_bf16x2(__float2bfloat16(lo), __float2bfloat16(hi));
 }
 
+// Whether all of `ptrs` start 16-byte aligned (a 16-byte vector load or cp.async may read them).
+template <int K>
+__device__ __forceinline__ bool aligned16(const void* const (&ptrs)[K]) {
+  uintptr_t bits = 0;
+#pragma unroll
+  for (int i = 0; i < K; i++) bits |= reinterpret_cast<uintptr_t>(ptrs[i]);
+  return (bits & 15) == 0;
+}
+
 // 16 bytes of T as f32 and back: 4 floats or 8 bf16 (widened exactly, narrowed to nearest
 // even). The address must be 16-byte aligned.
 template <typename T> struct Vec16;

@@ -13,6 +13,41 @@
 // Largest head_dim: a warp holds one key row in DK_MAX_D / 32 registers per lane.
 #define DK_MAX_D 256
 
+// One key's scores against every query head of the group (q_s [n_rep, d]), in passes of
+// DK_HEADS_PER_PASS heads: this lane holds the key's values x[i] at columns col0 + i·col_step
+// (those below d count), the `width` lanes sharing the key (a power of two, aligned) sum their
+// partial dot products by shuffles, and the lane with `writes` stores score·scale into
+// sc[head·chunk + jj]. Every lane of the warp calls it.
+template <int N>
+__device__ __forceinline__ void score_key(const float* q_s, const float (&x)[N], int col0,
+                                          int col_step, int d, int n_rep, int width, bool writes,
+                                          float* sc, int chunk, int jj, float scale) {
+  for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
+    float s[DK_HEADS_PER_PASS];
+#pragma unroll
+    for (int h = 0; h < DK_HEADS_PER_PASS; h++) {
+      s[h] = 0.f;
+      if (r0 + h < n_rep) {
+        const float* qr = q_s + (r0 + h) * d;
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+          const int e = col0 + i * col_step;
+          if (e < d) s[h] += qr[e] * x[i];
+        }
+      }
+    }
+    for (int o = width / 2; o > 0; o >>= 1) {
+#pragma unroll
+      for (int h = 0; h < DK_HEADS_PER_PASS; h++) s[h] += __shfl_xor_sync(FULL_MASK, s[h], o);
+    }
+    if (writes) {
+#pragma unroll
+      for (int h = 0; h < DK_HEADS_PER_PASS; h++)
+        if (r0 + h < n_rep) sc[(r0 + h) * chunk + jj] = s[h] * scale;
+    }
+  }
+}
+
 // The vectorised value pass of paged_decode (see there): thread t reads columns cv·VEC.. (cv =
 // t mod L) of the keys of key group t / L (256 / L groups, keys strided by that), summing the
 // probability-weighted values of up to DK_HEADS_PER_PASS query heads in registers; the groups
@@ -164,7 +199,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
   constexpr int VEC = Vec16<T>::N;
   const int vec_lanes = d % VEC == 0 ? d / VEC : 0;  // L
   const bool vec = vec_lanes > 0 && vec_lanes <= 32 && (vec_lanes & (vec_lanes - 1)) == 0 &&
-                   ((reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15) == 0 &&
+                   aligned16<2>({k, v}) &&
                    red_words >= (nwarps - 1) * d;
   if (vec) {
     // Scores: lane `cv` of each L-lane group reads columns cv·VEC.. of the group's key; the
@@ -180,28 +215,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
 #pragma unroll
         for (int e = 0; e < VEC; e++) kx[e] = 0.f;
       }
-      for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
-        float s[DK_HEADS_PER_PASS];
-#pragma unroll
-        for (int h = 0; h < DK_HEADS_PER_PASS; h++) {
-          s[h] = 0.f;
-          if (r0 + h < n_rep) {
-            const float* qr = q_s + (r0 + h) * d + cv * VEC;
-#pragma unroll
-            for (int e = 0; e < VEC; e++) s[h] += qr[e] * kx[e];
-          }
-        }
-        for (int o = L / 2; o > 0; o >>= 1) {
-#pragma unroll
-          for (int h = 0; h < DK_HEADS_PER_PASS; h++)
-            s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
-        }
-        if (cv == 0 && jj < n) {
-#pragma unroll
-          for (int h = 0; h < DK_HEADS_PER_PASS; h++)
-            if (r0 + h < n_rep) sc[(r0 + h) * chunk + jj] = s[h] * scale;
-        }
-      }
+      score_key(q_s, kx, cv * VEC, 1, d, n_rep, L, cv == 0 && jj < n, sc, chunk, jj, scale);
     }
   } else {
     // Scores: a warp per key, the key row read once (DK_MAX_D / 32 values per lane) for every
@@ -215,32 +229,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
         const int e = lane + 32 * i;
         kreg[i] = e < d ? to_f(kr[e]) : 0.f;
       }
-      for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
-        float s[DK_HEADS_PER_PASS];
-#pragma unroll
-        for (int h = 0; h < DK_HEADS_PER_PASS; h++) {
-          s[h] = 0.f;
-          if (r0 + h < n_rep) {
-            const float* qr = q_s + (r0 + h) * d;
-#pragma unroll
-            for (int i = 0; i < DK_MAX_D / 32; i++) {
-              const int e = lane + 32 * i;
-              if (e < d) s[h] += qr[e] * kreg[i];
-            }
-          }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-          for (int h = 0; h < DK_HEADS_PER_PASS; h++)
-            s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
-        }
-        if (lane == 0) {
-#pragma unroll
-          for (int h = 0; h < DK_HEADS_PER_PASS; h++)
-            if (r0 + h < n_rep) sc[(r0 + h) * chunk + jj] = s[h] * scale;
-        }
-      }
+      score_key(q_s, kreg, lane, 32, d, n_rep, 32, lane == 0, sc, chunk, jj, scale);
     }
   }
   __syncthreads();
@@ -270,56 +259,54 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
                   n_rep, g, hkv, hq, d, row, split, splits, vec_lanes);
     return;
   }
-  {
-    // Weighted values: `groups` groups of d threads, each thread one column, group p taking
-    // keys p, p + groups, …; the groups' sums are added through shared memory.
-    const int groups = blockDim.x / d;
-    const int col = tid % d, grp = tid / d;
-    const bool active = grp < groups;
-    for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
-      float acc[DK_HEADS_PER_PASS];
+  // Weighted values: `groups` groups of d threads, each thread one column, group p taking
+  // keys p, p + groups, …; the groups' sums are added through shared memory.
+  const int groups = blockDim.x / d;
+  const int col = tid % d, grp = tid / d;
+  const bool active = grp < groups;
+  for (int r0 = 0; r0 < n_rep; r0 += DK_HEADS_PER_PASS) {
+    float acc[DK_HEADS_PER_PASS];
 #pragma unroll
-      for (int i = 0; i < DK_HEADS_PER_PASS; i++) acc[i] = 0.f;
-      if (active) {
-        // Unrolled by two: two keys' value loads in flight per thread (more spills registers).
+    for (int i = 0; i < DK_HEADS_PER_PASS; i++) acc[i] = 0.f;
+    if (active) {
+      // Unrolled by two: two keys' value loads in flight per thread (more spills registers).
 #pragma unroll 2
-        for (int jj = grp; jj < n; jj += groups) {
-          const float x = to_f(v[((size_t)slot_s[jj] * hkv + g) * d + col]);
+      for (int jj = grp; jj < n; jj += groups) {
+        const float x = to_f(v[((size_t)slot_s[jj] * hkv + g) * d + col]);
 #pragma unroll
-          for (int i = 0; i < DK_HEADS_PER_PASS; i++)
-            if (r0 + i < n_rep) acc[i] += sc[(r0 + i) * chunk + jj] * x;
-        }
+        for (int i = 0; i < DK_HEADS_PER_PASS; i++)
+          if (r0 + i < n_rep) acc[i] += sc[(r0 + i) * chunk + jj] * x;
       }
-      if (groups > 1) {
-        if (active && grp > 0) {
+    }
+    if (groups > 1) {
+      if (active && grp > 0) {
 #pragma unroll
-          for (int i = 0; i < DK_HEADS_PER_PASS; i++)
-            red[((grp - 1) * DK_HEADS_PER_PASS + i) * d + col] = acc[i];
-        }
-        __syncthreads();
-        if (grp == 0) {
-          for (int p = 1; p < groups; p++) {
-#pragma unroll
-            for (int i = 0; i < DK_HEADS_PER_PASS; i++)
-              acc[i] += red[((p - 1) * DK_HEADS_PER_PASS + i) * d + col];
-          }
-        }
-        __syncthreads();  // `red` is reused by the next pass
+        for (int i = 0; i < DK_HEADS_PER_PASS; i++)
+          red[((grp - 1) * DK_HEADS_PER_PASS + i) * d + col] = acc[i];
       }
+      __syncthreads();
       if (grp == 0) {
+        for (int p = 1; p < groups; p++) {
 #pragma unroll
-        for (int i = 0; i < DK_HEADS_PER_PASS; i++) {
-          const int r = r0 + i;
-          if (r >= n_rep) break;
-          const size_t h = (size_t)row * hq + (size_t)g * n_rep + r;
-          if (splits == 1) {
-            out[h * d + col] = from_f<T>(acc[i] / l_s[r]);
-          } else {
-            part_o[(h * splits + split) * d + col] = acc[i];
-            if (col == 0) {
-              part_m[h * splits + split] = m_s[r];
-              part_l[h * splits + split] = l_s[r];
-            }
+          for (int i = 0; i < DK_HEADS_PER_PASS; i++)
+            acc[i] += red[((p - 1) * DK_HEADS_PER_PASS + i) * d + col];
+        }
+      }
+      __syncthreads();  // `red` is reused by the next pass
+    }
+    if (grp == 0) {
+#pragma unroll
+      for (int i = 0; i < DK_HEADS_PER_PASS; i++) {
+        const int r = r0 + i;
+        if (r >= n_rep) break;
+        const size_t h = (size_t)row * hq + (size_t)g * n_rep + r;
+        if (splits == 1) {
+          out[h * d + col] = from_f<T>(acc[i] / l_s[r]);
+        } else {
+          part_o[(h * splits + split) * d + col] = acc[i];
+          if (col == 0) {
+            part_m[h * splits + split] = m_s[r];
+            part_l[h * splits + split] = l_s[r];
           }
         }
       }

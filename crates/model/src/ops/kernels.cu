@@ -213,15 +213,6 @@ __device__ void qkv_bias_rope(const T* qkv, const T* bias, int has_bias, const T
 // Both walk the elements 16 bytes a thread when every buffer they touch starts 16-byte aligned
 // (the elements past the last whole vector, and misaligned views, one by one).
 
-// Whether all of `ptrs` start 16-byte aligned.
-template <int K>
-__device__ __forceinline__ bool aligned16(const void* const (&ptrs)[K]) {
-  uintptr_t bits = 0;
-#pragma unroll
-  for (int i = 0; i < K; i++) bits |= reinterpret_cast<uintptr_t>(ptrs[i]);
-  return (bits & 15) == 0;
-}
-
 __device__ __forceinline__ float swiglu_of(float g, float u) {
   const float s = 1.f / (1.f + expf(-g));
   return g * s * u;
@@ -406,7 +397,7 @@ __device__ void head_row_stats(const T* z, float* stats, int rows, int v, float 
   const T* zr = z + (size_t)row * v;
   SoftStats a = {-INFINITY, 0.f, 0.f};
   int scalar_from = 0;
-  if ((reinterpret_cast<uintptr_t>(zr) & 15) == 0) {
+  if (aligned16<1>({zr})) {
     const int vecs = v / VEC;
     for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
       float x[VEC];
@@ -430,8 +421,9 @@ __device__ void head_row_stats(const T* z, float* stats, int rows, int v, float 
 }
 
 // dz = (Σₖ Gₖ(δ_{idₖ} − p) − E·p·(log p + H))·inv_t in T, grad[row] = (G₀..G_{w−1}, E); ids are
-// in range (checked by the caller). Vectorised as head_row_stats. The δ terms are added to the f32 value before rounding:
-// thread 0 writes each distinct id of the row once, after the block wrote the rest.
+// in range (checked by the caller). Vectorised as head_row_stats. The δ terms are added to
+// the f32 value before rounding: thread 0 writes each distinct id of the row once, after the
+// block wrote the rest.
 template <typename T>
 __device__ void head_logits_grad(const T* z, const float* stats, const uint32_t* ids,
                                  const float* grad, T* dz, int rows, int v, int w, float inv_t) {
@@ -451,7 +443,7 @@ __device__ void head_logits_grad(const T* z, const float* stats, const uint32_t*
   };
   constexpr int VEC = Vec16<T>::N;
   int scalar_from = 0;
-  if (((reinterpret_cast<uintptr_t>(zr) | reinterpret_cast<uintptr_t>(out)) & 15) == 0) {
+  if (aligned16<2>({zr, out})) {
     const int vecs = v / VEC;
     for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
       float x[VEC];
@@ -462,7 +454,8 @@ __device__ void head_logits_grad(const T* z, const float* stats, const uint32_t*
     }
     scalar_from = vecs * VEC;
   }
-  for (int j = scalar_from + threadIdx.x; j < v; j += blockDim.x) out[j] = from_f<T>(dz_of(to_f(zr[j])));
+  for (int j = scalar_from + threadIdx.x; j < v; j += blockDim.x)
+    out[j] = from_f<T>(dz_of(to_f(zr[j])));
   __syncthreads();
   if (threadIdx.x == 0) {
     for (int k = 0; k < w; ++k) {
