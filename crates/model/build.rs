@@ -1,4 +1,5 @@
-//! With `--features cuda`: compiles the training ops' CUDA kernels (src/ops/kernels.cu), the
+//! With `--features cuda`: compiles the training ops' CUDA kernels (src/ops/kernels.cu, with
+//! the embedding backward in embedding_kernels.cuh), the
 //! var-len flash attention (src/ops/attention_kernels.cu, with its tensor-core kernels in
 //! attention_tc_kernels.cuh) and the rollout engine's decode
 //! kernels (src/ops/decode_kernels.cu), all sharing src/ops/cuda_common.cuh, to PTX, one module
@@ -14,6 +15,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ops/kernels.cu");
     println!("cargo:rerun-if-changed=src/ops/attention_kernels.cu");
     println!("cargo:rerun-if-changed=src/ops/attention_tc_kernels.cuh");
+    println!("cargo:rerun-if-changed=src/ops/embedding_kernels.cuh");
     println!("cargo:rerun-if-changed=src/ops/decode_kernels.cu");
     println!("cargo:rerun-if-changed=src/ops/cuda_common.cuh");
     println!("cargo:rerun-if-env-changed=NVCC");

@@ -63,6 +63,8 @@ struct EmuWarp {
 inline thread_local EmuWarp* emu_warp;
 inline std::barrier<>* emu_block_bar;
 inline void __syncthreads() { emu_block_bar->arrive_and_wait(); }
+// __syncwarp: a barrier over the warp's lanes (their shared-memory writes are then visible).
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp->bar->arrive_and_wait(); }
 
 // Every lane of the warp publishes `v`, then reads lane `src`'s (a lane outside a partial
 // warp reads a stale slot: undefined on a GPU too).

@@ -374,12 +374,8 @@ impl Transformer {
             path,
             train: differentiable,
         };
-        let ids = input_ids.flatten_all()?;
-        let x =
-            self.model
-                .embed_tokens
-                .index_select(&ids, 0)?
-                .reshape((b, t, self.cfg.hidden_size))?;
+        let x = crate::ops::embedding(&self.model.embed_tokens, input_ids, differentiable)?
+            .reshape((b, t, self.cfg.hidden_size))?;
         let x = self.decoder_stack(x, &ctx, cache.as_deref_mut())?;
         if let Some(c) = cache {
             c.len = past + t;
@@ -425,12 +421,8 @@ impl Transformer {
             path,
             train: true,
         };
-        let ids = Tensor::new(batch.ids.as_slice(), &self.device)?;
-        let x =
-            self.model
-                .embed_tokens
-                .index_select(&ids, 0)?
-                .reshape((1, n, self.cfg.hidden_size))?;
+        let x = crate::ops::embedding_of_ids(&self.model.embed_tokens, &batch.ids, true)?
+            .reshape((1, n, self.cfg.hidden_size))?;
         let x = self.decoder_stack(x, &ctx, None)?;
         Ok(self.model.norm.forward(&x, path)?.squeeze(0)?)
     }

@@ -37,6 +37,90 @@ fn rms_norm_matches_the_composition() {
 }
 
 #[test]
+fn embedding_gradient_is_the_index_select_gradient() {
+    // 100 tokens over 13 rows: id 4 at 70 of them (pieces of the grouped backward, merged),
+    // rows 0 and 12 at none (their gradient stays zero).
+    let ids: Vec<u32> = (0..100u32)
+        .map(|i| if i % 10 < 7 { 4 } else { 1 + (i * 7) % 11 })
+        .collect();
+    let w = randn(&[13, 37], 3, 1.0);
+    let device = common::test_device();
+    let ids_on = Tensor::new(ids.as_slice(), &device).unwrap();
+    let ids_cpu = Tensor::new(ids.as_slice(), &Device::Cpu).unwrap();
+    compare(
+        "embedding",
+        std::slice::from_ref(&w),
+        &|t| ops::embedding(&t[0], &ids_on, true).unwrap(),
+        &|t| t[0].index_select(&ids_cpu, 0).unwrap(),
+        1e-12,
+        1e-5,
+    );
+    compare(
+        "embedding_of_ids",
+        std::slice::from_ref(&w),
+        &|t| ops::embedding_of_ids(&t[0], &ids, true).unwrap(),
+        &|t| t[0].index_select(&ids_cpu, 0).unwrap(),
+        1e-12,
+        1e-5,
+    );
+    // No atomics: the same gradient bits every run (on CUDA too).
+    for (dtype, _) in kernel_cases(0.0, 0.0) {
+        let grads = || {
+            let v =
+                Var::from_tensor(&w.to_dtype(dtype).unwrap().to_device(&device).unwrap()).unwrap();
+            let out = ops::embedding(v.as_tensor(), &ids_on, true).unwrap();
+            let r = randn(out.dims(), 5, 1.0).to_dtype(dtype).unwrap();
+            let r = r.to_device(&device).unwrap();
+            let g = (out * r).unwrap().sum_all().unwrap().backward().unwrap();
+            let g = g.get(v.as_tensor()).unwrap().to_dtype(DType::F64).unwrap();
+            g.flatten_all().unwrap().to_vec1::<f64>().unwrap()
+        };
+        let first = grads();
+        assert!(first.iter().any(|&x| x != 0.0));
+        assert_eq!(
+            first,
+            grads(),
+            "{dtype:?}: the embedding gradient changed between runs"
+        );
+    }
+    // An id outside the vocabulary is named before any work.
+    let bad = Tensor::new(&[3u32, 13], &device).unwrap();
+    let w32 = w.to_dtype(DType::F32).unwrap().to_device(&device).unwrap();
+    let v = Var::from_tensor(&w32).unwrap();
+    let e = format!(
+        "{:#}",
+        ops::embedding(v.as_tensor(), &bad, true).unwrap_err()
+    );
+    assert!(e.contains("token id 13 at position 1"), "{e}");
+}
+
+#[test]
+fn rms_norm_gradients_are_the_same_bits_every_run() {
+    // Enough rows for several blocks of the CUDA backward's per-block sums of ∂w.
+    let x = randn(&[3000, 64], 11, 2.0);
+    let w = (randn(&[64], 12, 0.5) + 1.0).unwrap();
+    let device = common::test_device();
+    for (dtype, _) in kernel_cases(0.0, 0.0) {
+        let grads = || {
+            let (_, g) = run_on(&device, &[x.clone(), w.clone()], dtype, &|t| {
+                ops::rms_norm(&t[0], &t[1], 1e-6).unwrap()
+            });
+            g.iter()
+                .map(|t| {
+                    let t = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+                    t.to_vec1::<f64>().unwrap()
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            grads(),
+            grads(),
+            "{dtype:?}: rms_norm's gradients changed between runs"
+        );
+    }
+}
+
+#[test]
 fn add_rms_norm_equals_the_add_and_the_norm_and_refuses_a_backward() {
     // The decode's fused residual add + RMSNorm: both results against the f64 composition.
     let x = randn(&[4, 1, 37], 7, 2.0);

@@ -181,7 +181,13 @@ pub(crate) fn add_rms_norm_fwd(
     launch_norm_rows("add_rms_norm_fwd", &[x, delta, w], 2 * rows, rows, d, eps)
 }
 
-/// RMSNorm backward: `(∂x, ∂w)`, ∂w summed over rows in f32 and cast to x's dtype.
+/// The most columns the CUDA RMSNorm backward takes: one warp's f32 column sums fill 48 KiB
+/// of shared memory (Qwen's widest hidden size is 8,192).
+pub(crate) const RMS_NORM_BWD_MAX_D: usize = 12 * 1024;
+
+/// RMSNorm backward: `(∂x, ∂w)` in one pass over `x` and `∂y` (`rms_norm_bwd`: a warp a row,
+/// ∂w's column sums per warp in shared memory, per block in `partial`), then ∂w summed over the
+/// blocks in block order (`rms_norm_bwd_dw_sum`): deterministic, no atomics.
 pub(crate) fn rms_norm_bwd(
     x: &Tensor,
     w: &Tensor,
@@ -191,44 +197,77 @@ pub(crate) fn rms_norm_bwd(
     let dtype = x.dtype();
     let d = w.elem_count();
     let rows = x.elem_count() / d.max(1);
-    let (rows_i, d_i, eps_f) = (rows as i32, d as i32, eps as f32);
-    let dx = on_tensors(&[x, w, dy], x.shape().clone(), "rms_norm backward", |a| {
-        launch_norm_rows("rms_norm_bwd_dx", a, rows, rows, d, eps)
-    })?;
-    // ∂w: blocks stride over rows, sum columns in shared memory, add atomically into f32.
-    let dw = on_tensors(&[x, dy], Shape::from(d), "rms_norm backward", |a| {
-        let dev = a[0].0.device().clone();
-        let acc = dev.alloc_zeros::<f32>(d.max(1))?;
-        typed!(dtype, "rms_norm backward", |T| {
-            let xv = view::<T>(a[0].0, a[0].1, "rms_norm")?;
-            let gv = view::<T>(a[1].0, a[1].1, "rms_norm")?;
-            let f =
-                dev.get_or_load_custom_func(&kernel_name("rms_norm_bwd_dw", dtype)?, MODULE, PTX)?;
-            let mut b = f.builder();
-            b.arg(&xv)
-                .arg(&gv)
-                .arg(&acc)
-                .arg(&rows_i)
-                .arg(&d_i)
-                .arg(&eps_f);
-            let cfg = LaunchConfig {
-                grid_dim: (rows.clamp(1, 264) as u32, 1, 1),
-                block_dim: (row_threads(d), 1, 1),
-                shared_mem_bytes: (d * 4) as u32,
-            };
-            // SAFETY: the arguments match the kernel's signature; d floats of shared memory.
-            unsafe { b.launch(cfg) }.w()?;
-            let out = alloc::<T>(&dev, d)?;
-            let f =
-                dev.get_or_load_custom_func(&kernel_name("cast_from_f32", dtype)?, MODULE, PTX)?;
-            let mut b = f.builder();
-            b.arg(&acc).arg(&out).arg(&d_i);
-            // SAFETY: the arguments match the kernel's signature.
-            unsafe { b.launch(elementwise_config(d)) }.w()?;
-            Ok(T::wrap_cuda_slice(out, dev))
-        })
-    })?;
-    Ok((dx, dw))
+    if d == 0 || d > RMS_NORM_BWD_MAX_D {
+        candle_core::bail!(
+            "rms_norm backward: {d} columns (the CUDA kernel takes 1..={RMS_NORM_BWD_MAX_D})"
+        )
+    }
+    let warps = (RMS_NORM_BWD_MAX_D / d).clamp(1, 8);
+    // About 4,096 elements a warp, at most 1,024 blocks of partial sums; the grid depends on
+    // the shape only, so ∂w's summation order is the same on every card.
+    let blocks = (rows * d)
+        .div_ceil(4096 * warps)
+        .clamp(1, 1024)
+        .min(rows.div_ceil(warps).max(1));
+    let (rows_i, d_i, blocks_i, eps_f) = (rows as i32, d as i32, blocks as i32, eps as f32);
+    let both = on_tensors(
+        &[x, w, dy],
+        Shape::from((rows + 1) * d),
+        "rms_norm backward",
+        |a| {
+            let dev = a[0].0.device().clone();
+            typed!(dtype, "rms_norm backward", |T| {
+                let xv = view::<T>(a[0].0, a[0].1, "rms_norm")?;
+                let wv = view::<T>(a[1].0, a[1].1, "rms_norm")?;
+                let gv = view::<T>(a[2].0, a[2].1, "rms_norm")?;
+                // ∂x in the first rows·d elements, ∂w in the last d.
+                let mut out = alloc::<T>(&dev, (rows + 1) * d)?;
+                let partial = alloc::<f32>(&dev, blocks * d)?;
+                {
+                    let mut dx = out.slice_mut(0..rows * d);
+                    let f = dev.get_or_load_custom_func(
+                        &kernel_name("rms_norm_bwd", dtype)?,
+                        MODULE,
+                        PTX,
+                    )?;
+                    let mut b = f.builder();
+                    b.arg(&xv).arg(&wv).arg(&gv).arg(&mut dx).arg(&partial);
+                    b.arg(&rows_i).arg(&d_i).arg(&eps_f);
+                    let cfg = LaunchConfig {
+                        grid_dim: (blocks as u32, 1, 1),
+                        block_dim: (32 * warps as u32, 1, 1),
+                        shared_mem_bytes: (warps * d * 4) as u32,
+                    };
+                    // SAFETY: (x, w, dy, dx, partial, rows, d, eps) as the kernel takes them; a
+                    // warp's d floats of shared memory each; `partial` holds blocks·d floats.
+                    unsafe { b.launch(cfg) }.w()?;
+                }
+                {
+                    let mut dw = out.slice_mut(rows * d..(rows + 1) * d);
+                    let f = dev.get_or_load_custom_func(
+                        &kernel_name("rms_norm_bwd_dw_sum", dtype)?,
+                        MODULE,
+                        PTX,
+                    )?;
+                    let mut b = f.builder();
+                    b.arg(&partial).arg(&mut dw).arg(&blocks_i).arg(&d_i);
+                    let cfg = LaunchConfig {
+                        grid_dim: (d.div_ceil(32) as u32, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    // SAFETY: (partial, dw, blocks, d) as the kernel takes them.
+                    unsafe { b.launch(cfg) }.w()?;
+                }
+                Ok(T::wrap_cuda_slice(out, dev))
+            })
+        },
+    )?;
+    let n = rows * d;
+    Ok((
+        both.narrow(0, 0, n)?.reshape(x.shape())?,
+        both.narrow(0, n, d)?.reshape(w.shape())?,
+    ))
 }
 
 /// RoPE of `x` (`[n, h, d]`, or `[B, T, H, D]` ↔ `[B, H, T, D]` as `layout` says) with

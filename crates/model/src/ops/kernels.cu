@@ -1,6 +1,6 @@
 // CUDA kernels of the training ops (crates/model/src/ops): RMSNorm, RoPE, SwiGLU and the
-// masked softmax of attention, forward and backward, and the LM head's softmax algebra, for f32
-// and bf16 tensors. Every kernel
+// masked softmax of attention, forward and backward, the LM head's softmax algebra, and the
+// token embedding's backward (embedding_kernels.cuh), for f32 and bf16 tensors. Every kernel
 // reads and writes the tensor's dtype and computes in f32. Their CPU twins are the `cpu_fwd`
 // of the same candle custom ops (tested in CI); tools/gpu_check.sh runs the CUDA tests.
 // Built to PTX by crates/model/build.rs (`--features cuda`).
@@ -88,52 +88,104 @@ __device__ void add_rms_norm_fwd(const T* x, const T* delta, const T* w, T* out,
   }
 }
 
-// dx = r·g − x·r³·(Σ g·x)/D with g = dy·w; one block per row.
-template <typename T>
-__device__ void rms_norm_bwd_dx(const T* x, const T* w, const T* dy, T* dx, int rows, int d,
-                                float eps) {
-  const int row = blockIdx.x;
-  if (row >= rows) return;
-  const T* xr = x + (size_t)row * d;
-  const T* gr = dy + (size_t)row * d;
-  float ss = 0.f, gx = 0.f;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) {
-    const float v = to_f(xr[i]);
-    ss += v * v;
-    gx += to_f(gr[i]) * to_f(w[i]) * v;
-  }
-  const float r = rsqrtf(block_sum(ss) / d + eps);
-  const float c = r * r * r * block_sum(gx) / d;
-  T* out = dx + (size_t)row * d;
-  for (int i = threadIdx.x; i < d; i += blockDim.x)
-    out[i] = from_f<T>(r * to_f(gr[i]) * to_f(w[i]) - to_f(xr[i]) * c);
+// ---- RMSNorm backward: ∂x = r·g − x·r³·(Σ g·x)/D with g = ∂y·w, and ∂w = Σ_rows ∂y·x·r, in one
+// pass over x and ∂y. A warp a row (rows w, w + W, … for the grid's W warps); each warp adds its
+// rows' ∂y·x·r into its own f32 column sums in shared memory ([warps of the block][d]); the
+// block adds its warps' sums in warp order into partial[blockIdx.x], and rms_norm_bwd_dw_sum
+// adds the blocks' in block order: no atomics, the same ∂w every run. ----
+
+// V consecutive elements of a row as f32: 16 bytes (V = Vec16<T>::N) or one element (V = 1).
+template <typename T, int V>
+__device__ __forceinline__ void load_chunk(const T* p, float (&v)[V]) {
+  if constexpr (V == 1)
+    v[0] = to_f(*p);
+  else
+    Vec16<T>::load(p, v);
+}
+template <typename T, int V>
+__device__ __forceinline__ void store_chunk(T* p, const float (&v)[V]) {
+  if constexpr (V == 1)
+    *p = from_f<T>(v[0]);
+  else
+    Vec16<T>::store(p, v);
 }
 
-// dw += Σ_rows dy·x·r into f32 `dw` (zeroed by the caller): each block strides over rows,
-// accumulating per column in shared memory (d floats), then adds its partial sums.
-template <typename T>
-__device__ void rms_norm_bwd_dw(const T* x, const T* dy, float* dw, int rows, int d, float eps) {
-  extern __shared__ float acc[];
-  for (int i = threadIdx.x; i < d; i += blockDim.x) acc[i] = 0.f;
-  for (int row = blockIdx.x; row < rows; row += gridDim.x) {
-    const T* xr = x + (size_t)row * d;
-    const T* gr = dy + (size_t)row * d;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-      const float v = to_f(xr[i]);
-      ss += v * v;
+template <typename T, int V>
+__device__ void rms_norm_bwd_rows(const T* x, const T* w, const T* dy, T* dx, float* mine,
+                                  int rows, int d, float eps) {
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < rows; row += gridDim.x * warps) {
+    const size_t off = (size_t)row * d;
+    float ss = 0.f, gx = 0.f;
+    for (int i = lane * V; i < d; i += 32 * V) {
+      float xv[V], gv[V], wv[V];
+      load_chunk<T, V>(x + off + i, xv);
+      load_chunk<T, V>(dy + off + i, gv);
+      load_chunk<T, V>(w + i, wv);
+#pragma unroll
+      for (int j = 0; j < V; j++) {
+        ss += xv[j] * xv[j];
+        gx += gv[j] * wv[j] * xv[j];
+      }
     }
-    const float r = rsqrtf(block_sum(ss) / d + eps);
-    // Each thread owns the same columns in every row: no race on acc.
-    for (int i = threadIdx.x; i < d; i += blockDim.x) acc[i] += to_f(gr[i]) * to_f(xr[i]) * r;
+    const float r = rsqrtf(warp_sum(ss) / d + eps);
+    const float c = r * r * r * warp_sum(gx) / d;
+    // The row again (from L1: the warp just read it).
+    for (int i = lane * V; i < d; i += 32 * V) {
+      float xv[V], gv[V], wv[V], out[V];
+      load_chunk<T, V>(x + off + i, xv);
+      load_chunk<T, V>(dy + off + i, gv);
+      load_chunk<T, V>(w + i, wv);
+#pragma unroll
+      for (int j = 0; j < V; j++) {
+        out[j] = r * gv[j] * wv[j] - xv[j] * c;
+        mine[i + j] += gv[j] * xv[j] * r;
+      }
+      store_chunk<T, V>(dx + off + i, out);
+    }
   }
-  for (int i = threadIdx.x; i < d; i += blockDim.x) atomicAdd(&dw[i], acc[i]);
 }
 
+// Shared memory: blockDim.x / 32 · d floats. partial: [gridDim.x, d] f32.
 template <typename T>
-__device__ void cast_from_f32(const float* src, T* dst, int n) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) dst[i] = from_f<T>(src[i]);
+__device__ void rms_norm_bwd(const T* x, const T* w, const T* dy, T* dx, float* partial, int rows,
+                             int d, float eps) {
+  extern __shared__ float acc[];
+  const int warps = blockDim.x >> 5;
+  float* mine = acc + (size_t)(threadIdx.x >> 5) * d;
+  for (int i = threadIdx.x & 31; i < d; i += 32) mine[i] = 0.f;
+  __syncwarp();  // a lane accumulates into columns another lane zeroed
+  constexpr int V = Vec16<T>::N;
+  const void* const ptrs[4] = {x, w, dy, dx};
+  if (d % V == 0 && aligned16(ptrs))
+    rms_norm_bwd_rows<T, V>(x, w, dy, dx, mine, rows, d, eps);
+  else
+    rms_norm_bwd_rows<T, 1>(x, w, dy, dx, mine, rows, d, eps);
+  __syncthreads();
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    float s = 0.f;
+    for (int k = 0; k < warps; k++) s += acc[(size_t)k * d + i];
+    partial[(size_t)blockIdx.x * d + i] = s;
+  }
+}
+
+// ∂w[c] = Σ_b partial[b, c] in a fixed order, cast to T: block (c / 32) of 32·L threads, lane
+// k of column c sums blocks k, k + L, … in order, then the L sums are added in lane order.
+template <typename T>
+__device__ void rms_norm_bwd_dw_sum(const float* partial, T* dw, int blocks, int d) {
+  __shared__ float part[32][33];
+  const int lanes = blockDim.x >> 5, k = threadIdx.x >> 5, col_in = threadIdx.x & 31;
+  const int col = blockIdx.x * 32 + col_in;
+  float s = 0.f;
+  if (col < d)
+    for (int b = k; b < blocks; b += lanes) s += partial[(size_t)b * d + col];
+  part[k][col_in] = s;
+  __syncthreads();
+  if (k == 0 && col < d) {
+    float t = 0.f;
+    for (int j = 0; j < lanes; j++) t += part[j][col_in];
+    dw[col] = from_f<T>(t);
+  }
 }
 
 // ---- RoPE (rotate-half) of N tokens × H heads with cos/sin [N, D/2]; sign = −1 rotates back.
@@ -488,19 +540,16 @@ __device__ void add_into_f32(float* __restrict__ acc, const T* __restrict__ x, s
                                                     T* out, int rows, int d, float eps) {       \
     add_rms_norm_fwd<T>(x, delta, w, out, rows, d, eps);                                        \
   }                                                                                             \
-  extern "C" __global__ void rms_norm_bwd_dx_##SFX(const T* x, const T* w, const T* dy, T* dx,  \
-                                                   int rows, int d, float eps) {                \
-    rms_norm_bwd_dx<T>(x, w, dy, dx, rows, d, eps);                                             \
+  extern "C" __global__ void rms_norm_bwd_##SFX(const T* x, const T* w, const T* dy, T* dx,     \
+                                                float* partial, int rows, int d, float eps) {    \
+    rms_norm_bwd<T>(x, w, dy, dx, partial, rows, d, eps);                                        \
   }                                                                                             \
-  extern "C" __global__ void rms_norm_bwd_dw_##SFX(const T* x, const T* dy, float* dw,         \
-                                                   int rows, int d, float eps) {                \
-    rms_norm_bwd_dw<T>(x, dy, dw, rows, d, eps);                                                \
+  extern "C" __global__ void rms_norm_bwd_dw_sum_##SFX(const float* partial, T* dw, int blocks, \
+                                                       int d) {                                 \
+    rms_norm_bwd_dw_sum<T>(partial, dw, blocks, d);                                             \
   }                                                                                             \
   extern "C" __global__ void add_into_f32_##SFX(float* acc, const T* x, unsigned long long n) { \
     add_into_f32<T>(acc, x, n);                                                                 \
-  }                                                                                             \
-  extern "C" __global__ void cast_from_f32_##SFX(const float* src, T* dst, int n) {            \
-    cast_from_f32<T>(src, dst, n);                                                              \
   }                                                                                             \
   extern "C" __global__ void rope_##SFX(const T* x, const T* c, const T* s, T* y, int n, int h, \
                                         int d, float sign, int t_len, int heads_major) {        \
@@ -569,3 +618,6 @@ extern "C" __global__ void adamw_params_f32(float* p, const float* mv, unsigned 
     p[i] = decayed + neg_step * (mv[i] / (sqrtf(mv[n + i]) / bc2_sqrt + eps));
   }
 }
+
+// The token embedding's backward.
+#include "embedding_kernels.cuh"

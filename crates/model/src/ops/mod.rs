@@ -31,6 +31,7 @@ mod cuda;
 #[cfg(feature = "cuda")]
 mod decode_cuda;
 mod decode_plan;
+mod embedding;
 mod head_softmax;
 mod kv_write;
 mod linear;
@@ -46,6 +47,7 @@ pub(crate) use add_into::add_into;
 pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, check_cu_seqlens};
 #[cfg(feature = "cuda")]
 pub(crate) use decode_cuda::sample_inverse_cdf as sample_inverse_cdf_cuda;
+pub use embedding::{embedding, embedding_of_ids};
 pub(crate) use head_softmax::row_sums;
 pub use head_softmax::{
     head_logits_grad, head_logits_grad_composed, head_row_stats, head_row_stats_composed,

@@ -18,7 +18,16 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
             x.dims()
         );
     }
-    if kernels_apply(x) && weight.dtype() == x.dtype() && weight.device().same_device(x.device()) {
+    // CUDA's backward keeps a warp's column sums in shared memory: up to 12,288 columns.
+    #[cfg(feature = "cuda")]
+    let fits = !x.device().is_cuda() || d <= super::cuda::RMS_NORM_BWD_MAX_D;
+    #[cfg(not(feature = "cuda"))]
+    let fits = true;
+    if kernels_apply(x)
+        && fits
+        && weight.dtype() == x.dtype()
+        && weight.device().same_device(x.device())
+    {
         Ok(x.contiguous()?
             .apply_op2(&weight.contiguous()?, RmsNormOp { eps })?)
     } else {
