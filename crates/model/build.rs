@@ -1,5 +1,5 @@
 //! With `--features cuda`: compiles the training ops' CUDA kernels (src/ops/kernels.cu, with
-//! the embedding backward in embedding_kernels.cuh), the
+//! the embedding backward in embedding_kernels.cuh and the bias add in linear_kernels.cuh), the
 //! var-len flash attention (src/ops/attention_kernels.cu, with its tensor-core kernels in
 //! attention_tc_kernels.cuh) and the rollout engine's decode
 //! kernels (src/ops/decode_kernels.cu), all sharing src/ops/cuda_common.cuh, to PTX, one module
@@ -16,6 +16,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ops/attention_kernels.cu");
     println!("cargo:rerun-if-changed=src/ops/attention_tc_kernels.cuh");
     println!("cargo:rerun-if-changed=src/ops/embedding_kernels.cuh");
+    println!("cargo:rerun-if-changed=src/ops/linear_kernels.cuh");
     println!("cargo:rerun-if-changed=src/ops/decode_kernels.cu");
     println!("cargo:rerun-if-changed=src/ops/cuda_common.cuh");
     println!("cargo:rerun-if-env-changed=NVCC");

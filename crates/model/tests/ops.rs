@@ -512,7 +512,7 @@ fn linear_with_a_trainable_weight_matches_the_composition() {
     compare(
         "linear",
         &[x, w],
-        &|t| ops::linear(&t[0], &t[1]).unwrap(),
+        &|t| ops::linear(&t[0], &t[1], None).unwrap(),
         &|t| {
             t[0].reshape((12, 12))
                 .unwrap()
@@ -526,9 +526,67 @@ fn linear_with_a_trainable_weight_matches_the_composition() {
     );
     let e = format!(
         "{:#}",
-        ops::linear(&randn(&[2, 7], 1, 1.0), &randn(&[5, 12], 2, 1.0)).unwrap_err()
+        ops::linear(&randn(&[2, 7], 1, 1.0), &randn(&[5, 12], 2, 1.0), None).unwrap_err()
     );
     assert!(e.contains("do not fit"), "{e}");
+}
+
+#[test]
+fn linear_with_a_bias_matches_the_product_plus_the_broadcast_bias() {
+    // Bias widths 5 (the element-wise path) and 16 (16-byte vectors on CUDA).
+    for (n, seed) in [(5usize, 80u64), (16, 90)] {
+        let x = randn(&[3, 4, 12], seed, 1.0);
+        let w = randn(&[n, 12], seed + 1, 1.0);
+        let b = randn(&[n], seed + 2, 1.0);
+        compare(
+            "linear with a bias",
+            &[x, w, b],
+            &|t| ops::linear(&t[0], &t[1], Some(&t[2])).unwrap(),
+            &|t| {
+                t[0].reshape((12, 12))
+                    .unwrap()
+                    .matmul(&t[1].t().unwrap())
+                    .unwrap()
+                    .broadcast_add(&t[2])
+                    .unwrap()
+                    .reshape((3, 4, n))
+                    .unwrap()
+            },
+            1e-12,
+            1e-5,
+        );
+    }
+    // A frozen weight and bias (LoRA's base): the same values, only x gets a gradient; a
+    // trainable bias on a frozen weight still gets its own.
+    let device = common::test_device();
+    let on = |t: Tensor| t.to_dtype(DType::F32).unwrap().to_device(&device).unwrap();
+    let x = Var::from_tensor(&on(randn(&[7, 12], 95, 1.0))).unwrap();
+    let w = on(randn(&[16, 12], 96, 1.0));
+    let b = on(randn(&[16], 97, 1.0));
+    let plain = x
+        .as_tensor()
+        .matmul(&w.t().unwrap())
+        .unwrap()
+        .broadcast_add(&b)
+        .unwrap();
+    let frozen = ops::linear(x.as_tensor(), &w, Some(&b)).unwrap();
+    assert!(max_diff(&frozen, &plain) <= 1e-4);
+    let g = frozen.sum_all().unwrap().backward().unwrap();
+    assert!(g.get(x.as_tensor()).is_some() && g.get(&w).is_none() && g.get(&b).is_none());
+    let bv = Var::from_tensor(&b).unwrap();
+    let y = ops::linear(x.as_tensor(), &w, Some(bv.as_tensor())).unwrap();
+    assert!(max_diff(&y, &plain) <= 1e-4);
+    let g = y.sum_all().unwrap().backward().unwrap();
+    let db = g
+        .get(bv.as_tensor())
+        .expect("the trainable bias's gradient");
+    assert!(max_diff(db, &Tensor::full(7f32, 16, &device).unwrap()) <= 1e-5);
+    // A bias of the wrong width is named.
+    let e = format!(
+        "{:#}",
+        ops::linear(x.as_tensor(), &w, Some(&on(randn(&[15], 1, 1.0)))).unwrap_err()
+    );
+    assert!(e.contains("bias [15]"), "{e}");
 }
 
 /// A frozen weight's product gives the plain product's value and input gradient, and no
@@ -559,7 +617,7 @@ fn linear_with_a_frozen_weight_forms_only_the_input_gradient() {
         .unwrap()
         .to_device(&device)
         .unwrap();
-    let frozen = ops::linear(x.as_tensor(), &w).unwrap();
+    let frozen = ops::linear(x.as_tensor(), &w, None).unwrap();
     let wt = w.t().unwrap();
     let plain = x.as_tensor().matmul(&wt).unwrap();
     let tol = if device.is_cpu() { 1e-12 } else { 1e-4 };
@@ -589,7 +647,7 @@ fn linear_with_a_frozen_weight_forms_only_the_input_gradient() {
     );
     // A trainable weight takes the plain path and gets its gradient.
     let wv = Var::from_tensor(&w).unwrap();
-    let y = ops::linear(x.as_tensor(), wv.as_tensor()).unwrap();
+    let y = ops::linear(x.as_tensor(), wv.as_tensor(), None).unwrap();
     let g = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
     assert!(g.get(wv.as_tensor()).is_some());
 }

@@ -81,7 +81,7 @@ fn rows_config(rows: usize, d: usize) -> LaunchConfig {
 }
 
 /// A grid-stride element-wise launch over `n` elements.
-fn elementwise_config(n: usize) -> LaunchConfig {
+pub(super) fn elementwise_config(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.div_ceil(256).clamp(1, 8192) as u32, 1, 1),
         block_dim: (256, 1, 1),

@@ -621,3 +621,6 @@ extern "C" __global__ void adamw_params_f32(float* p, const float* mv, unsigned 
 
 // The token embedding's backward.
 #include "embedding_kernels.cuh"
+
+// The projections' bias, added in place.
+#include "linear_kernels.cuh"

@@ -43,12 +43,9 @@ impl Linear {
 
     /// `forward`, with the adapter's dropout active when `train`.
     fn forward_with(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        // One graph node whatever x's rank; a frozen weight (LoRA's base) gets no gradient.
-        let y = crate::ops::linear(x, &self.weight)?;
-        let y = match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        };
+        // One graph node whatever x's rank; a frozen weight (LoRA's base) gets no gradient,
+        // the bias added in place to the product (one node, no broadcast pass).
+        let y = crate::ops::linear(x, &self.weight, self.bias.as_ref())?;
         match &self.lora {
             Some(a) => {
                 let in_f = *x.dims().last().context("linear input has no dims")?;
@@ -382,7 +379,7 @@ impl Stacked {
     /// The stacked projections of `x` `[rows, in]`, without the biases: `x·Wᵀ`, plus the
     /// adapters' packed delta.
     fn product(&self, x: &Tensor) -> Result<Tensor> {
-        let y = crate::ops::linear(x, &self.weight)?;
+        let y = crate::ops::linear(x, &self.weight, None)?;
         match &self.lora {
             Some(l) => l.add_to(&y, x),
             None => Ok(y),
@@ -434,7 +431,7 @@ impl StackedLora {
 
     /// `y + (x·aᵀ)·bᵀ` for the stacked product `y` of `x` `[rows, in]`.
     fn add_to(&self, y: &Tensor, x: &Tensor) -> Result<Tensor> {
-        let delta = crate::ops::linear(&crate::ops::linear(x, &self.a)?, &self.b)?;
+        let delta = crate::ops::linear(&crate::ops::linear(x, &self.a, None)?, &self.b, None)?;
         Ok((y + delta)?)
     }
 }
