@@ -241,25 +241,40 @@ struct FrozenMatmul {
     bias: Option<Tensor>,
 }
 
+impl FrozenMatmul {
+    /// Runs `f` on the weight's and the bias's storages, found by `pick` on x's backend.
+    fn with_parts<S, R>(
+        &self,
+        pick: impl Fn(&Storage) -> Option<&S>,
+        f: impl FnOnce((&S, &Layout), Option<(&S, &Layout)>) -> candle_core::Result<R>,
+    ) -> candle_core::Result<R> {
+        let on_x = |what: &str| {
+            candle_core::Error::Msg(format!("linear: the {what} is not on x's device"))
+        };
+        let (ws, wl) = self.w.storage_and_layout();
+        let ws = pick(&ws).ok_or_else(|| on_x("weight"))?;
+        let bias = self.bias.as_ref().map(|b| b.storage_and_layout());
+        let b = match &bias {
+            Some((s, l)) => Some((pick(s).ok_or_else(|| on_x("bias"))?, *l)),
+            None => None,
+        };
+        f((ws, wl), b)
+    }
+}
+
 impl CustomOp1 for FrozenMatmul {
     fn name(&self) -> &'static str {
         "frozen-linear"
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (ws, wl) = self.w.storage_and_layout();
-        let Storage::Cpu(ws) = &*ws else {
-            candle_core::bail!("linear: x on the CPU but the weight is not")
-        };
-        let bias = self.bias.as_ref().map(|b| b.storage_and_layout());
-        let b = match &bias {
-            Some((s, l)) => match &**s {
-                Storage::Cpu(s) => Some((s, *l)),
-                _ => candle_core::bail!("linear: x on the CPU but the bias is not"),
+        self.with_parts(
+            |s| match s {
+                Storage::Cpu(s) => Some(s),
+                _ => None,
             },
-            None => None,
-        };
-        product_cpu((x, lx), (ws, wl), b)
+            |w, b| product_cpu((x, lx), w, b),
+        )
     }
 
     #[cfg(feature = "cuda")]
@@ -268,19 +283,13 @@ impl CustomOp1 for FrozenMatmul {
         x: &candle_core::CudaStorage,
         lx: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (ws, wl) = self.w.storage_and_layout();
-        let Storage::Cuda(ws) = &*ws else {
-            candle_core::bail!("linear: x on the GPU but the weight is not")
-        };
-        let bias = self.bias.as_ref().map(|b| b.storage_and_layout());
-        let b = match &bias {
-            Some((s, l)) => match &**s {
-                Storage::Cuda(s) => Some((s, *l)),
-                _ => candle_core::bail!("linear: x on the GPU but the bias is not"),
+        self.with_parts(
+            |s| match s {
+                Storage::Cuda(s) => Some(s),
+                _ => None,
             },
-            None => None,
-        };
-        product_cuda((x, lx), (ws, wl), b)
+            |w, b| product_cuda((x, lx), w, b),
+        )
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
