@@ -444,11 +444,21 @@ impl Admit<'_> {
             let prefilled = prefill(self.model, &ids, self.cfg.prefill_chunk, store, &mut counts)?;
             stats.prefill_tokens += counts.tokens;
             stats.prefill_forwards += counts.forwards;
-            for (i, &r) in fresh.iter().enumerate() {
-                let (cache, row) = prefilled.source(i);
+            // Each cache's rows written into blocks at once (a launch per layer, not per row).
+            let mut tables: Vec<Option<BlockTable>> = fresh.iter().map(|_| None).collect();
+            for (cache, members) in prefilled.groups() {
+                let rows: Vec<usize> = members.iter().map(|&(_, row)| row).collect();
+                for (&(i, _), table) in members.iter().zip(pool.write_prompts(cache, &rows)?) {
+                    tables[i] = Some(table);
+                }
+            }
+            for (i, (&r, table)) in fresh.iter().zip(tables).enumerate() {
+                let Some(table) = table else {
+                    bail!("internal: prompt {i} of the prefill has no cache");
+                };
                 prompts.push(PromptBlocks {
                     request: r,
-                    table: pool.write_prompt(cache, row)?,
+                    table,
                     logits: prefilled.logits.narrow(0, i, 1)?,
                 });
             }

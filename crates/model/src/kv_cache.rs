@@ -164,28 +164,48 @@ impl KvCache {
 }
 
 impl KvCache {
-    /// The keys and values of row `row`'s stored tokens in layer `layer`, token-major
-    /// `[tokens, kv_heads, head_dim]` (contiguous copies): what the rollout engine writes
-    /// into its block pool after a prefill.
-    pub(crate) fn row_tokens(&self, layer: usize, row: usize) -> Result<(Tensor, Tensor)> {
-        if row >= self.batch_size() {
-            bail!(
-                "row {row} is outside a KV cache of {} rows",
-                self.batch_size()
-            );
+    /// Indices of `rows`' stored tokens (padding left out), row after row, into a layer's
+    /// token-major view of `B · len` slots ([`Self::tokens_at`]).
+    pub(crate) fn token_index(&self, rows: &[usize]) -> Result<Vec<u32>> {
+        let mut index = Vec::new();
+        for &row in rows {
+            if row >= self.batch_size() {
+                bail!(
+                    "row {row} is outside a KV cache of {} rows",
+                    self.batch_size()
+                );
+            }
+            let first = row * self.len + self.left_pad[row];
+            index.extend((first..(row + 1) * self.len).map(|i| i as u32));
         }
+        Ok(index)
+    }
+
+    /// The keys and values of the tokens at `index` ([`Self::token_index`]'s, u32 on the
+    /// cache's device) in layer `layer`, token-major `[2, tokens, kv_heads, head_dim]` (keys,
+    /// then values): what the rollout engine writes into its block pool after a prefill. One
+    /// token-major copy of the layer's filled slots and one gather, whatever the rows.
+    pub(crate) fn tokens_at(&self, layer: usize, index: &Tensor) -> Result<Tensor> {
         let Some((k, v)) = self.layers.get(layer).and_then(|l| l.buffers.as_ref()) else {
             bail!("layer {layer} of the KV cache holds no tokens");
         };
-        let (from, n) = (self.left_pad[row], self.seq_len(row));
-        let cut = |t: &Tensor| -> Result<Tensor> {
-            Ok(t.narrow(0, row, 1)?
-                .narrow(2, from, n)?
-                .squeeze(0)?
-                .transpose(0, 1)?
-                .contiguous()?)
+        let (b, h, _, d) = k.dims4()?;
+        let major =
+            |t: &Tensor| -> Result<Tensor> { Ok(t.narrow(2, 0, self.len)?.transpose(1, 2)?) };
+        let kv = Tensor::stack(&[major(k)?, major(v)?], 0)?.reshape((2, b * self.len, h * d))?;
+        Ok(kv
+            .index_select(index, 1)?
+            .reshape((2, index.dim(0)?, h, d))?)
+    }
+
+    /// [`Self::tokens_at`] of `rows`' tokens (the tests' view of a row).
+    #[cfg(test)]
+    pub(crate) fn rows_tokens(&self, layer: usize, rows: &[usize]) -> Result<Tensor> {
+        let Some((k, _)) = self.layers.get(layer).and_then(|l| l.buffers.as_ref()) else {
+            bail!("layer {layer} of the KV cache holds no tokens");
         };
-        Ok((cut(k)?, cut(v)?))
+        let index = Tensor::new(self.token_index(rows)?, k.device())?;
+        self.tokens_at(layer, &index)
     }
 
     /// A one-row cache holding exactly the tokens of `layers` (per layer, keys and values

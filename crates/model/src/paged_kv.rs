@@ -207,23 +207,37 @@ impl BlockPool {
         }
     }
 
-    /// Writes row `row` of a prefilled cache into fresh blocks; returns its table.
-    pub(crate) fn write_prompt(&mut self, cache: &KvCache, row: usize) -> Result<BlockTable> {
-        let n = cache.seq_len(row);
-        let mut table = BlockTable {
-            blocks: Vec::with_capacity(n.div_ceil(self.block_size)),
-            len: n,
-        };
-        for _ in 0..n.div_ceil(self.block_size) {
-            table.blocks.push(self.alloc()?);
+    /// Writes rows `rows` of a prefilled cache into fresh blocks, one launch per layer for
+    /// all of them ([`KvCache::tokens_at`], then the slots' write); returns their tables, in
+    /// `rows`' order.
+    pub(crate) fn write_prompts(
+        &mut self,
+        cache: &KvCache,
+        rows: &[usize],
+    ) -> Result<Vec<BlockTable>> {
+        let index = cache.token_index(rows)?;
+        let mut tables = Vec::with_capacity(rows.len());
+        let mut slots = Vec::with_capacity(index.len());
+        for &row in rows {
+            let n = cache.seq_len(row);
+            let mut table = BlockTable {
+                blocks: Vec::with_capacity(n.div_ceil(self.block_size)),
+                len: n,
+            };
+            for _ in 0..n.div_ceil(self.block_size) {
+                table.blocks.push(self.alloc()?);
+            }
+            slots.extend((0..n).map(|j| self.slot(&table, j) as u32));
+            tables.push(table);
         }
-        let slots: Vec<u32> = (0..n).map(|j| self.slot(&table, j) as u32).collect();
-        let slots = KvSlots::new(slots, &self.device)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let (k, v) = cache.row_tokens(i, row)?;
-            layer.write(&slots, &Tensor::stack(&[&k, &v], 0)?)?;
+        if !index.is_empty() {
+            let index = Tensor::new(index, &self.device)?;
+            let slots = KvSlots::new(slots, &self.device)?;
+            for (i, layer) in self.layers.iter().enumerate() {
+                layer.write(&slots, &cache.tokens_at(i, &index)?)?;
+            }
         }
-        Ok(table)
+        Ok(tables)
     }
 
     /// The slot of token `j` of `table`.
@@ -321,7 +335,7 @@ mod tests {
         model.forward(&ids, Some(&mut cache))?;
         // Blocks of 4: one full prompt block and 2 tokens in a second.
         let mut pool = BlockPool::new(&model, 4, 0)?;
-        let prompt = pool.write_prompt(&cache, 0)?;
+        let prompt = pool.write_prompts(&cache, &[0])?.remove(0);
         let mut tables = vec![pool.share(&prompt), pool.share(&prompt)];
         pool.release(prompt);
         assert_eq!(pool.held_blocks(), 2);
@@ -343,10 +357,11 @@ mod tests {
         for (t, table) in tables.iter().enumerate() {
             let row = pool.gather(table)?;
             for layer in 0..layers {
-                let got = row.row_tokens(layer, 0)?;
-                let prompt_kv = cache.row_tokens(layer, 0)?;
-                for (g, p) in [(&got.0, &prompt_kv.0), (&got.1, &prompt_kv.1)] {
-                    assert_eq!(flat(&g.narrow(0, 0, 6)?)?, flat(p)?, "table {t}");
+                let got = row.rows_tokens(layer, &[0])?;
+                let prompt_kv = cache.rows_tokens(layer, &[0])?;
+                for part in 0..2 {
+                    let (g, p) = (got.get(part)?, prompt_kv.get(part)?);
+                    assert_eq!(flat(&g.narrow(0, 0, 6)?)?, flat(&p)?, "table {t}");
                     let last = flat(&g.narrow(0, 6, 1)?)?;
                     assert!(last.iter().all(|&x| x == (t + 1) as f32), "table {t}");
                 }

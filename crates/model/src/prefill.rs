@@ -30,13 +30,20 @@ pub(crate) struct Prefilled {
 }
 
 impl Prefilled {
-    /// Prompt `i`'s cache and row there.
-    pub(crate) fn source(&self, i: usize) -> (&KvCache, usize) {
-        let cache = match &self.continued[i] {
-            Some(c) => c,
-            None => self.batch.as_ref().expect("plain prompts were batched"),
-        };
-        (cache, self.rows[i])
+    /// The caches and, per cache, its prompts as (prompt index, row there): the batch of
+    /// plain prompts first (if any), then each continued prompt's own cache.
+    pub(crate) fn groups(&self) -> Vec<(&KvCache, Vec<(usize, usize)>)> {
+        let mut groups = Vec::new();
+        if let Some(batch) = &self.batch {
+            let plain = (0..self.rows.len()).filter(|&i| self.continued[i].is_none());
+            groups.push((batch, plain.map(|i| (i, self.rows[i])).collect()));
+        }
+        for (i, c) in self.continued.iter().enumerate() {
+            if let Some(c) = c {
+                groups.push((c, vec![(i, self.rows[i])]));
+            }
+        }
+        groups
     }
 }
 
