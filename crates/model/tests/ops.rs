@@ -503,6 +503,42 @@ fn training_forward_with_kernels_equals_the_composition() {
     }
 }
 
+/// The training step's gradients are the same bits on every run (no atomics in any backward
+/// kernel: the embedding's, RMSNorm's, attention's; f32 and bf16 on CUDA, where the
+/// summation order is the kernels' own).
+#[test]
+fn training_gradients_are_the_same_bits_every_run() {
+    let device = common::test_device();
+    let dtypes: &[DType] = if device.is_cpu() {
+        &[DType::F32]
+    } else {
+        &[DType::F32, DType::BF16]
+    };
+    for name in common::FIXTURES {
+        for &dtype in dtypes {
+            let (model, varmap) =
+                Transformer::load_trainable(&common::fixture(name), &device, dtype).unwrap();
+            let bits = || {
+                let (_, grads) = model_loss_grads(&model, &varmap);
+                grads
+                    .into_iter()
+                    .map(|(k, g)| {
+                        let g = g.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+                        (k, g.to_vec1::<f64>().unwrap())
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let first = bits();
+            for ((key, a), (_, b)) in first.iter().zip(bits()) {
+                assert!(
+                    a == &b,
+                    "{name} {dtype:?}: the gradient of {key} changed between runs"
+                );
+            }
+        }
+    }
+}
+
 /// A trainable weight: one node for `[B, T, in]` inputs, whose value and gradients (∂x, and ∂w
 /// formed directly as `[out, in]`) equal candle's reshape-transpose-matmul composition.
 #[test]
