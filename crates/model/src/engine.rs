@@ -444,7 +444,8 @@ impl Admit<'_> {
             let prefilled = prefill(self.model, &ids, self.cfg.prefill_chunk, store, &mut counts)?;
             stats.prefill_tokens += counts.tokens;
             stats.prefill_forwards += counts.forwards;
-            // Each cache's rows written into blocks at once (a launch per layer, not per row).
+            // Each cache's rows written into blocks together (a copy, a gather and a write per
+            // layer, not per row).
             let mut tables: Vec<Option<BlockTable>> = fresh.iter().map(|_| None).collect();
             for (cache, members) in prefilled.groups() {
                 let rows: Vec<usize> = members.iter().map(|&(_, row)| row).collect();

@@ -207,9 +207,9 @@ impl BlockPool {
         }
     }
 
-    /// Writes rows `rows` of a prefilled cache into fresh blocks, one launch per layer for
-    /// all of them ([`KvCache::tokens_at`], then the slots' write); returns their tables, in
-    /// `rows`' order.
+    /// Writes rows `rows` of a prefilled cache into fresh blocks, all of them at once (per
+    /// layer one token-major copy and one gather, [`KvCache::tokens_at`], then one slot
+    /// write); returns their tables, in `rows`' order. On an error no block stays held.
     pub(crate) fn write_prompts(
         &mut self,
         cache: &KvCache,
@@ -218,26 +218,46 @@ impl BlockPool {
         let index = cache.token_index(rows)?;
         let mut tables = Vec::with_capacity(rows.len());
         let mut slots = Vec::with_capacity(index.len());
+        let mut written = Ok(());
         for &row in rows {
             let n = cache.seq_len(row);
             let mut table = BlockTable {
                 blocks: Vec::with_capacity(n.div_ceil(self.block_size)),
                 len: n,
             };
-            for _ in 0..n.div_ceil(self.block_size) {
-                table.blocks.push(self.alloc()?);
+            while table.blocks.len() < n.div_ceil(self.block_size) && written.is_ok() {
+                match self.alloc() {
+                    Ok(b) => table.blocks.push(b),
+                    Err(e) => written = Err(e),
+                }
             }
-            slots.extend((0..n).map(|j| self.slot(&table, j) as u32));
+            if written.is_ok() {
+                slots.extend((0..n).map(|j| self.slot(&table, j) as u32));
+            }
             tables.push(table);
         }
-        if !index.is_empty() {
-            let index = Tensor::new(index, &self.device)?;
-            let slots = KvSlots::new(slots, &self.device)?;
-            for (i, layer) in self.layers.iter().enumerate() {
-                layer.write(&slots, &cache.tokens_at(i, &index)?)?;
+        if written.is_ok() && !index.is_empty() {
+            written = self.write_slots(cache, index, slots);
+        }
+        match written {
+            Ok(()) => Ok(tables),
+            Err(e) => {
+                for t in tables {
+                    self.release(t);
+                }
+                Err(e)
             }
         }
-        Ok(tables)
+    }
+
+    /// Every layer's tokens of `cache` at `index` ([`KvCache::token_index`]) into `slots`.
+    fn write_slots(&self, cache: &KvCache, index: Vec<u32>, slots: Vec<u32>) -> Result<()> {
+        let index = Tensor::new(index, &self.device)?;
+        let slots = KvSlots::new(slots, &self.device)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            layer.write(&slots, &cache.tokens_at(i, &index)?)?;
+        }
+        Ok(())
     }
 
     /// The slot of token `j` of `table`.

@@ -210,64 +210,58 @@ pub(crate) fn rms_norm_bwd(
         .clamp(1, 1024)
         .min(rows.div_ceil(warps).max(1));
     let (rows_i, d_i, blocks_i, eps_f) = (rows as i32, d as i32, blocks as i32, eps as f32);
-    let both = on_tensors(
-        &[x, w, dy],
-        Shape::from((rows + 1) * d),
-        "rms_norm backward",
-        |a| {
-            let dev = a[0].0.device().clone();
-            typed!(dtype, "rms_norm backward", |T| {
-                let xv = view::<T>(a[0].0, a[0].1, "rms_norm")?;
-                let wv = view::<T>(a[1].0, a[1].1, "rms_norm")?;
-                let gv = view::<T>(a[2].0, a[2].1, "rms_norm")?;
-                // ∂x in the first rows·d elements, ∂w in the last d.
-                let mut out = alloc::<T>(&dev, (rows + 1) * d)?;
-                let partial = alloc::<f32>(&dev, blocks * d)?;
-                {
-                    let mut dx = out.slice_mut(0..rows * d);
-                    let f = dev.get_or_load_custom_func(
-                        &kernel_name("rms_norm_bwd", dtype)?,
-                        MODULE,
-                        PTX,
-                    )?;
-                    let mut b = f.builder();
-                    b.arg(&xv).arg(&wv).arg(&gv).arg(&mut dx).arg(&partial);
-                    b.arg(&rows_i).arg(&d_i).arg(&eps_f);
-                    let cfg = LaunchConfig {
-                        grid_dim: (blocks as u32, 1, 1),
-                        block_dim: (32 * warps as u32, 1, 1),
-                        shared_mem_bytes: (warps * d * 4) as u32,
-                    };
-                    // SAFETY: (x, w, dy, dx, partial, rows, d, eps) as the kernel takes them; a
-                    // warp's d floats of shared memory each; `partial` holds blocks·d floats.
-                    unsafe { b.launch(cfg) }.w()?;
-                }
-                {
-                    let mut dw = out.slice_mut(rows * d..(rows + 1) * d);
-                    let f = dev.get_or_load_custom_func(
-                        &kernel_name("rms_norm_bwd_dw_sum", dtype)?,
-                        MODULE,
-                        PTX,
-                    )?;
-                    let mut b = f.builder();
-                    b.arg(&partial).arg(&mut dw).arg(&blocks_i).arg(&d_i);
-                    let cfg = LaunchConfig {
-                        grid_dim: (d.div_ceil(32) as u32, 1, 1),
-                        block_dim: (256, 1, 1),
-                        shared_mem_bytes: 0,
-                    };
-                    // SAFETY: (partial, dw, blocks, d) as the kernel takes them.
-                    unsafe { b.launch(cfg) }.w()?;
-                }
-                Ok(T::wrap_cuda_slice(out, dev))
-            })
-        },
-    )?;
-    let n = rows * d;
-    Ok((
-        both.narrow(0, 0, n)?.reshape(x.shape())?,
-        both.narrow(0, n, d)?.reshape(w.shape())?,
-    ))
+    // ∂w in its own buffer: a narrow of ∂x's would keep ∂x alive as long as the gradient.
+    let mut dw_storage = None;
+    let dx = on_tensors(&[x, w, dy], x.shape().clone(), "rms_norm backward", |a| {
+        let dev = a[0].0.device().clone();
+        typed!(dtype, "rms_norm backward", |T| {
+            let xv = view::<T>(a[0].0, a[0].1, "rms_norm")?;
+            let wv = view::<T>(a[1].0, a[1].1, "rms_norm")?;
+            let gv = view::<T>(a[2].0, a[2].1, "rms_norm")?;
+            let dx = alloc::<T>(&dev, rows * d)?;
+            let dw = alloc::<T>(&dev, d)?;
+            let partial = alloc::<f32>(&dev, blocks * d)?;
+            let f =
+                dev.get_or_load_custom_func(&kernel_name("rms_norm_bwd", dtype)?, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&xv).arg(&wv).arg(&gv).arg(&dx).arg(&partial);
+            b.arg(&rows_i).arg(&d_i).arg(&eps_f);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (32 * warps as u32, 1, 1),
+                shared_mem_bytes: (warps * d * 4) as u32,
+            };
+            // SAFETY: (x, w, dy, dx, partial, rows, d, eps) as the kernel takes them; a warp's
+            // d floats of shared memory each; `partial` holds blocks·d floats.
+            unsafe { b.launch(cfg) }.w()?;
+            let f = dev.get_or_load_custom_func(
+                &kernel_name("rms_norm_bwd_dw_sum", dtype)?,
+                MODULE,
+                PTX,
+            )?;
+            let mut b = f.builder();
+            b.arg(&partial).arg(&dw).arg(&blocks_i).arg(&d_i);
+            let cfg = LaunchConfig {
+                grid_dim: (d.div_ceil(32) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: (partial, dw, blocks, d) as the kernel takes them.
+            unsafe { b.launch(cfg) }.w()?;
+            dw_storage = Some(T::wrap_cuda_slice(dw, dev.clone()));
+            Ok(T::wrap_cuda_slice(dx, dev))
+        })
+    })?;
+    let Some(dw) = dw_storage else {
+        candle_core::bail!("rms_norm backward: no ∂w was written")
+    };
+    let dw = Tensor::from_storage(
+        Storage::Cuda(dw),
+        w.shape().clone(),
+        BackpropOp::none(),
+        false,
+    );
+    Ok((dx, dw))
 }
 
 /// RoPE of `x` (`[n, h, d]`, or `[B, T, H, D]` ↔ `[B, H, T, D]` as `layout` says) with

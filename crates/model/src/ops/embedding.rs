@@ -90,7 +90,8 @@ impl Groups {
     /// The work list of `ids`, each checked against `vocab` (an error names the first id
     /// outside it and its position).
     pub(crate) fn of(ids: &[u32], vocab: usize) -> Result<Groups> {
-        if vocab >= MERGE as usize || ids.len() > u32::MAX as usize {
+        // Rows and scratch slots (at most one a token) share a u32 with the MERGE bit.
+        if vocab >= MERGE as usize || ids.len() >= MERGE as usize {
             bail!(
                 "embedding: {} ids into a vocabulary of {vocab} rows exceed the backward's u32 tables",
                 ids.len()
@@ -197,26 +198,30 @@ impl CustomOp1 for EmbeddingOp {
         if w.device().is_cuda() {
             return Ok(Some(cuda::backward(dy, &self.groups, vocab, hidden)?));
         }
-        let dy = dy.contiguous()?;
+        let dy = dy.contiguous()?.flatten_all()?;
+        // Summed in f64 and rounded once to the dtype.
+        let (g, dev) = (&self.groups, w.device());
         let dw = match dy.dtype() {
-            DType::F64 => Tensor::from_vec(
-                backward_cpu(
-                    &dy.flatten_all()?.to_vec1::<f64>()?,
-                    &self.groups,
-                    vocab,
-                    hidden,
-                ),
-                (vocab, hidden),
-                w.device(),
-            )?,
-            other => {
-                let dy32 = dy.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                let dw = backward_cpu(&dy32, &self.groups, vocab, hidden);
-                Tensor::from_vec(dw, (vocab, hidden), w.device())?.to_dtype(other)?
-            }
+            DType::F64 => cpu_grad::<f64>(&dy, g, vocab, hidden, dev)?,
+            DType::F32 => cpu_grad::<f32>(&dy, g, vocab, hidden, dev)?,
+            DType::BF16 => cpu_grad::<half::bf16>(&dy, g, vocab, hidden, dev)?,
+            DType::F16 => cpu_grad::<half::f16>(&dy, g, vocab, hidden, dev)?,
+            other => candle_core::bail!("embedding backward: unsupported dtype {other:?}"),
         };
         Ok(Some(dw))
     }
+}
+
+/// [`backward_cpu`] of the flat gradient `dy` as a `[vocab, hidden]` tensor of its dtype.
+fn cpu_grad<T: WithDType>(
+    dy: &Tensor,
+    g: &Groups,
+    vocab: usize,
+    hidden: usize,
+    dev: &candle_core::Device,
+) -> candle_core::Result<Tensor> {
+    let dw = backward_cpu(&dy.to_vec1::<T>()?, g, vocab, hidden);
+    Tensor::from_vec(dw, (vocab, hidden), dev)
 }
 
 /// `∂W` `[vocab, hidden]` on the CPU: the pieces' sums in f64, a row's pieces added in order.

@@ -90,7 +90,8 @@ __device__ void add_rms_norm_fwd(const T* x, const T* delta, const T* w, T* out,
 
 // ---- RMSNorm backward: ∂x = r·g − x·r³·(Σ g·x)/D with g = ∂y·w, and ∂w = Σ_rows ∂y·x·r, in one
 // pass over x and ∂y. A warp a row (rows w, w + W, … for the grid's W warps); each warp adds its
-// rows' ∂y·x·r into its own f32 column sums in shared memory ([warps of the block][d]); the
+// rows' ∂y·x·r into its own f32 column sums in shared memory ([warps of the block][d], the
+// columns of a 16-byte chunk d / V apart); the
 // block adds its warps' sums in warp order into partial[blockIdx.x], and rms_norm_bwd_dw_sum
 // adds the blocks' in block order: no atomics, the same ∂w every run. ----
 
@@ -139,7 +140,9 @@ __device__ void rms_norm_bwd_rows(const T* x, const T* w, const T* dy, T* dx, fl
 #pragma unroll
       for (int j = 0; j < V; j++) {
         out[j] = r * gv[j] * wv[j] - xv[j] * c;
-        mine[i + j] += gv[j] * xv[j] * r;
+        // Column i + j at (j, i / V) of a [V][d / V] layout: consecutive lanes hit
+        // consecutive words (the plain layout would put them V words apart: bank conflicts).
+        mine[j * (d / V) + i / V] += gv[j] * xv[j] * r;
       }
       store_chunk<T, V>(dx + off + i, out);
     }
@@ -157,14 +160,17 @@ __device__ void rms_norm_bwd(const T* x, const T* w, const T* dy, T* dx, float* 
   __syncwarp();  // a lane accumulates into columns another lane zeroed
   constexpr int V = Vec16<T>::N;
   const void* const ptrs[4] = {x, w, dy, dx};
-  if (d % V == 0 && aligned16(ptrs))
+  const bool vec = d % V == 0 && aligned16(ptrs);
+  if (vec)
     rms_norm_bwd_rows<T, V>(x, w, dy, dx, mine, rows, d, eps);
   else
     rms_norm_bwd_rows<T, 1>(x, w, dy, dx, mine, rows, d, eps);
   __syncthreads();
+  const int v = vec ? V : 1;  // the sums' layout: column i at (i % v)·(d / v) + i / v
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    const int at = (i % v) * (d / v) + i / v;
     float s = 0.f;
-    for (int k = 0; k < warps; k++) s += acc[(size_t)k * d + i];
+    for (int k = 0; k < warps; k++) s += acc[(size_t)k * d + at];
     partial[(size_t)blockIdx.x * d + i] = s;
   }
 }

@@ -123,7 +123,7 @@ fn product_cuda(
 ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
     let (mut y, shape) = product(x.0, x.1, w.0, w.1)?;
     if let Some(b) = b {
-        bias_add_rows(&mut y, b)?;
+        bias_add_rows(&mut y, shape.elem_count(), b)?;
     }
     Ok((y, shape))
 }
@@ -297,10 +297,12 @@ impl CustomOp1 for FrozenMatmul {
     }
 }
 
-/// Launches `bias_add_rows` (`linear_kernels.cuh`) on the fresh product `y` with `b` `[n]`.
+/// Launches `bias_add_rows` (`linear_kernels.cuh`) on the fresh product `y` (its first
+/// `total` elements: `[total / n, n]`) with `b` `[n]`.
 #[cfg(feature = "cuda")]
 fn bias_add_rows(
     y: &mut candle_core::CudaStorage,
+    total: usize,
     b: (&candle_core::CudaStorage, &Layout),
 ) -> candle_core::Result<()> {
     use super::cuda::{elementwise_config, kernel_name, typed, view, MODULE, PTX};
@@ -314,7 +316,12 @@ fn bias_add_rows(
     typed!(dtype, "linear bias", |T| {
         let bv = view::<T>(b.0, b.1, "linear bias")?;
         let ys = y.as_cuda_slice_mut::<T>()?;
-        let total = ys.len();
+        if ys.len() < total || !total.is_multiple_of(n.max(1)) {
+            candle_core::bail!(
+                "linear bias: a product of {} elements for {total}",
+                ys.len()
+            )
+        }
         let (rows, n_i) = ((total / n.max(1)) as u64, n as i32);
         let f = dev.get_or_load_custom_func(&kernel_name("bias_add_rows", dtype)?, MODULE, PTX)?;
         let mut builder = f.builder();
