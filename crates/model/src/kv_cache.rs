@@ -186,9 +186,7 @@ impl KvCache {
     /// then values): what the rollout engine writes into its block pool after a prefill. One
     /// token-major copy of the layer's filled slots and one gather, whatever the rows.
     pub(crate) fn tokens_at(&self, layer: usize, index: &Tensor) -> Result<Tensor> {
-        let Some((k, v)) = self.layers.get(layer).and_then(|l| l.buffers.as_ref()) else {
-            bail!("layer {layer} of the KV cache holds no tokens");
-        };
+        let (k, v) = self.buffers(layer)?;
         let (b, h, _, d) = k.dims4()?;
         let major =
             |t: &Tensor| -> Result<Tensor> { Ok(t.narrow(2, 0, self.len)?.transpose(1, 2)?) };
@@ -201,11 +199,16 @@ impl KvCache {
     /// [`Self::tokens_at`] of `rows`' tokens (the tests' view of a row).
     #[cfg(test)]
     pub(crate) fn rows_tokens(&self, layer: usize, rows: &[usize]) -> Result<Tensor> {
-        let Some((k, _)) = self.layers.get(layer).and_then(|l| l.buffers.as_ref()) else {
-            bail!("layer {layer} of the KV cache holds no tokens");
-        };
-        let index = Tensor::new(self.token_index(rows)?, k.device())?;
+        let index = Tensor::new(self.token_index(rows)?, self.buffers(layer)?.0.device())?;
         self.tokens_at(layer, &index)
+    }
+
+    /// Layer `layer`'s key and value buffers.
+    fn buffers(&self, layer: usize) -> Result<&(Tensor, Tensor)> {
+        match self.layers.get(layer).and_then(|l| l.buffers.as_ref()) {
+            Some(kv) => Ok(kv),
+            None => bail!("layer {layer} of the KV cache holds no tokens"),
+        }
     }
 
     /// A one-row cache holding exactly the tokens of `layers` (per layer, keys and values

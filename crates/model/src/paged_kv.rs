@@ -217,41 +217,49 @@ impl BlockPool {
     ) -> Result<Vec<BlockTable>> {
         let index = cache.token_index(rows)?;
         let mut tables = Vec::with_capacity(rows.len());
-        let mut slots = Vec::with_capacity(index.len());
-        let mut written = Ok(());
+        let written = self
+            .fill_tables(cache, rows, &mut tables)
+            .and_then(|slots| self.write_slots(cache, index, slots));
+        if let Err(e) = written {
+            for t in tables {
+                self.release(t);
+            }
+            return Err(e);
+        }
+        Ok(tables)
+    }
+
+    /// Fresh blocks for each of `rows`' tokens, pushed onto `tables` as they are taken (so a
+    /// caller can release them if this fails part way); returns the tokens' slots, row after
+    /// row.
+    fn fill_tables(
+        &mut self,
+        cache: &KvCache,
+        rows: &[usize],
+        tables: &mut Vec<BlockTable>,
+    ) -> Result<Vec<u32>> {
+        let mut slots = Vec::new();
         for &row in rows {
             let n = cache.seq_len(row);
-            let mut table = BlockTable {
+            tables.push(BlockTable {
                 blocks: Vec::with_capacity(n.div_ceil(self.block_size)),
                 len: n,
-            };
-            while table.blocks.len() < n.div_ceil(self.block_size) && written.is_ok() {
-                match self.alloc() {
-                    Ok(b) => table.blocks.push(b),
-                    Err(e) => written = Err(e),
-                }
+            });
+            for _ in 0..n.div_ceil(self.block_size) {
+                let b = self.alloc()?;
+                tables.last_mut().expect("pushed above").blocks.push(b);
             }
-            if written.is_ok() {
-                slots.extend((0..n).map(|j| self.slot(&table, j) as u32));
-            }
-            tables.push(table);
+            let table = tables.last().expect("pushed above");
+            slots.extend((0..n).map(|j| self.slot(table, j) as u32));
         }
-        if written.is_ok() && !index.is_empty() {
-            written = self.write_slots(cache, index, slots);
-        }
-        match written {
-            Ok(()) => Ok(tables),
-            Err(e) => {
-                for t in tables {
-                    self.release(t);
-                }
-                Err(e)
-            }
-        }
+        Ok(slots)
     }
 
     /// Every layer's tokens of `cache` at `index` ([`KvCache::token_index`]) into `slots`.
     fn write_slots(&self, cache: &KvCache, index: Vec<u32>, slots: Vec<u32>) -> Result<()> {
+        if index.is_empty() {
+            return Ok(());
+        }
         let index = Tensor::new(index, &self.device)?;
         let slots = KvSlots::new(slots, &self.device)?;
         for (i, layer) in self.layers.iter().enumerate() {

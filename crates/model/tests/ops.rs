@@ -17,7 +17,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
 use common::kernel_checks::{
-    assert_close, compare, kernel_cases, max_diff, randn, rel_err, run, run_on,
+    assert_close, compare, flat, kernel_cases, max_diff, randn, rel_err, run, run_on,
 };
 use composer_model::{ops, token_logprobs, Transformer};
 
@@ -66,14 +66,10 @@ fn embedding_gradient_is_the_index_select_gradient() {
     // No atomics: the same gradient bits every run (on CUDA too).
     for (dtype, _) in kernel_cases(0.0, 0.0) {
         let grads = || {
-            let v =
-                Var::from_tensor(&w.to_dtype(dtype).unwrap().to_device(&device).unwrap()).unwrap();
-            let out = ops::embedding(v.as_tensor(), &ids_on, true).unwrap();
-            let r = randn(out.dims(), 5, 1.0).to_dtype(dtype).unwrap();
-            let r = r.to_device(&device).unwrap();
-            let g = (out * r).unwrap().sum_all().unwrap().backward().unwrap();
-            let g = g.get(v.as_tensor()).unwrap().to_dtype(DType::F64).unwrap();
-            g.flatten_all().unwrap().to_vec1::<f64>().unwrap()
+            let (_, g) = run_on(&device, std::slice::from_ref(&w), dtype, &|t| {
+                ops::embedding(&t[0], &ids_on, true).unwrap()
+            });
+            flat(&g[0])
         };
         let first = grads();
         assert!(first.iter().any(|&x| x != 0.0));
@@ -105,12 +101,7 @@ fn rms_norm_gradients_are_the_same_bits_every_run() {
             let (_, g) = run_on(&device, &[x.clone(), w.clone()], dtype, &|t| {
                 ops::rms_norm(&t[0], &t[1], 1e-6).unwrap()
             });
-            g.iter()
-                .map(|t| {
-                    let t = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-                    t.to_vec1::<f64>().unwrap()
-                })
-                .collect::<Vec<_>>()
+            g.iter().map(flat).collect::<Vec<_>>()
         };
         assert_eq!(
             grads(),
@@ -522,10 +513,7 @@ fn training_gradients_are_the_same_bits_every_run() {
                 let (_, grads) = model_loss_grads(&model, &varmap);
                 grads
                     .into_iter()
-                    .map(|(k, g)| {
-                        let g = g.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-                        (k, g.to_vec1::<f64>().unwrap())
-                    })
+                    .map(|(k, g)| (k, flat(&g)))
                     .collect::<Vec<_>>()
             };
             let first = bits();

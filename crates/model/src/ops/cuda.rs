@@ -181,10 +181,6 @@ pub(crate) fn add_rms_norm_fwd(
     launch_norm_rows("add_rms_norm_fwd", &[x, delta, w], 2 * rows, rows, d, eps)
 }
 
-/// The most columns the CUDA RMSNorm backward takes: one warp's f32 column sums fill 48 KiB
-/// of shared memory (Qwen's widest hidden size is 8,192).
-pub(crate) const RMS_NORM_BWD_MAX_D: usize = 12 * 1024;
-
 /// RMSNorm backward: `(∂x, ∂w)` in one pass over `x` and `∂y` (`rms_norm_bwd`: a warp a row,
 /// ∂w's column sums per warp in shared memory, per block in `partial`), then ∂w summed over the
 /// blocks in block order (`rms_norm_bwd_dw_sum`): deterministic, no atomics.
@@ -197,12 +193,11 @@ pub(crate) fn rms_norm_bwd(
     let dtype = x.dtype();
     let d = w.elem_count();
     let rows = x.elem_count() / d.max(1);
-    if d == 0 || d > RMS_NORM_BWD_MAX_D {
-        candle_core::bail!(
-            "rms_norm backward: {d} columns (the CUDA kernel takes 1..={RMS_NORM_BWD_MAX_D})"
-        )
+    let max_d = super::rms_norm::CUDA_BWD_MAX_D;
+    if d == 0 || d > max_d {
+        candle_core::bail!("rms_norm backward: {d} columns (the CUDA kernel takes 1..={max_d})")
     }
-    let warps = (RMS_NORM_BWD_MAX_D / d).clamp(1, 8);
+    let warps = (max_d / d).clamp(1, 8);
     // About 4,096 elements a warp, at most 1,024 blocks of partial sums; the grid depends on
     // the shape only, so ∂w's summation order is the same on every card.
     let blocks = (rows * d)

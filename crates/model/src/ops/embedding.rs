@@ -15,7 +15,7 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Storage, Tensor, 
 
 /// The most tokens one piece of the backward sums (a frequent id is cut into several pieces,
 /// so its row does not serialise the backward).
-pub(crate) const PIECE_TOKENS: usize = 32;
+const PIECE_TOKENS: usize = 32;
 
 /// Marks a piece whose row has other pieces: its sum goes to scratch slot `dest & !MERGE`.
 const MERGE: u32 = 1 << 31;
@@ -70,26 +70,26 @@ fn with_groups(weight: &Tensor, ids: Tensor, host: &[u32]) -> Result<Tensor> {
 
 /// The backward's work list, built on the host from the forward's ids.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) struct Groups {
+struct Groups {
     /// Token positions sorted by id, ties in token order.
-    pub(crate) order: Vec<u32>,
+    order: Vec<u32>,
     /// `P + 1` offsets into `order`: piece `p` is `order[piece_bounds[p]..piece_bounds[p+1]]`,
     /// at most [`PIECE_TOKENS`] tokens of one id.
-    pub(crate) piece_bounds: Vec<u32>,
+    piece_bounds: Vec<u32>,
     /// Piece `p`'s destination: its id's row of `∂W` when it is that row's only piece, else
     /// `MERGE | slot` (its partial sum's scratch slot).
-    pub(crate) piece_dest: Vec<u32>,
+    piece_dest: Vec<u32>,
     /// The ids with several pieces, in id order.
-    pub(crate) merge_rows: Vec<u32>,
+    merge_rows: Vec<u32>,
     /// `M + 1` offsets into the scratch slots: row `merge_rows[m]` adds slots
     /// `merge_bounds[m]..merge_bounds[m+1]` (its pieces, in token order).
-    pub(crate) merge_bounds: Vec<u32>,
+    merge_bounds: Vec<u32>,
 }
 
 impl Groups {
     /// The work list of `ids`, each checked against `vocab` (an error names the first id
     /// outside it and its position).
-    pub(crate) fn of(ids: &[u32], vocab: usize) -> Result<Groups> {
+    fn of(ids: &[u32], vocab: usize) -> Result<Groups> {
         // Rows and scratch slots (at most one a token) share a u32 with the MERGE bit.
         if vocab >= MERGE as usize || ids.len() >= MERGE as usize {
             bail!(

@@ -18,11 +18,7 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
             x.dims()
         );
     }
-    // CUDA's backward keeps a warp's column sums in shared memory: up to 12,288 columns.
-    #[cfg(feature = "cuda")]
-    let fits = !x.device().is_cuda() || d <= super::cuda::RMS_NORM_BWD_MAX_D;
-    #[cfg(not(feature = "cuda"))]
-    let fits = true;
+    let fits = !x.device().is_cuda() || d <= CUDA_BWD_MAX_D;
     if kernels_apply(x)
         && fits
         && weight.dtype() == x.dtype()
@@ -46,6 +42,11 @@ pub fn rms_norm_composed(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor
     let normed = xf.broadcast_mul(&inv)?.to_dtype(dtype)?;
     Ok(normed.broadcast_mul(weight)?)
 }
+
+/// The most columns the CUDA backward takes (wider rows use [`rms_norm_composed`] there):
+/// one warp's f32 column sums fill 48 KiB of shared memory (Qwen's widest hidden size is
+/// 8,192).
+pub(crate) const CUDA_BWD_MAX_D: usize = 12 * 1024;
 
 struct RmsNormOp {
     eps: f64,
