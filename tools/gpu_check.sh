@@ -159,6 +159,9 @@ if want bench05; then
   # Decode with and without the fixed-shape steps captured as CUDA graphs, in one run.
   bench "c05-d" 220 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 1,16,64,256 --skip-train --cuda-graphs
   bench "te05-d" 150 $TORCH --shape qwen2.5-0.5b --batch 1,64 --skip-train
+  # The decode attention on the scalar/vectorised kernel instead of the tensor-core one (the
+  # default for bf16 at head_dim 64/128 since 2026-11-27), beside c05-d.
+  COMPOSER_DECODE_TC=0 bench "c05-d-notc" 220 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 16,64,256 --skip-train --cuda-graphs
   # The paged decode kernel's keys in coarser chunks (the default aims at 256 blocks a step;
   # 128 gives batch 64 one chunk a row, no partials to merge; finer chunks, 1,024 blocks, were
   # slower at every batch on an H200, 2026-11-27): measured beside c05-d before the default moves.
@@ -176,10 +179,12 @@ if want attn; then
   # then the same workloads timed both ways.
   # Then `ops` with COMPOSER_PADDED_ATTENTION=masked: the padded training forward through the
   # masked softmax, no longer CUDA's default (its check against the composition, every
-  # parameter's gradient).
+  # parameter's gradient); and `paged_kv` on the decode's scalar/vectorised kernel
+  # (COMPOSER_DECODE_TC=0; bf16 at head_dim 64/128 takes the tensor-core one otherwise).
   runs=("ops_attention:" "ops_step:")
   want tests && runs=()
-  runs+=("ops_attention:COMPOSER_ATTENTION_TC=0" "ops:COMPOSER_PADDED_ATTENTION=masked")
+  runs+=("ops_attention:COMPOSER_ATTENTION_TC=0" "ops:COMPOSER_PADDED_ATTENTION=masked"
+    "paged_kv:COMPOSER_DECODE_TC=0")
   for run in "${runs[@]}"; do
     t=${run%%:*}; var=${run#*:}
     late && { note "test $t (cuda ${var}): skipped (BUDGET_S=$BUDGET_S spent)"; continue; }

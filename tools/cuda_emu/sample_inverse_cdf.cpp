@@ -62,14 +62,19 @@ static void reference(const std::vector<double>& x, double t, double u, Filter f
 }
 
 
+// part_len: ids per part of the part kernels (decode_cuda.rs's SAMPLE_PART is 4,096; smaller
+// ones give the small vocabularies several parts, an uneven last one included).
 template <typename T>
-int run(int rows, int v, unsigned seed) {
+int run(int rows, int v, unsigned seed, int part_len = 4096) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> U(-6.f, 6.f);
   std::uniform_real_distribution<double> Uu(0.0, 1.0);
   std::vector<T> x(rows * v);
   for (auto& e : x) e = cvt<T>(U(rng));
   for (int i = 0; i < v; i++) if (rows > 1 && i % 7 != 3) x[v + i] = cvt<T>(-INFINITY);
+  // Row 2: only ids [v/2, v/2 + 20) possible — whole parts masked, the first and the (uneven)
+  // last included, when parts are short.
+  for (int i = 0; i < v; i++) if (rows > 3 && (i < v / 2 || i >= v / 2 + 20)) x[2 * v + i] = cvt<T>(-INFINITY);
   std::vector<double> u(rows);
   for (auto& e : u) e = Uu(rng);
   u[0] = 0.0; u[rows - 1] = 1.0 - 1e-12;
@@ -81,12 +86,34 @@ int run(int rows, int v, unsigned seed) {
     std::vector<float> lps(rows);
     float inv_t = (float)(1.0 / t);
     const int top_k = f.top_k >= v ? 0 : f.top_k;
-    emu_launch(Dim3{(unsigned)rows, 1, 1}, Dim3{DS_THREADS, 1, 1}, 0, [&] {
-      if constexpr (sizeof(T) == 4)
-        sample_inverse_cdf_f32(x.data(), u.data(), inv_t, tokens.data(), lps.data(), v, top_k, (float)f.top_p, (float)f.min_p);
-      else
-        sample_inverse_cdf_bf16(x.data(), u.data(), inv_t, tokens.data(), lps.data(), v, top_k, (float)f.top_p, (float)f.min_p);
-    });
+    if (top_k == 0 && f.top_p >= 1.0) {
+      // decode_cuda.rs's three part kernels, parts of `part_len` ids.
+      const int parts = (v + part_len - 1) / part_len;
+      std::vector<float> pm(rows * parts, NAN), ps(rows * parts, NAN);
+      std::vector<double> mass(rows * parts, NAN);
+      const float min_p = (float)f.min_p;
+      emu_launch(Dim3{(unsigned)parts, (unsigned)rows, 1}, Dim3{SP_THREADS, 1, 1}, 0, [&] {
+        if constexpr (sizeof(T) == 4) sample_parts_f32(x.data(), inv_t, pm.data(), ps.data(), v, part_len, parts);
+        else sample_parts_bf16(x.data(), inv_t, pm.data(), ps.data(), v, part_len, parts);
+      });
+      emu_launch(Dim3{(unsigned)parts, (unsigned)rows, 1}, Dim3{SP_THREADS, 1, 1}, 0, [&] {
+        if constexpr (sizeof(T) == 4) sample_part_mass_f32(x.data(), inv_t, pm.data(), ps.data(), mass.data(), v, part_len, parts, min_p);
+        else sample_part_mass_bf16(x.data(), inv_t, pm.data(), ps.data(), mass.data(), v, part_len, parts, min_p);
+      });
+      emu_launch(Dim3{(unsigned)rows, 1, 1}, Dim3{SP_THREADS, 1, 1}, 0, [&] {
+        if constexpr (sizeof(T) == 4)
+          sample_pick_f32(x.data(), u.data(), inv_t, pm.data(), ps.data(), mass.data(), tokens.data(), lps.data(), v, part_len, parts, min_p);
+        else
+          sample_pick_bf16(x.data(), u.data(), inv_t, pm.data(), ps.data(), mass.data(), tokens.data(), lps.data(), v, part_len, parts, min_p);
+      });
+    } else {
+      emu_launch(Dim3{(unsigned)rows, 1, 1}, Dim3{DS_THREADS, 1, 1}, 0, [&] {
+        if constexpr (sizeof(T) == 4)
+          sample_inverse_cdf_f32(x.data(), u.data(), inv_t, tokens.data(), lps.data(), v, top_k, (float)f.top_p, (float)f.min_p);
+        else
+          sample_inverse_cdf_bf16(x.data(), u.data(), inv_t, tokens.data(), lps.data(), v, top_k, (float)f.top_p, (float)f.min_p);
+      });
+    }
     for (int r = 0; r < rows; r++) {
       std::vector<double> xr(v);
       for (int i = 0; i < v; i++) xr[i] = back(x[r * v + i]);
@@ -103,7 +130,7 @@ int run(int rows, int v, unsigned seed) {
       if (!ok_tok || !ok_lp) { bad++; std::printf("  BAD row %d T %.1f filter (%d, %.2f, %.2f): got %u (%f) want %d (%f) margin %g\n", r, t, f.top_k, f.top_p, f.min_p, tokens[r], lps[r], pick, lp, margin); }
     }
   }
-  std::printf("sampler %s rows %d V %d: %d bad, %d compared\n", sizeof(T) == 4 ? "f32" : "bf16", rows, v, bad, compared);
+  std::printf("sampler %s rows %d V %d parts of %d: %d bad, %d compared\n", sizeof(T) == 4 ? "f32" : "bf16", rows, v, part_len, bad, compared);
   return bad;
 }
 
@@ -115,6 +142,8 @@ int main(int argc, char** argv) {
   bad += run<float>(48, 384, 1);
   bad += run<bf16>(48, 384, 2);
   bad += run<float>(9, 1000, 3);
+  bad += run<float>(9, 1000, 7, 37);
+  bad += run<bf16>(48, 384, 8, 64);
   if (!quick) {
     bad += run<float>(3, 151936, 4);
     bad += run<bf16>(3, 151936, 5);

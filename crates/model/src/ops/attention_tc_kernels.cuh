@@ -115,27 +115,6 @@ __device__ __forceinline__ void pipelined_kv_tiles(bf16* stages, const bf16* k, 
       });
 }
 
-// B operands of S = x·Tᵀ from a row-major tile T [·][D + 8] in shared memory (K, or q/∂O in
-// ∂K/∂V): for the 16 rows t0 .. t0 + 15 of T (two n = 8 tiles) and dims k0 .. k0 + 15, b[0..1]
-// for rows t0.. and b[2..3] for rows t0 + 8.. (one ldmatrix.x4; the B(k = dim, n = row)
-// fragment of a matrix stored [n][k] is ldmatrix's plain layout).
-template <int D>
-__device__ __forceinline__ void ld_b_rows(uint32_t (&b)[4], const bf16* t, int t0, int k0,
-                                          int lane) {
-  const int mi = lane >> 3, rr = lane & 7;
-  ldsm_x4(b, t + (t0 + (mi >> 1) * 8 + rr) * (D + 8) + k0 + (mi & 1) * 8);
-}
-
-// B operands of acc += a·T for a row-major tile T [k][D + 8] (V, or K in ∂Q, or q/∂O in
-// ∂K/∂V), k rows k0 .. k0 + 15 and the 16 columns c0 .. c0 + 15: b[0..1] for columns c0..,
-// b[2..3] for c0 + 8.. (one transposed ldmatrix.x4).
-template <int D>
-__device__ __forceinline__ void ld_b_cols(uint32_t (&b)[4], const bf16* t, int k0, int c0,
-                                          int lane) {
-  const int mi = lane >> 3, rr = lane & 7;
-  ldsm_x4_t(b, t + (k0 + (mi & 1) * 8 + rr) * (D + 8) + c0 + (mi >> 1) * 8);
-}
-
 // A warp's 16 query rows w0 .. w0 + 15 of a block and this lane's two of them, w0 + gid (r = 0)
 // and w0 + gid + 8 (r = 1), with their segments' starts. A row past n gets the segment start
 // INT_MAX: no key is valid for it.

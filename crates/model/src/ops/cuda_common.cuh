@@ -158,3 +158,27 @@ __device__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b
 __device__ void ldsm_x4(uint32_t (&r)[4], const bf16* p);
 __device__ void ldsm_x4_t(uint32_t (&r)[4], const bf16* p);
 #endif
+
+// ---- Tensor-core operands from shared-memory tiles of rows padded to D + 8 bf16 (the
+// attention kernels' K/V/q tiles and the paged decode's key and value tiles) ----
+
+// B operands of S = x·Tᵀ from a row-major tile T [·][D + 8] in shared memory (K, or q/∂O in
+// ∂K/∂V): for the 16 rows t0 .. t0 + 15 of T (two n = 8 tiles) and dims k0 .. k0 + 15, b[0..1]
+// for rows t0.. and b[2..3] for rows t0 + 8.. (one ldmatrix.x4; the B(k = dim, n = row)
+// fragment of a matrix stored [n][k] is ldmatrix's plain layout).
+template <int D>
+__device__ __forceinline__ void ld_b_rows(uint32_t (&b)[4], const bf16* t, int t0, int k0,
+                                          int lane) {
+  const int mi = lane >> 3, rr = lane & 7;
+  ldsm_x4(b, t + (t0 + (mi >> 1) * 8 + rr) * (D + 8) + k0 + (mi & 1) * 8);
+}
+
+// B operands of acc += a·T for a row-major tile T [k][D + 8] (V, or K in ∂Q, or q/∂O in
+// ∂K/∂V), k rows k0 .. k0 + 15 and the 16 columns c0 .. c0 + 15: b[0..1] for columns c0..,
+// b[2..3] for c0 + 8.. (one transposed ldmatrix.x4).
+template <int D>
+__device__ __forceinline__ void ld_b_cols(uint32_t (&b)[4], const bf16* t, int k0, int c0,
+                                          int lane) {
+  const int mi = lane >> 3, rr = lane & 7;
+  ldsm_x4_t(b, t + (k0 + (mi & 1) * 8 + rr) * (D + 8) + c0 + (mi >> 1) * 8);
+}

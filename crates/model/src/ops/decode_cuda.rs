@@ -4,7 +4,7 @@
 //! and `tests/paged_kv.rs` compares both with a dense reference on `$COMPOSER_TEST_DEVICE`.
 
 use super::cuda::{alloc, kernel_name, typed, view};
-use super::decode_plan::{DecodePlan, DECODE_THREADS};
+use super::decode_plan::{decode_tc_shared_bytes, DecodePlan, DECODE_TC_THREADS, DECODE_THREADS};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
@@ -19,7 +19,8 @@ const MODULE: &str = "composer_model_decode";
 /// (u32 `[rows]`), both on q's device. The caller checked the shapes and that every slot
 /// the tables reach lies inside the pools. With more than one chunk of keys per row
 /// (`plan.splits > 1`), each chunk's partial sums go to an f32 workspace and a second kernel
-/// merges them.
+/// merges them. bf16 at head_dim 64/128 with ≤ 16 query heads per KV head runs the
+/// tensor-core kernel (`decode_tc_kernels.cuh`; same chunks, same partials).
 pub(super) fn paged_decode(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
@@ -67,7 +68,12 @@ pub(super) fn paged_decode(
         let kv = view::<T>(k.0, k.1, "paged attention keys")?;
         let vv = view::<T>(v.0, v.1, "paged attention values")?;
         let out = alloc::<T>(&dev, rows * hq * d)?;
-        let f = dev.get_or_load_custom_func(&kernel_name("paged_decode", dtype)?, MODULE, PTX)?;
+        let tc = decode_tc_shared_bytes(dtype == DType::BF16, hq / hkv, d);
+        let name = match tc {
+            Some(_) => format!("paged_decode_tc_d{d}_bf16"),
+            None => kernel_name("paged_decode", dtype)?,
+        };
+        let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let mut b = f.builder();
         b.arg(&qv).arg(&kv).arg(&vv).arg(&tv).arg(&lv).arg(&out);
         match &parts {
@@ -78,10 +84,14 @@ pub(super) fn paged_decode(
             b.arg(x);
         }
         b.arg(&scale);
+        let (threads, shared_bytes) = match tc {
+            Some(bytes) => (DECODE_TC_THREADS, bytes),
+            None => (DECODE_THREADS, plan.shared_bytes),
+        };
         let cfg = LaunchConfig {
             grid_dim: ((rows * hkv) as u32, splits as u32, 1),
-            block_dim: (DECODE_THREADS as u32, 1, 1),
-            shared_mem_bytes: plan.shared_bytes as u32,
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: shared_bytes as u32,
         };
         // SAFETY: the arguments match the kernel's signature; the partial buffers are null
         // only when splits == 1 (the kernel then writes `out` directly); every slot the
@@ -109,14 +119,23 @@ pub(super) fn paged_decode(
     })
 }
 
-/// Threads per block of the sampling kernel (`DS_THREADS`).
+/// Threads per block of the one-block-per-row sampling kernel (`DS_THREADS`), used with top-k
+/// or top-p.
 const SAMPLE_THREADS: u32 = 1024;
+
+/// Threads per block of the three part kernels (`SP_THREADS`).
+const SAMPLE_PART_THREADS: u32 = 256;
+
+/// Ids per part of a row in the part kernels: V = 151,936 makes 38 parts a row, so even one
+/// row spreads over 38 SMs, and 64 rows over 2,432 blocks.
+const SAMPLE_PART: usize = 4096;
 
 /// Draws one token per row of `logits` `[rows, V]` (f32 or bf16, on the CUDA device) at
 /// temperature `1 / inv_t` from what `filter` keeps, by inverse CDF at `uniforms[row]` (the CPU
-/// sampler's draw, see `sample_inverse_cdf` in decode_kernels.cu); returns the tokens and
-/// their log-probs. Only `rows` uniforms go to the device and `rows` tokens and log-probs come
-/// back.
+/// sampler's draw, see the sampling kernels in decode_kernels.cu); returns the tokens and
+/// their log-probs. Without top-k and top-p, three launches over parts of every row; with
+/// them, one block per row. Only `rows` uniforms go to the device and `rows` tokens and
+/// log-probs come back.
 pub(crate) fn sample_inverse_cdf(
     logits: &Tensor,
     uniforms: &[f64],
@@ -154,28 +173,79 @@ pub(crate) fn sample_inverse_cdf(
         filter.top_k as i32
     };
     let (top_p, min_p) = (filter.top_p as f32, filter.min_p as f32);
+    // The rows are the part kernels' second grid axis (at most 65,535).
+    let by_parts = top_k == 0 && filter.top_p >= 1.0 && rows <= 65_535;
     typed!(dtype, "sampling", |T| {
         let lv = view::<T>(s, l, "sampling logits")?;
-        let f =
-            dev.get_or_load_custom_func(&kernel_name("sample_inverse_cdf", dtype)?, MODULE, PTX)?;
-        let mut b = f.builder();
-        b.arg(&lv)
-            .arg(&u)
-            .arg(&inv_t)
-            .arg(&tokens)
-            .arg(&logprobs)
-            .arg(&v_i)
-            .arg(&top_k)
-            .arg(&top_p)
-            .arg(&min_p);
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (SAMPLE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match the kernel's signature; `u`, `tokens` and `logprobs`
-        // hold `rows` elements, the logits `rows · vocab`.
-        unsafe { b.launch(cfg) }.w()?;
+        let load =
+            |name: &str| dev.get_or_load_custom_func(&kernel_name(name, dtype)?, MODULE, PTX);
+        if by_parts {
+            let parts = vocab.div_ceil(SAMPLE_PART);
+            let (part_len, parts_i) = (SAMPLE_PART as i32, parts as i32);
+            let part_m = alloc::<f32>(&dev, rows * parts)?;
+            let part_s = alloc::<f32>(&dev, rows * parts)?;
+            let part_mass = alloc::<f64>(&dev, rows * parts)?;
+            let over_parts = LaunchConfig {
+                grid_dim: (parts as u32, rows as u32, 1),
+                block_dim: (SAMPLE_PART_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let f = load("sample_parts")?;
+            let mut b = f.builder();
+            b.arg(&lv).arg(&inv_t).arg(&part_m).arg(&part_s);
+            b.arg(&v_i).arg(&part_len).arg(&parts_i);
+            // SAFETY: the arguments match the kernel's signature; the part buffers hold
+            // `rows · parts` elements, the logits `rows · vocab`.
+            unsafe { b.launch(over_parts) }.w()?;
+            let f = load("sample_part_mass")?;
+            let mut b = f.builder();
+            b.arg(&lv)
+                .arg(&inv_t)
+                .arg(&part_m)
+                .arg(&part_s)
+                .arg(&part_mass);
+            b.arg(&v_i).arg(&part_len).arg(&parts_i).arg(&min_p);
+            // SAFETY: as above; the first kernel wrote every part's max and sum.
+            unsafe { b.launch(over_parts) }.w()?;
+            let f = load("sample_pick")?;
+            let mut b = f.builder();
+            b.arg(&lv)
+                .arg(&u)
+                .arg(&inv_t)
+                .arg(&part_m)
+                .arg(&part_s)
+                .arg(&part_mass);
+            b.arg(&tokens).arg(&logprobs);
+            b.arg(&v_i).arg(&part_len).arg(&parts_i).arg(&min_p);
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (SAMPLE_PART_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: as above; `u`, `tokens` and `logprobs` hold `rows` elements and the
+            // second kernel wrote every part's mass.
+            unsafe { b.launch(cfg) }.w()?;
+        } else {
+            let f = load("sample_inverse_cdf")?;
+            let mut b = f.builder();
+            b.arg(&lv)
+                .arg(&u)
+                .arg(&inv_t)
+                .arg(&tokens)
+                .arg(&logprobs)
+                .arg(&v_i)
+                .arg(&top_k)
+                .arg(&top_p)
+                .arg(&min_p);
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (SAMPLE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the arguments match the kernel's signature; `u`, `tokens` and
+            // `logprobs` hold `rows` elements, the logits `rows · vocab`.
+            unsafe { b.launch(cfg) }.w()?;
+        }
     });
     Ok((dev.clone_dtoh(&tokens)?, dev.clone_dtoh(&logprobs)?))
 }

@@ -339,19 +339,26 @@ __device__ void paged_decode_combine(const float* __restrict__ part_o,
   out[(size_t)h * d + col] = from_f<T>(num / den);
 }
 
-// ---- Inverse-CDF sampling of one token per row of logits [rows, V], one block per row ----
-// As the CPU sampler: x = logits·inv_t in f32, logp = x − (m + ln Σ e^{x − m}) (m the row max),
-// p = e^{logp}. The filters keep the tokens with x ≥ cut (see `filter_cut`); the token is the
-// first kept id, in id order, whose cumulative p (f64) exceeds u·Σp_kept with p > 0
-// (u = uniforms[row]); a target past the end (rounding) takes the last kept id with p > 0.
-// Writes the token and its (unfiltered) logp. Thread t owns the ids of segment t (contiguous,
-// ⌈V / blockDim⌉ each): segment sums, a block-wide scan of them, then the owning thread walks
-// its segment. blockDim.x = DS_THREADS: 1,024 threads, as a row's passes over V = 151,936
-// logits are latency-bound per thread (one block per row; 256 threads took 453 µs for 64 rows
-// on an H200, 2026-11-27).
+// ---- Inverse-CDF sampling of one token per row of logits [rows, V] ----
+// As the CPU sampler: x = logits·inv_t in f32, logp = x − lse (lse = m + ln Σ e^{x − m}, m the
+// row max), p = e^{logp}. The filters keep the tokens with x ≥ cut (see `filter_cut`); the
+// token is the first kept id, in id order, whose cumulative p (f64) exceeds u·Σp_kept with
+// p > 0 (u = uniforms[row]); a target past the end (rounding) takes the last kept id with
+// p > 0. Writes the token and its (unfiltered) logp. Two ways:
+// - no top-k or top-p (min-p or nothing: the cut needs only the row max), three launches over
+//   parts of SP_PART ids of every row, a block per (part, row): sample_parts (each part's max
+//   and Σ e^{x − max}), sample_part_mass (lse from the parts, each part's kept mass), then
+//   sample_pick, a block per row: the part where the cumulative mass crosses u·Σ, and the
+//   token within it by `draw_in_range`. One block per row reading all of V = 151,936 logits
+//   took 123 µs for 64 rows on an H200 (2026-11-27, 1,024 threads): a row's passes are
+//   latency-bound within one SM; parts spread them over the card.
+// - top-k or top-p: one block per row (sample_inverse_cdf), the cuts by bisection (32 passes
+//   over the row each), then `draw_in_range` over the whole row. blockDim.x = DS_THREADS.
 #ifndef DS_THREADS  // tools/cuda_emu builds it smaller too: the scan must not depend on it
 #define DS_THREADS 1024
 #endif
+// Threads of the three part kernels' blocks.
+#define SP_THREADS 256
 
 // A float's position in the total order of floats, as an unsigned key (larger float, larger key).
 __device__ __forceinline__ uint32_t order_key(float f) {
@@ -418,45 +425,45 @@ __device__ float filter_cut(const T* x, int v, float inv_t, float m, int top_k, 
   return cut;
 }
 
+// Block-wide max and sum of floats (every thread gets the result); `part` holds 32 slots.
+__device__ float ds_block_max(float v, float* part) {
+  v = warp_max(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  float r = -INFINITY;
+  for (int w = 0; w < (int)(blockDim.x >> 5); w++) r = fmaxf(r, part[w]);
+  __syncthreads();  // `part` is reused by the next call
+  return r;
+}
+__device__ float ds_block_sum_f(float v, float* part) {
+  v = warp_sum(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  float r = 0.f;
+  for (int w = 0; w < (int)(blockDim.x >> 5); w++) r += part[w];
+  __syncthreads();
+  return r;
+}
+
+// The token at `target` in the kept mass of x[lo, hi) (x the row's logits; p = e^{x·inv_t −
+// lse}, kept when x·inv_t ≥ cut; f64 sums), `base` the kept mass before lo. Thread t owns the
+// ids of segment t (contiguous, ⌈(hi − lo) / blockDim⌉ each): segment sums, a block-wide scan
+// of them, then the owning thread walks its segment to the first kept id with p > 0 whose
+// cumulative mass exceeds the target; a target past the range (rounding) takes its last kept
+// id with p > 0. Writes the token and its unfiltered log-prob x·inv_t − lse.
 template <typename T>
-__device__ void sample_inverse_cdf(const T* __restrict__ logits,
-                                   const double* __restrict__ uniforms, float inv_t,
-                                   uint32_t* __restrict__ tokens, float* __restrict__ logprobs,
-                                   int v, int top_k, float top_p, float min_p) {
-  __shared__ float part[DS_THREADS / 32];
-  __shared__ double dpart[DS_THREADS / 32];
-  __shared__ double warp_base[32];
-  __shared__ float row_lse;
-  __shared__ double row_total;
-  __shared__ int found, last_with_mass;
-  const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+__device__ void draw_in_range(const T* x, int lo_range, int hi_range, float inv_t, float cut,
+                              float lse, double base, double target, uint32_t* token,
+                              float* logprob) {
+  __shared__ double dr_part[32];
+  __shared__ double dr_warp_base[32];
+  __shared__ int dr_found, dr_last_with_mass;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nwarps = blockDim.x >> 5;
-  const T* x = logits + (size_t)row * v;
-
-  float m = -INFINITY;
-  for (int i = tid; i < v; i += blockDim.x) m = fmaxf(m, to_f(x[i]) * inv_t);
-  m = warp_max(m);
-  if (lane == 0) part[warp] = m;
-  __syncthreads();
-  m = -INFINITY;
-  for (int w = 0; w < nwarps; w++) m = fmaxf(m, part[w]);
-  __syncthreads();  // `part` is reused below
-  float z = 0.f;
-  for (int i = tid; i < v; i += blockDim.x) z += expf(to_f(x[i]) * inv_t - m);
-  z = warp_sum(z);
-  if (lane == 0) part[warp] = z;
-  __syncthreads();
-  if (tid == 0) {
-    float total = 0.f;
-    for (int w = 0; w < nwarps; w++) total += part[w];
-    row_lse = logf(total) + m;
-  }
-  __syncthreads();
-  const float lse = row_lse;
-  const float cut = filter_cut(x, v, inv_t, m, top_k, top_p, min_p, dpart);
-
-  const int per = (v + blockDim.x - 1) / blockDim.x;
-  const int lo = min(v, tid * per), hi = min(v, lo + per);
+  const int per = (hi_range - lo_range + blockDim.x - 1) / blockDim.x;
+  const int lo = min(hi_range, lo_range + tid * per), hi = min(hi_range, lo + per);
   double s = 0.0;
   for (int i = lo; i < hi; i++) {
     const float xi = to_f(x[i]) * inv_t;
@@ -472,34 +479,32 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
   }
   double excl = __shfl_up_sync(FULL_MASK, incl, 1);
   if (lane == 0) excl = 0.0;
-  if (lane == 31) dpart[warp] = incl;
+  if (lane == 31) dr_part[warp] = incl;
   __syncthreads();
   if (warp == 0) {
-    double w_incl = lane < nwarps ? dpart[lane] : 0.0;
+    double w_incl = lane < nwarps ? dr_part[lane] : 0.0;
     for (int o = 1; o < 32; o <<= 1) {
       const double up = __shfl_up_sync(FULL_MASK, w_incl, o);
       if (lane >= o) w_incl += up;
     }
     double w_excl = __shfl_up_sync(FULL_MASK, w_incl, 1);
     if (lane == 0) w_excl = 0.0;
-    warp_base[lane] = w_excl;
-    if (lane == nwarps - 1) row_total = w_incl;
+    dr_warp_base[lane] = base + w_excl;
     if (lane == 0) {
-      found = 0x7fffffff;
-      last_with_mass = 0;
+      dr_found = 0x7fffffff;
+      dr_last_with_mass = 0;
     }
   }
   __syncthreads();
-  const double before = warp_base[warp] + excl, after = warp_base[warp] + incl;
+  const double before = dr_warp_base[warp] + excl, after = dr_warp_base[warp] + incl;
   // The target's segment is the first whose mass ends past it, else (rounding) the last one
   // with mass.
-  const double target = uniforms[row] * row_total;
   if (after > before) {
-    atomicMax(&last_with_mass, tid);
-    if (after > target) atomicMin(&found, tid);
+    atomicMax(&dr_last_with_mass, tid);
+    if (after > target) atomicMin(&dr_found, tid);
   }
   __syncthreads();
-  if (tid == (found != 0x7fffffff ? found : last_with_mass)) {
+  if (tid == (dr_found != 0x7fffffff ? dr_found : dr_last_with_mass)) {
     double acc = before;
     int pick = -1, last = lo;
     for (int i = lo; i < hi; i++) {
@@ -513,9 +518,138 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
       }
     }
     if (pick < 0) pick = last;
-    tokens[row] = (uint32_t)pick;
-    logprobs[row] = to_f(x[pick]) * inv_t - lse;
+    *token = (uint32_t)pick;
+    *logprob = to_f(x[pick]) * inv_t - lse;
   }
+  __syncthreads();  // the shared state is reused by the next call
+}
+
+// Top-k or top-p: one block of DS_THREADS per row.
+template <typename T>
+__device__ void sample_inverse_cdf(const T* __restrict__ logits,
+                                   const double* __restrict__ uniforms, float inv_t,
+                                   uint32_t* __restrict__ tokens, float* __restrict__ logprobs,
+                                   int v, int top_k, float top_p, float min_p) {
+  __shared__ float part[DS_THREADS / 32];
+  __shared__ double dpart[DS_THREADS / 32];
+  const int row = blockIdx.x, tid = threadIdx.x;
+  const T* x = logits + (size_t)row * v;
+
+  float m = -INFINITY;
+  for (int i = tid; i < v; i += blockDim.x) m = fmaxf(m, to_f(x[i]) * inv_t);
+  m = ds_block_max(m, part);
+  float z = 0.f;
+  for (int i = tid; i < v; i += blockDim.x) z += expf(to_f(x[i]) * inv_t - m);
+  const float lse = logf(ds_block_sum_f(z, part)) + m;
+  const float cut = filter_cut(x, v, inv_t, m, top_k, top_p, min_p, dpart);
+  double kept = 0.0;
+  for (int i = tid; i < v; i += blockDim.x) {
+    const float xi = to_f(x[i]) * inv_t;
+    if (xi >= cut) kept += (double)expf(xi - lse);
+  }
+  const double target = uniforms[row] * ds_block_sum(kept, dpart);
+  draw_in_range(x, 0, v, inv_t, cut, lse, 0.0, target, tokens + row, logprobs + row);
+}
+
+// The row's lse from its parts' maxima and exp-sums (in part order: every block of the row
+// gets the same bits), and its row max.
+__device__ float parts_lse(const float* part_m, const float* part_s, int parts, float* row_max) {
+  float m = -INFINITY;
+  for (int p = 0; p < parts; p++) m = fmaxf(m, part_m[p]);
+  float z = 0.f;
+  for (int p = 0; p < parts; p++)
+    if (part_s[p] > 0.f) z += part_s[p] * expf(part_m[p] - m);
+  *row_max = m;
+  return logf(z) + m;
+}
+
+// Part p (blockIdx.x) of row blockIdx.y: its max x·inv_t and Σ e^{x·inv_t − max} into
+// part_m / part_s [rows, parts]. blockDim.x = SP_THREADS.
+template <typename T>
+__device__ void sample_parts(const T* __restrict__ logits, float inv_t, float* __restrict__ part_m,
+                             float* __restrict__ part_s, int v, int part_len, int parts) {
+  __shared__ float red[32];
+  const int p = blockIdx.x, row = blockIdx.y;
+  const int lo = p * part_len, hi = min(v, lo + part_len);
+  const T* x = logits + (size_t)row * v;
+  float m = -INFINITY;
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) m = fmaxf(m, to_f(x[i]) * inv_t);
+  m = ds_block_max(m, red);
+  float z = 0.f;
+  if (m > -INFINITY)
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) z += expf(to_f(x[i]) * inv_t - m);
+  z = ds_block_sum_f(z, red);
+  if (threadIdx.x == 0) {
+    part_m[(size_t)row * parts + p] = m;
+    part_s[(size_t)row * parts + p] = z;
+  }
+}
+
+// Part p (blockIdx.x) of row blockIdx.y: its kept mass Σ e^{x·inv_t − lse} (f64, x·inv_t ≥
+// the min-p cut m + ln min_p, or all) into part_mass [rows, parts]. blockDim.x = SP_THREADS.
+template <typename T>
+__device__ void sample_part_mass(const T* __restrict__ logits, float inv_t,
+                                 const float* __restrict__ part_m,
+                                 const float* __restrict__ part_s,
+                                 double* __restrict__ part_mass, int v, int part_len, int parts,
+                                 float min_p) {
+  __shared__ double red[32];
+  const int p = blockIdx.x, row = blockIdx.y;
+  const int lo = p * part_len, hi = min(v, lo + part_len);
+  const T* x = logits + (size_t)row * v;
+  float m;
+  const float lse = parts_lse(part_m + (size_t)row * parts, part_s + (size_t)row * parts, parts, &m);
+  const float cut = min_p > 0.f ? m + logf(min_p) : -INFINITY;
+  double mass = 0.0;
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const float xi = to_f(x[i]) * inv_t;
+    if (xi >= cut) mass += (double)expf(xi - lse);
+  }
+  mass = ds_block_sum(mass, red);
+  if (threadIdx.x == 0) part_mass[(size_t)row * parts + p] = mass;
+}
+
+// Row blockIdx.x: the first part whose cumulative kept mass exceeds u·Σ (else, rounding, the
+// last with mass), then the token within it. blockDim.x = SP_THREADS.
+template <typename T>
+__device__ void sample_pick(const T* __restrict__ logits, const double* __restrict__ uniforms,
+                            float inv_t, const float* __restrict__ part_m,
+                            const float* __restrict__ part_s,
+                            const double* __restrict__ part_mass, uint32_t* __restrict__ tokens,
+                            float* __restrict__ logprobs, int v, int part_len, int parts,
+                            float min_p) {
+  __shared__ int chosen;
+  __shared__ double chosen_base, chosen_target;
+  const int row = blockIdx.x;
+  const T* x = logits + (size_t)row * v;
+  const double* mass = part_mass + (size_t)row * parts;
+  float m;
+  const float lse = parts_lse(part_m + (size_t)row * parts, part_s + (size_t)row * parts, parts, &m);
+  const float cut = min_p > 0.f ? m + logf(min_p) : -INFINITY;
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+    for (int p = 0; p < parts; p++) total += mass[p];
+    const double target = uniforms[row] * total;
+    // The first part with mass whose cumulative mass ends past the target, else (rounding)
+    // the last with mass; `base` the mass before it.
+    double before = 0.0, base = 0.0;
+    int pick = 0;
+    for (int p = 0; p < parts; p++) {
+      if (mass[p] > 0.0) {
+        pick = p;
+        base = before;
+        if (before + mass[p] > target) break;
+      }
+      before += mass[p];
+    }
+    chosen = pick;
+    chosen_base = base;
+    chosen_target = target;
+  }
+  __syncthreads();
+  const int lo = chosen * part_len, hi = min(v, lo + part_len);
+  draw_in_range(x, lo, hi, inv_t, cut, lse, chosen_base, chosen_target, tokens + row,
+                logprobs + row);
 }
 
 // ---- The decode step's new keys and values into their cache slots, in place, both in one
@@ -552,6 +686,23 @@ __device__ void kv_write(T* pool, const T* kv, const uint32_t* slots, int rows, 
       int v, int top_k, float top_p, float min_p) {                                            \
     sample_inverse_cdf<T>(logits, uniforms, inv_t, tokens, logprobs, v, top_k, top_p, min_p);  \
   }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(SP_THREADS) sample_parts_##SFX(                 \
+      const T* logits, float inv_t, float* part_m, float* part_s, int v, int part_len,         \
+      int parts) {                                                                             \
+    sample_parts<T>(logits, inv_t, part_m, part_s, v, part_len, parts);                        \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(SP_THREADS) sample_part_mass_##SFX(             \
+      const T* logits, float inv_t, const float* part_m, const float* part_s,                  \
+      double* part_mass, int v, int part_len, int parts, float min_p) {                        \
+    sample_part_mass<T>(logits, inv_t, part_m, part_s, part_mass, v, part_len, parts, min_p);  \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(SP_THREADS) sample_pick_##SFX(                  \
+      const T* logits, const double* uniforms, float inv_t, const float* part_m,               \
+      const float* part_s, const double* part_mass, uint32_t* tokens, float* logprobs, int v,  \
+      int part_len, int parts, float min_p) {                                                  \
+    sample_pick<T>(logits, uniforms, inv_t, part_m, part_s, part_mass, tokens, logprobs, v,    \
+                   part_len, parts, min_p);                                                    \
+  }                                                                                            \
   extern "C" __global__ void kv_write_##SFX(T* pool, const T* kv, const uint32_t* slots,       \
                                             int rows, int slot_count, int width) {             \
     kv_write<T>(pool, kv, slots, rows, slot_count, width);                                     \
@@ -559,3 +710,16 @@ __device__ void kv_write(T* pool, const T* kv, const uint32_t* slots, int rows, 
 
 DK_INSTANTIATE(float, f32)
 DK_INSTANTIATE(bf16, bf16)
+
+#include "decode_tc_kernels.cuh"
+
+#define DT_INSTANTIATE(D)                                                                      \
+  extern "C" __global__ void __launch_bounds__(32 * DT_WARPS) paged_decode_tc_d##D##_bf16(     \
+      const bf16* q, const bf16* k, const bf16* v, const uint32_t* tables,                     \
+      const uint32_t* lens, bf16* out, float* part_o, float* part_m, float* part_l, int hq,    \
+      int hkv, int d, int block_size, int max_blocks, int chunk, int splits, float scale) {    \
+    paged_decode_tc<D>(q, k, v, tables, lens, out, part_o, part_m, part_l, hq, hkv, d,         \
+                       block_size, max_blocks, chunk, splits, scale);                          \
+  }
+DT_INSTANTIATE(64)
+DT_INSTANTIATE(128)

@@ -106,6 +106,34 @@ pub(super) fn decode_plan(
     })
 }
 
+/// Threads of a block of the tensor-core kernel (4 warps: `DT_WARPS` in decode_tc_kernels.cuh).
+#[cfg(feature = "cuda")]
+pub(crate) const DECODE_TC_THREADS: usize = 32 * 4;
+
+/// The tensor-core paged decode kernel (`paged_decode_tc_d{64,128}_bf16`): whether it serves
+/// a step (bf16, head_dim 64 or 128, at most 16 query heads per KV head — the rows of its
+/// products — unless `COMPOSER_DECODE_TC=0`, the scalar and vectorised kernel instead: a
+/// diagnostic and the GPU check's baseline), and if so its dynamic shared memory: a round of
+/// 4 warps' key tiles (32 keys each at head_dim 64, 16 at 128), keys and values in rows of
+/// head_dim + 8 bf16, then the round's u32 slots. It runs the same chunks as [`decode_plan`].
+#[cfg(feature = "cuda")]
+pub(super) fn decode_tc_shared_bytes(bf16: bool, n_rep: usize, head_dim: usize) -> Option<usize> {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("COMPOSER_DECODE_TC").is_ok_and(|v| v == "0"));
+    tc_shared_bytes(bf16 && !off, n_rep, head_dim)
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn tc_shared_bytes(bf16: bool, n_rep: usize, head_dim: usize) -> Option<usize> {
+    let tile = match head_dim {
+        64 => 32,
+        128 => 16,
+        _ => return None,
+    };
+    let round = 4 * tile;
+    (bf16 && (1..=16).contains(&n_rep)).then_some(2 * round * (head_dim + 8) * 2 + 4 * round)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -141,5 +169,23 @@ mod tests {
         assert_eq!(decode_plan(1, 1, 320, 16, 10), None);
         assert_eq!(decode_plan(1, 64, 256, 16, 10), None);
         assert_eq!(decode_plan(1, 1, 64, 16, 256 * 65_536), None);
+    }
+
+    /// The tensor-core kernel: bf16 at head_dim 64 or 128 with at most 16 query heads a KV
+    /// head, in the 48 KiB a block may use without opting in (its combine reuses the key and
+    /// value rows for 4 warps' 16 × head_dim f32 sums, so those must fit too).
+    #[test]
+    fn tensor_core_decode_fits_shared_memory() {
+        for (d, n_rep) in [(64, 7), (128, 16), (64, 1)] {
+            let bytes = tc_shared_bytes(true, n_rep, d).unwrap();
+            assert!(bytes <= DECODE_SHARED_LIMIT, "{d}: {bytes}");
+            let tile = if d == 64 { 32 } else { 16 };
+            assert!(4 * 16 * d * 4 + 2 * 4 * 16 * 4 <= 2 * 4 * tile * (d + 8) * 2);
+        }
+        assert_eq!(tc_shared_bytes(true, 7, 64), Some(37_376));
+        assert_eq!(tc_shared_bytes(false, 7, 64), None);
+        assert_eq!(tc_shared_bytes(true, 17, 128), None);
+        assert_eq!(tc_shared_bytes(true, 7, 80), None);
+        assert_eq!(tc_shared_bytes(true, 0, 64), None);
     }
 }

@@ -248,7 +248,8 @@ fn draw_rows_cpu(
     Ok(drawn.into_iter().unzip())
 }
 
-/// The CPU twin of the CUDA sampler (`sample_inverse_cdf` in `decode_kernels.cu`), a task per
+/// The CPU twin of the CUDA sampler (`decode_kernels.cu`: `sample_inverse_cdf`, or the part
+/// kernels `sample_parts` / `sample_part_mass` / `sample_pick` without top-k/top-p), a task per
 /// row: `x = logits·inv_t`, `lse = m + ln Σ e^{x−m}` ([`row_sums`]), the filters' cut ([`filter_cut`] on
 /// `x − m`), then the first kept id whose cumulative `p = e^{x − lse}` (summed in f64)
 /// exceeds `u · Σ p_kept`; a target past the end (rounding) takes the last kept id with
