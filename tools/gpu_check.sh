@@ -6,7 +6,7 @@
 # benchmarks next to PyTorch on the same card; a table is printed last. Logs: $OUT/logs.tar.gz.
 #   SECTIONS="tests e2e bench05 bench06 bench7b ckpt compile05 rollout" (default), or lora7b, or
 #   first and second (a session's 15 minutes of device time as two calls: "tests bench05
-#   compile05 attn profile", then "bench7b ckpt rollout"), or
+#   compile05 attn profile", then "ckpt bench7b rollout"), or
 #   profile (tools/cupti_profile: GPU time per kernel in each phase of a training step and a
 #   decode, files profile-*.txt in $OUT), or
 #   attn (a short check of the newest kernels: the tests ops_attention and ops_step, again on
@@ -23,7 +23,7 @@ W=/tmp/gpu-work
 rm -rf "$W" && mkdir -p "$OUT" "$W"
 SECTIONS=${SECTIONS:-"tests e2e bench05 bench06 bench7b ckpt compile05 rollout"}
 [ "$SECTIONS" = first ] && SECTIONS="tests bench05 compile05 attn profile"
-[ "$SECTIONS" = second ] && SECTIONS="bench7b ckpt rollout"
+[ "$SECTIONS" = second ] && SECTIONS="ckpt bench7b rollout"
 BUDGET_S=${BUDGET_S:-540}
 T0=$(date +%s)
 # lim N: N seconds, or what is left of the budget before the summary (25 s), if that is less.
@@ -216,17 +216,17 @@ if want bench06; then
   bench "c06-t1pfn" 150 "$BIN" bench model --shape qwen3-0.6b --device cuda --dtype bf16 --json --batch 1 --train-seq-len 16384 --skip-decode --padding-free
   bench "te06-t1" 150 $TORCH --shape qwen3-0.6b --batch 1 --train-seq-len 16384 --skip-decode
 fi
+if want ckpt; then
+  # The same workloads with per-layer gradient checkpointing: memory against speed.
+  bench "c05-t64c" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 64 --train-seq-len 512 --skip-decode --gradient-checkpointing
+  bench "c7-t8c" 200 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 8 --train-seq-len 1024 --lora 16 --skip-decode --gradient-checkpointing
+fi
 if want bench7b; then
   bench "c7-t8" 200 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 8 --train-seq-len 1024 --lora 16 --skip-decode
   bench "te7-t8" 200 $TORCH --shape qwen2.5-7b --batch 8 --train-seq-len 1024 --lora 16 --skip-decode
   bench "c7-d" 200 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 1,64 --skip-train --cuda-graphs
 fi
 
-if want ckpt; then
-  # The same workloads with per-layer gradient checkpointing: memory against speed.
-  bench "c05-t64c" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 64 --train-seq-len 512 --skip-decode --gradient-checkpointing
-  bench "c7-t8c" 200 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 8 --train-seq-len 1024 --lora 16 --skip-decode --gradient-checkpointing
-fi
 if want lora7b; then
   # composer-rl alone: the 7B LoRA step with and without per-layer checkpointing.
   bench "c7-t8" 200 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 8 --train-seq-len 1024 --lora 16 --skip-decode

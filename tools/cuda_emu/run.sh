@@ -9,8 +9,9 @@
 # SANITIZE=address (default: ASan + UBSan, out-of-bounds global/shared memory and undefined
 # behaviour abort), thread (TSan: a missing __syncthreads shows as a data race) or none
 # (plain -O2, fastest). Exits non-zero when a build fails or a driver reports FAIL.
-# EMU_DEFINES="-DDS_THREADS=64": extra compiler flags (the sampler's block size is a macro; 1,024
-# host threads per block make its driver slow, and the kernel's scan must work at any size).
+# EMU_DEFINES="-DDS_THREADS=64 -DSP_THREADS=32": extra compiler flags (the sampler's block sizes
+# are macros; 1,024 or 256 host threads per block make its driver slow, and its kernels must
+# work at any size).
 # Needs g++ >= 11 (C++20 <barrier>, std::atomic_ref).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

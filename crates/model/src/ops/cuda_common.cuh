@@ -182,3 +182,98 @@ __device__ __forceinline__ void ld_b_cols(uint32_t (&b)[4], const bf16* t, int k
   const int mi = lane >> 3, rr = lane & 7;
   ldsm_x4_t(b, t + (k0 + (mi & 1) * 8 + rr) * (D + 8) + c0 + (mi >> 1) * 8);
 }
+
+// One tile of BK keys for a warp's 16 query rows (the var-len attention's tokens, or the paged
+// decode's query heads): S = q·Kᵀ (qf: the rows' A fragments), scores in base 2 (scale2 =
+// scale·log2 e), the online softmax update of this lane's two rows' m, l and o, then o += P·V
+// with P rounded to bf16 (ks, vs: the tile's keys and values in shared memory, rows of D + 8).
+// Key j (0 .. BK − 1) of row r (0: gid, 1: gid + 8) counts when `all` or keep(r, j); else its
+// score is −∞. A row with no key yet keeps p = 0.
+template <int D, int BK, class Keep>
+__device__ __forceinline__ void flash_tile(const bf16* ks, const bf16* vs,
+                                           const uint32_t (&qf)[D / 16][4], float (&o)[D / 8][4],
+                                           float (&m)[2], float (&l)[2], float scale2, int lane,
+                                           int tig, bool all, Keep keep) {
+  float s[BK / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; nt += 2) {
+      // B(k = dim, n = key) = K[key][dim]: keys nt·8 .. nt·8 + 15, dims kk·16 ...
+      uint32_t b[4];
+      ld_b_rows<D>(b, ks, nt * 8, kk * 16, lane);
+      mma_bf16_16816(s[nt], qf[kk], b[0], b[1]);
+      mma_bf16_16816(s[nt + 1], qf[kk], b[2], b[3]);
+    }
+  float mx[2] = {-INFINITY, -INFINITY};
+  if (all) {
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] *= scale2;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+      }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, j = nt * 8 + 2 * tig + (e & 1);
+        s[nt][e] = keep(r, j) ? s[nt][e] * scale2 : -INFINITY;
+        mx[r] = fmaxf(mx[r], s[nt][e]);
+      }
+  }
+  float m_use[2], corr[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
+    const float m_new = fmaxf(m[r], mx[r]);
+    // A row with no valid key yet keeps p = 0 (exp(−∞ − 0)) instead of exp(−∞ + ∞).
+    m_use[r] = m_new == -INFINITY ? 0.f : m_new;
+    corr[r] = exp2f(m[r] - m_use[r]);  // 0 while m[r] is −∞
+    m[r] = m_new;
+  }
+  float rs[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[nt][e] = exp2f(s[nt][e] - m_use[e >> 1]);
+      rs[e >> 1] += s[nt][e];
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    rs[r] += __shfl_xor_sync(FULL_MASK, rs[r], 1);
+    rs[r] += __shfl_xor_sync(FULL_MASK, rs[r], 2);
+    l[r] = l[r] * corr[r] + rs[r];
+  }
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    o[dt][0] *= corr[0];
+    o[dt][1] *= corr[0];
+    o[dt][2] *= corr[1];
+    o[dt][3] *= corr[1];
+  }
+#pragma unroll
+  for (int kt = 0; kt < BK / 16; ++kt) {
+    // P's 16 keys kt·16.. as an A operand: score tiles 2·kt (keys + 2·tig) and 2·kt + 1 (+ 8).
+    const uint32_t pa[4] = {pack_bf16x2(s[2 * kt][0], s[2 * kt][1]),
+                            pack_bf16x2(s[2 * kt][2], s[2 * kt][3]),
+                            pack_bf16x2(s[2 * kt + 1][0], s[2 * kt + 1][1]),
+                            pack_bf16x2(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+#pragma unroll
+    for (int dt = 0; dt < D / 8; dt += 2) {
+      // B(k = key, n = dim) = V[key][dim]: keys kt·16 .., dims dt·8 .. dt·8 + 15.
+      uint32_t b[4];
+      ld_b_cols<D>(b, vs, kt * 16, dt * 8, lane);
+      mma_bf16_16816(o[dt], pa, b[0], b[1]);
+      mma_bf16_16816(o[dt + 1], pa, b[2], b[3]);
+    }
+  }
+}

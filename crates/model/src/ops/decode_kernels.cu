@@ -357,8 +357,11 @@ __device__ void paged_decode_combine(const float* __restrict__ part_o,
 #ifndef DS_THREADS  // tools/cuda_emu builds it smaller too: the scan must not depend on it
 #define DS_THREADS 1024
 #endif
-// Threads of the three part kernels' blocks.
+// Threads of the three part kernels' blocks (decode_cuda.rs launches 256; tools/cuda_emu may
+// build it smaller: the kernels do not depend on it).
+#ifndef SP_THREADS
 #define SP_THREADS 256
+#endif
 
 // A float's position in the total order of floats, as an unsigned key (larger float, larger key).
 __device__ __forceinline__ uint32_t order_key(float f) {

@@ -6,7 +6,8 @@
 // accumulates in registers — no per-key shuffles and no cross-thread sums of values, which
 // the scalar and vectorised passes spend most of their time on (paged_decode_bf16 took 21 µs a
 // layer at batch 64 on an H200, 2026-11-27, for ~5 MB of keys and values). tools/cuda_emu runs
-// it on CPU threads (paged_decode driver).
+// it on CPU threads (paged_decode driver). A warp's tile is cuda_common.cuh's flash_tile, as in
+// the var-len attention's forward.
 #pragma once
 
 // Warps of a block; each owns a tile of DT_BK(D) keys of a round.
@@ -14,85 +15,6 @@
 // Keys a warp's tile holds: 32 at head_dim 64, 16 at 128 (a round's keys and values, DT_WARPS
 // tiles of both, fit in 48 KiB of shared memory with their rows padded to D + 8).
 #define DT_BK(D) ((D) == 64 ? 32 : 16)
-
-// One tile of `valid` keys (the rest zero in shared memory and masked) for a warp: S = q·Kᵀ in
-// base 2 (scale2 = scale·log2 e), the online softmax update of m, l and o, o += P·V with P
-// rounded to bf16 (as the var-len tensor-core kernels do).
-template <int D, int BK>
-__device__ __forceinline__ void decode_tile_tc(const bf16* ks, const bf16* vs,
-                                               const uint32_t (&qf)[D / 16][4],
-                                               float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
-                                               int valid, float scale2, int lane, int tig) {
-  float s[BK / 8][4];
-#pragma unroll
-  for (int nt = 0; nt < BK / 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-    for (int nt = 0; nt < BK / 8; nt += 2) {
-      uint32_t b[4];
-      ld_b_rows<D>(b, ks, nt * 8, kk * 16, lane);
-      mma_bf16_16816(s[nt], qf[kk], b[0], b[1]);
-      mma_bf16_16816(s[nt + 1], qf[kk], b[2], b[3]);
-    }
-  float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-  for (int nt = 0; nt < BK / 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int j = nt * 8 + 2 * tig + (e & 1);
-      s[nt][e] = j < valid ? s[nt][e] * scale2 : -INFINITY;
-      mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-    }
-  float m_use[2], corr[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
-    const float m_new = fmaxf(m[r], mx[r]);  // finite: the tile has a valid key
-    m_use[r] = m_new;
-    corr[r] = exp2f(m[r] - m_use[r]);  // 0 while m[r] is −∞
-    m[r] = m_new;
-  }
-  float rs[2] = {0.f, 0.f};
-#pragma unroll
-  for (int nt = 0; nt < BK / 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      s[nt][e] = exp2f(s[nt][e] - m_use[e >> 1]);
-      rs[e >> 1] += s[nt][e];
-    }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    rs[r] += __shfl_xor_sync(FULL_MASK, rs[r], 1);
-    rs[r] += __shfl_xor_sync(FULL_MASK, rs[r], 2);
-    l[r] = l[r] * corr[r] + rs[r];
-  }
-#pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) {
-    o[dt][0] *= corr[0];
-    o[dt][1] *= corr[0];
-    o[dt][2] *= corr[1];
-    o[dt][3] *= corr[1];
-  }
-#pragma unroll
-  for (int kt = 0; kt < BK / 16; ++kt) {
-    // P's 16 keys kt·16.. as an A operand: score tiles 2·kt (keys + 2·tig) and 2·kt + 1 (+ 8).
-    const uint32_t pa[4] = {pack_bf16x2(s[2 * kt][0], s[2 * kt][1]),
-                            pack_bf16x2(s[2 * kt][2], s[2 * kt][3]),
-                            pack_bf16x2(s[2 * kt + 1][0], s[2 * kt + 1][1]),
-                            pack_bf16x2(s[2 * kt + 1][2], s[2 * kt + 1][3])};
-#pragma unroll
-    for (int dt = 0; dt < D / 8; dt += 2) {
-      uint32_t b[4];
-      ld_b_cols<D>(b, vs, kt * 16, dt * 8, lane);
-      mma_bf16_16816(o[dt], pa, b[0], b[1]);
-      mma_bf16_16816(o[dt + 1], pa, b[2], b[3]);
-    }
-  }
-}
 
 // Block (row · hkv + g, split) serves KV head g's n_rep ≤ 16 query heads over keys
 // [split·chunk, (split+1)·chunk) of its row, in rounds of DT_WARPS·BK keys: the round's KV
@@ -182,8 +104,9 @@ __device__ void paged_decode_tc(const bf16* __restrict__ q, const bf16* __restri
     __syncthreads();
     const int valid = min(BK, rn - warp * BK);  // warp-uniform; ≤ 0: no key in this tile
     if (valid > 0)
-      decode_tile_tc<D, BK>(keys_s + warp * BK * KS, vals_s + warp * BK * KS, qf, o, m, l, valid,
-                            scale2, lane, tig);
+      // The tile's keys past `valid` are zero rows in shared memory, masked here.
+      flash_tile<D, BK>(keys_s + warp * BK * KS, vals_s + warp * BK * KS, qf, o, m, l, scale2,
+                        lane, tig, valid == BK, [&](int, int j) { return j < valid; });
     __syncthreads();  // the round's tiles and slots are consumed before the next is copied
   }
 
