@@ -140,6 +140,31 @@ __device__ void vec_values(const T* __restrict__ v, const uint32_t* slot_s, cons
   }
 }
 
+// What block (row · hkv + g, split) of a paged decode kernel serves: KV head g of `row`, keys
+// [start, start + n) of the row's len (n = 0: the row has fewer chunks than the grid, and the
+// combine reads only its own), and where key j of the row lies in the pools.
+struct DecodeChunk {
+  int row, g, split, start, n;
+  const uint32_t* table;  // the row's block table
+
+  __device__ DecodeChunk(const uint32_t* lens, const uint32_t* tables, int hkv, int chunk,
+                         int max_blocks) {
+    row = blockIdx.x / hkv;
+    g = blockIdx.x % hkv;
+    split = blockIdx.y;
+    const int len = (int)lens[row];
+    start = split * chunk;
+    n = start < len ? min(chunk, len - start) : 0;
+    table = tables + (size_t)row * max_blocks;
+  }
+
+  // The slot of the chunk's key jj (the row's key start + jj).
+  __device__ uint32_t slot(int jj, int block_size) const {
+    const int j = start + jj;
+    return table[j / block_size] * (uint32_t)block_size + (uint32_t)(j % block_size);
+  }
+};
+
 // ---- Paged decode attention, one block per (row, kv head, chunk of keys) ----
 // q [rows, hq, d]; k, v [slots, hkv, d]; tables [rows, max_blocks] (row b's token j lies in
 // slot tables[b][j / block_size] * block_size + j % block_size); lens [rows] (>= 1). The
@@ -167,13 +192,10 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
                              float* __restrict__ part_l, int hq, int hkv, int d, int block_size,
                              int max_blocks, int chunk, int splits, float scale) {
   extern __shared__ float smem[];
-  const int row = blockIdx.x / hkv, g = blockIdx.x % hkv, split = blockIdx.y;
+  const DecodeChunk c(lens, tables, hkv, chunk, max_blocks);
+  if (c.n == 0) return;
+  const int row = c.row, g = c.g, split = c.split, n = c.n;
   const int n_rep = hq / hkv;
-  const int len = (int)lens[row];
-  const int start = split * chunk;
-  if (start >= len) return;  // this row has fewer chunks; the combine reads only its own
-  const int n = min(chunk, len - start);
-  const uint32_t* table = tables + (size_t)row * max_blocks;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
 
   float* q_s = smem;                  // [n_rep, d]
@@ -190,10 +212,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
   // The chunk's slots, looked up once by all threads together: the key and value passes then
   // load each row without first waiting on its block table entry (on an H200 the two
   // dependent loads per key made the kernel latency-bound: 46.6 µs per layer at batch 64).
-  for (int jj = tid; jj < n; jj += blockDim.x) {
-    const int j = start + jj;
-    slot_s[jj] = table[j / block_size] * (uint32_t)block_size + (uint32_t)(j % block_size);
-  }
+  for (int jj = tid; jj < n; jj += blockDim.x) slot_s[jj] = c.slot(jj, block_size);
   __syncthreads();
 
   constexpr int VEC = Vec16<T>::N;
@@ -372,13 +391,15 @@ __device__ __forceinline__ float key_value(uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-// Block-wide sums (every thread gets the result); `part` holds DS_THREADS / 32 slots.
-__device__ double ds_block_sum(double v, double* part) {
+// Block-wide sums of floats or doubles (every thread gets the result); `part` holds a slot per
+// warp.
+template <typename A>
+__device__ A ds_block_sum(A v, A* part) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) part[warp] = v;
   __syncthreads();
-  double total = 0.0;
+  A total = 0;
   for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += part[w];
   __syncthreads();  // `part` is reused by the next call
   return total;
@@ -428,7 +449,7 @@ __device__ float filter_cut(const T* x, int v, float inv_t, float m, int top_k, 
   return cut;
 }
 
-// Block-wide max and sum of floats (every thread gets the result); `part` holds 32 slots.
+// Block-wide max of floats (every thread gets the result); `part` holds a slot per warp.
 __device__ float ds_block_max(float v, float* part) {
   v = warp_max(v);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -437,16 +458,6 @@ __device__ float ds_block_max(float v, float* part) {
   float r = -INFINITY;
   for (int w = 0; w < (int)(blockDim.x >> 5); w++) r = fmaxf(r, part[w]);
   __syncthreads();  // `part` is reused by the next call
-  return r;
-}
-__device__ float ds_block_sum_f(float v, float* part) {
-  v = warp_sum(v);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) part[warp] = v;
-  __syncthreads();
-  float r = 0.f;
-  for (int w = 0; w < (int)(blockDim.x >> 5); w++) r += part[w];
-  __syncthreads();
   return r;
 }
 
@@ -543,7 +554,7 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
   m = ds_block_max(m, part);
   float z = 0.f;
   for (int i = tid; i < v; i += blockDim.x) z += expf(to_f(x[i]) * inv_t - m);
-  const float lse = logf(ds_block_sum_f(z, part)) + m;
+  const float lse = logf(ds_block_sum(z, part)) + m;
   const float cut = filter_cut(x, v, inv_t, m, top_k, top_p, min_p, dpart);
   double kept = 0.0;
   for (int i = tid; i < v; i += blockDim.x) {
@@ -555,14 +566,15 @@ __device__ void sample_inverse_cdf(const T* __restrict__ logits,
 }
 
 // The row's lse from its parts' maxima and exp-sums (in part order: every block of the row
-// gets the same bits), and its row max.
-__device__ float parts_lse(const float* part_m, const float* part_s, int parts, float* row_max) {
+// gets the same bits), and the smallest x·inv_t its min-p filter keeps (−∞ without one).
+__device__ float parts_lse(const float* part_m, const float* part_s, int parts, float min_p,
+                           float* cut) {
   float m = -INFINITY;
   for (int p = 0; p < parts; p++) m = fmaxf(m, part_m[p]);
   float z = 0.f;
   for (int p = 0; p < parts; p++)
     if (part_s[p] > 0.f) z += part_s[p] * expf(part_m[p] - m);
-  *row_max = m;
+  *cut = min_p > 0.f ? m + logf(min_p) : -INFINITY;
   return logf(z) + m;
 }
 
@@ -581,7 +593,7 @@ __device__ void sample_parts(const T* __restrict__ logits, float inv_t, float* _
   float z = 0.f;
   if (m > -INFINITY)
     for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) z += expf(to_f(x[i]) * inv_t - m);
-  z = ds_block_sum_f(z, red);
+  z = ds_block_sum(z, red);
   if (threadIdx.x == 0) {
     part_m[(size_t)row * parts + p] = m;
     part_s[(size_t)row * parts + p] = z;
@@ -600,9 +612,9 @@ __device__ void sample_part_mass(const T* __restrict__ logits, float inv_t,
   const int p = blockIdx.x, row = blockIdx.y;
   const int lo = p * part_len, hi = min(v, lo + part_len);
   const T* x = logits + (size_t)row * v;
-  float m;
-  const float lse = parts_lse(part_m + (size_t)row * parts, part_s + (size_t)row * parts, parts, &m);
-  const float cut = min_p > 0.f ? m + logf(min_p) : -INFINITY;
+  float cut;
+  const float lse =
+      parts_lse(part_m + (size_t)row * parts, part_s + (size_t)row * parts, parts, min_p, &cut);
   double mass = 0.0;
   for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
     const float xi = to_f(x[i]) * inv_t;
@@ -626,9 +638,9 @@ __device__ void sample_pick(const T* __restrict__ logits, const double* __restri
   const int row = blockIdx.x;
   const T* x = logits + (size_t)row * v;
   const double* mass = part_mass + (size_t)row * parts;
-  float m;
-  const float lse = parts_lse(part_m + (size_t)row * parts, part_s + (size_t)row * parts, parts, &m);
-  const float cut = min_p > 0.f ? m + logf(min_p) : -INFINITY;
+  float cut;
+  const float lse =
+      parts_lse(part_m + (size_t)row * parts, part_s + (size_t)row * parts, parts, min_p, &cut);
   if (threadIdx.x == 0) {
     double total = 0.0;
     for (int p = 0; p < parts; p++) total += mass[p];

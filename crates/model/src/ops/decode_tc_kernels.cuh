@@ -43,12 +43,9 @@ __device__ void paged_decode_tc(const bf16* __restrict__ q, const bf16* __restri
   bf16* vals_s = keys_s + ROUND * KS;            // [ROUND][KS]
   uint32_t* slot_s = reinterpret_cast<uint32_t*>(smem + KV_BYTES / 4);  // [ROUND]
 
-  const int row = blockIdx.x / hkv, g = blockIdx.x % hkv, split = blockIdx.y;
-  const int len = (int)lens[row];
-  const int start = split * chunk;
-  if (start >= len) return;  // this row has fewer chunks; the combine reads only its own
-  const int n = min(chunk, len - start);
-  const uint32_t* table = tables + (size_t)row * max_blocks;
+  const DecodeChunk c(lens, tables, hkv, chunk, max_blocks);
+  if (c.n == 0) return;
+  const int row = c.row, g = c.g, split = c.split, n = c.n;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
 
   // The group's queries as A fragments: rows gid and gid + 8 (heads past n_rep zero).
@@ -74,10 +71,7 @@ __device__ void paged_decode_tc(const bf16* __restrict__ q, const bf16* __restri
 
   for (int r0 = 0; r0 < n; r0 += ROUND) {
     const int rn = min(ROUND, n - r0);
-    for (int jj = tid; jj < rn; jj += blockDim.x) {
-      const int j = start + r0 + jj;
-      slot_s[jj] = table[j / block_size] * (uint32_t)block_size + (uint32_t)(j % block_size);
-    }
+    for (int jj = tid; jj < rn; jj += blockDim.x) slot_s[jj] = c.slot(r0 + jj, block_size);
     __syncthreads();
     constexpr int VR = D / 8;  // 16-byte pieces a row
     for (int e = tid; e < ROUND * VR; e += blockDim.x) {
