@@ -166,6 +166,10 @@ if want bench05; then
   # 128 gives batch 64 one chunk a row, no partials to merge; finer chunks, 1,024 blocks, were
   # slower at every batch on an H200, 2026-11-27): measured beside c05-d before the default moves.
   COMPOSER_DECODE_BLOCKS=128 bench "c05-d-coarse" 220 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 16,64,256 --skip-train --cuda-graphs
+  # The decode's projections on the skinny kernel (decode_gemm_kernels.cuh; opt-in until this
+  # measures it) instead of cuBLAS, the SwiGLU in the gate/up product's epilogue, beside c05-d
+  # (batch 256 has more rows than the kernel takes: cuBLAS both times).
+  COMPOSER_DECODE_GEMM=1 bench "c05-d-skinny" 220 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 1,16,64 --skip-train --cuda-graphs
 fi
 if want compile05; then
   for b in 16 64; do
@@ -180,11 +184,14 @@ if want attn; then
   # Then `ops` with COMPOSER_PADDED_ATTENTION=masked: the padded training forward through the
   # masked softmax, no longer CUDA's default (its check against the composition, every
   # parameter's gradient); and `paged_kv` on the decode's scalar/vectorised kernel
-  # (COMPOSER_DECODE_TC=0; bf16 at head_dim 64/128 takes the tensor-core one otherwise).
+  # (COMPOSER_DECODE_TC=0; bf16 at head_dim 64/128 takes the tensor-core one otherwise);
+  # `paged_kv` and `decode_graphs` with the decode's projections on the skinny kernel
+  # (COMPOSER_DECODE_GEMM=1, opt-in until measured; `ops` checks the kernel itself).
   runs=("ops_attention:" "ops_step:")
   want tests && runs=()
   runs+=("ops_attention:COMPOSER_ATTENTION_TC=0" "ops:COMPOSER_PADDED_ATTENTION=masked"
-    "paged_kv:COMPOSER_DECODE_TC=0")
+    "paged_kv:COMPOSER_DECODE_TC=0" "paged_kv:COMPOSER_DECODE_GEMM=1"
+    "decode_graphs:COMPOSER_DECODE_GEMM=1")
   for run in "${runs[@]}"; do
     t=${run%%:*}; var=${run#*:}
     late && { note "test $t (cuda ${var}): skipped (BUDGET_S=$BUDGET_S spent)"; continue; }
@@ -247,15 +254,17 @@ fi
 if want profile; then
   # Where the GPU time goes (tools/cupti_profile, a CUPTI injection library built by
   # gpu_prepare.sh): kernel by kernel in each synchronised phase of one 16x512 bf16 training
-  # step (padded, and padding-free through the varlen attention kernel) and of a 64-row decode.
+  # step (padded, and padding-free through the varlen attention kernel) and of a 64-row decode
+  # (also with the skinny projections, COMPOSER_DECODE_GEMM=1: d64s).
   P="$D/cupti"
   for run in "t16:--batch 16 --train-seq-len 512 --skip-decode" \
              "t16pf:--batch 16 --train-seq-len 512 --skip-decode --padding-free" \
-             "d64:--batch 64 --skip-train"; do
+             "d64:--batch 64 --skip-train" "d64s:--batch 64 --skip-train"; do
     tag=${run%%:*}; args=${run#*:}
     late && { note "profile $tag: skipped (BUDGET_S=$BUDGET_S spent)"; continue; }
+    gemm=0; [ "$tag" = d64s ] && gemm=1
     # shellcheck disable=SC2086
-    if CUDA_INJECTION64_PATH="$P/libkernel_profile.so" LD_LIBRARY_PATH="$P:$LD_LIBRARY_PATH" \
+    if COMPOSER_DECODE_GEMM=$gemm CUDA_INJECTION64_PATH="$P/libkernel_profile.so" LD_LIBRARY_PATH="$P:$LD_LIBRARY_PATH" \
       COMPOSER_CUPTI_OUT="$W/profile-$tag.txt" timeout "$(lim 200)" "$BIN" bench model --shape qwen2.5-0.5b \
       --device cuda --dtype bf16 --json $args >"$W/profile-$tag.json" 2>"$W/profile-$tag.err"; then
       note "profile $tag: $(grep -c '^## phase' "$W/profile-$tag.txt" 2>/dev/null) phases in profile-$tag.txt"

@@ -112,6 +112,7 @@ def main():
     print("\ndecode (bf16, prompt 128, 64 new tokens, tokens/s excluding prefill; % of the HBM roofline)")
     for shape, ct, et in [("qwen2.5-0.5b", "c05-d", "te05-d"), ("qwen2.5-0.5b", "c05-d-fine", None),
                           ("qwen2.5-0.5b", "c05-d-coarse", None), ("qwen2.5-0.5b", "c05-d-notc", None),
+                          ("qwen2.5-0.5b", "c05-d-skinny", None),
                           ("qwen2.5-7b", "c7-d", None)]:
         c, e = load(d, ct), load(d, et) if et else None
         if not c:
@@ -129,8 +130,10 @@ def main():
             tail = f" | HF generate {et_:>8.0f}  ratio {tps / et_:>5.1f}" if et_ else ""
             g = r.get("decode_graphs_tokens_per_s")
             graphs = f" | CUDA graphs {g:>9.0f} ({100 * g / roof:>5.1f}%, {g / tps:>4.2f}x)" if g else ""
-            # COMPOSER_DECODE_BLOCKS=1024 (fine) or 128 (coarse), COMPOSER_DECODE_TC=0 (notc)
-            label = shape + {"-fine": " fine", "-coarse": " coarse", "-notc": " no-tc"}.get(ct[ct.rfind("-"):], "")
+            # COMPOSER_DECODE_BLOCKS=1024 (fine) or 128 (coarse), COMPOSER_DECODE_TC=0 (notc),
+            # COMPOSER_DECODE_GEMM=1 (skinny)
+            label = shape + {"-fine": " fine", "-coarse": " coarse", "-notc": " no-tc",
+                             "-skinny": " skinny"}.get(ct[ct.rfind("-"):], "")
             print(f"{label:<19} batch {b:>4}: {tps:>9.0f} tok/s  roofline {roof:>9.0f}  ({100 * tps / roof:>5.1f}%){graphs}{tail}")
 
     rep = load(d, "c05-rollout-grpo")

@@ -86,6 +86,20 @@ template <class T> T __shfl_up_sync(unsigned, T v, unsigned delta) {
   const int lane = threadIdx.x & 31;
   return emu_shuffle(v, lane >= (int)delta ? lane - (int)delta : lane);
 }
+inline unsigned atomicAdd(unsigned* a, unsigned v) { return std::atomic_ref<unsigned>(*a).fetch_add(v); }
+// __threadfence: a sequentially consistent fence (the blocks of a launch run one after another
+// here, so it orders nothing the driver could see; TSan sees the fence).
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+// decode_gemm_kernels.cuh's L1-bypassing load: a plain 16-byte load (checked aligned).
+inline float4 ld_cg_f4(const float* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+    std::fprintf(stderr, "ld_cg_f4: %p is not 16-byte aligned\n", (const void*)p);
+    std::abort();
+  }
+  float4 v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
 inline int atomicMin(int* a, int v) {
   std::atomic_ref<int> r(*a);
   int old = r.load();

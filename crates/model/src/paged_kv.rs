@@ -47,6 +47,12 @@ impl PoolLayer {
     pub(crate) fn write(&self, slots: &KvSlots, kv: &Tensor) -> Result<()> {
         crate::ops::write_kv_slots(&self.kv, kv, slots)
     }
+
+    /// Both pools as one tensor `[2, slots, kv_heads, head_dim]`, for an op that writes the
+    /// step's keys and values itself ([`crate::ops::decode_qkv_into_cache`]).
+    pub(crate) fn pools(&self) -> &Tensor {
+        &self.kv
+    }
 }
 
 /// A sequence's blocks (in token order) and its length in tokens.

@@ -264,6 +264,170 @@ fn swiglu_packed_equals_swiglu_of_the_halves() {
 }
 
 #[test]
+fn decode_product_matches_the_product() {
+    // The decode step's projections (on CUDA in bf16 the skinny kernel, `in` split over blocks
+    // for the narrow ones; elsewhere `linear`) and the SwiGLU epilogue on a stacked
+    // [gate | up] weight, against f64 products of the same rounded inputs: Qwen2.5-0.5B's
+    // shapes at 1–64 rows, a width past a block's 128 weight rows, `in` ending mid-stage. Each
+    // runs twice on the same counters: a counter the kernel left non-zero would leave the
+    // second product without its last block's sum.
+    let device = common::test_device();
+    let counters = ops::SplitCounters::new(&device, 9728).unwrap();
+    let shapes = [
+        (1, 1152, 896),
+        (17, 896, 4864),
+        (64, 1152, 896),
+        (64, 9728, 896),
+        (64, 896, 4864),
+        (5, 200, 136),
+    ];
+    for (i, &(rows, out, k)) in shapes.iter().enumerate() {
+        let x = randn(&[rows, k], 40 + i as u64, 1.0);
+        let w = randn(&[out, k], 50 + i as u64, 0.1);
+        for (dtype, tol) in kernel_cases(1e-12, 1e-4) {
+            let rounded = |t: &Tensor| t.to_dtype(dtype).unwrap().to_dtype(DType::F64).unwrap();
+            let want = rounded(&x).matmul(&rounded(&w).t().unwrap()).unwrap();
+            let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&device).unwrap();
+            let (xd, wd) = (on(&x), on(&w));
+            for epilogue in [ops::DecodeEpilogue::Product, ops::DecodeEpilogue::Swiglu] {
+                let want = match epilogue {
+                    ops::DecodeEpilogue::Product => want.clone(),
+                    // g and u rounded as the product the unfused SwiGLU reads.
+                    ops::DecodeEpilogue::Swiglu => {
+                        ops::swiglu_packed(&rounded(&want.to_dtype(dtype).unwrap())).unwrap()
+                    }
+                };
+                for launch in 0..2 {
+                    let got = ops::decode_product(&xd, &wd, epilogue, Some(&counters)).unwrap();
+                    let got = got.to_device(&Device::Cpu).unwrap();
+                    let what = format!("decode product {rows}×{out}×{k} {epilogue:?} #{launch}");
+                    assert_close(&what, &got.to_dtype(DType::F64).unwrap(), &want, dtype, tol);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn decode_qkv_into_cache_matches_the_three_ops() {
+    // The decode step's attention inputs in one op (on CUDA in bf16 the skinny kernel with
+    // bias, RoPE and the cache write as its epilogue; elsewhere the product, qkv_bias_rope and
+    // write_kv_slots) against those three ops in f64: q, and the whole pool — the rows' slots
+    // hold their keys and values, every other slot its old value. Qwen2.5-0.5B's heads at
+    // batch 64, and 320 columns (a block's last 128 half used) at head_dim 64 and 128.
+    let device = common::test_device();
+    let counters = ops::SplitCounters::new(&device, 1152).unwrap();
+    let cases = [
+        (64, 14, 2, 64, 896),
+        (5, 3, 1, 64, 136),
+        (3, 1, 2, 128, 200),
+    ];
+    for (i, &(rows, nh, nkv, d, k)) in cases.iter().enumerate() {
+        let heads = ops::QkvHeads {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: d,
+        };
+        let width = heads.packed_width();
+        let seed = 60 + 10 * i as u64;
+        let x = randn(&[rows, k], seed, 1.0);
+        let w = randn(&[width, k], seed + 1, 0.1);
+        let bias = randn(&[width], seed + 2, 0.5);
+        let angles = randn(&[rows, d / 2], seed + 3, 3.0);
+        let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+        // Distinct slots spread over a pool of 301 (prime: r·7 + 3 never repeats).
+        let slot_count = 301;
+        let slots: Vec<u32> = (0..rows as u32).map(|r| (r * 7 + 3) % 301).collect();
+        let sentinel = |dtype: DType, dev: &Device| {
+            Tensor::full(5f32, (2, slot_count, nkv, d), dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        for (dtype, tol) in kernel_cases(1e-12, 1e-4) {
+            let rounded = |t: &Tensor| t.to_dtype(dtype).unwrap().to_dtype(DType::F64).unwrap();
+            let qkv = rounded(&x).matmul(&rounded(&w).t().unwrap()).unwrap();
+            let (r_bias, r_cos, r_sin) = (rounded(&bias), rounded(&cos), rounded(&sin));
+            let (q_ref, kv_ref) =
+                ops::qkv_bias_rope(&qkv, Some(&r_bias), &r_cos, &r_sin, heads).unwrap();
+            let pool_ref = sentinel(DType::F64, &Device::Cpu);
+            let cpu_slots = ops::KvSlots::new(slots.clone(), &Device::Cpu).unwrap();
+            ops::write_kv_slots(&pool_ref, &kv_ref, &cpu_slots).unwrap();
+            let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&device).unwrap();
+            let dev_slots = ops::KvSlots::new(slots.clone(), &device).unwrap();
+            for launch in 0..2 {
+                let pool = sentinel(dtype, &device);
+                let q = ops::decode_qkv_into_cache(
+                    &on(&x),
+                    &on(&w),
+                    Some(&on(&bias)),
+                    &on(&cos),
+                    &on(&sin),
+                    heads,
+                    &pool,
+                    &dev_slots,
+                    Some(&counters),
+                )
+                .unwrap();
+                let back = |t: &Tensor| {
+                    t.to_device(&Device::Cpu)
+                        .unwrap()
+                        .to_dtype(DType::F64)
+                        .unwrap()
+                };
+                let what = format!("decode q/k/v case {i} #{launch}");
+                assert_close(&format!("{what} q"), &back(&q), &q_ref, dtype, tol);
+                assert_close(&format!("{what} pool"), &back(&pool), &pool_ref, dtype, tol);
+            }
+        }
+    }
+    // A slot outside the pool: an error naming it, before anything is written.
+    let heads = ops::QkvHeads {
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 64,
+    };
+    let dtype = if device.is_cpu() {
+        DType::F32
+    } else {
+        DType::BF16
+    };
+    let t = |shape: &[usize]| {
+        randn(shape, 9, 1.0)
+            .to_dtype(dtype)
+            .unwrap()
+            .to_device(&device)
+            .unwrap()
+    };
+    let pool = Tensor::zeros((2, 4, 1, 64), dtype, &device).unwrap();
+    let bad = ops::KvSlots::new(vec![1, 4], &device).unwrap();
+    let e = ops::decode_qkv_into_cache(
+        &t(&[2, 64]),
+        &t(&[256, 64]),
+        None,
+        &t(&[2, 32]),
+        &t(&[2, 32]),
+        heads,
+        &pool,
+        &bad,
+        Some(&counters),
+    )
+    .unwrap_err();
+    assert!(
+        format!("{e:#}").contains("slot 4 is outside the pool's 4"),
+        "{e:#}"
+    );
+    let untouched = pool
+        .abs()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap();
+    assert_eq!(untouched.to_scalar::<f64>().unwrap(), 0.0);
+}
+
+#[test]
 fn rope_matches_the_composition() {
     let (n, h, d) = (11, 3, 10);
     let x = randn(&[n, h, d], 3, 1.0);

@@ -6,11 +6,10 @@
 //! `attention_cpu`; `tests/ops_attention.rs` compares both against the composition.
 
 use super::attention_cpu::Dims;
-use super::cuda::{alloc, kernel_name, on_tensors, typed, view};
+use super::cuda::{alloc, kernel_name, launch_opted_in, on_tensors, typed, view};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
@@ -23,11 +22,8 @@ const MODULE: &str = "composer_model_attention";
 /// Warps per block of every attention kernel (`ATT_WARPS`).
 const WARPS: usize = 4;
 
-/// The largest dynamic shared memory a kernel may ask for without opting in.
-const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
-
 /// The largest any attention kernel asks for (the tensor-core forward and ∂K/∂V at head_dim
-/// 128, opted in by [`launch`]): 99 KiB is the least an sm_80+ card allows a block.
+/// 128, opted in by [`launch_opted_in`]): 99 KiB is the least an sm_80+ card allows a block.
 const MAX_SHARED_BYTES: usize = 99 * 1024;
 
 /// The tiles of one head_dim class, as instantiated by `ATT_INSTANTIATE` in attention_kernels.cu (the
@@ -125,33 +121,6 @@ fn config(blocks: usize, heads: usize, floats: usize) -> Result<LaunchConfig> {
         block_dim: ((32 * WARPS) as u32, 1, 1),
         shared_mem_bytes: bytes as u32,
     })
-}
-
-/// Launches `b` (a builder of `f`) with `cfg`, first opting `f` in to `cfg`'s shared memory
-/// when it is past the 48 KiB a kernel gets by default.
-///
-/// # Safety
-/// As `LaunchArgs::launch`: the arguments pushed match the kernel's signature.
-unsafe fn launch(
-    f: &impl std::ops::Deref<Target = CudaFunction>,
-    b: &mut LaunchArgs<'_>,
-    cfg: LaunchConfig,
-) -> Result<()> {
-    if cfg.shared_mem_bytes as usize > DEFAULT_SHARED_BYTES {
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            cfg.shared_mem_bytes as i32,
-        )
-        .map_err(|e| {
-            candle_core::Error::Msg(format!(
-                "attention: the GPU refused {} bytes of shared memory for a block: {e}",
-                cfg.shared_mem_bytes
-            ))
-        })?;
-    }
-    // SAFETY: the caller's.
-    unsafe { b.launch(cfg) }.w()?;
-    Ok(())
 }
 
 /// The scalar arguments every attention kernel ends with, before its rows per block: the
@@ -277,7 +246,7 @@ pub(super) fn varlen_attention_fwd(
         scalars.push(&mut b, &rows_i);
         // SAFETY: the arguments match the kernel's signature; the shared memory is the
         // kernel's layout for this tile class (opted in past 48 KiB).
-        unsafe { launch(&f, &mut b, cfg) }?;
+        unsafe { launch_opted_in(&f, &mut b, cfg, "attention") }?;
         T::wrap_cuda_slice(out, dev.clone())
     });
     let lse = Tensor::from_storage(
@@ -393,7 +362,7 @@ pub(super) fn varlen_attention_bwd(
                 b.arg(&mut dk).arg(&mut dv);
                 scalars.push(&mut b, &rows_i);
                 // SAFETY: as above (past 48 KiB at head_dim 128 on tensor cores: opted in).
-                unsafe { launch(&f, &mut b, cfg) }?;
+                unsafe { launch_opted_in(&f, &mut b, cfg, "attention") }?;
                 Ok(T::wrap_cuda_slice(buf, dev))
             })
         },

@@ -4,8 +4,9 @@
 //! on a GPU. The varlen attention's launchers are in `attention_cuda.rs`.
 
 use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
@@ -55,6 +56,37 @@ pub(super) fn view<'a, T: CudaDType>(
         candle_core::bail!("{what}: expected a contiguous tensor")
     };
     Ok(s.as_cuda_slice::<T>()?.slice(a..b))
+}
+
+/// Shared memory a block gets without opting in.
+const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
+
+/// Launches `b` (a builder of `f`) with `cfg`, first opting `f` in to `cfg`'s shared memory
+/// when it is past the 48 KiB a kernel gets by default; `what` names the op in the error.
+///
+/// # Safety
+/// As `LaunchArgs::launch`: the arguments pushed match the kernel's signature.
+pub(super) unsafe fn launch_opted_in(
+    f: &impl std::ops::Deref<Target = CudaFunction>,
+    b: &mut LaunchArgs<'_>,
+    cfg: LaunchConfig,
+    what: &str,
+) -> Result<()> {
+    if cfg.shared_mem_bytes as usize > DEFAULT_SHARED_BYTES {
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            cfg.shared_mem_bytes as i32,
+        )
+        .map_err(|e| {
+            candle_core::Error::Msg(format!(
+                "{what}: the GPU refused {} bytes of shared memory for a block: {e}",
+                cfg.shared_mem_bytes
+            ))
+        })?;
+    }
+    // SAFETY: the caller's.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
 }
 
 pub(super) fn alloc<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {

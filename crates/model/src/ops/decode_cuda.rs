@@ -3,10 +3,13 @@
 //! custom op calls [`paged_decode`] from its `cuda_fwd`; its CPU twin is the op's `cpu_fwd`,
 //! and `tests/paged_kv.rs` compares both with a dense reference on `$COMPOSER_TEST_DEVICE`.
 
-use super::cuda::{alloc, kernel_name, typed, view};
+use super::cuda::{alloc, kernel_name, launch_opted_in, typed, view};
+use super::decode_gemm::{SkinnyPlan, SKINNY_THREADS};
 use super::decode_plan::{decode_tc_shared_bytes, DecodePlan, DECODE_TC_THREADS, DECODE_THREADS};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor};
 use half::bf16;
@@ -285,4 +288,153 @@ pub(super) fn kv_write(
         unsafe { builder.launch(cfg) }.w()?;
     });
     Ok(())
+}
+
+/// The decode step's skinny product (`skinny_gemm_{plain,swiglu}_m{1..4}_bf16`, see
+/// `decode_gemm.rs`) of `x` `[rows, k]` and `w` `[out, k]`, both contiguous bf16 starting
+/// 16-byte aligned, with `counters` (u32, at least `plan.tiles`, zero) for its split k: returns
+/// `[rows, out]`, or `[rows, out / 2]` with the SwiGLU epilogue (`swiglu`).
+pub(super) fn skinny_product(
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    counters: (&CudaStorage, &Layout),
+    plan: &SkinnyPlan,
+    swiglu: bool,
+    (rows, out, k): (usize, usize, usize),
+) -> Result<CudaStorage> {
+    let dev = x.0.device().clone();
+    let cols = if swiglu { out / 2 } else { out };
+    let y = alloc::<bf16>(&dev, rows * cols)?;
+    let kind = if swiglu { "swiglu" } else { "plain" };
+    let args = SkinnyArgs::new(x, w, counters, plan, (rows, out, k))?;
+    let f = dev.get_or_load_custom_func(&args.kernel(kind), MODULE, PTX)?;
+    let mut b = f.builder();
+    args.push(&mut b);
+    b.arg(&y);
+    // SAFETY: the arguments match the kernel's signature ([`SkinnyArgs`]'s, then y, which
+    // holds `rows · cols`); the caller checked the shapes, the plan and the alignment.
+    unsafe { launch_opted_in(&f, &mut b, args.config(), "skinny product") }?;
+    Ok(CudaStorage::wrap_cuda_slice(y, dev))
+}
+
+/// The skinny product of `x` `[rows, k]` and the stacked `[q | k | v]` weight `w`
+/// `[(nh + 2·nkv)·d, k]` with the q/k/v epilogue (`skinny_gemm_qkv_m{1..4}_bf16`): the
+/// product rounded, `bias` (`[(nh + 2·nkv)·d]`, optional) added, q and k rotated by `cos`/`sin`
+/// `[rows, d / 2]`; returns q `[rows, nh, d]` and writes row r's key and value into slot
+/// `slots[r]` of `pool` `[2, slot_count, nkv·d]` in place. Everything bf16 and contiguous;
+/// the caller checked the shapes, `d` (even, dividing 128) and every slot.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn skinny_qkv(
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    counters: (&CudaStorage, &Layout),
+    plan: &SkinnyPlan,
+    bias: Option<(&CudaStorage, &Layout)>,
+    (cos, sin): ((&CudaStorage, &Layout), (&CudaStorage, &Layout)),
+    pool: (&mut CudaStorage, &Layout),
+    slots: (&CudaStorage, &Layout),
+    (rows, k): (usize, usize),
+    (nh, nkv, d, slot_count): (usize, usize, usize, usize),
+) -> Result<CudaStorage> {
+    let dev = x.0.device().clone();
+    let q = alloc::<bf16>(&dev, rows * nh * d)?;
+    let Some((a, b)) = pool.1.contiguous_offsets() else {
+        candle_core::bail!("skinny q/k/v: the pool must be contiguous")
+    };
+    let mut pv = pool.0.as_cuda_slice_mut::<bf16>()?.slice_mut(a..b);
+    let bv = bias
+        .map(|(s, l)| view::<bf16>(s, l, "skinny q/k/v bias"))
+        .transpose()?;
+    let cv = view::<bf16>(cos.0, cos.1, "skinny q/k/v cos")?;
+    let sv = view::<bf16>(sin.0, sin.1, "skinny q/k/v sin")?;
+    let slv = view::<u32>(slots.0, slots.1, "skinny q/k/v slots")?;
+    let ints = [nh, nkv, d, slot_count].map(|v| v as i32);
+    let null: u64 = 0;
+    let args = SkinnyArgs::new(x, w, counters, plan, (rows, (nh + 2 * nkv) * d, k))?;
+    let f = dev.get_or_load_custom_func(&args.kernel("qkv"), MODULE, PTX)?;
+    let mut b = f.builder();
+    args.push(&mut b);
+    match &bv {
+        Some(v) => b.arg(v),
+        None => b.arg(&null),
+    };
+    b.arg(&cv).arg(&sv).arg(&q).arg(&mut pv).arg(&slv);
+    for v in &ints {
+        b.arg(v);
+    }
+    // SAFETY: the arguments match the kernel's signature; q holds `rows · nh · d`; every slot
+    // is below `slot_count` (checked by the caller), so each key and value lands in the pool.
+    unsafe { launch_opted_in(&f, &mut b, args.config(), "skinny q/k/v") }?;
+    Ok(CudaStorage::wrap_cuda_slice(q, dev))
+}
+
+/// The arguments every skinny-product kernel starts with (x, w, the split partials, the
+/// counters, m, n, k, k_split, splits) and its launch shape.
+struct SkinnyArgs<'a> {
+    x: CudaView<'a, bf16>,
+    w: CudaView<'a, bf16>,
+    /// The split partials: f32 `[tiles, splits, 16·m_tiles, 128]`, when k is split.
+    part: Option<CudaSlice<f32>>,
+    null: u64,
+    counters: CudaView<'a, u32>,
+    ints: [i32; 5],
+    plan: SkinnyPlan,
+}
+
+impl<'a> SkinnyArgs<'a> {
+    fn new(
+        x: (&'a CudaStorage, &Layout),
+        w: (&'a CudaStorage, &Layout),
+        counters: (&'a CudaStorage, &Layout),
+        plan: &SkinnyPlan,
+        (rows, out, k): (usize, usize, usize),
+    ) -> Result<Self> {
+        if counters.1.shape().elem_count() < plan.tiles {
+            candle_core::bail!(
+                "skinny product: {} split counters for {} tiles",
+                counters.1.shape().elem_count(),
+                plan.tiles
+            );
+        }
+        let part = if plan.splits > 1 {
+            let n = plan.tiles * plan.splits * 16 * plan.m_tiles * 128;
+            Some(alloc::<f32>(x.0.device(), n)?)
+        } else {
+            None
+        };
+        Ok(SkinnyArgs {
+            x: view::<bf16>(x.0, x.1, "skinny product x")?,
+            w: view::<bf16>(w.0, w.1, "skinny product weight")?,
+            part,
+            null: 0,
+            counters: view::<u32>(counters.0, counters.1, "skinny product counters")?,
+            ints: [rows, out, k, plan.k_split, plan.splits].map(|v| v as i32),
+            plan: *plan,
+        })
+    }
+
+    /// `skinny_gemm_{epilogue}_m{MT}_bf16`.
+    fn kernel(&self, epilogue: &str) -> String {
+        format!("skinny_gemm_{epilogue}_m{}_bf16", self.plan.m_tiles)
+    }
+
+    fn push<'b>(&'b self, b: &mut LaunchArgs<'b>) {
+        b.arg(&self.x).arg(&self.w);
+        match &self.part {
+            Some(p) => b.arg(p),
+            None => b.arg(&self.null),
+        };
+        b.arg(&self.counters);
+        for v in &self.ints {
+            b.arg(v);
+        }
+    }
+
+    fn config(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (self.plan.tiles as u32, self.plan.splits as u32, 1),
+            block_dim: (SKINNY_THREADS as u32, 1, 1),
+            shared_mem_bytes: self.plan.shared_bytes as u32,
+        }
+    }
 }

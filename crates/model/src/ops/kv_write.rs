@@ -43,17 +43,40 @@ impl KvSlots {
     }
 }
 
+impl KvSlots {
+    /// Rows, one slot each.
+    pub fn len(&self) -> usize {
+        self.host.len()
+    }
+
+    /// Whether there are no rows.
+    pub fn is_empty(&self) -> bool {
+        self.host.is_empty()
+    }
+
+    /// An error naming the first slot outside a pool of `slot_count` slots (`what` names the
+    /// op), before anything is written.
+    pub(super) fn check(&self, slot_count: usize, what: &str) -> Result<()> {
+        match self.host.iter().find(|&&s| s as usize >= slot_count) {
+            Some(s) => bail!("{what}: slot {s} is outside the pool's {slot_count}"),
+            None => Ok(()),
+        }
+    }
+
+    /// The slots on the device (u32 `[rows]`).
+    pub(super) fn on_device(&self) -> &Tensor {
+        &self.device
+    }
+}
+
 /// Writes `kv` `[2, rows, kv_heads, head_dim]` (the step's keys, then its values) into the
 /// slots `slots` of `pool` `[2, slots, kv_heads, head_dim]` (the keys' pool, then the values'),
 /// in place. The kernel (CPU f32/f64, CUDA f32/bf16) where it applies; else one scatter per
 /// half.
-pub fn write_kv_slots(pool: &Tensor, kv: &Tensor, slots: &KvSlots) -> Result<()> {
-    let KvSlots {
-        host: host_slots,
-        device: slots,
-    } = slots;
+pub fn write_kv_slots(pool: &Tensor, kv: &Tensor, kv_slots: &KvSlots) -> Result<()> {
+    let slots = kv_slots.on_device();
     let (two, slot_count, hkv, d) = pool.dims4()?;
-    let rows = host_slots.len();
+    let rows = kv_slots.len();
     if two != 2 || kv.dims() != [2, rows, hkv, d] {
         bail!(
             "kv write: pool {:?} and keys/values {:?} disagree (expected [2, slots, kv_heads, head_dim] and [2, {rows}, kv_heads, head_dim])",
@@ -61,9 +84,7 @@ pub fn write_kv_slots(pool: &Tensor, kv: &Tensor, slots: &KvSlots) -> Result<()>
             kv.dims()
         );
     }
-    if let Some(s) = host_slots.iter().find(|&&s| s as usize >= slot_count) {
-        bail!("kv write: slot {s} is outside the pool's {slot_count}");
-    }
+    kv_slots.check(slot_count, "kv write")?;
     let devices = [kv.device(), slots.device()];
     if kv.dtype() != pool.dtype() || !devices.iter().all(|d| d.same_device(pool.device())) {
         bail!(

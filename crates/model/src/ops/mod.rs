@@ -30,6 +30,7 @@ mod attention_cuda;
 mod cuda;
 #[cfg(feature = "cuda")]
 mod decode_cuda;
+mod decode_gemm;
 mod decode_plan;
 mod embedding;
 mod head_softmax;
@@ -47,6 +48,7 @@ pub(crate) use add_into::add_into;
 pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, check_cu_seqlens};
 #[cfg(feature = "cuda")]
 pub(crate) use decode_cuda::sample_inverse_cdf as sample_inverse_cdf_cuda;
+pub use decode_gemm::{decode_product, decode_qkv_into_cache, DecodeEpilogue, SplitCounters};
 pub use embedding::{embedding, embedding_of_ids};
 pub(crate) use head_softmax::row_sums;
 pub use head_softmax::{

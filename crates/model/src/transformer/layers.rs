@@ -6,6 +6,7 @@
 use crate::config::ModelConfig;
 use crate::kv_cache::LayerKv;
 use crate::lora_adapter::LoraAdapter;
+use crate::ops::{decode_product, DecodeEpilogue, SplitCounters};
 use crate::paged_kv::{PagedStep, PoolLayer};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -39,6 +40,26 @@ pub struct Linear {
 impl Linear {
     pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_with(x, false)
+    }
+
+    /// The decode step's projection of `x` `[.., in]`: with `counters` and no bias the skinny
+    /// product ([`crate::ops::decode_product`]; cuBLAS where it does not serve), plus the
+    /// adapter's delta; else [`Self::forward`].
+    fn forward_decode(&self, x: &Tensor, counters: Option<&SplitCounters>) -> Result<Tensor> {
+        if counters.is_none() || self.bias.is_some() {
+            return self.forward(x);
+        }
+        let in_f = *x.dims().last().context("linear input has no dims")?;
+        let x2 = x.reshape((x.elem_count() / in_f.max(1), in_f))?;
+        let mut y = decode_product(&x2, &self.weight, DecodeEpilogue::Product, counters)?;
+        if let Some(a) = &self.lora {
+            y = (y + a.delta(&x2, false)?)?;
+        }
+        let mut dims = x.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = self.weight.dim(0)?;
+        }
+        Ok(y.reshape(dims)?)
     }
 
     /// `forward`, with the adapter's dropout active when `train`.
@@ -230,7 +251,7 @@ impl Attention {
             Some(LayerCache::Paged(pool, step)) => {
                 // k, v: [rows, kv_heads, 1, head_dim].
                 let kv = Tensor::stack(&[&k, &v], 0)?.reshape((2, b, nkv, hd))?;
-                return self.attend_paged(&q.reshape((b, nh, hd))?, &kv, pool, step);
+                return self.attend_paged(&q.reshape((b, nh, hd))?, &kv, pool, step, None);
             }
             None => (k, v),
         };
@@ -285,6 +306,7 @@ impl Attention {
         ctx: &Ctx,
         cache: LayerCache,
         qkv: Option<&Stacked>,
+        counters: Option<&SplitCounters>,
     ) -> Result<Tensor> {
         let (LayerCache::Paged(pool, step), Some(qkv)) = (&cache, qkv) else {
             return self.forward(x, ctx, Some(cache));
@@ -293,37 +315,64 @@ impl Attention {
         let hd = self.head_dim;
         let cos = ctx.cos.reshape((b * t, hd / 2))?;
         let sin = ctx.sin.reshape((b * t, hd / 2))?;
-        let (q, kv) = crate::ops::qkv_bias_rope(
-            &qkv.product(&x.reshape((b * t, hidden))?)?,
-            qkv.bias.as_ref(),
-            &cos,
-            &sin,
-            crate::ops::QkvHeads {
-                num_heads: self.num_heads,
-                num_kv_heads: self.num_kv_heads,
-                head_dim: hd,
-            },
-        )?;
-        self.attend_paged(&q, &kv, pool, step)
+        let heads = crate::ops::QkvHeads {
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: hd,
+        };
+        let x = x.reshape((b * t, hidden))?;
+        if qkv.lora.is_none() {
+            // One op from the product to the cache: q back, the keys and values in their slots.
+            let q = crate::ops::decode_qkv_into_cache(
+                &x,
+                &qkv.weight,
+                qkv.bias.as_ref(),
+                &cos,
+                &sin,
+                heads,
+                pool.pools(),
+                &step.slots,
+                counters,
+            )?;
+            return self.attend_written(&q, pool, step, counters);
+        }
+        let qkv_out = qkv.product(&x, counters)?;
+        let (q, kv) = crate::ops::qkv_bias_rope(&qkv_out, qkv.bias.as_ref(), &cos, &sin, heads)?;
+        self.attend_paged(&q, &kv, pool, step, counters)
     }
 
     /// One decode token per row: its key and value (`kv` `[2, rows, kv_heads, head_dim]`)
     /// written into the row's slot, then `q` `[rows, heads, head_dim]` attending over the
-    /// row's blocks, then `o_proj`.
+    /// row's blocks, then `o_proj` (the skinny product with `counters`, see
+    /// [`Linear::forward_decode`]).
     fn attend_paged(
         &self,
         q: &Tensor,
         kv: &Tensor,
         pool: &PoolLayer,
         step: &PagedStep,
+        counters: Option<&SplitCounters>,
     ) -> Result<Tensor> {
         pool.write(&step.slots, kv)?;
+        self.attend_written(q, pool, step, counters)
+    }
+
+    /// [`Self::attend_paged`] once the step's keys and values are in their slots.
+    fn attend_written(
+        &self,
+        q: &Tensor,
+        pool: &PoolLayer,
+        step: &PagedStep,
+        counters: Option<&SplitCounters>,
+    ) -> Result<Tensor> {
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let (keys, values) = (pool.keys()?, pool.values()?);
         let out = crate::ops::paged_decode_attention(q, &keys, &values, &step.layout, scale)?;
         let rows = q.dim(0)?;
-        self.o_proj
-            .forward(&out.reshape((rows, 1, self.num_heads * self.head_dim))?)
+        self.o_proj.forward_decode(
+            &out.reshape((rows, 1, self.num_heads * self.head_dim))?,
+            counters,
+        )
     }
 
     /// Attention over packed segments from projected `q` `[B, T, H, D]`, `k`/`v`
@@ -376,10 +425,11 @@ impl Stacked {
         })
     }
 
-    /// The stacked projections of `x` `[rows, in]`, without the biases: `x·Wᵀ`, plus the
-    /// adapters' packed delta.
-    fn product(&self, x: &Tensor) -> Result<Tensor> {
-        let y = crate::ops::linear(x, &self.weight, None)?;
+    /// The stacked projections of `x` `[rows, in]`, without the biases: `x·Wᵀ` (the skinny
+    /// decode product with `counters`, [`crate::ops::decode_product`]), plus the adapters'
+    /// packed delta.
+    fn product(&self, x: &Tensor, counters: Option<&SplitCounters>) -> Result<Tensor> {
+        let y = decode_product(x, &self.weight, DecodeEpilogue::Product, counters)?;
         match &self.lora {
             Some(l) => l.add_to(&y, x),
             None => Ok(y),
@@ -445,6 +495,9 @@ impl StackedLora {
 pub(crate) struct LayerStacks {
     qkv: Option<Stacked>,
     gate_up: Option<Stacked>,
+    /// The split-k counters of the layer's skinny decode products, where they run
+    /// ([`SplitCounters::for_device`]).
+    counters: Option<SplitCounters>,
 }
 
 /// SwiGLU MLP (`mlp.*`).
@@ -460,19 +513,26 @@ pub struct Mlp {
 
 impl Mlp {
     /// The decode step's MLP: with `gate_up` (gate's and up's projections stacked) one product
-    /// and one packed SwiGLU instead of two products and a SwiGLU.
+    /// and one packed SwiGLU instead of two products and a SwiGLU — with `counters` and no
+    /// adapter, one skinny product with the SwiGLU as its epilogue.
     fn forward_decode(
         &self,
         x: &Tensor,
         path: OpPath,
         gate_up: Option<&Stacked>,
+        counters: Option<&SplitCounters>,
     ) -> Result<Tensor> {
-        match gate_up {
-            Some(gu) => self
-                .down_proj
-                .forward(&crate::ops::swiglu_packed(&gu.product(x)?)?),
-            None => self.forward(x, path, false),
-        }
+        let Some(gu) = gate_up else {
+            return self.forward(x, path, false);
+        };
+        let (b, t, hidden) = x.dims3()?;
+        let x2 = x.reshape((b * t, hidden))?;
+        let h = match &gu.lora {
+            None => decode_product(&x2, &gu.weight, DecodeEpilogue::Swiglu, counters)?,
+            Some(_) => crate::ops::swiglu_packed(&gu.product(&x2, counters)?)?,
+        };
+        self.down_proj
+            .forward_decode(&h.reshape((b, t, h.dim(1)?))?, counters)
     }
 
     fn forward(&self, x: &Tensor, path: OpPath, train: bool) -> Result<Tensor> {
@@ -528,12 +588,15 @@ impl DecoderLayer {
         next_norm: &RmsNorm,
     ) -> Result<(Tensor, Tensor)> {
         let qkv = stacks.and_then(|s| s.qkv.as_ref());
-        let attn = self.self_attn.forward_decode(h, ctx, cache, qkv)?;
+        let counters = stacks.and_then(|s| s.counters.as_ref());
+        let attn = self
+            .self_attn
+            .forward_decode(h, ctx, cache, qkv, counters)?;
         let (x, h) = self
             .post_attention_layernorm
             .add_forward(x, &attn, ctx.path)?;
         let gate_up = stacks.and_then(|s| s.gate_up.as_ref());
-        let mlp = self.mlp.forward_decode(&h, ctx.path, gate_up)?;
+        let mlp = self.mlp.forward_decode(&h, ctx.path, gate_up, counters)?;
         next_norm.add_forward(&x, &mlp, ctx.path)
     }
 
@@ -556,7 +619,22 @@ impl DecoderLayer {
         } else {
             None
         };
-        Ok(LayerStacks { qkv, gate_up })
+        let widest = [&a.q_proj, &a.o_proj, &m.gate_proj, &m.down_proj]
+            .iter()
+            .map(|p| p.weight.dim(0))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        // The stacks' rows: q/k/v's and gate/up's.
+        let qkv_rows = a.q_proj.weight.dim(0)? + 2 * a.k_proj.weight.dim(0)?;
+        let max_out = widest
+            .into_iter()
+            .chain([qkv_rows, 2 * m.up_proj.weight.dim(0)?])
+            .max();
+        let counters = SplitCounters::for_device(a.q_proj.weight.device(), max_out.unwrap_or(0))?;
+        Ok(LayerStacks {
+            qkv,
+            gate_up,
+            counters,
+        })
     }
 
     /// Replaces every tensor of the layer (weights, biases, adapters, norms) by `f` of it.
