@@ -17,7 +17,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
 use common::kernel_checks::{
-    assert_close, compare, flat, kernel_cases, max_diff, randn, rel_err, run, run_on,
+    assert_close, compare, cpu_f64, flat, kernel_cases, max_diff, randn, rel_err, run, run_on,
 };
 use composer_model::{ops, token_logprobs, Transformer};
 
@@ -125,16 +125,10 @@ fn add_rms_norm_equals_the_add_and_the_norm_and_refuses_a_backward() {
         let (sum, normed) = ops::add_rms_norm(&on(&x), &on(&delta), &on(&w), 1e-6).unwrap();
         assert_eq!(sum.dims(), x.dims());
         assert_eq!(normed.dims(), x.dims());
-        let back = |t: &Tensor| {
-            t.to_device(&Device::Cpu)
-                .unwrap()
-                .to_dtype(DType::F64)
-                .unwrap()
-        };
-        assert_close("add_rms_norm sum", &back(&sum), &sum_ref, dtype, tol);
+        assert_close("add_rms_norm sum", &cpu_f64(&sum), &sum_ref, dtype, tol);
         assert_close(
             "add_rms_norm normed",
-            &back(&normed),
+            &cpu_f64(&normed),
             &normed_ref,
             dtype,
             tol,
@@ -203,16 +197,22 @@ fn qkv_bias_rope_equals_the_bias_adds_and_rope() {
                 heads,
             )
             .unwrap();
-            let back = |t: &Tensor| {
-                t.to_device(&Device::Cpu)
-                    .unwrap()
-                    .to_dtype(DType::F64)
-                    .unwrap()
-            };
-            assert_close("fused q", &back(&qo), &q_ref, dtype, tol);
+            assert_close("fused q", &cpu_f64(&qo), &q_ref, dtype, tol);
             assert_eq!(kvo.dims(), [2, rows, nkv, d]);
-            assert_close("fused k", &back(&kvo.get(0).unwrap()), &k_ref, dtype, tol);
-            assert_close("fused v", &back(&kvo.get(1).unwrap()), &v_ref, dtype, tol);
+            assert_close(
+                "fused k",
+                &cpu_f64(&kvo.get(0).unwrap()),
+                &k_ref,
+                dtype,
+                tol,
+            );
+            assert_close(
+                "fused v",
+                &cpu_f64(&kvo.get(1).unwrap()),
+                &v_ref,
+                dtype,
+                tol,
+            );
         }
     }
     let narrow = randn(&[rows, width - d], 12, 1.0);
@@ -246,12 +246,7 @@ fn swiglu_packed_equals_swiglu_of_the_halves() {
         let on = gate_up.to_dtype(dtype).unwrap().to_device(&device).unwrap();
         let got = ops::swiglu_packed(&on).unwrap();
         assert_eq!(got.dims(), [rows, 1, inter]);
-        let got = got
-            .to_device(&Device::Cpu)
-            .unwrap()
-            .to_dtype(DType::F64)
-            .unwrap();
-        assert_close("swiglu_packed", &got, &reference, dtype, tol);
+        assert_close("swiglu_packed", &cpu_f64(&got), &reference, dtype, tol);
     }
     let e = format!(
         "{:#}",
@@ -299,9 +294,8 @@ fn decode_product_matches_the_product() {
                 };
                 for launch in 0..2 {
                     let got = ops::decode_product(&xd, &wd, epilogue, Some(&counters)).unwrap();
-                    let got = got.to_device(&Device::Cpu).unwrap();
                     let what = format!("decode product {rows}×{out}×{k} {epilogue:?} #{launch}");
-                    assert_close(&what, &got.to_dtype(DType::F64).unwrap(), &want, dtype, tol);
+                    assert_close(&what, &cpu_f64(&got), &want, dtype, tol);
                 }
             }
         }
@@ -369,15 +363,15 @@ fn decode_qkv_into_cache_matches_the_three_ops() {
                     Some(&counters),
                 )
                 .unwrap();
-                let back = |t: &Tensor| {
-                    t.to_device(&Device::Cpu)
-                        .unwrap()
-                        .to_dtype(DType::F64)
-                        .unwrap()
-                };
                 let what = format!("decode q/k/v case {i} #{launch}");
-                assert_close(&format!("{what} q"), &back(&q), &q_ref, dtype, tol);
-                assert_close(&format!("{what} pool"), &back(&pool), &pool_ref, dtype, tol);
+                assert_close(&format!("{what} q"), &cpu_f64(&q), &q_ref, dtype, tol);
+                assert_close(
+                    &format!("{what} pool"),
+                    &cpu_f64(&pool),
+                    &pool_ref,
+                    dtype,
+                    tol,
+                );
             }
         }
     }

@@ -14,6 +14,14 @@ pub fn randn(shape: &[usize], seed: u64, scale: f64) -> Tensor {
     Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
 }
 
+/// `t` on the CPU in f64 (a device result, for comparing with an f64 reference).
+pub fn cpu_f64(t: &Tensor) -> Tensor {
+    t.to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+}
+
 pub fn flat(t: &Tensor) -> Vec<f64> {
     t.to_dtype(DType::F64)
         .unwrap()
