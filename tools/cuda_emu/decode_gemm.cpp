@@ -2,7 +2,8 @@
 // included by decode_kernels.cu) under emu.h (run.sh) against f64 products of the same bf16
 // inputs: rows 1-64 (every m16 tile count), weight rows past a tile's end, k not a multiple of
 // a stage (and smaller than one), split k with its partials summed by the last block — run
-// twice on the same counters, which must come back zero — the SwiGLU epilogue on the stacked
+// twice on the same counters, which must come back zero, the second time with the blocks in
+// reverse order (the tile's last arrival then its first split) — the SwiGLU epilogue on the stacked
 // [gate | up] weight, and the q/k/v epilogue (bias, RoPE, q out, keys and values into their
 // cache slots, every other slot untouched) at head_dim 32, 64 and 128.
 // Arguments: case indices (default all), or --quick.
@@ -74,8 +75,11 @@ struct Launch {
   bool zeroed() const {
     return std::all_of(counters.begin(), counters.end(), [](unsigned v) { return v == 0; });
   }
-  template <class F> void run(F body) {
+  // `reverse`: the blocks last to first, so a tile's last arriving block is its first split.
+  template <class F> void run(F body, bool reverse) {
+    emu_reverse_blocks = reverse;
     emu_launch(Dim3{(unsigned)tiles, (unsigned)splits, 1}, Dim3{32 * SG_WARPS, 1, 1}, smem, body, smem);
+    emu_reverse_blocks = false;
   }
 };
 
@@ -87,12 +91,13 @@ int run(const Case& c, unsigned seed) {
   std::vector<bf16> y((size_t)c.m * out_cols);
   Launch l(c.m, tiles, c.k, c.k_split);
   int bad = 0;
-  for (int launch = 0; launch < 2; launch++) {  // the second reuses the counters the first left
+  // The second launch reuses the counters the first left, and runs the blocks in reverse order.
+  for (int launch = 0; launch < 2; launch++) {
     std::fill(y.begin(), y.end(), __float2bfloat16(NAN));
     l.run([&] {
       kernel(c.swiglu, l.mt)(x.data(), w.data(), l.part_ptr(), l.counters.data(), c.m, c.n, c.k, c.k_split, l.splits,
                              y.data());
-    });
+    }, launch == 1);
     double worst = 0;
     for (int r = 0; r < c.m; r++)
       for (int j = 0; j < out_cols; j++) {
@@ -144,7 +149,7 @@ int run_qkv(const QkvCase& c, unsigned seed) {
       qkv_kernels[l.mt - 1](x.data(), w.data(), l.part_ptr(), l.counters.data(), c.m, n, c.k, c.k_split, l.splits,
                             c.bias ? bias.data() : nullptr, cos.data(), sin.data(), q.data(), pool.data(),
                             slots.data(), c.nh, c.nkv, c.d, c.slot_count);
-    });
+    }, launch == 1);
     double worst = 0;
     std::vector<bool> written(c.slot_count, false);
     for (int r = 0; r < c.m; r++) {

@@ -1,7 +1,8 @@
 // The CPU runtime of the CUDA emulation (tools/cuda_emu, see README.md): every driver includes
 // it before the kernel source. A block's CUDA threads are std::threads; the blocks of a launch
-// run one at a time (the same threads walk them in order); __syncthreads is a block barrier,
-// warp shuffles exchange through a per-warp buffer between two warp barriers. Static __shared__
+// run one at a time (the same threads walk them in order, or in reverse with emu_reverse_blocks);
+// __syncthreads is a block barrier, warp shuffles exchange through a per-warp buffer between two
+// warp barriers, cp.async copies wait in commit groups until cp_async_wait. Static __shared__
 // arrays become function statics (shared by the block's threads: one block runs at a time);
 // dynamic shared memory (`extern __shared__ float x[];`, rewritten by run.sh into a pointer to
 // emu_dynamic_smem) is a fresh 16-byte-aligned buffer of exactly the launch's size per block,
@@ -87,6 +88,13 @@ template <class T> T __shfl_up_sync(unsigned, T v, unsigned delta) {
   return emu_shuffle(v, lane >= (int)delta ? lane - (int)delta : lane);
 }
 inline unsigned atomicAdd(unsigned* a, unsigned v) { return std::atomic_ref<unsigned>(*a).fetch_add(v); }
+// ((old >= limit) ? 0 : old + 1), returning old.
+inline unsigned atomicInc(unsigned* a, unsigned limit) {
+  std::atomic_ref<unsigned> r(*a);
+  unsigned old = r.load();
+  while (!r.compare_exchange_weak(old, old >= limit ? 0 : old + 1)) {}
+  return old;
+}
 // __threadfence: a sequentially consistent fence (the blocks of a launch run one after another
 // here, so it orders nothing the driver could see; TSan sees the fence).
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
@@ -171,20 +179,49 @@ inline void emu_ldsm_x4(uint32_t (&r)[4], const __nv_bfloat16* p, bool trans) {
   }
   emu_warp->bar->arrive_and_wait();  // nobody overwrites an address before every lane read it
 }
-// cp.async (cuda_common.cuh's cp_async_16 / commit / wait): the copy is done at once (so a
-// kernel that overwrites a stage other threads still read shows as a race under TSan; one that
-// reads before waiting is not caught here); both addresses must be 16-byte aligned.
+// cp.async (cuda_common.cuh's cp_async_16 / commit / wait): each thread's copies are queued in
+// commit groups and done by cp_async_wait<N> (every group but the newest N, oldest first) or at
+// the end of the block — so a kernel that reads a stage before waiting for its group reads
+// what was there before (NaN in a block's fresh shared memory), and one that overwrites a
+// stage other threads still read shows as a race under TSan. Both addresses must be 16-byte
+// aligned.
+struct EmuCopy {
+  void* dst;
+  const void* src;
+  int bytes;
+};
+inline thread_local std::vector<std::vector<EmuCopy>> emu_cp_groups;  // committed, oldest first
+inline thread_local std::vector<EmuCopy> emu_cp_open;                 // not yet committed
+inline void emu_cp_do(const EmuCopy& c) {
+  if (c.bytes == 16) std::memcpy(c.dst, c.src, 16);
+  else std::memset(c.dst, 0, 16);
+}
 inline void cp_async_16(void* dst, const void* src, int src_bytes) {
   if ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % 16 != 0) {
     std::fprintf(stderr, "cp.async: %p <- %p is not 16-byte aligned\n", dst, src);
     std::abort();
   }
-  if (src_bytes == 16) std::memcpy(dst, src, 16);
-  else if (src_bytes == 0) std::memset(dst, 0, 16);
-  else { std::fprintf(stderr, "cp.async: src_bytes %d (the kernels use 0 or 16)\n", src_bytes); std::abort(); }
+  if (src_bytes != 16 && src_bytes != 0) {
+    std::fprintf(stderr, "cp.async: src_bytes %d (the kernels use 0 or 16)\n", src_bytes);
+    std::abort();
+  }
+  emu_cp_open.push_back(EmuCopy{dst, src, src_bytes});
 }
-inline void cp_async_commit() {}
-template <int N> void cp_async_wait() {}
+inline void cp_async_commit() {
+  emu_cp_groups.push_back(std::move(emu_cp_open));
+  emu_cp_open.clear();
+}
+template <int N> void cp_async_wait() {
+  while (emu_cp_groups.size() > (size_t)N) {
+    for (const EmuCopy& c : emu_cp_groups.front()) emu_cp_do(c);
+    emu_cp_groups.erase(emu_cp_groups.begin());
+  }
+}
+// What a block left in flight lands before the next block starts (the hardware finishes it).
+inline void emu_cp_drain() {
+  cp_async_commit();
+  cp_async_wait<0>();
+}
 inline void ldsm_x4(uint32_t (&r)[4], const __nv_bfloat16* p) { emu_ldsm_x4(r, p, false); }
 inline void ldsm_x4_t(uint32_t (&r)[4], const __nv_bfloat16* p) { emu_ldsm_x4(r, p, true); }
 
@@ -193,6 +230,10 @@ inline void ldsm_x4_t(uint32_t (&r)[4], const __nv_bfloat16* p) { emu_ldsm_x4(r,
 // (more than 1024 threads, more than `smem_limit` bytes of dynamic shared memory: 48 KiB unless
 // the launcher opts the kernel in to more, as attention_cuda.rs does for ∂K/∂V) and on 2-D/3-D
 // blocks (not emulated).
+// When set, emu_launch walks a launch's blocks last to first (a kernel whose blocks meet
+// through atomics then sees them arrive in the other order).
+inline bool emu_reverse_blocks = false;
+
 template <class F>
 void emu_launch(Dim3 grid, Dim3 block, size_t shared_bytes, F f, size_t smem_limit = 48 * 1024) {
   if (block.x == 0 || block.x > 1024 || block.y != 1 || block.z != 1 || grid.x == 0 || grid.y == 0 || grid.z == 0) {
@@ -234,8 +275,9 @@ void emu_launch(Dim3 grid, Dim3 block, size_t shared_bytes, F f, size_t smem_lim
               emu_dynamic_smem = smem.get();
             }
             step.arrive_and_wait();  // the block's shared memory is ready
-            blockIdx = Dim3{bx, by, bz};
+            blockIdx = emu_reverse_blocks ? Dim3{grid.x - 1 - bx, grid.y - 1 - by, grid.z - 1 - bz} : Dim3{bx, by, bz};
             f();
+            emu_cp_drain();
             step.arrive_and_wait();  // every thread is done with the block
           }
     });

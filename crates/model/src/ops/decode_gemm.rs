@@ -34,7 +34,7 @@ const SKINNY_ROWS: usize = 128;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const SKINNY_STAGE_K: usize = 64;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-const SKINNY_STAGES: usize = 4;
+const SKINNY_STAGES: usize = 3;
 /// Most rows of `x` a block holds (4 m16 tiles).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const SKINNY_MAX_ROWS: usize = 64;
@@ -43,7 +43,7 @@ const SKINNY_MAX_ROWS: usize = 64;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const SKINNY_MIN_SPLIT: usize = 128;
 /// Blocks a product should have for the SMs to be busy (an H100/H200 has 132; a block uses up
-/// to 108 KiB of shared memory, so two fit an SM). `COMPOSER_DECODE_GEMM_BLOCKS` replaces it.
+/// to 81 KiB of shared memory, so two fit an SM). `COMPOSER_DECODE_GEMM_BLOCKS` replaces it.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const SKINNY_TARGET_BLOCKS: usize = 132;
 
@@ -77,7 +77,15 @@ pub(super) fn skinny_plan(
     epilogue: DecodeEpilogue,
     target: usize,
 ) -> Option<SkinnyPlan> {
-    if !(1..=SKINNY_MAX_ROWS).contains(&rows) || k == 0 || !k.is_multiple_of(8) || out == 0 {
+    // The kernel's indices are 32-bit.
+    let fits_i32 = |v: usize| v <= i32::MAX as usize;
+    if !(1..=SKINNY_MAX_ROWS).contains(&rows)
+        || k == 0
+        || !k.is_multiple_of(8)
+        || out == 0
+        || !fits_i32(out.next_multiple_of(SKINNY_ROWS))
+        || !fits_i32(k.next_multiple_of(SKINNY_STAGE_K))
+    {
         return None;
     }
     let tiles = match epilogue {
@@ -116,8 +124,8 @@ fn skinny_settings() -> (bool, usize) {
 }
 
 /// The split-k counters of a decode layer's products: u32, one per block of weight rows of its
-/// widest projection, zero between launches (the last block of a tile resets its counter, so
-/// no launch zeroes them — a CUDA graph replays the products alone). The products of a layer
+/// widest projection, zero between launches (the last block of a tile wraps its counter back
+/// to zero, so no launch zeroes them — a CUDA graph replays the products alone). The products of a layer
 /// run one after another on the stream, so they share them.
 #[derive(Debug)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -270,7 +278,7 @@ mod cuda {
             return Ok(None);
         };
         let (two, slot_count, pool_kv, pool_d) = pool.dims4()?;
-        let mut tensors = vec![x, w, cos, sin, pool, counters.0.as_ref()];
+        let mut tensors = vec![x, w, cos, sin, pool, &counters.0, slots.on_device()];
         tensors.extend(bias);
         let serves = d % 2 == 0
             && 128 % d == 0
@@ -288,9 +296,20 @@ mod cuda {
                 .iter()
                 .chain(bias.as_slice())
                 .all(|t| t.dtype() == DType::BF16)
+            && slots.on_device().dtype() == DType::U32
             && tensors.iter().all(|t| t.device().same_device(x.device()));
         if !serves {
             return Ok(None);
+        }
+        // The op holds the pool's write lock while it reads the others: one of them sharing the
+        // pool's storage would wait on itself.
+        let pool_storage: *const Storage = &*pool.storage_and_layout().0;
+        let shares = tensors
+            .iter()
+            .enumerate()
+            .any(|(i, t)| i != 4 && std::ptr::eq(&*t.storage_and_layout().0, pool_storage));
+        if shares {
+            anyhow::bail!("decode q/k/v: an input shares the KV pool's storage");
         }
         let (x, w) = (x.contiguous()?, w.contiguous()?);
         let bias = bias.map(Tensor::contiguous).transpose()?;
@@ -476,8 +495,10 @@ mod tests {
             (gate_up.tiles, gate_up.splits, gate_up.k_split),
             (76, 2, 448)
         );
-        // 4 stages of 128 weight rows and 64 x rows, 72 bf16 a row.
-        assert_eq!(gate_up.shared_bytes, 4 * 192 * 72 * 2);
+        // 3 stages of 128 weight rows and 64 x rows, 72 bf16 a row: within the 99 KiB (less
+        // the kernel's 16 bytes of static shared memory) any sm_80+ card allows a block.
+        assert_eq!(gate_up.shared_bytes, 3 * 192 * 72 * 2);
+        assert!(gate_up.shared_bytes + 16 <= 99 * 1024);
         for plan in [qkv, down, gate_up] {
             assert_eq!(plan.k_split % SKINNY_STAGE_K, 0);
             assert_eq!(plan.m_tiles, 4);

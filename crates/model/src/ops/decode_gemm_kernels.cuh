@@ -3,9 +3,8 @@
 // (mma.sync m16n8k16). At batch 64 cuBLAS took ~24 µs a layer on an H200 (2026-11-27 profile)
 // for ~30 MB of Qwen2.5-0.5B weights (~6 µs of HBM bytes): its tiles are made for large m, so
 // the small projections run on a few SMs. Here a block owns SG_NT weight rows (output columns)
-// and every row of x, and the product's k is split over SG_SPLITS-style blocks when the
-// weight rows alone give too few blocks (decode_gemm.rs plans it); the last block of a tile to
-// finish sums the tile's partials in split order (so the result does not depend on which
+// and every row of x, and the product's k is split over gridDim.y blocks when the weight rows
+// alone give too few blocks (decode_gemm.rs plans it); the last block of a tile to finish sums the tile's partials in split order (so the result does not depend on which
 // block finishes first) and runs the epilogue:
 //   SgPlain    y [m, n] = x·Wᵀ rounded to bf16 (what the cuBLAS product gives, up to the
 //              order of the f32 sums);
@@ -22,9 +21,10 @@
 
 // Weight rows (output columns) per block; 32 per warp.
 #define SG_NT 128
-// k per pipeline stage, and stages in flight (cp.async).
+// k per pipeline stage, and stages in flight (cp.async): three keep a block at ≤ 81 KiB of
+// shared memory at 64 rows, inside the 99 KiB every sm_80+ card allows a block.
 #define SG_KC 64
-#define SG_STAGES 4
+#define SG_STAGES 3
 #define SG_WARPS 4
 // Shared-memory rows of a stage: SG_KC bf16 and 8 of padding (ldmatrix rows in distinct banks).
 #define SG_PITCH (SG_KC + 8)
@@ -119,7 +119,7 @@ struct SgQkv {
 // Block (tile, split): weight rows of `tile` (Epi::weight_row) times x's m rows over k in
 // [split·k_split, min(k, (split + 1)·k_split)). MT = ⌈m / 16⌉ m16 tiles. part: f32
 // [tiles, splits, MT·16, SG_NT] (null when splits = 1); counters: u32 [tiles], zero before
-// the launch and left zero after it (the last block of a tile resets its counter).
+// the launch and left zero after it (the last block of a tile wraps its counter back to zero).
 // Requirements (decode_gemm.rs checks them): k % 8 == 0, x and w 16-byte aligned,
 // k_split % SG_KC == 0; SgSwiglu: n % SG_NT == 0; SgQkv: d even, dividing SG_NT. blockDim.x = 32·SG_WARPS; dynamic shared
 // memory: SG_STAGES·(SG_NT + MT·16)·SG_PITCH bf16 (≥ the f32 tile MT·16 × SG_TILE_PITCH).
@@ -132,7 +132,7 @@ __device__ void skinny_gemm(const bf16* __restrict__ x, const bf16* __restrict__
   constexpr unsigned SMEM = SG_STAGES * STAGE * 2;
   static_assert(MR * SG_TILE_PITCH * 4 <= SMEM, "the result tile reuses the stages");
   if (blockDim.x != 32 * SG_WARPS || dynamic_smem_bytes() < SMEM || m > MR || k % 8 != 0 ||
-      k_split % SG_KC != 0 || (splits > 1 && part == nullptr))
+      k_split % SG_KC != 0 || gridDim.y != (unsigned)splits || (splits > 1 && part == nullptr))
     __trap();  // launch and kernel disagree
   extern __shared__ float smem[];
   bf16* stages = reinterpret_cast<bf16*>(smem);
@@ -224,9 +224,8 @@ __device__ void skinny_gemm(const bf16* __restrict__ x, const bf16* __restrict__
 
   if (splits > 1) {
     // This split's partial out; the tile's last block to arrive sums them all in split order.
-    constexpr int TILE_F4 = MR * SG_NT / 4;
     float* mine = part + ((size_t)tile * splits + split) * MR * SG_NT;
-    for (int i = tid; i < TILE_F4; i += 32 * SG_WARPS) {
+    for (int i = tid; i < m * (SG_NT / 4); i += 32 * SG_WARPS) {  // rows past m are not read
       const int r = i / (SG_NT / 4), c4 = (i % (SG_NT / 4)) * 4;
       *reinterpret_cast<float4*>(mine + r * SG_NT + c4) =
           *reinterpret_cast<const float4*>(t + r * SG_TILE_PITCH + c4);
@@ -234,14 +233,14 @@ __device__ void skinny_gemm(const bf16* __restrict__ x, const bf16* __restrict__
     __threadfence();  // the partial is visible device-wide before the counter says so
     __syncthreads();
     __shared__ int last;
-    if (tid == 0) last = atomicAdd(counters + tile, 1u) == (unsigned)splits - 1;
+    // The last arrival finds splits − 1 and wraps the counter to zero for the next launch.
+    if (tid == 0) last = atomicInc(counters + tile, (unsigned)splits - 1) == (unsigned)splits - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();  // every other split's partial is visible to this block
     const float* all = part + (size_t)tile * splits * MR * SG_NT;
-    for (int i = tid; i < TILE_F4; i += 32 * SG_WARPS) {
+    for (int i = tid; i < m * (SG_NT / 4); i += 32 * SG_WARPS) {
       const int r = i / (SG_NT / 4), c4 = (i % (SG_NT / 4)) * 4;
-      if (r >= m) continue;
       float4 s = ld_cg_f4(all + r * SG_NT + c4);
       for (int sp = 1; sp < splits; ++sp) {
         const float4 v = ld_cg_f4(all + (size_t)sp * MR * SG_NT + r * SG_NT + c4);
@@ -249,7 +248,6 @@ __device__ void skinny_gemm(const bf16* __restrict__ x, const bf16* __restrict__
       }
       *reinterpret_cast<float4*>(t + r * SG_TILE_PITCH + c4) = s;
     }
-    if (tid == 0) counters[tile] = 0;  // ready for the next launch (no other block reads it now)
     __syncthreads();
   }
 
