@@ -1,7 +1,7 @@
 //! The rollout engine's decode forward over its paged KV cache: one token per row, each at
 //! its own position, attending over the row's blocks (`crate::paged_kv`).
 
-use super::layers::LayerStacks;
+use super::decode_stacks::LayerStacks;
 use super::{Ctx, LayerCache, OpPath, Transformer};
 use crate::paged_kv::{BlockPool, PagedStep};
 use anyhow::{bail, Result};

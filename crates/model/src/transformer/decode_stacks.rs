@@ -1,0 +1,147 @@
+//! The decode step's stacked projections: a layer's q/k/v and gate/up weights (with their
+//! adapters) stacked for one product each, and the split-k counters of the layer's skinny
+//! decode products ([`crate::ops::decode_product`]), built once per rollout
+//! ([`super::DecodeStacks`]).
+
+use super::layers::{DecoderLayer, Linear};
+use crate::lora_adapter::LoraAdapter;
+use crate::ops::{decode_product, DecodeEpilogue, SplitCounters};
+use anyhow::Result;
+use candle_core::Tensor;
+
+/// Projections that read the same input stacked for the decode step's one product: q/k/v's
+/// weights `[(heads + 2·kv_heads)·head_dim, hidden]` (q's rows, k's, v's) and their biases
+/// alike, or gate's and up's `[2·intermediate, hidden]`; with their LoRA adapters, if any.
+#[derive(Debug)]
+pub(crate) struct Stacked {
+    pub(super) weight: Tensor,
+    pub(super) bias: Option<Tensor>,
+    pub(super) lora: Option<StackedLora>,
+}
+
+impl Stacked {
+    /// `linears` (reading the same input, biases on all or none) stacked in their order.
+    fn of(linears: &[&Linear]) -> Result<Stacked> {
+        let stack = |ts: &[&Tensor]| -> Result<Tensor> { Ok(Tensor::cat(ts, 0)?.detach()) };
+        let weights: Vec<&Tensor> = linears.iter().map(|l| &l.weight).collect();
+        let biases: Vec<&Tensor> = linears.iter().filter_map(|l| l.bias.as_ref()).collect();
+        Ok(Stacked {
+            weight: stack(&weights)?,
+            bias: (!biases.is_empty()).then(|| stack(&biases)).transpose()?,
+            lora: StackedLora::of(linears)?,
+        })
+    }
+
+    /// The stacked projections of `x` `[rows, in]`, without the biases: `x·Wᵀ` (the skinny
+    /// decode product with `counters`, [`crate::ops::decode_product`]), plus the adapters'
+    /// packed delta.
+    pub(super) fn product(&self, x: &Tensor, counters: Option<&SplitCounters>) -> Result<Tensor> {
+        let y = decode_product(x, &self.weight, DecodeEpilogue::Product, counters)?;
+        match &self.lora {
+            Some(l) => l.add_to(&y, x),
+            None => Ok(y),
+        }
+    }
+}
+
+/// The LoRA adapters of stacked projections as two products: `x·aᵀ`, with `a` the adapted
+/// projections' `lora_A` stacked (`[Σ r, in]`), then `·bᵀ`, with `b` `[Σ out, Σ r]`
+/// block-diagonal — each adapter's `scaling · lora_B` on its projection's rows and its own
+/// rank's columns, zero rows for a projection without one. The result is the packed delta
+/// of the stacked product (exactly zero where `lora_B` is zero).
+#[derive(Debug)]
+pub(super) struct StackedLora {
+    a: Tensor,
+    b: Tensor,
+}
+
+impl StackedLora {
+    /// Of `linears` in stacking order; None when none has an adapter.
+    fn of(linears: &[&Linear]) -> Result<Option<StackedLora>> {
+        let adapters: Vec<&LoraAdapter> = linears.iter().filter_map(|l| l.lora.as_ref()).collect();
+        if adapters.is_empty() {
+            return Ok(None);
+        }
+        let a = Tensor::cat(&adapters.iter().map(|ad| &ad.lora_a).collect::<Vec<_>>(), 0)?;
+        let rank = a.dim(0)?;
+        let mut blocks = Vec::with_capacity(linears.len());
+        let mut col = 0;
+        for l in linears {
+            let (out, dtype, dev) = (l.weight.dim(0)?, l.weight.dtype(), l.weight.device());
+            let zeros = |cols: usize| Tensor::zeros((out, cols), dtype, dev);
+            blocks.push(match &l.lora {
+                Some(ad) => {
+                    let r = ad.lora_a.dim(0)?;
+                    let b = (&ad.lora_b * ad.scaling)?;
+                    let block = Tensor::cat(&[&zeros(col)?, &b, &zeros(rank - col - r)?], 1)?;
+                    col += r;
+                    block
+                }
+                None => zeros(rank)?,
+            });
+        }
+        Ok(Some(StackedLora {
+            a: a.detach(),
+            b: Tensor::cat(&blocks, 0)?.detach(),
+        }))
+    }
+
+    /// `y + (x·aᵀ)·bᵀ` for the stacked product `y` of `x` `[rows, in]`.
+    fn add_to(&self, y: &Tensor, x: &Tensor) -> Result<Tensor> {
+        let delta = crate::ops::linear(&crate::ops::linear(x, &self.a, None)?, &self.b, None)?;
+        Ok((y + delta)?)
+    }
+}
+
+/// A decoder layer's projections stacked for the decode step, where they can be (see
+/// [`DecoderLayer::stack_for_decode`]): on a GPU, where the decode step is bound by launches,
+/// two products fewer per layer than the separate projections (with adapters, two products
+/// per stack for all of its adapters instead of two per adapter). A copy of those weights,
+/// built from the weights the rollout samples with.
+#[derive(Debug)]
+pub(crate) struct LayerStacks {
+    pub(super) qkv: Option<Stacked>,
+    pub(super) gate_up: Option<Stacked>,
+    /// The split-k counters of the layer's skinny decode products, where they run
+    /// ([`SplitCounters::for_device`]).
+    pub(super) counters: Option<SplitCounters>,
+}
+
+impl DecoderLayer {
+    /// This layer's projections stacked for the decode step ([`LayerStacks`]), adapters
+    /// included: q/k/v where the layer has no q/k norms (they act between the projection and
+    /// RoPE) and all or none have biases; gate/up where neither has a bias.
+    pub(crate) fn stack_for_decode(&self) -> Result<LayerStacks> {
+        let a = &self.self_attn;
+        let qkv = [&a.q_proj, &a.k_proj, &a.v_proj];
+        let biases = qkv.iter().filter(|p| p.bias.is_some()).count();
+        let qkv = if a.q_norm.is_none() && a.k_norm.is_none() && (biases == 0 || biases == 3) {
+            Some(Stacked::of(&qkv)?)
+        } else {
+            None
+        };
+        let m = &self.mlp;
+        let gate_up = [&m.gate_proj, &m.up_proj];
+        let gate_up = if gate_up.iter().all(|p| p.bias.is_none()) {
+            Some(Stacked::of(&gate_up)?)
+        } else {
+            None
+        };
+        let widest = [&a.q_proj, &a.o_proj, &m.gate_proj, &m.down_proj]
+            .iter()
+            .map(|p| p.weight.dim(0))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        // The stacks' rows: q/k/v's and gate/up's.
+        let qkv_rows = a.q_proj.weight.dim(0)? + 2 * a.k_proj.weight.dim(0)?;
+        let max_out = widest
+            .into_iter()
+            .chain([qkv_rows, 2 * m.up_proj.weight.dim(0)?])
+            .max();
+        let counters = SplitCounters::for_device(a.q_proj.weight.device(), max_out.unwrap_or(0))?;
+        Ok(LayerStacks {
+            qkv,
+            gate_up,
+            counters,
+        })
+    }
+}
