@@ -159,7 +159,7 @@ pub fn decode_product(
     epilogue: DecodeEpilogue,
     counters: Option<&SplitCounters>,
 ) -> Result<Tensor> {
-    let (rows, k) = x.dims2()?;
+    let (_, k) = x.dims2()?;
     let (out, in_w) = w.dims2()?;
     if k != in_w {
         bail!(
@@ -176,24 +176,18 @@ pub fn decode_product(
     }
     #[cfg(feature = "cuda")]
     if let Some(c) = counters {
-        let plan = skinny_plan(rows, out, k, epilogue, skinny_settings().1);
-        let fits = x.dtype() == DType::BF16
-            && w.dtype() == DType::BF16
-            && x.device().same_device(w.device())
-            && x.device().same_device(c.0.device());
-        if let Some(plan) = plan.filter(|p| fits && p.tiles <= c.0.dim(0).unwrap_or(0)) {
+        let (x, w) = (x.contiguous()?, w.contiguous()?);
+        if let Some(plan) = cuda::plan_for(&x, &w, out, epilogue, c)? {
             let op = cuda::SkinnyProduct {
                 plan,
                 epilogue,
                 counters: &c.0,
             };
-            if let Some(y) = op.apply(&x.contiguous()?, &w.contiguous()?)? {
-                return Ok(y);
-            }
+            return Ok(x.apply_op2_no_bwd(&w, &op)?);
         }
     }
     #[cfg(not(feature = "cuda"))]
-    let _ = (rows, counters);
+    let _ = counters;
     let y = super::linear(x, w, None)?;
     match epilogue {
         DecodeEpilogue::Product => Ok(y),
@@ -253,6 +247,42 @@ mod cuda {
     use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp1, Layout, Shape, Storage, Tensor};
     use std::sync::Mutex;
 
+    /// The plan of the skinny product of contiguous `x` `[rows, k]` and `w` `[out, k]` with
+    /// `epilogue`, where the kernel serves it: both bf16 on the counters' device, counters for
+    /// every tile, both starting 16-byte aligned (a CUDA storage is a whole allocation,
+    /// 256-byte aligned; a view starts `start_offset` elements into it, and `k` % 8 == 0 keeps
+    /// every row aligned for the kernel's 16-byte copies). `None`: cuBLAS instead.
+    pub(super) fn plan_for(
+        x: &Tensor,
+        w: &Tensor,
+        out: usize,
+        epilogue: DecodeEpilogue,
+        counters: &SplitCounters,
+    ) -> Result<Option<SkinnyPlan>> {
+        let (rows, k) = x.dims2()?;
+        let Some(plan) = skinny_plan(rows, out, k, epilogue, skinny_settings().1) else {
+            return Ok(None);
+        };
+        let serves = plan.tiles <= counters.0.dim(0)?
+            && [x, w].iter().all(|t| {
+                t.dtype() == DType::BF16
+                    && t.device().same_device(counters.0.device())
+                    && t.layout().start_offset().is_multiple_of(8)
+            });
+        Ok(serves.then_some(plan))
+    }
+
+    /// The CUDA storage under a read guard (`what` names the op in the error).
+    fn cuda_storage<'s>(
+        s: &'s Storage,
+        what: &str,
+    ) -> candle_core::Result<&'s candle_core::CudaStorage> {
+        match s {
+            Storage::Cuda(s) => Ok(s),
+            _ => candle_core::bail!("{what}: an input is not on the CUDA device"),
+        }
+    }
+
     /// [`super::decode_qkv_into_cache`] on the kernel: q, or `None` where the kernel does not
     /// serve (the caller then runs the three ops). The caller checked every slot.
     #[allow(clippy::too_many_arguments)]
@@ -273,45 +303,44 @@ mod cuda {
             head_dim: d,
         } = heads;
         let width = heads.packed_width();
-        let Some(plan) = skinny_plan(rows, width, k, DecodeEpilogue::Product, skinny_settings().1)
-        else {
+        let (x, w) = (x.contiguous()?, w.contiguous()?);
+        let Some(plan) = plan_for(&x, &w, width, DecodeEpilogue::Product, counters)? else {
             return Ok(None);
         };
         let (two, slot_count, pool_kv, pool_d) = pool.dims4()?;
-        let mut tensors = vec![x, w, cos, sin, pool, &counters.0, slots.on_device()];
-        tensors.extend(bias);
+        // What the op reads besides x, w and the counters (plan_for checked those).
+        let mut others = vec![cos, sin, slots.on_device()];
+        others.extend(bias);
         let serves = d % 2 == 0
             && 128 % d == 0
-            && plan.tiles <= counters.0.dim(0)?
             && (two, pool_kv, pool_d) == (2, nkv, d)
             && slots.len() == rows
             && cos.dims() == [rows, d / 2]
             && sin.dims() == [rows, d / 2]
             && bias.is_none_or(|b| b.dims() == [width])
             && pool.is_contiguous()
-            && [x, w]
-                .iter()
-                .all(|t| t.layout().start_offset().is_multiple_of(8))
-            && tensors[..5]
-                .iter()
-                .chain(bias.as_slice())
+            && [cos, sin, pool]
+                .into_iter()
+                .chain(bias)
                 .all(|t| t.dtype() == DType::BF16)
             && slots.on_device().dtype() == DType::U32
-            && tensors.iter().all(|t| t.device().same_device(x.device()));
+            && others
+                .iter()
+                .chain([&pool])
+                .all(|t| t.device().same_device(x.device()));
         if !serves {
             return Ok(None);
         }
         // The op holds the pool's write lock while it reads the others: one of them sharing the
         // pool's storage would wait on itself.
         let pool_storage: *const Storage = &*pool.storage_and_layout().0;
-        let shares = tensors
-            .iter()
-            .enumerate()
-            .any(|(i, t)| i != 4 && std::ptr::eq(&*t.storage_and_layout().0, pool_storage));
+        let shares = [&x, &w, &counters.0]
+            .into_iter()
+            .chain(others)
+            .any(|t| std::ptr::eq(&*t.storage_and_layout().0, pool_storage));
         if shares {
             anyhow::bail!("decode q/k/v: an input shares the KV pool's storage");
         }
-        let (x, w) = (x.contiguous()?, w.contiguous()?);
         let bias = bias.map(Tensor::contiguous).transpose()?;
         let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
         let slots = slots.on_device().contiguous()?;
@@ -372,10 +401,7 @@ mod cuda {
             lp: &Layout,
         ) -> candle_core::Result<()> {
             fn cuda(s: &Storage) -> candle_core::Result<&candle_core::CudaStorage> {
-                match s {
-                    Storage::Cuda(s) => Ok(s),
-                    _ => candle_core::bail!("skinny q/k/v: an input is not on the CUDA device"),
-                }
+                cuda_storage(s, "skinny q/k/v")
             }
             let (xg, xl) = self.x.storage_and_layout();
             let (wg, wl) = self.w.storage_and_layout();
@@ -409,25 +435,12 @@ mod cuda {
         }
     }
 
-    /// The kernel as a candle op over `(x, w)`, both contiguous bf16 on one CUDA device.
+    /// The kernel as a candle op over `(x, w)`, both contiguous bf16 on one CUDA device, with
+    /// [`plan_for`]'s plan.
     pub(super) struct SkinnyProduct<'a> {
         pub(super) plan: SkinnyPlan,
         pub(super) epilogue: DecodeEpilogue,
         pub(super) counters: &'a Tensor,
-    }
-
-    impl SkinnyProduct<'_> {
-        /// The product, or `None` when a storage is not 16-byte aligned (the kernel's
-        /// 16-byte copies): the caller then takes cuBLAS.
-        pub(super) fn apply(&self, x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
-            // A CUDA storage is a whole allocation (256-byte aligned); a view starts
-            // `start_offset` elements into it, and `in` % 8 == 0 keeps every row aligned.
-            let aligned = |t: &Tensor| t.layout().start_offset().is_multiple_of(8);
-            if !(aligned(x) && aligned(w)) {
-                return Ok(None);
-            }
-            Ok(Some(x.apply_op2_no_bwd(w, self)?))
-        }
     }
 
     impl CustomOp2 for SkinnyProduct<'_> {
@@ -456,14 +469,11 @@ mod cuda {
         ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
             let (rows, k) = lx.shape().dims2()?;
             let (out, _) = lw.shape().dims2()?;
-            let (cs, cl) = self.counters.storage_and_layout();
-            let candle_core::Storage::Cuda(cs) = &*cs else {
-                candle_core::bail!("skinny product: the split counters are not on the CUDA device")
-            };
+            let (cg, cl) = self.counters.storage_and_layout();
             let y = crate::ops::decode_cuda::skinny_product(
                 (x, lx),
                 (w, lw),
-                (cs, cl),
+                (cuda_storage(&cg, "skinny product")?, cl),
                 &self.plan,
                 self.epilogue == DecodeEpilogue::Swiglu,
                 (rows, out, k),

@@ -127,17 +127,20 @@ impl DecoderLayer {
         } else {
             None
         };
-        let widest = [&a.q_proj, &a.o_proj, &m.gate_proj, &m.down_proj]
-            .iter()
-            .map(|p| p.weight.dim(0))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        // The stacks' rows: q/k/v's and gate/up's.
-        let qkv_rows = a.q_proj.weight.dim(0)? + 2 * a.k_proj.weight.dim(0)?;
-        let max_out = widest
-            .into_iter()
-            .chain([qkv_rows, 2 * m.up_proj.weight.dim(0)?])
-            .max();
-        let counters = SplitCounters::for_device(a.q_proj.weight.device(), max_out.unwrap_or(0))?;
+        // The products that take counters: the q/k/v and gate/up stacks, o and down.
+        let rows = |ps: &[&Linear]| -> candle_core::Result<usize> {
+            ps.iter().map(|p| p.weight.dim(0)).sum()
+        };
+        let max_out = [
+            rows(&[&a.q_proj, &a.k_proj, &a.v_proj])?,
+            rows(&[&a.o_proj])?,
+            rows(&[&m.gate_proj, &m.up_proj])?,
+            rows(&[&m.down_proj])?,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+        let counters = SplitCounters::for_device(a.q_proj.weight.device(), max_out)?;
         Ok(LayerStacks {
             qkv,
             gate_up,

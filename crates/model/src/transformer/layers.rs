@@ -50,17 +50,13 @@ impl Linear {
         if counters.is_none() || self.bias.is_some() {
             return self.forward(x);
         }
-        let in_f = *x.dims().last().context("linear input has no dims")?;
-        let x2 = x.reshape((x.elem_count() / in_f.max(1), in_f))?;
-        let mut y = decode_product(&x2, &self.weight, DecodeEpilogue::Product, counters)?;
-        if let Some(a) = &self.lora {
-            y = (y + a.delta(&x2, false)?)?;
-        }
+        let x2 = rows_of(x)?;
+        let y = decode_product(&x2, &self.weight, DecodeEpilogue::Product, counters)?;
         let mut dims = x.dims().to_vec();
         if let Some(last) = dims.last_mut() {
             *last = self.weight.dim(0)?;
         }
-        Ok(y.reshape(dims)?)
+        self.plus_adapter(&x2, y.reshape(dims)?, false)
     }
 
     /// `forward`, with the adapter's dropout active when `train`.
@@ -69,15 +65,28 @@ impl Linear {
         // the bias added in place to the product (one node, no broadcast pass).
         let y = crate::ops::linear(x, &self.weight, self.bias.as_ref())?;
         match &self.lora {
+            Some(_) => self.plus_adapter(&rows_of(x)?, y, train),
+            None => Ok(y),
+        }
+    }
+
+    /// `y`, this projection's product of the rows `x2` `[n, in]` (in any shape of n rows), plus
+    /// the adapter's delta when there is one (its dropout active when `train`).
+    fn plus_adapter(&self, x2: &Tensor, y: Tensor, train: bool) -> Result<Tensor> {
+        match &self.lora {
             Some(a) => {
-                let in_f = *x.dims().last().context("linear input has no dims")?;
-                let x2 = x.reshape((x.elem_count() / in_f.max(1), in_f))?;
-                let delta = a.delta(&x2, train)?.reshape(y.shape())?;
+                let delta = a.delta(x2, train)?.reshape(y.shape())?;
                 Ok((y + delta)?)
             }
             None => Ok(y),
         }
     }
+}
+
+/// `x` `[.., in]` as rows `[n, in]` (a free reshape).
+fn rows_of(x: &Tensor) -> Result<Tensor> {
+    let in_f = *x.dims().last().context("linear input has no dims")?;
+    Ok(x.reshape((x.elem_count() / in_f.max(1), in_f))?)
 }
 
 /// RMSNorm over the last dimension: `x / sqrt(mean(x²) + eps) * weight`.
