@@ -167,8 +167,9 @@ if want bench05; then
   # slower at every batch on an H200, 2026-11-27): measured beside c05-d before the default moves.
   COMPOSER_DECODE_BLOCKS=128 bench "c05-d-coarse" 220 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 16,64,256 --skip-train --cuda-graphs
   # The decode's projections on the skinny kernel (decode_gemm_kernels.cuh; opt-in until this
-  # measures it) instead of cuBLAS, the SwiGLU in the gate/up product's epilogue, beside c05-d
-  # (batch 256 has more rows than the kernel takes: cuBLAS both times).
+  # measures it) instead of cuBLAS, the SwiGLU in the gate/up product's epilogue and the layer's
+  # RMSNorms and residual adds inside the products, beside c05-d (batch 256 has more rows than
+  # the kernel takes: cuBLAS and add_rms_norm both times).
   COMPOSER_DECODE_GEMM=1 bench "c05-d-skinny" 220 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 1,16,64 --skip-train --cuda-graphs
 fi
 if want compile05; then

@@ -5,7 +5,9 @@
 // twice on the same counters, which must come back zero, the second time with the blocks in
 // reverse order (the tile's last arrival then its first split) — the SwiGLU epilogue on the stacked
 // [gate | up] weight, and the q/k/v epilogue (bias, RoPE, q out, keys and values into their
-// cache slots, every other slot untouched) at head_dim 32, 64 and 128.
+// cache slots, every other slot untouched) at head_dim 32, 64 and 128; with the input norm
+// (norm_w: the rows' RMSNorm folded in, its sums of squares split like the product) and the
+// residual add after a plain product, against the f64 norm then product (then add).
 // Arguments: case indices (default all), or --quick.
 #include "emu.h"
 #include "driver.h"
@@ -19,20 +21,19 @@ struct Case {
   bool swiglu;
   int m, n, k, k_split;  // k_split: k per block (a multiple of SG_KC); splits = ⌈k / k_split⌉
   bool quick;
+  bool norm = false, residual = false;  // the input norm; the residual add (plain only)
 };
 
-#define SG_PARAMS const bf16*, const bf16*, float*, unsigned*, int, int, int, int, int
+#define SG_PARAMS const bf16*, const bf16*, float*, unsigned*, int, int, int, int, int, const bf16*, float
+using Plain = void (*)(SG_PARAMS, bf16*, const bf16*);
 using Kernel = void (*)(SG_PARAMS, bf16*);
 using QkvKernel = void (*)(SG_PARAMS, const bf16*, const bf16*, const bf16*, bf16*, bf16*, const uint32_t*, int,
                            int, int, int);
 
-Kernel kernel(bool swiglu, int mt) {
-  const Kernel plain[4] = {skinny_gemm_plain_m1_bf16, skinny_gemm_plain_m2_bf16, skinny_gemm_plain_m3_bf16,
-                           skinny_gemm_plain_m4_bf16};
-  const Kernel sw[4] = {skinny_gemm_swiglu_m1_bf16, skinny_gemm_swiglu_m2_bf16, skinny_gemm_swiglu_m3_bf16,
-                        skinny_gemm_swiglu_m4_bf16};
-  return (swiglu ? sw : plain)[mt - 1];
-}
+const Plain plain_kernels[4] = {skinny_gemm_plain_m1_bf16, skinny_gemm_plain_m2_bf16, skinny_gemm_plain_m3_bf16,
+                                skinny_gemm_plain_m4_bf16};
+const Kernel swiglu_kernels[4] = {skinny_gemm_swiglu_m1_bf16, skinny_gemm_swiglu_m2_bf16,
+                                  skinny_gemm_swiglu_m3_bf16, skinny_gemm_swiglu_m4_bf16};
 
 const QkvKernel qkv_kernels[4] = {skinny_gemm_qkv_m1_bf16, skinny_gemm_qkv_m2_bf16, skinny_gemm_qkv_m3_bf16,
                                   skinny_gemm_qkv_m4_bf16};
@@ -54,12 +55,25 @@ double rel(double got, double want) {
 }
 double f(bf16 v) { return __bfloat162float(v); }
 double round_bf16(double v) { return __bfloat162float(__float2bfloat16((float)v)); }
+// The spacing of bf16 values at v (8 significant bits).
+double bf16_ulp(double v) { return v == 0 ? 0x1p-133 : std::ldexp(1.0, std::ilogb(v) - 7); }
 
-// Row dot products in f64 from the bf16 inputs.
-double dot(const std::vector<bf16>& x, const std::vector<bf16>& w, int k, int r, int wr) {
-  double s = 0;
-  for (int i = 0; i < k; i++) s += f(x[(size_t)r * k + i]) * f(w[(size_t)wr * k + i]);
-  return s;
+const float kEps = 1e-6f;
+
+// Row dot products in f64 from the bf16 inputs; with norm_w, of x's row through the RMSNorm
+// as the kernel rounds it: x·norm_w rounded to bf16, the sum over k divided by the rms of x
+// (rms_norm rounds x / rms instead — a difference of the same size as its own rounding, which
+// the Rust tests bound against the norm and product as separate ops; here the reference
+// follows the kernel so that a wrong scale or a skipped stage stands out at 2⁻⁸).
+double dot(const std::vector<bf16>& x, const std::vector<bf16>& w, int k, int r, int wr,
+           const std::vector<bf16>* norm_w = nullptr) {
+  double s = 0, ss = 0;
+  for (int i = 0; i < k; i++) {
+    const double xv = f(x[(size_t)r * k + i]);
+    s += (norm_w ? round_bf16(xv * f((*norm_w)[i])) : xv) * f(w[(size_t)wr * k + i]);
+    ss += xv * xv;
+  }
+  return norm_w ? s / std::sqrt(ss / k + kEps) : s;
 }
 
 struct Launch {
@@ -70,7 +84,7 @@ struct Launch {
   Launch(int m, int n_tiles, int k, int k_split)
       : mt((m + 15) / 16), tiles(n_tiles), splits((k + k_split - 1) / k_split),
         smem((size_t)SG_STAGES * (SG_NT + mt * 16) * SG_PITCH * 2),
-        part(splits > 1 ? (size_t)n_tiles * splits * mt * 16 * SG_NT : 0, NAN), counters(n_tiles, 0) {}
+        part(splits > 1 ? (size_t)n_tiles * splits * mt * 16 * (SG_NT + 1) : 0, NAN), counters(n_tiles, 0) {}
   float* part_ptr() { return part.empty() ? nullptr : part.data(); }
   bool zeroed() const {
     return std::all_of(counters.begin(), counters.end(), [](unsigned v) { return v == 0; });
@@ -86,6 +100,12 @@ struct Launch {
 int run(const Case& c, unsigned seed) {
   Rng rng(seed);
   std::vector<bf16> x = rng.bf((size_t)c.m * c.k), w = rng.bf((size_t)c.n * c.k);
+  // A norm weight around 1 (and a residual the product's size); x far from unit rms.
+  std::vector<bf16> norm_w = rng.bf(c.k, 0.5f), res = rng.bf((size_t)c.m * c.n, 8.f);
+  for (auto& e : norm_w) e = __float2bfloat16(1.f + f(e));
+  if (c.norm)
+    for (auto& e : x) e = __float2bfloat16(3.f * f(e));
+  const std::vector<bf16>* nw = c.norm ? &norm_w : nullptr;
   const int tiles = c.swiglu ? c.n / SG_NT : (c.n + SG_NT - 1) / SG_NT;
   const int out_cols = c.swiglu ? c.n / 2 : c.n;
   std::vector<bf16> y((size_t)c.m * out_cols);
@@ -95,26 +115,43 @@ int run(const Case& c, unsigned seed) {
   for (int launch = 0; launch < 2; launch++) {
     std::fill(y.begin(), y.end(), __float2bfloat16(NAN));
     l.run([&] {
-      kernel(c.swiglu, l.mt)(x.data(), w.data(), l.part_ptr(), l.counters.data(), c.m, c.n, c.k, c.k_split, l.splits,
-                             y.data());
+      const bf16* nwp = c.norm ? norm_w.data() : nullptr;
+      if (c.swiglu)
+        swiglu_kernels[l.mt - 1](x.data(), w.data(), l.part_ptr(), l.counters.data(), c.m, c.n, c.k, c.k_split,
+                                 l.splits, nwp, kEps, y.data());
+      else
+        plain_kernels[l.mt - 1](x.data(), w.data(), l.part_ptr(), l.counters.data(), c.m, c.n, c.k, c.k_split,
+                                l.splits, nwp, kEps, y.data(), c.residual ? res.data() : nullptr);
     }, launch == 1);
     double worst = 0;
     for (int r = 0; r < c.m; r++)
       for (int j = 0; j < out_cols; j++) {
         double want;
         if (c.swiglu) {
-          const double g = round_bf16(dot(x, w, c.k, r, j)), u = round_bf16(dot(x, w, c.k, r, c.n / 2 + j));
-          want = g / (1 + std::exp(-g)) * u;
+          // g and u are rounded to bf16 before silu(g)·u; the kernel's f32 sums and the f64
+          // ones can round to neighbouring values, which silu magnifies where g is negative
+          // (a step of g = −4.5 moves silu(g) by 2.4%): the nearest of silu(g')·u' over g', u'
+          // the rounded value and its two neighbours.
+          const double g0 = round_bf16(dot(x, w, c.k, r, j, nw)), u0 = round_bf16(dot(x, w, c.k, r, c.n / 2 + j, nw));
+          const double got = f(y[(size_t)r * out_cols + j]);
+          double best = INFINITY;
+          for (int dg = -1; dg <= 1; dg++)
+            for (int du = -1; du <= 1; du++) {
+              const double g = g0 + dg * bf16_ulp(g0), u = u0 + du * bf16_ulp(u0);
+              const double cand = g / (1 + std::exp(-g)) * u;
+              if (rel(got, cand) < best) best = rel(got, cand), want = cand;
+            }
         } else {
-          want = dot(x, w, c.k, r, j);
+          want = dot(x, w, c.k, r, j, nw);
+          if (c.residual) want = round_bf16(want) + f(res[(size_t)r * c.n + j]);
         }
         worst = std::max(worst, rel(f(y[(size_t)r * out_cols + j]), want));
       }
-    // bf16 outputs: 2⁻⁸ of rounding; SwiGLU rounds g and u first, where an f32 sum and the f64
-    // one can round to neighbours (a dropped stage or split is off by far more).
-    const bool ok = worst <= (c.swiglu ? 2e-2 : 1e-2) && l.zeroed();
-    std::printf("%s m %d n %d k %d k_split %d (tiles %d, splits %d) launch %d: worst rel %.2e%s %s\n",
-                c.swiglu ? "swiglu" : "plain ", c.m, c.n, c.k, c.k_split, tiles, l.splits, launch, worst,
+    // bf16 outputs: 2⁻⁸ of rounding (a dropped stage or split is off by far more).
+    const bool ok = worst <= 1e-2 && l.zeroed();
+    std::printf("%s%s%s m %d n %d k %d k_split %d (tiles %d, splits %d) launch %d: worst rel %.2e%s %s\n",
+                c.swiglu ? "swiglu" : "plain ", c.norm ? " +norm" : "", c.residual ? " +residual" : "", c.m, c.n,
+                c.k, c.k_split, tiles, l.splits, launch, worst,
                 l.zeroed() ? "" : ", counters not reset", ok ? "ok" : "BAD");
     bad += !ok;
   }
@@ -124,6 +161,7 @@ int run(const Case& c, unsigned seed) {
 struct QkvCase {
   int m, nh, nkv, d, k, k_split, slot_count;
   bool bias, quick;
+  bool norm = false;
 };
 
 // q = rope(round(round(x·Wq) + bq)), k likewise into pool[0][slot], v = round(round(x·Wv) + bv)
@@ -133,6 +171,9 @@ int run_qkv(const QkvCase& c, unsigned seed) {
   const int n = (c.nh + 2 * c.nkv) * c.d, half = c.d / 2, width = c.nkv * c.d;
   std::vector<bf16> x = rng.bf((size_t)c.m * c.k), w = rng.bf((size_t)n * c.k, 0.2f);
   std::vector<bf16> bias = rng.bf(n), cos = rng.bf((size_t)c.m * half), sin = rng.bf((size_t)c.m * half);
+  std::vector<bf16> norm_w = rng.bf(c.k, 0.5f);
+  for (auto& e : norm_w) e = __float2bfloat16(1.f + f(e));
+  const std::vector<bf16>* nw = c.norm ? &norm_w : nullptr;
   // Distinct slots, scattered over the pool.
   std::vector<uint32_t> all(c.slot_count);
   for (int i = 0; i < c.slot_count; i++) all[i] = i;
@@ -147,7 +188,7 @@ int run_qkv(const QkvCase& c, unsigned seed) {
     std::fill(pool.begin(), pool.end(), sentinel);
     l.run([&] {
       qkv_kernels[l.mt - 1](x.data(), w.data(), l.part_ptr(), l.counters.data(), c.m, n, c.k, c.k_split, l.splits,
-                            c.bias ? bias.data() : nullptr, cos.data(), sin.data(), q.data(), pool.data(),
+                            c.norm ? norm_w.data() : nullptr, kEps, c.bias ? bias.data() : nullptr, cos.data(), sin.data(), q.data(), pool.data(),
                             slots.data(), c.nh, c.nkv, c.d, c.slot_count);
     }, launch == 1);
     double worst = 0;
@@ -157,7 +198,7 @@ int run_qkv(const QkvCase& c, unsigned seed) {
       for (int head = 0; head < c.nh + 2 * c.nkv; head++)
         for (int j = 0; j < half; j++) {
           const int col = head * c.d + j;
-          double x1 = round_bf16(dot(x, w, c.k, r, col)), x2 = round_bf16(dot(x, w, c.k, r, col + half));
+          double x1 = round_bf16(dot(x, w, c.k, r, col, nw)), x2 = round_bf16(dot(x, w, c.k, r, col + half, nw));
           if (c.bias) x1 = round_bf16(x1 + f(bias[col])), x2 = round_bf16(x2 + f(bias[col + half]));
           const bf16* got;
           if (head < c.nh + c.nkv) {
@@ -179,9 +220,9 @@ int run_qkv(const QkvCase& c, unsigned seed) {
           for (int e = 0; e < width; e++)
             touched += f(pool[((size_t)part * c.slot_count + s) * width + e]) != 5.0;
     const bool ok = worst <= 2e-2 && touched == 0 && l.zeroed();
-    std::printf("qkv    m %d heads %d/%d d %d k %d k_split %d bias %d (tiles %d, splits %d) launch %d: worst rel "
+    std::printf("qkv%s m %d heads %d/%d d %d k %d k_split %d bias %d (tiles %d, splits %d) launch %d: worst rel "
                 "%.2e, %d foreign pool values%s %s\n",
-                c.m, c.nh, c.nkv, c.d, c.k, c.k_split, c.bias, l.tiles, l.splits, launch, worst, touched,
+                c.norm ? " +norm" : "   ", c.m, c.nh, c.nkv, c.d, c.k, c.k_split, c.bias, l.tiles, l.splits, launch, worst, touched,
                 l.zeroed() ? "" : ", counters not reset", ok ? "ok" : "BAD");
     bad += !ok;
   }
@@ -200,12 +241,20 @@ int main(int argc, char** argv) {
       {false, 64, 896, 4864, 256, false},  // 7: its down projection
       {true, 64, 9728, 896, 448, false},   // 8: its gate/up
       {false, 48, 384, 1024, 192, false},  // 9: k_split three stages
+      {false, 37, 256, 392, 128, true, true, true},    // 10: norm + residual, four splits
+      {true, 17, 256, 200, 64, true, true},            // 11: SwiGLU + norm, four splits
+      {false, 5, 200, 136, 192, true, true},           // 12: norm, one split, k ends mid-stage
+      {false, 64, 896, 896, 128, false, false, true},  // 13: 0.5B's o + residual
+      {true, 64, 9728, 896, 448, false, true},         // 14: 0.5B's gate/up + norm
+      {false, 64, 896, 4864, 256, false, false, true}, // 15: 0.5B's down + residual
   };
   const std::vector<QkvCase> qkv_cases = {
-      {5, 3, 1, 64, 136, 64, 40, true, true},       // 10: 320 columns: a half tile; three splits
-      {17, 4, 2, 32, 72, 128, 30, false, true},     // 11: four heads a tile; no bias; one split
-      {3, 2, 1, 128, 200, 128, 8, true, true},      // 12: one head a tile; two splits
-      {64, 14, 2, 64, 896, 128, 300, true, false},  // 13: Qwen2.5-0.5B, batch 64
+      {5, 3, 1, 64, 136, 64, 40, true, true},       // 16: 320 columns: a half tile; three splits
+      {17, 4, 2, 32, 72, 128, 30, false, true},     // 17: four heads a tile; no bias; one split
+      {3, 2, 1, 128, 200, 128, 8, true, true},      // 18: one head a tile; two splits
+      {64, 14, 2, 64, 896, 128, 300, true, false},  // 19: Qwen2.5-0.5B, batch 64
+      {5, 3, 1, 64, 136, 64, 40, true, true, true},  // 20: norm, three splits
+      {64, 14, 2, 64, 896, 128, 300, true, false, true},  // 21: 0.5B at batch 64 + norm
   };
   std::vector<size_t> pick;
   const size_t total = cases.size() + qkv_cases.size();

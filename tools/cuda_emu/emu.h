@@ -108,6 +108,7 @@ inline float4 ld_cg_f4(const float* p) {
   std::memcpy(&v, p, 16);
   return v;
 }
+inline float ld_cg_f1(const float* p) { return *p; }
 inline int atomicMin(int* a, int v) {
   std::atomic_ref<int> r(*a);
   int old = r.load();

@@ -76,6 +76,9 @@ pub struct EngineStats {
     pub prefill_forwards: usize,
     /// Batched one-token decode forwards.
     pub decode_forwards: usize,
+    /// Of those, the ones whose layers ran their norms and residual adds inside the skinny
+    /// decode products (`COMPOSER_DECODE_GEMM=1`, at most 64 rows).
+    pub decode_forwards_norms_in_products: usize,
     /// Completion tokens sampled.
     pub generated_tokens: usize,
     /// Token slots per KV block.
@@ -266,6 +269,9 @@ pub fn generate_with_store(
             });
             batch.tables.iter_mut().for_each(|t| t.len += 1);
             stats.decode_forwards += 1;
+            if stacks.norms_in_products(batch.active.len()) {
+                stats.decode_forwards_norms_in_products += 1;
+            }
         }
         // 2. Admit waiting samples while the batch with them fits.
         let n = admit.admission(&queue, &batch, held.as_ref());

@@ -293,10 +293,74 @@ fn decode_product_matches_the_product() {
                     }
                 };
                 for launch in 0..2 {
-                    let got = ops::decode_product(&xd, &wd, epilogue, Some(&counters)).unwrap();
+                    let got = ops::decode_product(&xd, &wd, epilogue, None, None, Some(&counters))
+                        .unwrap();
                     let what = format!("decode product {rows}×{out}×{k} {epilogue:?} #{launch}");
                     assert_close(&what, &cpu_f64(&got), &want, dtype, tol);
                 }
+            }
+        }
+    }
+}
+
+#[test]
+fn decode_product_folds_the_norm_and_the_residual() {
+    // The decode layer's norms and residual adds inside its products (on CUDA in bf16 the
+    // skinny kernel: x·norm_w rounded per stage, the rows' sums of squares split like the
+    // product, the rounded product plus the residual; elsewhere rms_norm, linear, an add)
+    // against rms_norm, the product and the add in f64 on the same rounded inputs: o and down
+    // with the residual, gate/up with the norm and SwiGLU, and both on one product at a width
+    // past a block's weight rows with `in` ending mid-stage. Twice on the same counters.
+    let device = common::test_device();
+    let counters = ops::SplitCounters::new(&device, 9728).unwrap();
+    let (plain, swiglu) = (ops::DecodeEpilogue::Product, ops::DecodeEpilogue::Swiglu);
+    // rows, out, in, epilogue, norm, residual.
+    let cases = [
+        (64, 896, 896, plain, false, true),
+        (64, 9728, 896, swiglu, true, false),
+        (17, 896, 4864, plain, false, true),
+        (5, 200, 136, plain, true, true),
+        (3, 256, 64, swiglu, true, false),
+    ];
+    for (i, &(rows, out, k, epilogue, with_norm, with_residual)) in cases.iter().enumerate() {
+        let seed = 140 + 10 * i as u64;
+        let x = randn(&[rows, k], seed, 3.0).affine(1.0, 0.5).unwrap();
+        let w = randn(&[out, k], seed + 1, 0.1);
+        let norm_w = randn(&[k], seed + 2, 0.3).affine(1.0, 1.0).unwrap();
+        let residual = randn(&[rows, out], seed + 3, 4.0);
+        for (dtype, tol) in kernel_cases(1e-12, 1e-4) {
+            let rounded = |t: &Tensor| t.to_dtype(dtype).unwrap().to_dtype(DType::F64).unwrap();
+            let x_in = if with_norm {
+                ops::rms_norm(&rounded(&x), &rounded(&norm_w), 1e-6).unwrap()
+            } else {
+                rounded(&x)
+            };
+            let y = x_in.matmul(&rounded(&w).t().unwrap()).unwrap();
+            let want = match epilogue {
+                ops::DecodeEpilogue::Product => y,
+                ops::DecodeEpilogue::Swiglu => {
+                    ops::swiglu_packed(&rounded(&y.to_dtype(dtype).unwrap())).unwrap()
+                }
+            };
+            let want = if with_residual {
+                (rounded(&want.to_dtype(dtype).unwrap()) + rounded(&residual)).unwrap()
+            } else {
+                want
+            };
+            let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&device).unwrap();
+            let (xd, wd, norm_wd, rd) = (on(&x), on(&w), on(&norm_w), on(&residual));
+            let norm = with_norm.then_some(ops::InputNorm {
+                weight: &norm_wd,
+                eps: 1e-6,
+            });
+            let res = with_residual.then_some(&rd);
+            for launch in 0..2 {
+                let got =
+                    ops::decode_product(&xd, &wd, epilogue, norm, res, Some(&counters)).unwrap();
+                let what = format!(
+                    "decode product {rows}×{out}×{k} {epilogue:?} norm {with_norm} residual {with_residual} #{launch}"
+                );
+                assert_close(&what, &cpu_f64(&got), &want, dtype, tol);
             }
         }
     }
@@ -338,9 +402,24 @@ fn decode_qkv_into_cache_matches_the_three_ops() {
                 .to_dtype(dtype)
                 .unwrap()
         };
-        for (dtype, tol) in kernel_cases(1e-12, 1e-4) {
+        // Every case without a norm in front and with one (x far from unit rms).
+        let norm_w = randn(&[k], seed + 4, 0.3).affine(1.0, 1.0).unwrap();
+        for ((dtype, tol), with_norm) in kernel_cases(1e-12, 1e-4)
+            .into_iter()
+            .flat_map(|c| [(c, false), (c, true)])
+        {
             let rounded = |t: &Tensor| t.to_dtype(dtype).unwrap().to_dtype(DType::F64).unwrap();
-            let qkv = rounded(&x).matmul(&rounded(&w).t().unwrap()).unwrap();
+            let x = if with_norm {
+                x.affine(3.0, 0.5).unwrap()
+            } else {
+                x.clone()
+            };
+            let x_in = if with_norm {
+                ops::rms_norm(&rounded(&x), &rounded(&norm_w), 1e-6).unwrap()
+            } else {
+                rounded(&x)
+            };
+            let qkv = x_in.matmul(&rounded(&w).t().unwrap()).unwrap();
             let (r_bias, r_cos, r_sin) = (rounded(&bias), rounded(&cos), rounded(&sin));
             let (q_ref, kv_ref) =
                 ops::qkv_bias_rope(&qkv, Some(&r_bias), &r_cos, &r_sin, heads).unwrap();
@@ -349,10 +428,16 @@ fn decode_qkv_into_cache_matches_the_three_ops() {
             ops::write_kv_slots(&pool_ref, &kv_ref, &cpu_slots).unwrap();
             let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&device).unwrap();
             let dev_slots = ops::KvSlots::new(slots.clone(), &device).unwrap();
+            let norm_wd = on(&norm_w);
+            let norm = with_norm.then_some(ops::InputNorm {
+                weight: &norm_wd,
+                eps: 1e-6,
+            });
             for launch in 0..2 {
                 let pool = sentinel(dtype, &device);
                 let q = ops::decode_qkv_into_cache(
                     &on(&x),
+                    norm,
                     &on(&w),
                     Some(&on(&bias)),
                     &on(&cos),
@@ -363,7 +448,7 @@ fn decode_qkv_into_cache_matches_the_three_ops() {
                     Some(&counters),
                 )
                 .unwrap();
-                let what = format!("decode q/k/v case {i} #{launch}");
+                let what = format!("decode q/k/v case {i} norm {with_norm} #{launch}");
                 assert_close(&format!("{what} q"), &cpu_f64(&q), &q_ref, dtype, tol);
                 assert_close(
                     &format!("{what} pool"),
@@ -397,6 +482,7 @@ fn decode_qkv_into_cache_matches_the_three_ops() {
     let bad = ops::KvSlots::new(vec![1, 4], &device).unwrap();
     let e = ops::decode_qkv_into_cache(
         &t(&[2, 64]),
+        None,
         &t(&[256, 64]),
         None,
         &t(&[2, 32]),

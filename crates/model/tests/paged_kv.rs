@@ -244,6 +244,77 @@ fn the_samples_of_a_request_hold_its_prompt_blocks_once() {
     assert_eq!(stats.kv_block_size, 16);
 }
 
+/// Whether this process runs the decode layer with its norms and residual adds inside the
+/// skinny products (`COMPOSER_DECODE_GEMM=1`, read once per process).
+fn decode_gemm_switched_on() -> bool {
+    std::env::var("COMPOSER_DECODE_GEMM").is_ok_and(|v| v == "1")
+}
+
+/// The tests below that compare the engine's decode with dense caches, the deterministic
+/// sampler and the scorer, run again in a child process with `COMPOSER_DECODE_GEMM=1`: the
+/// decode layer then runs its two norms and residual adds inside the products that read them
+/// (on CUDA in bf16 the skinny kernel, elsewhere the same functions' separate ops — rms_norm,
+/// the product, the add), and the last test checks that it did.
+#[test]
+fn the_decode_tests_pass_with_norms_in_the_products() {
+    if decode_gemm_switched_on() {
+        return; // the whole binary runs with the switch on: the tests below are that run
+    }
+    let tests = [
+        "the_samples_of_a_request_hold_its_prompt_blocks_once",
+        "outputs_do_not_depend_on_the_block_size",
+        "paged_decode_over_long_rows_matches_the_scorer",
+        "the_decode_layer_folds_its_norms_only_when_switched_on",
+    ];
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .env("COMPOSER_DECODE_GEMM", "1")
+        .args(["--exact", "--test-threads", "1"])
+        .args(tests)
+        .output()
+        .unwrap();
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "with COMPOSER_DECODE_GEMM=1:\n{log}");
+    let passed = format!("{} passed", tests.len());
+    assert!(log.contains(&passed), "expected {passed}:\n{log}");
+}
+
+/// With `COMPOSER_DECODE_GEMM=1` every decode step (at most 64 rows) runs its layers with
+/// the norms inside the products (on CUDA in bf16 at widths the kernel serves: gate/up's
+/// multiples of 128); without it none does.
+#[test]
+fn the_decode_layer_folds_its_norms_only_when_switched_on() {
+    let device = common::test_device();
+    let dtype = if device.is_cpu() {
+        DType::F32
+    } else {
+        DType::BF16
+    };
+    let mut cfg = ModelConfig::tiny_qwen2(384);
+    cfg.intermediate_size = 128;
+    let model = Transformer::random_init(&cfg, 5, &device)
+        .unwrap()
+        .0
+        .to_dtype(dtype)
+        .unwrap();
+    let reqs = vec![GenerationRequest {
+        prompt_ids: prompt(20, 4),
+        num_samples: 3,
+        seed: 8,
+    }];
+    let (_, stats) = generate_with_stats(&model, &reqs, &params(6, Default::default())).unwrap();
+    assert!(stats.decode_forwards > 0);
+    let want = if decode_gemm_switched_on() {
+        stats.decode_forwards
+    } else {
+        0
+    };
+    assert_eq!(stats.decode_forwards_norms_in_products, want);
+}
+
 /// On `$COMPOSER_TEST_DEVICE` (default `cpu`): the paged decode (the device's kernel) samples
 /// what dense per-sample caches sample, whatever the block size and batch limit.
 #[test]
@@ -393,6 +464,8 @@ fn paged_decode_over_long_rows_matches_the_scorer() {
     cfg.num_attention_heads = 7;
     cfg.num_key_value_heads = 1;
     cfg.head_dim = 64;
+    // Widths the skinny decode kernel serves (with COMPOSER_DECODE_GEMM=1: gate/up 2 × 128).
+    cfg.intermediate_size = 128;
     // Larger weights than the default init: attention that is far from uniform, so a key
     // read from the wrong slot moves the log-probs.
     cfg.initializer_range = 0.3;

@@ -290,29 +290,52 @@ pub(super) fn kv_write(
     Ok(())
 }
 
+/// A skinny product's input norm: its weight `[k]` (contiguous bf16) and eps.
+pub(super) type NormArg<'a> = Option<(&'a CudaStorage, &'a Layout, f32)>;
+
 /// The decode step's skinny product (`skinny_gemm_{plain,swiglu}_m{1..4}_bf16`, see
 /// `decode_gemm.rs`) of `x` `[rows, k]` and `w` `[out, k]`, both contiguous bf16 starting
 /// 16-byte aligned, with `counters` (u32, at least `plan.tiles`, zero) for its split k: returns
-/// `[rows, out]`, or `[rows, out / 2]` with the SwiGLU epilogue (`swiglu`).
+/// `[rows, out]`, or `[rows, out / 2]` with the SwiGLU epilogue (`swiglu`); `x` through the
+/// input `norm` first, `residual` `[rows, out]` (contiguous bf16, plain only) added.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn skinny_product(
     x: (&CudaStorage, &Layout),
     w: (&CudaStorage, &Layout),
     counters: (&CudaStorage, &Layout),
     plan: &SkinnyPlan,
+    norm: NormArg,
+    residual: Option<(&CudaStorage, &Layout)>,
     swiglu: bool,
     (rows, out, k): (usize, usize, usize),
 ) -> Result<CudaStorage> {
     let dev = x.0.device().clone();
     let cols = if swiglu { out / 2 } else { out };
+    if swiglu && residual.is_some() {
+        candle_core::bail!("skinny product: a residual takes the plain product")
+    }
     let y = alloc::<bf16>(&dev, rows * cols)?;
     let kind = if swiglu { "swiglu" } else { "plain" };
-    let args = SkinnyArgs::new(x, w, counters, plan, (rows, out, k))?;
+    let args = SkinnyArgs::new(x, w, counters, plan, norm, (rows, out, k))?;
+    let rv = residual
+        .map(|(s, l)| view::<bf16>(s, l, "skinny product residual"))
+        .transpose()?;
+    if rv.as_ref().is_some_and(|v| v.len() != rows * out) {
+        candle_core::bail!("skinny product: the residual is not [{rows}, {out}]")
+    }
     let f = dev.get_or_load_custom_func(&args.kernel(kind), MODULE, PTX)?;
     let mut b = f.builder();
     args.push(&mut b);
     b.arg(&y);
+    if !swiglu {
+        match &rv {
+            Some(v) => b.arg(v),
+            None => b.arg(&args.null),
+        };
+    }
     // SAFETY: the arguments match the kernel's signature ([`SkinnyArgs`]'s, then y, which
-    // holds `rows · cols`); the caller checked the shapes, the plan and the alignment.
+    // holds `rows · cols`, then for the plain product the residual, `rows · out` or null);
+    // the caller checked the shapes, the plan and the alignment.
     unsafe { launch_opted_in(&f, &mut b, args.config(), "skinny product") }?;
     Ok(CudaStorage::wrap_cuda_slice(y, dev))
 }
@@ -329,6 +352,7 @@ pub(super) fn skinny_qkv(
     w: (&CudaStorage, &Layout),
     counters: (&CudaStorage, &Layout),
     plan: &SkinnyPlan,
+    norm: NormArg,
     bias: Option<(&CudaStorage, &Layout)>,
     (cos, sin): ((&CudaStorage, &Layout), (&CudaStorage, &Layout)),
     pool: (&mut CudaStorage, &Layout),
@@ -350,7 +374,7 @@ pub(super) fn skinny_qkv(
     let slv = view::<u32>(slots.0, slots.1, "skinny q/k/v slots")?;
     let ints = [nh, nkv, d, slot_count].map(|v| v as i32);
     let null: u64 = 0;
-    let args = SkinnyArgs::new(x, w, counters, plan, (rows, (nh + 2 * nkv) * d, k))?;
+    let args = SkinnyArgs::new(x, w, counters, plan, norm, (rows, (nh + 2 * nkv) * d, k))?;
     let f = dev.get_or_load_custom_func(&args.kernel("qkv"), MODULE, PTX)?;
     let mut b = f.builder();
     args.push(&mut b);
@@ -369,15 +393,18 @@ pub(super) fn skinny_qkv(
 }
 
 /// The arguments every skinny-product kernel starts with (x, w, the split partials, the
-/// counters, m, n, k, k_split, splits) and its launch shape.
+/// counters, m, n, k, k_split, splits, the input norm's weight and eps) and its launch shape.
 struct SkinnyArgs<'a> {
     x: CudaView<'a, bf16>,
     w: CudaView<'a, bf16>,
-    /// The split partials: f32 `[tiles, splits, 16·m_tiles, 128]`, when k is split.
+    /// The split partials: f32 `[tiles, splits, 16·m_tiles, 128]` then the rows' sums of
+    /// squares `[tiles, splits, 16·m_tiles]`, when k is split.
     part: Option<CudaSlice<f32>>,
     null: u64,
     counters: CudaView<'a, u32>,
     ints: [i32; 5],
+    norm_w: Option<CudaView<'a, bf16>>,
+    eps: f32,
     plan: SkinnyPlan,
 }
 
@@ -387,6 +414,7 @@ impl<'a> SkinnyArgs<'a> {
         w: (&'a CudaStorage, &Layout),
         counters: (&'a CudaStorage, &Layout),
         plan: &SkinnyPlan,
+        norm: NormArg<'a>,
         (rows, out, k): (usize, usize, usize),
     ) -> Result<Self> {
         if counters.1.shape().elem_count() < plan.tiles {
@@ -397,11 +425,17 @@ impl<'a> SkinnyArgs<'a> {
             );
         }
         let part = if plan.splits > 1 {
-            let n = plan.tiles * plan.splits * 16 * plan.m_tiles * 128;
+            let n = plan.tiles * plan.splits * 16 * plan.m_tiles * (128 + 1);
             Some(alloc::<f32>(x.0.device(), n)?)
         } else {
             None
         };
+        let norm_w = norm
+            .map(|(s, l, _)| view::<bf16>(s, l, "skinny product norm weight"))
+            .transpose()?;
+        if norm_w.as_ref().is_some_and(|v| v.len() != k) {
+            candle_core::bail!("skinny product: the input norm's weight is not [{k}]")
+        }
         Ok(SkinnyArgs {
             x: view::<bf16>(x.0, x.1, "skinny product x")?,
             w: view::<bf16>(w.0, w.1, "skinny product weight")?,
@@ -409,6 +443,8 @@ impl<'a> SkinnyArgs<'a> {
             null: 0,
             counters: view::<u32>(counters.0, counters.1, "skinny product counters")?,
             ints: [rows, out, k, plan.k_split, plan.splits].map(|v| v as i32),
+            norm_w,
+            eps: norm.map_or(0.0, |(_, _, eps)| eps),
             plan: *plan,
         })
     }
@@ -428,6 +464,11 @@ impl<'a> SkinnyArgs<'a> {
         for v in &self.ints {
             b.arg(v);
         }
+        match &self.norm_w {
+            Some(v) => b.arg(v),
+            None => b.arg(&self.null),
+        };
+        b.arg(&self.eps);
     }
 
     fn config(&self) -> LaunchConfig {

@@ -11,6 +11,11 @@
 //! width that is not a multiple of 8 — [`decode_product`] is [`super::linear`] (and
 //! [`super::swiglu_packed`]), which is also the kernel's CPU twin. `tools/cuda_emu`
 //! (`decode_gemm` driver) runs the kernel on CPU threads against f64.
+//!
+//! The products also take the decode layer's norms and residual adds ([`InputNorm`], the
+//! residual of [`decode_product`]): a layer's stream then goes from ~7 launches to 5 — q/k/v
+//! (input norm in, keys and values out to the cache), attention, o (+ residual), gate/up
+//! (post-attention norm in, SwiGLU out), down (+ residual) — without its two `add_rms_norm`.
 
 use super::{KvSlots, QkvHeads};
 use anyhow::{bail, Result};
@@ -26,6 +31,22 @@ pub enum DecodeEpilogue {
     /// stacked: [`super::swiglu_packed`] of the product, without the product in memory.
     Swiglu,
 }
+
+/// The RMSNorm in front of a decode product: `x` becomes `rms_norm(x, weight, eps)` first
+/// (the layer's input or post-attention norm). On the kernel, `x·weight` is rounded to bf16
+/// and the product divided by x's rms — `rms_norm` rounds `x / rms` instead (a difference of
+/// the size of bf16's rounding, bounded by `tests/ops.rs`).
+#[derive(Debug, Clone, Copy)]
+pub struct InputNorm<'a> {
+    /// `[in]`.
+    pub weight: &'a Tensor,
+    /// Epsilon inside the square root.
+    pub eps: f64,
+}
+
+/// Most rows the skinny kernel takes: the decode layer folds its norms into the products
+/// (`DecodeStacks::norms_in_products`) at most at this batch.
+pub const DECODE_PRODUCT_MAX_ROWS: usize = SKINNY_MAX_ROWS;
 
 /// Weight rows per block (`SG_NT`).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -109,6 +130,19 @@ pub(super) fn skinny_plan(
     })
 }
 
+/// Whether `COMPOSER_DECODE_GEMM=1` turned the skinny kernel on: the decode layer then runs
+/// its norms and residual adds inside the products, on any device (elsewhere than CUDA bf16,
+/// through the same functions' fallbacks — the kernel's CPU twin).
+pub fn decode_gemm_on() -> bool {
+    skinny_settings().0
+}
+
+/// Whether the skinny kernel serves a product of `out` weight rows over `k` with `epilogue`
+/// at any batch it takes (`k` a multiple of 8; a SwiGLU `out` a multiple of 128).
+pub fn decode_product_serves(out: usize, k: usize, epilogue: DecodeEpilogue) -> bool {
+    skinny_plan(1, out, k, epilogue, SKINNY_TARGET_BLOCKS).is_some()
+}
+
 /// Whether `COMPOSER_DECODE_GEMM=1` turned the kernel on, and the blocks it aims for.
 fn skinny_settings() -> (bool, usize) {
     static SETTINGS: OnceLock<(bool, usize)> = OnceLock::new();
@@ -150,16 +184,20 @@ impl SplitCounters {
 }
 
 /// `x·wᵀ` for `x` `[rows, in]` and `w` `[out, in]`, or with [`DecodeEpilogue::Swiglu`]
-/// `swiglu_packed(x·wᵀ)`: the skinny kernel when `counters` are given (CUDA, bf16, ≤ 64 rows,
-/// `in` a multiple of 8, 16-byte aligned storages), else [`super::linear`] (and
-/// [`super::swiglu_packed`]). Inference only: the kernel has no backward.
+/// `swiglu_packed(x·wᵀ)`; with `norm`, of `x` through that RMSNorm first; with `residual`
+/// `[rows, out]` (Product only), `residual + x·wᵀ` (the product rounded first). The skinny
+/// kernel when `counters` are given (CUDA, bf16, ≤ 64 rows, `in` a multiple of 8, 16-byte
+/// aligned storages), else [`super::rms_norm`], [`super::linear`] (and
+/// [`super::swiglu_packed`]) and an add. Inference only: the kernel has no backward.
 pub fn decode_product(
     x: &Tensor,
     w: &Tensor,
     epilogue: DecodeEpilogue,
+    norm: Option<InputNorm>,
+    residual: Option<&Tensor>,
     counters: Option<&SplitCounters>,
 ) -> Result<Tensor> {
-    let (_, k) = x.dims2()?;
+    let (rows, k) = x.dims2()?;
     let (out, in_w) = w.dims2()?;
     if k != in_w {
         bail!(
@@ -174,24 +212,56 @@ pub fn decode_product(
             out
         );
     }
+    if let Some(r) = residual {
+        if epilogue != DecodeEpilogue::Product || r.dims() != [rows, out] {
+            bail!(
+                "decode product: a residual {:?} takes the plain product [{rows}, {out}]",
+                r.dims()
+            );
+        }
+    }
+    if let Some(n) = norm {
+        if n.weight.dims() != [k] {
+            bail!(
+                "decode product: the input norm's weight is {:?}, x has {k} columns",
+                n.weight.dims()
+            );
+        }
+    }
     #[cfg(feature = "cuda")]
     if let Some(c) = counters {
         let (x, w) = (x.contiguous()?, w.contiguous()?);
         if let Some(plan) = cuda::plan_for(&x, &w, out, epilogue, c)? {
-            let op = cuda::SkinnyProduct {
-                plan,
-                epilogue,
-                counters: &c.0,
-            };
-            return Ok(x.apply_op2_no_bwd(&w, &op)?);
+            if let Some(fused) = cuda::Fused::of(norm, residual, (&x, &w))? {
+                let op = cuda::SkinnyProduct {
+                    plan,
+                    epilogue,
+                    counters: &c.0,
+                    fused,
+                };
+                return Ok(x.apply_op2_no_bwd(&w, &op)?);
+            }
         }
     }
     #[cfg(not(feature = "cuda"))]
     let _ = counters;
-    let y = super::linear(x, w, None)?;
-    match epilogue {
-        DecodeEpilogue::Product => Ok(y),
-        DecodeEpilogue::Swiglu => super::swiglu_packed(&y),
+    let x = normed(x, norm)?;
+    let y = super::linear(&x, w, None)?;
+    let y = match epilogue {
+        DecodeEpilogue::Product => y,
+        DecodeEpilogue::Swiglu => super::swiglu_packed(&y)?,
+    };
+    Ok(match residual {
+        Some(r) => (r + y)?,
+        None => y,
+    })
+}
+
+/// `x` through `norm`, if any (the trainer's [`super::rms_norm`]).
+fn normed(x: &Tensor, norm: Option<InputNorm>) -> Result<Tensor> {
+    match norm {
+        Some(n) => super::rms_norm(x, n.weight, n.eps),
+        None => Ok(x.clone()),
     }
 }
 
@@ -199,12 +269,14 @@ pub fn decode_product(
 /// `[(heads + 2·kv_heads)·head_dim, in]` of `x` `[rows, in]`: [`super::qkv_bias_rope`] of the
 /// product (bias added, q and k rotated by `cos`/`sin` `[rows, head_dim / 2]`), the keys and
 /// values written into their cache slots `slots` of `pool` `[2, slots, kv_heads, head_dim]`
-/// ([`super::write_kv_slots`]); returns q `[rows, heads, head_dim]`. With `counters` on CUDA in
-/// bf16 (and head_dim even, dividing 128) one launch — the skinny product with the three as its
-/// epilogue — instead of three; else those three ops.
+/// ([`super::write_kv_slots`]); returns q `[rows, heads, head_dim]`. With `norm`, of `x`
+/// through that RMSNorm (see [`InputNorm`]). With `counters` on CUDA in bf16 (and head_dim
+/// even, dividing 128) one launch — the skinny product with the norm in front and the three as
+/// its epilogue — instead of three or four; else those ops.
 #[allow(clippy::too_many_arguments)]
 pub fn decode_qkv_into_cache(
     x: &Tensor,
+    norm: Option<InputNorm>,
     w: &Tensor,
     bias: Option<&Tensor>,
     cos: &Tensor,
@@ -225,13 +297,23 @@ pub fn decode_qkv_into_cache(
     }
     let (_, slot_count, _, _) = pool.dims4()?;
     slots.check(slot_count, "decode q/k/v")?;
+    if let Some(n) = norm {
+        if n.weight.dims() != [k] {
+            bail!(
+                "decode q/k/v: the input norm's weight is {:?}, x has {k} columns",
+                n.weight.dims()
+            );
+        }
+    }
     #[cfg(feature = "cuda")]
     if let Some(c) = counters {
-        if let Some(q) = cuda::qkv_on_kernel(x, w, bias, (cos, sin), heads, pool, slots, c)? {
+        let inputs = (x, norm, w);
+        if let Some(q) = cuda::qkv_on_kernel(inputs, bias, (cos, sin), heads, pool, slots, c)? {
             return Ok(q);
         }
     }
-    let qkv = decode_product(x, w, DecodeEpilogue::Product, counters)?;
+    let x = normed(x, norm)?;
+    let qkv = decode_product(&x, w, DecodeEpilogue::Product, None, None, counters)?;
     let (q, kv) = super::qkv_bias_rope(&qkv, bias, cos, sin, heads)?;
     super::write_kv_slots(pool, &kv, slots)?;
     debug_assert_eq!(q.dims(), [rows, heads.num_heads, heads.head_dim]);
@@ -239,253 +321,7 @@ pub fn decode_qkv_into_cache(
 }
 
 #[cfg(feature = "cuda")]
-mod cuda {
-    use super::{skinny_plan, skinny_settings, DecodeEpilogue, SkinnyPlan, SplitCounters};
-    use super::{KvSlots, QkvHeads};
-    use anyhow::Result;
-    use candle_core::op::BackpropOp;
-    use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp1, Layout, Shape, Storage, Tensor};
-    use std::sync::Mutex;
-
-    /// The plan of the skinny product of contiguous `x` `[rows, k]` and `w` `[out, k]` with
-    /// `epilogue`, where the kernel serves it: both bf16 on the counters' device, counters for
-    /// every tile, both starting 16-byte aligned (a CUDA storage is a whole allocation,
-    /// 256-byte aligned; a view starts `start_offset` elements into it, and `k` % 8 == 0 keeps
-    /// every row aligned for the kernel's 16-byte copies). `None`: cuBLAS instead.
-    pub(super) fn plan_for(
-        x: &Tensor,
-        w: &Tensor,
-        out: usize,
-        epilogue: DecodeEpilogue,
-        counters: &SplitCounters,
-    ) -> Result<Option<SkinnyPlan>> {
-        let (rows, k) = x.dims2()?;
-        let Some(plan) = skinny_plan(rows, out, k, epilogue, skinny_settings().1) else {
-            return Ok(None);
-        };
-        let serves = plan.tiles <= counters.0.dim(0)?
-            && [x, w].iter().all(|t| {
-                t.dtype() == DType::BF16
-                    && t.device().same_device(counters.0.device())
-                    && t.layout().start_offset().is_multiple_of(8)
-            });
-        Ok(serves.then_some(plan))
-    }
-
-    /// The CUDA storage under a read guard (`what` names the op in the error).
-    fn cuda_storage<'s>(
-        s: &'s Storage,
-        what: &str,
-    ) -> candle_core::Result<&'s candle_core::CudaStorage> {
-        match s {
-            Storage::Cuda(s) => Ok(s),
-            _ => candle_core::bail!("{what}: an input is not on the CUDA device"),
-        }
-    }
-
-    /// [`super::decode_qkv_into_cache`] on the kernel: q, or `None` where the kernel does not
-    /// serve (the caller then runs the three ops). The caller checked every slot.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn qkv_on_kernel(
-        x: &Tensor,
-        w: &Tensor,
-        bias: Option<&Tensor>,
-        (cos, sin): (&Tensor, &Tensor),
-        heads: QkvHeads,
-        pool: &Tensor,
-        slots: &KvSlots,
-        counters: &SplitCounters,
-    ) -> Result<Option<Tensor>> {
-        let (rows, k) = x.dims2()?;
-        let QkvHeads {
-            num_heads: nh,
-            num_kv_heads: nkv,
-            head_dim: d,
-        } = heads;
-        let width = heads.packed_width();
-        let (x, w) = (x.contiguous()?, w.contiguous()?);
-        let Some(plan) = plan_for(&x, &w, width, DecodeEpilogue::Product, counters)? else {
-            return Ok(None);
-        };
-        let (two, slot_count, pool_kv, pool_d) = pool.dims4()?;
-        // What the op reads besides x, w and the counters (plan_for checked those).
-        let mut others = vec![cos, sin, slots.on_device()];
-        others.extend(bias);
-        let serves = d % 2 == 0
-            && 128 % d == 0
-            && (two, pool_kv, pool_d) == (2, nkv, d)
-            && slots.len() == rows
-            && cos.dims() == [rows, d / 2]
-            && sin.dims() == [rows, d / 2]
-            && bias.is_none_or(|b| b.dims() == [width])
-            && pool.is_contiguous()
-            && [cos, sin, pool]
-                .into_iter()
-                .chain(bias)
-                .all(|t| t.dtype() == DType::BF16)
-            && slots.on_device().dtype() == DType::U32
-            && others
-                .iter()
-                .chain([&pool])
-                .all(|t| t.device().same_device(x.device()));
-        if !serves {
-            return Ok(None);
-        }
-        // The op holds the pool's write lock while it reads the others: one of them sharing the
-        // pool's storage would wait on itself.
-        let pool_storage: *const Storage = &*pool.storage_and_layout().0;
-        let shares = [&x, &w, &counters.0]
-            .into_iter()
-            .chain(others)
-            .any(|t| std::ptr::eq(&*t.storage_and_layout().0, pool_storage));
-        if shares {
-            anyhow::bail!("decode q/k/v: an input shares the KV pool's storage");
-        }
-        let bias = bias.map(Tensor::contiguous).transpose()?;
-        let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
-        let slots = slots.on_device().contiguous()?;
-        let op = QkvIntoCache {
-            plan,
-            x: &x,
-            w: &w,
-            bias: bias.as_ref(),
-            cos: &cos,
-            sin: &sin,
-            slots: &slots,
-            counters: &counters.0,
-            dims: (rows, k, nh, nkv, d, slot_count),
-            q: Mutex::new(None),
-        };
-        pool.inplace_op1(&op)?;
-        let q =
-            op.q.lock()
-                .map_err(|_| anyhow::anyhow!("decode q/k/v: poisoned"))?
-                .take();
-        let Some(q) = q else {
-            anyhow::bail!("decode q/k/v: the kernel gave no q")
-        };
-        let q = Tensor::from_storage(Storage::Cuda(q), (rows, nh, d), BackpropOp::none(), false);
-        Ok(Some(q))
-    }
-
-    /// The q/k/v kernel as an in-place op on the pool (the keys and values written into it);
-    /// q, the op's other output, comes back through `q`.
-    struct QkvIntoCache<'a> {
-        plan: SkinnyPlan,
-        x: &'a Tensor,
-        w: &'a Tensor,
-        bias: Option<&'a Tensor>,
-        cos: &'a Tensor,
-        sin: &'a Tensor,
-        slots: &'a Tensor,
-        counters: &'a Tensor,
-        /// rows, in, heads, kv heads, head_dim, the pool's slots.
-        dims: (usize, usize, usize, usize, usize, usize),
-        q: Mutex<Option<candle_core::CudaStorage>>,
-    }
-
-    impl InplaceOp1 for QkvIntoCache<'_> {
-        fn name(&self) -> &'static str {
-            "skinny-qkv"
-        }
-
-        fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-            candle_core::bail!(
-                "skinny q/k/v: a CUDA kernel (decode_qkv_into_cache takes the three ops on the CPU)"
-            )
-        }
-
-        fn cuda_fwd(
-            &self,
-            pool: &mut candle_core::CudaStorage,
-            lp: &Layout,
-        ) -> candle_core::Result<()> {
-            fn cuda(s: &Storage) -> candle_core::Result<&candle_core::CudaStorage> {
-                cuda_storage(s, "skinny q/k/v")
-            }
-            let (xg, xl) = self.x.storage_and_layout();
-            let (wg, wl) = self.w.storage_and_layout();
-            let (cg, cl) = self.counters.storage_and_layout();
-            let (cos_g, cos_l) = self.cos.storage_and_layout();
-            let (sin_g, sin_l) = self.sin.storage_and_layout();
-            let (sg, sl) = self.slots.storage_and_layout();
-            let bias_g = self.bias.map(|b| b.storage_and_layout());
-            let bias = match &bias_g {
-                Some((g, l)) => Some((cuda(g)?, *l)),
-                None => None,
-            };
-            let (rows, k, nh, nkv, d, slot_count) = self.dims;
-            let q = crate::ops::decode_cuda::skinny_qkv(
-                (cuda(&xg)?, xl),
-                (cuda(&wg)?, wl),
-                (cuda(&cg)?, cl),
-                &self.plan,
-                bias,
-                ((cuda(&cos_g)?, cos_l), (cuda(&sin_g)?, sin_l)),
-                (pool, lp),
-                (cuda(&sg)?, sl),
-                (rows, k),
-                (nh, nkv, d, slot_count),
-            )?;
-            *self
-                .q
-                .lock()
-                .map_err(|_| candle_core::Error::Msg("skinny q/k/v: poisoned".into()))? = Some(q);
-            Ok(())
-        }
-    }
-
-    /// The kernel as a candle op over `(x, w)`, both contiguous bf16 on one CUDA device, with
-    /// [`plan_for`]'s plan.
-    pub(super) struct SkinnyProduct<'a> {
-        pub(super) plan: SkinnyPlan,
-        pub(super) epilogue: DecodeEpilogue,
-        pub(super) counters: &'a Tensor,
-    }
-
-    impl CustomOp2 for SkinnyProduct<'_> {
-        fn name(&self) -> &'static str {
-            "skinny-product"
-        }
-
-        fn cpu_fwd(
-            &self,
-            _: &CpuStorage,
-            _: &Layout,
-            _: &CpuStorage,
-            _: &Layout,
-        ) -> candle_core::Result<(CpuStorage, Shape)> {
-            candle_core::bail!(
-                "skinny product: a CUDA kernel (decode_product takes linear on the CPU)"
-            )
-        }
-
-        fn cuda_fwd(
-            &self,
-            x: &candle_core::CudaStorage,
-            lx: &Layout,
-            w: &candle_core::CudaStorage,
-            lw: &Layout,
-        ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-            let (rows, k) = lx.shape().dims2()?;
-            let (out, _) = lw.shape().dims2()?;
-            let (cg, cl) = self.counters.storage_and_layout();
-            let y = crate::ops::decode_cuda::skinny_product(
-                (x, lx),
-                (w, lw),
-                (cuda_storage(&cg, "skinny product")?, cl),
-                &self.plan,
-                self.epilogue == DecodeEpilogue::Swiglu,
-                (rows, out, k),
-            )?;
-            let cols = match self.epilogue {
-                DecodeEpilogue::Product => out,
-                DecodeEpilogue::Swiglu => out / 2,
-            };
-            Ok((y, Shape::from((rows, cols))))
-        }
-    }
-}
+mod cuda;
 
 #[cfg(test)]
 mod tests {
@@ -506,9 +342,10 @@ mod tests {
             (76, 2, 448)
         );
         // 3 stages of 128 weight rows and 64 x rows, 72 bf16 a row: within the 99 KiB (less
-        // the kernel's 16 bytes of static shared memory) any sm_80+ card allows a block.
+        // the kernel's static shared memory: the split flag's 16 bytes, 64 rows' sums of
+        // squares) any sm_80+ card allows a block.
         assert_eq!(gate_up.shared_bytes, 3 * 192 * 72 * 2);
-        assert!(gate_up.shared_bytes + 16 <= 99 * 1024);
+        assert!(gate_up.shared_bytes + 16 + 64 * 4 <= 99 * 1024);
         for plan in [qkv, down, gate_up] {
             assert_eq!(plan.k_split % SKINNY_STAGE_K, 0);
             assert_eq!(plan.m_tiles, 4);
@@ -552,11 +389,11 @@ mod tests {
         let w = Tensor::randn(0f32, 1., (8, 16), &dev)?;
         let counters = SplitCounters::for_device(&dev, 8)?;
         assert!(counters.is_none());
-        let y = decode_product(&x, &w, DecodeEpilogue::Product, None)?;
+        let y = decode_product(&x, &w, DecodeEpilogue::Product, None, None, None)?;
         let want = x.matmul(&w.t()?)?;
         let diff = (y - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "{diff}");
-        let s = decode_product(&x, &w, DecodeEpilogue::Swiglu, None)?;
+        let s = decode_product(&x, &w, DecodeEpilogue::Swiglu, None, None, None)?;
         let want = crate::ops::swiglu_packed(&want)?;
         let diff = (s - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "{diff}");
@@ -568,10 +405,27 @@ mod tests {
         let dev = Device::Cpu;
         let x = Tensor::zeros((3, 16), DType::F32, &dev).unwrap();
         let w = Tensor::zeros((8, 12), DType::F32, &dev).unwrap();
-        let e = decode_product(&x, &w, DecodeEpilogue::Product, None).unwrap_err();
+        let e = decode_product(&x, &w, DecodeEpilogue::Product, None, None, None).unwrap_err();
         assert!(e.to_string().contains("do not fit"), "{e}");
         let w = Tensor::zeros((7, 16), DType::F32, &dev).unwrap();
-        let e = decode_product(&x, &w, DecodeEpilogue::Swiglu, None).unwrap_err();
+        let e = decode_product(&x, &w, DecodeEpilogue::Swiglu, None, None, None).unwrap_err();
         assert!(e.to_string().contains("gate | up"), "{e}");
+        // A residual on the SwiGLU output, or of the wrong shape; a norm weight of the wrong
+        // width.
+        let w = Tensor::zeros((8, 16), DType::F32, &dev).unwrap();
+        let r = Tensor::zeros((3, 8), DType::F32, &dev).unwrap();
+        let swiglu = DecodeEpilogue::Swiglu;
+        let e = decode_product(&x, &w, swiglu, None, Some(&r), None).unwrap_err();
+        assert!(e.to_string().contains("residual [3, 8]"), "{e}");
+        let r = Tensor::zeros((3, 4), DType::F32, &dev).unwrap();
+        let e = decode_product(&x, &w, DecodeEpilogue::Product, None, Some(&r), None).unwrap_err();
+        assert!(e.to_string().contains("plain product [3, 8]"), "{e}");
+        let nw = Tensor::ones(15, DType::F32, &dev).unwrap();
+        let norm = Some(InputNorm {
+            weight: &nw,
+            eps: 1e-6,
+        });
+        let e = decode_product(&x, &w, DecodeEpilogue::Product, norm, None, None).unwrap_err();
+        assert!(e.to_string().contains("norm's weight is [15]"), "{e}");
     }
 }

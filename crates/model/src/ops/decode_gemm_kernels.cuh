@@ -15,6 +15,13 @@
 //              added and rounded, q and k rotated) with q written to [m, nh, d] and k, v
 //              straight into their cache slots as kv_write writes them — the packed product,
 //              the rotated keys and values never go to memory, and two launches fewer.
+// With norm_w given, x's rows go through the RMSNorm that precedes the projection on the way
+// in: each stage's x rows are scaled by norm_w (per k) in shared memory as they land, their
+// sums of squares kept (over all of k: split partials summed like the product's), and the
+// product's rows scaled by 1/rms = rsqrt(Σx²/k + eps) before the epilogue — the decode layer's
+// add_rms_norm launches fold into the products that read the norms (the rounding differs from
+// rms_norm's: x·norm_w is rounded to bf16 instead of x/rms, then x/rms·norm_w). SgPlain's
+// residual adds the residual stream to the rounded product (add_rms_norm's add).
 // decode_kernels.cu includes this file (one PTX module); tools/cuda_emu runs it on CPU
 // threads (decode_gemm driver).
 #pragma once
@@ -36,20 +43,27 @@
 __device__ __forceinline__ float4 ld_cg_f4(const float* p) {
   return __ldcg(reinterpret_cast<const float4*>(p));
 }
+__device__ __forceinline__ float ld_cg_f1(const float* p) { return __ldcg(p); }
 #else
 __device__ float4 ld_cg_f4(const float* p);
+__device__ float ld_cg_f1(const float* p);
 #endif
 
 // The epilogues: each gives the weight row of a block's local row r (0 .. SG_NT − 1) and
 // writes the block's result from the f32 tile t [MR][SG_TILE_PITCH] in shared memory (rows
 // past m are not read).
 struct SgPlain {
-  bf16* y;  // [m, n]
+  bf16* y;               // [m, n]
+  const bf16* residual;  // [m, n] added to the rounded product, or null
   __device__ int weight_row(int tile, int r, int) const { return tile * SG_NT + r; }
   __device__ void store(const float* t, int tile, int m, int n) const {
     for (int i = threadIdx.x; i < m * SG_NT; i += blockDim.x) {
       const int r = i / SG_NT, c = i % SG_NT, col = tile * SG_NT + c;
-      if (col < n) y[(size_t)r * n + col] = __float2bfloat16(t[r * SG_TILE_PITCH + c]);
+      if (col >= n) continue;
+      const size_t at = (size_t)r * n + col;
+      float v = t[r * SG_TILE_PITCH + c];
+      if (residual) v = __bfloat162float(__float2bfloat16(v)) + __bfloat162float(residual[at]);
+      y[at] = __float2bfloat16(v);
     }
   }
 };
@@ -118,15 +132,17 @@ struct SgQkv {
 
 // Block (tile, split): weight rows of `tile` (Epi::weight_row) times x's m rows over k in
 // [split·k_split, min(k, (split + 1)·k_split)). MT = ⌈m / 16⌉ m16 tiles. part: f32
-// [tiles, splits, MT·16, SG_NT] (null when splits = 1); counters: u32 [tiles], zero before
+// [tiles, splits, MT·16, SG_NT] then [tiles, splits, MT·16] (the rows' sums of squares, read
+// with norm_w) (null when splits = 1); norm_w: [k] or null; counters: u32 [tiles], zero before
 // the launch and left zero after it (the last block of a tile wraps its counter back to zero).
-// Requirements (decode_gemm.rs checks them): k % 8 == 0, x and w 16-byte aligned,
+// Requirements (decode_gemm.rs checks them): k % 8 == 0, x, w and norm_w 16-byte aligned,
 // k_split % SG_KC == 0; SgSwiglu: n % SG_NT == 0; SgQkv: d even, dividing SG_NT. blockDim.x = 32·SG_WARPS; dynamic shared
 // memory: SG_STAGES·(SG_NT + MT·16)·SG_PITCH bf16 (≥ the f32 tile MT·16 × SG_TILE_PITCH).
 template <int MT, class Epi>
 __device__ void skinny_gemm(const bf16* __restrict__ x, const bf16* __restrict__ w,
                             float* __restrict__ part, unsigned* __restrict__ counters, int m,
-                            int n, int k, int k_split, int splits, const Epi& epi) {
+                            int n, int k, int k_split, int splits,
+                            const bf16* __restrict__ norm_w, float eps, const Epi& epi) {
   constexpr int MR = MT * 16;
   constexpr int STAGE = (SG_NT + MR) * SG_PITCH;  // bf16 per stage: weight rows, then x rows
   constexpr unsigned SMEM = SG_STAGES * STAGE * 2;
@@ -182,6 +198,11 @@ __device__ void skinny_gemm(const bf16* __restrict__ x, const bf16* __restrict__
     if (s < chunks) load(s, s);
     cp_async_commit();  // an empty group keeps the count: wait<STAGES − 2> below stays right
   }
+  // With norm_w: thread tid scales the 16-byte piece tid % 8 (8 of a stage's 64 k) of rows
+  // tid / 8 + 16·i by norm_w and sums the squares of what it read, row by row.
+  float sumsq[MT];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) sumsq[i] = 0.f;
   for (int c = 0; c < chunks; ++c) {
     cp_async_wait<SG_STAGES - 2>();
     __syncthreads();  // chunk c is in; every warp is done with the stage chunk c − 1 used
@@ -189,6 +210,33 @@ __device__ void skinny_gemm(const bf16* __restrict__ x, const bf16* __restrict__
     cp_async_commit();
     const bf16* ws = stages + (c % SG_STAGES) * STAGE;
     const bf16* xs = ws + SG_NT * SG_PITCH;
+    if (norm_w) {
+      bf16* xst = stages + (c % SG_STAGES) * STAGE + SG_NT * SG_PITCH;
+      const int piece = tid & 7, kk = k_begin + c * SG_KC + piece * 8;
+      // The piece's 8 weights (k_end is a multiple of 8: a piece lies wholly inside or past it).
+      float g[8];
+      if (kk < k_end) {
+        Vec16<bf16>::load(norm_w + kk, g);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) g[j] = 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        const int r = (tid >> 3) + 16 * i;
+        if (r >= m) continue;
+        bf16* at = xst + r * SG_PITCH + piece * 8;
+        float e[8];
+        Vec16<bf16>::load(at, e);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          sumsq[i] += e[j] * e[j];  // zero past k_end (the copy filled zeros)
+          e[j] *= g[j];
+        }
+        Vec16<bf16>::store(at, e);  // x·norm_w rounded to bf16
+      }
+      __syncthreads();  // the scaled rows are in before any warp reads them
+    }
 #pragma unroll
     for (int kk = 0; kk < SG_KC / 16; ++kk) {
       // B(k, n = weight row): rows warp·32 + 0..15 and 16..31 of the stage.
@@ -209,6 +257,18 @@ __device__ void skinny_gemm(const bf16* __restrict__ x, const bf16* __restrict__
     }
   }
   cp_async_wait<0>();
+  // Row r's sum of squares over this block's k (its two halves' threads are neighbours).
+  __shared__ float row_sumsq[MR];
+  if (norm_w) {  // the same for every thread of the block
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      float v = sumsq[i];  // a row's 8 pieces are neighbouring lanes
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      if ((tid & 7) == 0) row_sumsq[(tid >> 3) + 16 * i] = v;
+    }
+  }
   __syncthreads();  // the stages are free: the block's f32 tile [MR][SG_TILE_PITCH] goes there
   float* t = smem;
 #pragma unroll
@@ -230,6 +290,9 @@ __device__ void skinny_gemm(const bf16* __restrict__ x, const bf16* __restrict__
       *reinterpret_cast<float4*>(mine + r * SG_NT + c4) =
           *reinterpret_cast<const float4*>(t + r * SG_TILE_PITCH + c4);
     }
+    // The sums of squares after every tile's partials: [tiles, splits, MR].
+    float* sumsq_part = part + (size_t)gridDim.x * splits * MR * SG_NT;
+    if (norm_w && tid < m) sumsq_part[((size_t)tile * splits + split) * MR + tid] = row_sumsq[tid];
     __threadfence();  // the partial is visible device-wide before the counter says so
     __syncthreads();
     __shared__ int last;
@@ -248,8 +311,24 @@ __device__ void skinny_gemm(const bf16* __restrict__ x, const bf16* __restrict__
       }
       *reinterpret_cast<float4*>(t + r * SG_TILE_PITCH + c4) = s;
     }
+    if (norm_w && tid < m) {
+      const float* ss = sumsq_part + (size_t)tile * splits * MR + tid;
+      float s = ld_cg_f1(ss);
+      for (int sp = 1; sp < splits; ++sp) s += ld_cg_f1(ss + (size_t)sp * MR);
+      row_sumsq[tid] = s;
+    }
     __syncthreads();
   }
 
+  if (norm_w) {
+    // Row r times 1/rms: the product of x/rms (times norm_w), as the norm then the projection.
+    if (tid < m) row_sumsq[tid] = rsqrtf(row_sumsq[tid] / (float)k + eps);
+    __syncthreads();
+    for (int i = tid; i < m * SG_NT; i += 32 * SG_WARPS) {
+      const int r = i / SG_NT, c = i % SG_NT;
+      t[r * SG_TILE_PITCH + c] *= row_sumsq[r];
+    }
+    __syncthreads();
+  }
   epi.store(t, tile, m, n);
 }

@@ -744,21 +744,21 @@ DT_INSTANTIATE(128)
 // skinny_gemm_{plain,swiglu,qkv}_m{MT}_bf16: MT m16 tiles (m ≤ 16·MT rows).
 #define SG_ARGS                                                                               \
   const bf16 *x, const bf16 *w, float *part, unsigned *counters, int m, int n, int k,         \
-      int k_split, int splits
+      int k_split, int splits, const bf16 *norm_w, float eps
+#define SG_PASS x, w, part, counters, m, n, k, k_split, splits, norm_w, eps
 #define SG_INSTANTIATE(MT)                                                                     \
   extern "C" __global__ void __launch_bounds__(32 * SG_WARPS)                                  \
-      skinny_gemm_plain_m##MT##_bf16(SG_ARGS, bf16* y) {                                       \
-    skinny_gemm<MT>(x, w, part, counters, m, n, k, k_split, splits, SgPlain{y});               \
+      skinny_gemm_plain_m##MT##_bf16(SG_ARGS, bf16* y, const bf16* residual) {                 \
+    skinny_gemm<MT>(SG_PASS, SgPlain{y, residual});                                            \
   }                                                                                            \
   extern "C" __global__ void __launch_bounds__(32 * SG_WARPS)                                  \
       skinny_gemm_swiglu_m##MT##_bf16(SG_ARGS, bf16* y) {                                      \
-    skinny_gemm<MT>(x, w, part, counters, m, n, k, k_split, splits, SgSwiglu{y});              \
+    skinny_gemm<MT>(SG_PASS, SgSwiglu{y});                                                     \
   }                                                                                            \
   extern "C" __global__ void __launch_bounds__(32 * SG_WARPS) skinny_gemm_qkv_m##MT##_bf16(    \
       SG_ARGS, const bf16* bias, const bf16* cos, const bf16* sin, bf16* q, bf16* pool,        \
       const uint32_t* slots, int nh, int nkv, int d, int slot_count) {                         \
-    skinny_gemm<MT>(x, w, part, counters, m, n, k, k_split, splits,                            \
-                    SgQkv{bias, cos, sin, q, pool, slots, nh, nkv, d, slot_count});            \
+    skinny_gemm<MT>(SG_PASS, SgQkv{bias, cos, sin, q, pool, slots, nh, nkv, d, slot_count});   \
   }
 SG_INSTANTIATE(1)
 SG_INSTANTIATE(2)

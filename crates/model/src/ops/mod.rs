@@ -48,7 +48,10 @@ pub(crate) use add_into::add_into;
 pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, check_cu_seqlens};
 #[cfg(feature = "cuda")]
 pub(crate) use decode_cuda::sample_inverse_cdf as sample_inverse_cdf_cuda;
-pub use decode_gemm::{decode_product, decode_qkv_into_cache, DecodeEpilogue, SplitCounters};
+pub use decode_gemm::{
+    decode_gemm_on, decode_product, decode_product_serves, decode_qkv_into_cache, DecodeEpilogue,
+    InputNorm, SplitCounters, DECODE_PRODUCT_MAX_ROWS,
+};
 pub use embedding::{embedding, embedding_of_ids};
 pub(crate) use head_softmax::row_sums;
 pub use head_softmax::{

@@ -1,13 +1,16 @@
 //! The decode step's stacked projections: a layer's q/k/v and gate/up weights (with their
 //! adapters) stacked for one product each, and the split-k counters of the layer's skinny
 //! decode products ([`crate::ops::decode_product`]), built once per rollout
-//! ([`super::DecodeStacks`]).
+//! ([`super::DecodeStacks`]); and the decode layer with its norms and residual adds inside
+//! those products ([`DecoderLayer::forward_decode_norms_in_products`]).
 
-use super::layers::{DecoderLayer, Linear};
+use super::layers::{DecoderLayer, Linear, RmsNorm};
+use super::Ctx;
 use crate::lora_adapter::LoraAdapter;
-use crate::ops::{decode_product, DecodeEpilogue, SplitCounters};
-use anyhow::Result;
-use candle_core::Tensor;
+use crate::ops::{decode_product, DecodeEpilogue, InputNorm, SplitCounters};
+use crate::paged_kv::{PagedStep, PoolLayer};
+use anyhow::{bail, Result};
+use candle_core::{DType, Tensor};
 
 /// Projections that read the same input stacked for the decode step's one product: q/k/v's
 /// weights `[(heads + 2·kv_heads)·head_dim, hidden]` (q's rows, k's, v's) and their biases
@@ -36,7 +39,14 @@ impl Stacked {
     /// decode product with `counters`, [`crate::ops::decode_product`]), plus the adapters'
     /// packed delta.
     pub(super) fn product(&self, x: &Tensor, counters: Option<&SplitCounters>) -> Result<Tensor> {
-        let y = decode_product(x, &self.weight, DecodeEpilogue::Product, counters)?;
+        let y = decode_product(
+            x,
+            &self.weight,
+            DecodeEpilogue::Product,
+            None,
+            None,
+            counters,
+        )?;
         match &self.lora {
             Some(l) => l.add_to(&y, x),
             None => Ok(y),
@@ -105,6 +115,10 @@ pub(crate) struct LayerStacks {
     /// The split-k counters of the layer's skinny decode products, where they run
     /// ([`SplitCounters::for_device`]).
     pub(super) counters: Option<SplitCounters>,
+    /// Whether the layer runs [`DecoderLayer::forward_decode_norms_in_products`]: the skinny
+    /// products are turned on (`COMPOSER_DECODE_GEMM=1`, [`crate::ops::decode_gemm_on`]), q/k/v
+    /// and gate/up are stacked without adapters, o and down have neither bias nor adapter.
+    pub(super) norms_in_products: bool,
 }
 
 impl DecoderLayer {
@@ -140,11 +154,85 @@ impl DecoderLayer {
         .into_iter()
         .max()
         .unwrap_or(0);
-        let counters = SplitCounters::for_device(a.q_proj.weight.device(), max_out)?;
+        let device = a.q_proj.weight.device();
+        let counters = SplitCounters::for_device(device, max_out)?;
+        let plain = |l: &Linear| l.bias.is_none() && l.lora.is_none();
+        let stacked = |s: &Option<Stacked>| s.as_ref().is_some_and(|s| s.lora.is_none());
+        // On CUDA only where every product runs on the kernel (elsewhere two rms_norm and two
+        // adds would replace two add_rms_norm: more launches); on the CPU always, the
+        // kernel's twin.
+        let on_kernel = || -> Result<bool> {
+            let (product, swiglu) = (DecodeEpilogue::Product, DecodeEpilogue::Swiglu);
+            let serves = |l: &[&Linear], epilogue| -> Result<bool> {
+                let (rows, k) = (rows(l)?, l[0].weight.dim(1)?);
+                Ok(crate::ops::decode_product_serves(rows, k, epilogue))
+            };
+            let d = a.head_dim;
+            Ok(counters.is_some()
+                && a.q_proj.weight.dtype() == DType::BF16
+                && d.is_multiple_of(2)
+                && 128usize.is_multiple_of(d)
+                && serves(&[&a.q_proj, &a.k_proj, &a.v_proj], product)?
+                && serves(&[&a.o_proj], product)?
+                && serves(&[&m.gate_proj, &m.up_proj], swiglu)?
+                && serves(&[&m.down_proj], product)?)
+        };
+        let norms_in_products = crate::ops::decode_gemm_on()
+            && stacked(&qkv)
+            && stacked(&gate_up)
+            && plain(&a.o_proj)
+            && plain(&m.down_proj)
+            && (device.is_cpu() || on_kernel()?);
         Ok(LayerStacks {
             qkv,
             gate_up,
             counters,
+            norms_in_products,
         })
     }
+
+    /// The decode step's layer with its norms and residual adds inside the products that read
+    /// them ([`LayerStacks::norms_in_products`]): `x` `[rows, hidden]` is the residual stream
+    /// in; returns the stream out. On the skinny kernel five launches — q/k/v with the input
+    /// norm in front and the keys and values into the cache, the attention, o with the residual
+    /// added, gate/up with the post-attention norm in front and SwiGLU after, down with the
+    /// residual added — where [`Self::forward_decode`] has two `add_rms_norm` besides; elsewhere
+    /// the same ops one by one (the norm, the product, the add: the trainer's).
+    pub(super) fn forward_decode_norms_in_products(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx,
+        cache: (&PoolLayer, &PagedStep),
+        stacks: &LayerStacks,
+    ) -> Result<Tensor> {
+        let (Some(qkv), Some(gate_up), true) =
+            (&stacks.qkv, &stacks.gate_up, stacks.norms_in_products)
+        else {
+            bail!("decode layer: its projections are not stacked for norms in the products");
+        };
+        let counters = stacks.counters.as_ref();
+        let (attn, mlp) = (&self.self_attn, &self.mlp);
+        let out = attn.attend_decode(
+            x,
+            input_norm(&self.input_layernorm),
+            ctx,
+            cache,
+            qkv,
+            counters,
+        )?;
+        let product = DecodeEpilogue::Product;
+        let x = decode_product(&out, &attn.o_proj.weight, product, None, Some(x), counters)?;
+        let post_norm = input_norm(&self.post_attention_layernorm);
+        let swiglu = DecodeEpilogue::Swiglu;
+        let h = decode_product(&x, &gate_up.weight, swiglu, post_norm, None, counters)?;
+        decode_product(&h, &mlp.down_proj.weight, product, None, Some(&x), counters)
+    }
+}
+
+/// `n` as the norm in front of a decode product.
+fn input_norm(n: &RmsNorm) -> Option<InputNorm<'_>> {
+    Some(InputNorm {
+        weight: &n.weight,
+        eps: n.eps,
+    })
 }

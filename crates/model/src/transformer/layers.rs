@@ -7,7 +7,7 @@ use super::decode_stacks::{LayerStacks, Stacked};
 use crate::config::ModelConfig;
 use crate::kv_cache::LayerKv;
 use crate::lora_adapter::LoraAdapter;
-use crate::ops::{decode_product, DecodeEpilogue, SplitCounters};
+use crate::ops::{decode_product, DecodeEpilogue, InputNorm, SplitCounters};
 use crate::paged_kv::{PagedStep, PoolLayer};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -51,7 +51,14 @@ impl Linear {
             return self.forward(x);
         }
         let x2 = rows_of(x)?;
-        let y = decode_product(&x2, &self.weight, DecodeEpilogue::Product, counters)?;
+        let y = decode_product(
+            &x2,
+            &self.weight,
+            DecodeEpilogue::Product,
+            None,
+            None,
+            counters,
+        )?;
         let mut dims = x.dims().to_vec();
         if let Some(last) = dims.last_mut() {
             *last = self.weight.dim(0)?;
@@ -261,7 +268,9 @@ impl Attention {
             Some(LayerCache::Paged(pool, step)) => {
                 // k, v: [rows, kv_heads, 1, head_dim].
                 let kv = Tensor::stack(&[&k, &v], 0)?.reshape((2, b, nkv, hd))?;
-                return self.attend_paged(&q.reshape((b, nh, hd))?, &kv, pool, step, None);
+                pool.write(&step.slots, &kv)?;
+                let out = self.attend_written(&q.reshape((b, nh, hd))?, pool, step)?;
+                return self.o_proj.forward(&out.reshape((b, 1, nh * hd))?);
             }
             None => (k, v),
         };
@@ -322,19 +331,39 @@ impl Attention {
             return self.forward(x, ctx, Some(cache));
         };
         let (b, t, hidden) = x.dims3()?;
+        let x = x.reshape((b * t, hidden))?;
+        let out = self.attend_decode(&x, None, ctx, (pool, step), qkv, counters)?;
+        self.o_proj
+            .forward_decode(&out.reshape((b * t, 1, out.dim(1)?))?, counters)
+    }
+
+    /// The decode step's attention output `[rows, heads·head_dim]`, before `o_proj`, of `x`
+    /// `[rows, hidden]` (through `norm` first, if given): q/k/v from the stacked product —
+    /// with no adapter, one op from the product to the cache
+    /// ([`crate::ops::decode_qkv_into_cache`]: q back, the keys and values in their slots) —
+    /// then q attending over the rows' blocks.
+    pub(super) fn attend_decode(
+        &self,
+        x: &Tensor,
+        norm: Option<InputNorm>,
+        ctx: &Ctx,
+        (pool, step): (&PoolLayer, &PagedStep),
+        qkv: &Stacked,
+        counters: Option<&SplitCounters>,
+    ) -> Result<Tensor> {
+        let rows = x.dim(0)?;
         let hd = self.head_dim;
-        let cos = ctx.cos.reshape((b * t, hd / 2))?;
-        let sin = ctx.sin.reshape((b * t, hd / 2))?;
+        let cos = ctx.cos.reshape((rows, hd / 2))?;
+        let sin = ctx.sin.reshape((rows, hd / 2))?;
         let heads = crate::ops::QkvHeads {
             num_heads: self.num_heads,
             num_kv_heads: self.num_kv_heads,
             head_dim: hd,
         };
-        let x = x.reshape((b * t, hidden))?;
-        if qkv.lora.is_none() {
-            // One op from the product to the cache: q back, the keys and values in their slots.
-            let q = crate::ops::decode_qkv_into_cache(
-                &x,
+        let q = if qkv.lora.is_none() {
+            crate::ops::decode_qkv_into_cache(
+                x,
+                norm,
                 &qkv.weight,
                 qkv.bias.as_ref(),
                 &cos,
@@ -343,46 +372,28 @@ impl Attention {
                 pool.pools(),
                 &step.slots,
                 counters,
-            )?;
-            return self.attend_written(&q, pool, step, counters);
-        }
-        let qkv_out = qkv.product(&x, counters)?;
-        let (q, kv) = crate::ops::qkv_bias_rope(&qkv_out, qkv.bias.as_ref(), &cos, &sin, heads)?;
-        self.attend_paged(&q, &kv, pool, step, counters)
+            )?
+        } else {
+            let x = match norm {
+                Some(n) => crate::ops::rms_norm(x, n.weight, n.eps)?,
+                None => x.clone(),
+            };
+            let qkv_out = qkv.product(&x, counters)?;
+            let (q, kv) =
+                crate::ops::qkv_bias_rope(&qkv_out, qkv.bias.as_ref(), &cos, &sin, heads)?;
+            pool.write(&step.slots, &kv)?;
+            q
+        };
+        self.attend_written(&q, pool, step)
     }
 
-    /// One decode token per row: its key and value (`kv` `[2, rows, kv_heads, head_dim]`)
-    /// written into the row's slot, then `q` `[rows, heads, head_dim]` attending over the
-    /// row's blocks, then `o_proj` (the skinny product with `counters`, see
-    /// [`Linear::forward_decode`]).
-    fn attend_paged(
-        &self,
-        q: &Tensor,
-        kv: &Tensor,
-        pool: &PoolLayer,
-        step: &PagedStep,
-        counters: Option<&SplitCounters>,
-    ) -> Result<Tensor> {
-        pool.write(&step.slots, kv)?;
-        self.attend_written(q, pool, step, counters)
-    }
-
-    /// [`Self::attend_paged`] once the step's keys and values are in their slots.
-    fn attend_written(
-        &self,
-        q: &Tensor,
-        pool: &PoolLayer,
-        step: &PagedStep,
-        counters: Option<&SplitCounters>,
-    ) -> Result<Tensor> {
+    /// `q` `[rows, heads, head_dim]`, one decode token per row, attending over the rows'
+    /// blocks once the step's keys and values are in their slots: `[rows, heads·head_dim]`.
+    fn attend_written(&self, q: &Tensor, pool: &PoolLayer, step: &PagedStep) -> Result<Tensor> {
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let (keys, values) = (pool.keys()?, pool.values()?);
         let out = crate::ops::paged_decode_attention(q, &keys, &values, &step.layout, scale)?;
-        let rows = q.dim(0)?;
-        self.o_proj.forward_decode(
-            &out.reshape((rows, 1, self.num_heads * self.head_dim))?,
-            counters,
-        )
+        Ok(out.reshape((q.dim(0)?, self.num_heads * self.head_dim))?)
     }
 
     /// Attention over packed segments from projected `q` `[B, T, H, D]`, `k`/`v`
@@ -440,7 +451,14 @@ impl Mlp {
         let (b, t, hidden) = x.dims3()?;
         let x2 = x.reshape((b * t, hidden))?;
         let h = match &gu.lora {
-            None => decode_product(&x2, &gu.weight, DecodeEpilogue::Swiglu, counters)?,
+            None => decode_product(
+                &x2,
+                &gu.weight,
+                DecodeEpilogue::Swiglu,
+                None,
+                None,
+                counters,
+            )?,
             Some(_) => crate::ops::swiglu_packed(&gu.product(&x2, counters)?)?,
         };
         self.down_proj

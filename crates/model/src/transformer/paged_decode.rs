@@ -14,6 +14,17 @@ use candle_core::{DType, Tensor};
 #[derive(Debug)]
 pub(crate) struct DecodeStacks(Vec<LayerStacks>);
 
+impl DecodeStacks {
+    /// Whether a decode step of `rows` runs every layer with its norms inside the products
+    /// ([`LayerStacks::norms_in_products`]; at most the skinny kernel's rows, past which the
+    /// separate products and `add_rms_norm` are fewer launches).
+    pub(crate) fn norms_in_products(&self, rows: usize) -> bool {
+        !self.0.is_empty()
+            && rows <= crate::ops::DECODE_PRODUCT_MAX_ROWS
+            && self.0.iter().all(|l| l.norms_in_products)
+    }
+}
+
 impl Transformer {
     /// The ops the paged decode runs: the trainer's own kernels (RMSNorm, RoPE, SwiGLU) where
     /// they apply — the sampler's log-probs then come from the ops the trainer recomputes them
@@ -113,6 +124,15 @@ impl Transformer {
                 .index_select(ids, 0)?
                 .reshape((b, 1, self.cfg.hidden_size))?;
         let layers = &self.model.layers;
+        if stacks.norms_in_products(b) {
+            let mut x = x.reshape((b, self.cfg.hidden_size))?;
+            for (i, (layer, stack)) in layers.iter().zip(&stacks.0).enumerate() {
+                let cache = (pool.layer(i), step);
+                x = layer.forward_decode_norms_in_products(&x, &ctx, cache, stack)?;
+            }
+            let h = self.model.norm.forward(&x.unsqueeze(1)?, path)?;
+            return Ok(self.head_logits(&h)?.squeeze(1)?);
+        }
         // `h` is `x` normalised for what reads it next: each layer's residual adds are fused
         // with the norm that follows them (the next layer's input norm, the final norm last).
         let mut h = match layers.first() {
