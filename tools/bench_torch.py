@@ -23,6 +23,8 @@ on the CPU the process's peak RSS. `--config-json` (an HF config.json's keys, wh
 - Decoding: tokens/s excluding prefill = batch·(N−1) / (t(N tokens) − t(1 token)), sampling at
   temperature 1 with a KV cache (model.generate, min_new_tokens = max_new_tokens so no sample
   stops early), prompt length 128, N = 64 — the same definition as crates/model/src/bench.rs.
+  `--static-cache`: generate with `cache_implementation="static"` (the KV cache preallocated
+  to prompt + N, issue 17's "HF generate with sdpa and static cache"), still eager.
 Timings synchronise the device before reading the clock.
 """
 import argparse
@@ -122,6 +124,7 @@ def main():
     ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     ap.add_argument("--config-json", default=None)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--static-cache", action="store_true")
     ap.add_argument("--lora", type=int, default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -205,6 +208,7 @@ def main():
                     max_new_tokens=n,
                     min_new_tokens=n,
                     pad_token_id=cfg.pad_token_id,
+                    **({"cache_implementation": "static"} if args.static_cache else {}),
                 )
 
         gen(2)
@@ -223,7 +227,8 @@ def main():
                      "peak_rss_mb": peak_rss_mb})
     mode = "torch.compile" if args.compile else "eager"
     report = {
-        "framework": f"torch {torch.__version__} {mode}, sdpa" + (f", peft LoRA r={args.lora}" if args.lora else ""),
+        "framework": f"torch {torch.__version__} {mode}, sdpa" + (", static cache" if args.static_cache else "")
+        + (f", peft LoRA r={args.lora}" if args.lora else ""),
         "shape": "config-json" if args.config_json else args.shape,
         "train_seq_len": args.train_seq_len,
         "num_parameters": num_parameters,

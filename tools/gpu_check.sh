@@ -159,6 +159,8 @@ if want bench05; then
   # Decode with and without the fixed-shape steps captured as CUDA graphs, in one run.
   bench "c05-d" 220 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 1,16,64,256 --skip-train --cuda-graphs
   bench "te05-d" 150 $TORCH --shape qwen2.5-0.5b --batch 1,64 --skip-train
+  # HF generate with its static (preallocated) KV cache, issue 17's named baseline, eager.
+  bench "te05-d-static" 150 $TORCH --shape qwen2.5-0.5b --batch 1,64 --skip-train --static-cache
   # The decode attention on the scalar/vectorised kernel instead of the tensor-core one (the
   # default for bf16 at head_dim 64/128 since 2026-11-27), beside c05-d.
   COMPOSER_DECODE_TC=0 bench "c05-d-notc" 220 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 16,64,256 --skip-train --cuda-graphs

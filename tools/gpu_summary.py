@@ -120,6 +120,9 @@ def main():
         v, h, layers, heads, kvh, hd, tied = SHAPES[shape]
         wbytes = 2 * c["num_parameters"]
         ers = {r["batch"]: r for r in (e or {}).get("rows", [])}
+        # HF generate with its static KV cache (te05-d-static), beside the default one.
+        st = load(d, "te05-d-static") if et else None
+        srs = {r["batch"]: r for r in (st or {}).get("rows", [])}
         for r in c["rows"]:
             b, tps = r["batch"], r["decode_tokens_per_s"]
             if tps is None:
@@ -128,6 +131,8 @@ def main():
             roof = b / ((wbytes + kv) / bw)
             et_ = ers.get(b, {}).get("decode_tokens_per_s")
             tail = f" | HF generate {et_:>8.0f}  ratio {tps / et_:>5.1f}" if et_ else ""
+            st_ = srs.get(b, {}).get("decode_tokens_per_s")
+            tail += f" | HF static cache {st_:>8.0f}  ratio {tps / st_:>5.1f}" if st_ else ""
             g = r.get("decode_graphs_tokens_per_s")
             graphs = f" | CUDA graphs {g:>9.0f} ({100 * g / roof:>5.1f}%, {g / tps:>4.2f}x)" if g else ""
             # COMPOSER_DECODE_BLOCKS=1024 (fine) or 128 (coarse), COMPOSER_DECODE_TC=0 (notc),
