@@ -257,7 +257,7 @@ __device__ void skinny_gemm(const bf16* __restrict__ x, const bf16* __restrict__
     }
   }
   cp_async_wait<0>();
-  // Row r's sum of squares over this block's k (its two halves' threads are neighbours).
+  // Row r's sum of squares over this block's k.
   __shared__ float row_sumsq[MR];
   if (norm_w) {  // the same for every thread of the block
 #pragma unroll
