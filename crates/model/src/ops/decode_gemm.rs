@@ -143,6 +143,18 @@ pub fn decode_product_serves(out: usize, k: usize, epilogue: DecodeEpilogue) -> 
     skinny_plan(1, out, k, epilogue, SKINNY_TARGET_BLOCKS).is_some()
 }
 
+/// Whether the skinny q/k/v kernel serves `heads` over `k` (the stacked product served, and
+/// head_dim even and dividing a block's 128 weight rows, so a block holds whole heads).
+pub fn decode_qkv_serves(heads: QkvHeads, k: usize) -> bool {
+    qkv_head_dim_served(heads.head_dim)
+        && decode_product_serves(heads.packed_width(), k, DecodeEpilogue::Product)
+}
+
+/// head_dim even and dividing a block's weight rows (`SgQkv`'s requirement).
+fn qkv_head_dim_served(d: usize) -> bool {
+    d.is_multiple_of(2) && SKINNY_ROWS.is_multiple_of(d)
+}
+
 /// Whether `COMPOSER_DECODE_GEMM=1` turned the kernel on, and the blocks it aims for.
 fn skinny_settings() -> (bool, usize) {
     static SETTINGS: OnceLock<(bool, usize)> = OnceLock::new();
@@ -220,14 +232,7 @@ pub fn decode_product(
             );
         }
     }
-    if let Some(n) = norm {
-        if n.weight.dims() != [k] {
-            bail!(
-                "decode product: the input norm's weight is {:?}, x has {k} columns",
-                n.weight.dims()
-            );
-        }
-    }
+    check_norm_width(norm, k, "decode product")?;
     #[cfg(feature = "cuda")]
     if let Some(c) = counters {
         let (x, w) = (x.contiguous()?, w.contiguous()?);
@@ -245,7 +250,7 @@ pub fn decode_product(
     }
     #[cfg(not(feature = "cuda"))]
     let _ = counters;
-    let x = normed(x, norm)?;
+    let x = input_normed(x, norm)?;
     let y = super::linear(&x, w, None)?;
     let y = match epilogue {
         DecodeEpilogue::Product => y,
@@ -257,11 +262,23 @@ pub fn decode_product(
     })
 }
 
-/// `x` through `norm`, if any (the trainer's [`super::rms_norm`]).
-fn normed(x: &Tensor, norm: Option<InputNorm>) -> Result<Tensor> {
+/// `x` through `norm`, if any (the trainer's [`super::rms_norm`]): what the decode products
+/// read where the kernel does not fold the norm in.
+pub fn input_normed(x: &Tensor, norm: Option<InputNorm>) -> Result<Tensor> {
     match norm {
         Some(n) => super::rms_norm(x, n.weight, n.eps),
         None => Ok(x.clone()),
+    }
+}
+
+/// An error naming `what` when `norm`'s weight is not `[k]`, x's width.
+fn check_norm_width(norm: Option<InputNorm>, k: usize, what: &str) -> Result<()> {
+    match norm {
+        Some(n) if n.weight.dims() != [k] => bail!(
+            "{what}: the input norm's weight is {:?}, x has {k} columns",
+            n.weight.dims()
+        ),
+        _ => Ok(()),
     }
 }
 
@@ -297,14 +314,7 @@ pub fn decode_qkv_into_cache(
     }
     let (_, slot_count, _, _) = pool.dims4()?;
     slots.check(slot_count, "decode q/k/v")?;
-    if let Some(n) = norm {
-        if n.weight.dims() != [k] {
-            bail!(
-                "decode q/k/v: the input norm's weight is {:?}, x has {k} columns",
-                n.weight.dims()
-            );
-        }
-    }
+    check_norm_width(norm, k, "decode q/k/v")?;
     #[cfg(feature = "cuda")]
     if let Some(c) = counters {
         let inputs = (x, norm, w);
@@ -312,7 +322,7 @@ pub fn decode_qkv_into_cache(
             return Ok(q);
         }
     }
-    let x = normed(x, norm)?;
+    let x = input_normed(x, norm)?;
     let qkv = decode_product(&x, w, DecodeEpilogue::Product, None, None, counters)?;
     let (q, kv) = super::qkv_bias_rope(&qkv, bias, cos, sin, heads)?;
     super::write_kv_slots(pool, &kv, slots)?;

@@ -49,8 +49,9 @@ pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, c
 #[cfg(feature = "cuda")]
 pub(crate) use decode_cuda::sample_inverse_cdf as sample_inverse_cdf_cuda;
 pub use decode_gemm::{
-    decode_gemm_on, decode_product, decode_product_serves, decode_qkv_into_cache, DecodeEpilogue,
-    InputNorm, SplitCounters, DECODE_PRODUCT_MAX_ROWS,
+    decode_gemm_on, decode_product, decode_product_serves, decode_qkv_into_cache,
+    decode_qkv_serves, input_normed, DecodeEpilogue, InputNorm, SplitCounters,
+    DECODE_PRODUCT_MAX_ROWS,
 };
 pub use embedding::{embedding, embedding_of_ids};
 pub(crate) use head_softmax::row_sums;

@@ -167,12 +167,9 @@ impl DecoderLayer {
                 let (rows, k) = (rows(l)?, l[0].weight.dim(1)?);
                 Ok(crate::ops::decode_product_serves(rows, k, epilogue))
             };
-            let d = a.head_dim;
             Ok(counters.is_some()
                 && a.q_proj.weight.dtype() == DType::BF16
-                && d.is_multiple_of(2)
-                && 128usize.is_multiple_of(d)
-                && serves(&[&a.q_proj, &a.k_proj, &a.v_proj], product)?
+                && crate::ops::decode_qkv_serves(a.qkv_heads(), a.q_proj.weight.dim(1)?)
                 && serves(&[&a.o_proj], product)?
                 && serves(&[&m.gate_proj, &m.up_proj], swiglu)?
                 && serves(&[&m.down_proj], product)?)

@@ -355,11 +355,7 @@ impl Attention {
         let hd = self.head_dim;
         let cos = ctx.cos.reshape((rows, hd / 2))?;
         let sin = ctx.sin.reshape((rows, hd / 2))?;
-        let heads = crate::ops::QkvHeads {
-            num_heads: self.num_heads,
-            num_kv_heads: self.num_kv_heads,
-            head_dim: hd,
-        };
+        let heads = self.qkv_heads();
         let q = if qkv.lora.is_none() {
             crate::ops::decode_qkv_into_cache(
                 x,
@@ -374,17 +370,22 @@ impl Attention {
                 counters,
             )?
         } else {
-            let x = match norm {
-                Some(n) => crate::ops::rms_norm(x, n.weight, n.eps)?,
-                None => x.clone(),
-            };
-            let qkv_out = qkv.product(&x, counters)?;
+            let qkv_out = qkv.product(&crate::ops::input_normed(x, norm)?, counters)?;
             let (q, kv) =
                 crate::ops::qkv_bias_rope(&qkv_out, qkv.bias.as_ref(), &cos, &sin, heads)?;
             pool.write(&step.slots, &kv)?;
             q
         };
         self.attend_written(&q, pool, step)
+    }
+
+    /// The heads of the stacked `[q | k | v]` projection.
+    pub(super) fn qkv_heads(&self) -> crate::ops::QkvHeads {
+        crate::ops::QkvHeads {
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+        }
     }
 
     /// `q` `[rows, heads, head_dim]`, one decode token per row, attending over the rows'

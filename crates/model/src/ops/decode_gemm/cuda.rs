@@ -147,8 +147,7 @@ pub(super) fn qkv_on_kernel(
     let mut others = vec![cos, sin, slots.on_device()];
     others.extend(bias);
     others.extend(fused.tensors());
-    let serves = d % 2 == 0
-        && 128 % d == 0
+    let serves = super::qkv_head_dim_served(d)
         && (two, pool_kv, pool_d) == (2, nkv, d)
         && slots.len() == rows
         && cos.dims() == [rows, d / 2]
