@@ -361,14 +361,15 @@ pub(crate) struct BenchRolloutArgs {
     /// HF checkpoint directory.
     #[arg(long, default_value = "../shared/fixtures/hf-tiny/qwen2-tiny")]
     pub(crate) model: PathBuf,
-    /// `grpo` only: random weights of this shape instead of `--model` (`small`,
-    /// `qwen2.5-0.5b`, `qwen3-0.6b`, `qwen2.5-7b`).
+    /// Random weights of this shape instead of `--model`'s (`small`, `h256-l4`,
+    /// `qwen2.5-0.5b`, `qwen3-0.6b`, `qwen2.5-7b`); `--model` gives the tokenizer.
     #[arg(long)]
     pub(crate) shape: Option<String>,
-    /// `grpo` only: `cpu`, `cuda` or `cuda:N`.
+    /// `cpu`, `cuda` or `cuda:N` (`decode` off the CPU needs --skip-reference: transformers'
+    /// side runs on the CPU).
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
-    /// `grpo` only: f32, bf16 or f16 (default: bf16 on CUDA, f32 on CPU).
+    /// f32, bf16 or f16 (default: bf16 on CUDA, f32 on CPU).
     #[arg(long)]
     pub(crate) dtype: Option<String>,
     /// `decode`: samples decoded together.
@@ -403,8 +404,8 @@ pub(crate) struct BenchRolloutArgs {
     /// with mean N under a random model's near-uniform logits, capped at --new-tokens).
     #[arg(long, default_value_t = 96)]
     pub(crate) mean_completion: usize,
-    /// `grpo`: adds the continuous arm with its decode steps replayed as CUDA graphs
-    /// (`[rollout] cuda_graphs`).
+    /// The engine's decode steps replayed as CUDA graphs (`[rollout] cuda_graphs`): `decode`
+    /// runs the engine so; `grpo` adds the continuous arm so.
     #[arg(long)]
     pub(crate) cuda_graphs: bool,
     #[command(flatten)]

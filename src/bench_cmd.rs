@@ -22,17 +22,28 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             Ok(())
         }
         BenchCommand::Rollout(a) => match a.workload.as_str() {
-            "decode" => bench_rollout(
-                &composer_model::bench_rollout::RolloutBenchOptions {
-                    model_dir: a.model,
-                    batch: a.batch,
-                    new_tokens: a.new_tokens.unwrap_or(128),
-                    repeats: a.repeats,
-                    prompt: a.prompt,
-                },
-                a.reference,
-                a.json,
-            ),
+            "decode" => {
+                let device = composer_model::device_from_str(&a.device).context("--device")?;
+                let dtype = match &a.dtype {
+                    Some(d) => parse_dtype(d).context("--dtype")?,
+                    None => composer_model::bench::default_dtype(&device),
+                };
+                bench_rollout(
+                    &composer_model::bench_rollout::RolloutBenchOptions {
+                        model_dir: a.model,
+                        shape: a.shape,
+                        device,
+                        dtype,
+                        cuda_graphs: a.cuda_graphs,
+                        batch: a.batch,
+                        new_tokens: a.new_tokens.unwrap_or(128),
+                        repeats: a.repeats,
+                        prompt: a.prompt,
+                    },
+                    a.reference,
+                    a.json,
+                )
+            }
             "grpo" => {
                 let opts = composer_model::bench_rollout_grpo::GrpoRolloutOptions {
                     prompts: a.prompts,
@@ -95,10 +106,34 @@ fn bench_rollout(
         python,
         skip_reference,
     } = reference_args;
-    if !opts.model_dir.join("config.json").is_file() {
+    if opts.shape.is_none() && !opts.model_dir.join("config.json").is_file() {
         anyhow::bail!(
             "--model {}: no config.json there (an HF checkpoint directory is needed)",
             opts.model_dir.display()
+        );
+    }
+    if opts.shape.is_some() && !opts.model_dir.join("tokenizer.json").is_file() {
+        anyhow::bail!(
+            "--model {}: no tokenizer.json there (with --shape, --model names the tokenizer)",
+            opts.model_dir.display()
+        );
+    }
+    // transformers' side loads the checkpoint on the CPU in f32: only that is side by side.
+    let mut unlike = Vec::new();
+    if let Some(shape) = &opts.shape {
+        unlike.push(format!("--shape {shape}"));
+    }
+    if !opts.device.is_cpu() {
+        unlike.push(format!("--device {:?}", opts.device));
+    }
+    if opts.dtype != candle_core::DType::F32 {
+        unlike.push(format!("--dtype {}", opts.dtype.as_str()));
+    }
+    if !skip_reference && !unlike.is_empty() {
+        anyhow::bail!(
+            "bench rollout: transformers' side runs the --model checkpoint on the CPU in f32, \
+             not with {}; pass --skip-reference (tools/bench_torch.py times HF generate on a GPU)",
+            unlike.join(", ")
         );
     }
     let ours = composer_model::bench_rollout::bench_rollout(opts)?;
@@ -136,10 +171,17 @@ fn bench_rollout(
             .join(", ")
     };
     println!(
-        "decode, {} samples x {} new tokens, {} prompt tokens, f32 on the CPU, {} threads",
+        "decode, {} samples x {} new tokens, {} prompt tokens, {} on {}{}, {} CPU threads",
         opts.batch,
         opts.new_tokens,
         ours.prompt_ids.len(),
+        ours.dtype,
+        ours.device,
+        if ours.cuda_graphs {
+            " (CUDA graphs)"
+        } else {
+            ""
+        },
         ours.threads
     );
     println!("| side | tokens/s (median) | runs |");

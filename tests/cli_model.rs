@@ -553,6 +553,51 @@ fn bench_rollout_decodes_every_token_and_deterministic_mode_matches_the_scorer()
         assert!(v["transformers"].is_null(), "{v}");
     }
     let model = fixture("qwen2-tiny");
+    // Random weights of a named shape in bf16 (what the GPU run measures, on the CPU's
+    // kernels): still bitwise, and the report says what it ran.
+    let shaped = [
+        "bench",
+        "rollout",
+        "--shape",
+        "small",
+        "--model",
+        model.to_str().unwrap(),
+        "--dtype",
+        "bf16",
+        "--batch",
+        "2",
+        "--new-tokens",
+        "4",
+        "--repeats",
+        "1",
+        "--json",
+    ];
+    let v = run_json(&[&shaped[..], &["--skip-reference"]].concat());
+    let ours = &v["composer_rl"];
+    assert_eq!(ours["dtype"], "bf16", "{v}");
+    assert_eq!(ours["deterministic_tokens"], 8, "{v}");
+    assert_eq!(ours["deterministic_max_abs_diff"], 0.0, "{v}");
+    // transformers' side cannot run the random shape: refused before anything loads.
+    let out = composer_rl(&shaped);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--skip-reference") && err.contains("--shape small"),
+        "{err}"
+    );
+    let out = composer_rl(&[
+        "bench",
+        "rollout",
+        "--shape",
+        "small",
+        "--model",
+        "/nonexistent-model",
+        "--skip-reference",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("tokenizer.json") && err.contains("--model"),
+        "{err}"
+    );
     let out = composer_rl(&[
         "bench",
         "rollout",

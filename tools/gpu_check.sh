@@ -12,7 +12,8 @@
 #   attn (a short check of the newest kernels: the tests ops_attention and ops_step, again on
 #   the scalar attention kernels and with the padded batch through the varlen kernels, the
 #   0.5B step timed those ways, and the 16k-token Qwen3-0.6B row padding-free).
-#   `rollout`: `bench rollout --workload grpo` (16 x 8 x 256 on the 0.5B shape) and `bench grpo`
+#   `rollout`: `bench rollout --workload grpo` (16 x 8 x 256 on the 0.5B shape), `bench rollout`
+#   in deterministic mode on the GPU (bf16, batch 64: its cost and its bitwise log-probs) and `bench grpo`
 #   (whole GRPO steps vs TRL 1.16's GRPOTrainer; TRL and its missing pure-Python dependencies
 #   are installed from .device/wheels, carried). Status lines and
 #   each benchmark's JSON are appended to $OUT/status.txt and $OUT/results.jsonl as they
@@ -99,14 +100,17 @@ with open(sys.argv[1], "w") as f:
 PY
   # full: f32; lora: use_peft; bf16: bf16 compute on f32 masters; ckpt: bf16 with
   # gradient_checkpointing and padding_free; async: f32 with the generator on its own thread
-  # (mode = "async": the published weights cross threads on the one CUDA stream).
-  for variant in full lora bf16 ckpt async; do
+  # (mode = "async": the published weights cross threads on the one CUDA stream); det: bf16 in
+  # deterministic mode, whose sampler log-probs must equal the trainer's bitwise
+  # (mismatch/max_abs 0 in every step's metrics).
+  for variant in full lora bf16 ckpt async det; do
     late && { note "e2e $variant: skipped (BUDGET_S=$BUDGET_S spent)"; continue; }
-    peft=false; bf16=false; ckpt=false; mode=sync
+    peft=false; bf16=false; ckpt=false; mode=sync; det=false
     [ "$variant" = lora ] && peft=true
     [ "$variant" = async ] && mode=async
     [ "$variant" = bf16 ] && bf16=true
     [ "$variant" = ckpt ] && bf16=true && ckpt=true
+    [ "$variant" = det ] && bf16=true && det=true
     cat >"$W/hf-$variant.toml" <<TOML
 [model]
 path = "$COMPOSER_SHARED/fixtures/hf-tiny/qwen2-tiny"
@@ -119,6 +123,7 @@ verifiers = [{ kind = "regex", weight = 1.0, pattern = "a" }]
 [rollout]
 num_generations = 8
 max_completion_length = 32
+deterministic = $det
 [train]
 steps = 4
 prompts_per_step = 8
@@ -134,7 +139,7 @@ run_dir = "$W/run-hf-$variant"
 TOML
     if timeout "$(lim 150)" "$BIN" train "$W/hf-$variant.toml" --quiet >"$W/e2e-hf-$variant.log" 2>&1 \
       && timeout "$(lim 100)" "$BIN" train "$W/hf-$variant.toml" --quiet --resume "$W/run-hf-$variant" --steps 6 >>"$W/e2e-hf-$variant.log" 2>&1; then
-      note "e2e qwen2-tiny checkpoint on cuda ($variant): PASS ($(grep -c '"step"' "$W/run-hf-$variant/metrics.jsonl") metric rows, resume to 6; last $(grep -o '"loss/rlvr":[-0-9.e]*' "$W/run-hf-$variant/metrics.jsonl" | tail -1))"
+      note "e2e qwen2-tiny checkpoint on cuda ($variant): PASS ($(grep -c '"step"' "$W/run-hf-$variant/metrics.jsonl") metric rows, resume to 6; last $(grep -o '"loss/rlvr":[-0-9.e]*' "$W/run-hf-$variant/metrics.jsonl" | tail -1); mismatch/max_abs over the steps: $(grep -o '"mismatch/max_abs":[-0-9.e]*' "$W/run-hf-$variant/metrics.jsonl" | cut -d: -f2 | sort -g | tail -1))"
     else
       note "e2e qwen2-tiny checkpoint on cuda ($variant): FAIL"; tail -12 "$W/e2e-hf-$variant.log"
     fi
@@ -243,6 +248,11 @@ if want lora7b; then
   bench "c7-t8c" 200 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 8 --train-seq-len 1024 --lora 16 --skip-decode --gradient-checkpointing
 fi
 if want rollout; then
+  # First (not yet run on a GPU): deterministic mode in bf16 on the GPU (issue 17 §3), its
+  # tokens/s beside the engine's at batch 64, and max |sampler - scorer| on the same ids
+  # (0 = bitwise with the GPU's kernels).
+  bench "c05-rollout-det" 200 "$BIN" bench rollout --shape qwen2.5-0.5b --model .device/shared/fixtures/hf-tiny/qwen2-tiny \
+    --device cuda --dtype bf16 --batch 64 --new-tokens 64 --repeats 1 --cuda-graphs --skip-reference --json
   # GRPO-shaped rollout: static batches vs continuous batching vs all at once (issue 17 §4).
   bench "c05-rollout-grpo" 240 "$BIN" bench rollout --workload grpo --shape qwen2.5-0.5b --device cuda --cuda-graphs --json
   # Whole GRPO steps vs TRL (P1). TRL is pure Python: install what the image lacks, offline.

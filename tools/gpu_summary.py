@@ -151,6 +151,14 @@ def main():
             print(f"{a['arm']:<34} {a['seconds']:>7.2f} s {a['tokens_per_s']:>9.0f} tok/s "
                   f"({a['tokens_per_s'] / base:>4.2f}x)  decode steps {a['decode_forwards']:>5}  prefill {a['prefill_tokens']}")
         print(f"prefix sharing: {rep['arms'][0]['prefill_tokens']} prompt tokens prefilled instead of {rep['prefill_tokens_unshared']}")
+    rep = load(d, "c05-rollout-det")
+    if rep and rep.get("composer_rl"):
+        r = rep["composer_rl"]
+        eng, det = r["tokens_per_s"], r["deterministic_tokens_per_s"]
+        print(f"\ndeterministic mode, qwen2.5-0.5b {r['dtype']} on {r['device']}: engine {eng:.0f} tok/s"
+              f"{' (CUDA graphs)' if r.get('cuda_graphs') else ''}, deterministic {det:.0f} tok/s "
+              f"({det / eng:.3f}x); max |sampler - scorer| over {r['deterministic_tokens']} tokens = "
+              f"{r['deterministic_max_abs_diff']:g} (0 = bitwise)")
     rep = load(d, "c05-grpo-step")
     if rep and rep.get("composer_rl"):
         ours = rep["composer_rl"]["steps"]["median_step_s"]

@@ -247,14 +247,15 @@ int main(int argc, char** argv) {
       {false, 64, 896, 896, 128, false, false, true},  // 13: 0.5B's o + residual
       {true, 64, 9728, 896, 448, false, true},         // 14: 0.5B's gate/up + norm
       {false, 64, 896, 4864, 256, false, false, true}, // 15: 0.5B's down + residual
+      {false, 64, 4864, 896, 896, false, true},        // 16: an LM head's: final norm, one split
   };
   const std::vector<QkvCase> qkv_cases = {
-      {5, 3, 1, 64, 136, 64, 40, true, true},       // 16: 320 columns: a half tile; three splits
-      {17, 4, 2, 32, 72, 128, 30, false, true},     // 17: four heads a tile; no bias; one split
-      {3, 2, 1, 128, 200, 128, 8, true, true},      // 18: one head a tile; two splits
-      {64, 14, 2, 64, 896, 128, 300, true, false},  // 19: Qwen2.5-0.5B, batch 64
-      {5, 3, 1, 64, 136, 64, 40, true, true, true},  // 20: norm, three splits
-      {64, 14, 2, 64, 896, 128, 300, true, false, true},  // 21: 0.5B at batch 64 + norm
+      {5, 3, 1, 64, 136, 64, 40, true, true},       // 17: 320 columns: a half tile; three splits
+      {17, 4, 2, 32, 72, 128, 30, false, true},     // 18: four heads a tile; no bias; one split
+      {3, 2, 1, 128, 200, 128, 8, true, true},      // 19: one head a tile; two splits
+      {64, 14, 2, 64, 896, 128, 300, true, false},  // 20: Qwen2.5-0.5B, batch 64
+      {5, 3, 1, 64, 136, 64, 40, true, true, true},  // 21: norm, three splits
+      {64, 14, 2, 64, 896, 128, 300, true, false, true},  // 22: 0.5B at batch 64 + norm
   };
   std::vector<size_t> pick;
   const size_t total = cases.size() + qkv_cases.size();

@@ -2,7 +2,9 @@
 //! a side-by-side comparison with transformers' `generate` on the same prompt ids (the CLI
 //! runs `tools/bench_generate_hf.py`); deterministic mode's throughput on the same workload
 //! (what its bitwise sampler-vs-scorer log-probs cost) and that difference on the same
-//! checkpoint.
+//! checkpoint. On the CPU in f32 by default; with a device, a dtype and a named shape (random
+//! weights, the checkpoint's tokenizer) the same measurements on a GPU in bf16, where
+//! deterministic mode's bitwise claim has to hold with the GPU's kernels.
 //!
 //! Every sample runs to `new_tokens` (no stop ids), as `generate(min_new_tokens =
 //! max_new_tokens)` does on the Python side, so both decode the same number of tokens.
@@ -14,13 +16,25 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device};
 use serde::Serialize;
 
-use crate::{generate_with_stats, score_deterministic, GenerationRequest, Policy, SamplingParams};
+use crate::{
+    generate_with_stats, score_deterministic, EngineConfig, GenerationRequest, Policy,
+    SamplingParams, Tokenizer, Transformer,
+};
 
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct RolloutBenchOptions {
-    /// HF checkpoint directory.
+    /// HF checkpoint directory (with `shape`: where the tokenizer comes from).
     pub model_dir: PathBuf,
+    /// A named shape ([`crate::bench::shape_model_config`]): random weights instead of the
+    /// checkpoint's.
+    pub shape: Option<String>,
+    /// Where the model runs.
+    pub device: Device,
+    /// The weights' and activations' dtype.
+    pub dtype: DType,
+    /// The engine's decode steps replayed as CUDA graphs ([`EngineConfig::cuda_graphs`]).
+    pub cuda_graphs: bool,
     /// Samples decoded together (one prompt, `batch` samples).
     pub batch: usize,
     /// New tokens per sample.
@@ -42,6 +56,12 @@ pub struct RolloutBenchReport {
     pub tokens_per_s: f64,
     /// CPU threads of candle's pool.
     pub threads: usize,
+    /// Where it ran (`cpu`, `cuda:0`).
+    pub device: String,
+    /// The dtype it ran in.
+    pub dtype: String,
+    /// The engine ran with its decode steps as CUDA graphs.
+    pub cuda_graphs: bool,
     /// Deterministic mode (`deterministic = true`: every sample alone, token by token) on the
     /// same workload: tokens per second of each timed run, alternating with the engine's.
     pub deterministic_runs_tokens_per_s: Vec<f64>,
@@ -64,9 +84,22 @@ pub fn median(xs: &[f64]) -> f64 {
     }
 }
 
-/// Decodes `batch × new_tokens` on the CPU (f32) `repeats` times with the engine and as many
-/// in deterministic mode, alternating, then checks deterministic mode's sampler log-probs
-/// against its scorer on two samples.
+/// The policy to decode with: the checkpoint of `opts.model_dir`, or random weights of
+/// `opts.shape` with that checkpoint's tokenizer (its vocabulary widened to the tokenizer's).
+fn bench_policy(opts: &RolloutBenchOptions) -> Result<Policy> {
+    let Some(shape) = &opts.shape else {
+        return Policy::load(&opts.model_dir, &opts.device, opts.dtype);
+    };
+    let mut cfg = crate::bench::shape_model_config(shape)?;
+    let tokenizer = Tokenizer::from_dir(&opts.model_dir)?;
+    cfg.vocab_size = cfg.vocab_size.max(tokenizer.vocab_size());
+    let (model, _) = Transformer::random_init_on_device(&cfg, opts.dtype, &opts.device)?;
+    Policy::new(model, tokenizer, None)
+}
+
+/// Decodes `batch × new_tokens` `repeats` times with the engine and as many in deterministic
+/// mode, alternating, then checks deterministic mode's sampler log-probs against its scorer
+/// on two samples.
 pub fn bench_rollout(opts: &RolloutBenchOptions) -> Result<RolloutBenchReport> {
     if opts.batch == 0 || opts.new_tokens == 0 || opts.repeats == 0 {
         bail!(
@@ -76,7 +109,7 @@ pub fn bench_rollout(opts: &RolloutBenchOptions) -> Result<RolloutBenchReport> {
             opts.repeats
         );
     }
-    let policy = Policy::load(&opts.model_dir, &Device::Cpu, DType::F32)?;
+    let policy = bench_policy(opts)?;
     let prompt_ids = policy.encode_prompt(&opts.prompt, false)?;
     let max_pos = policy.model.cfg.max_position_embeddings;
     if prompt_ids.is_empty() || prompt_ids.len() + opts.new_tokens > max_pos {
@@ -91,6 +124,10 @@ pub fn bench_rollout(opts: &RolloutBenchOptions) -> Result<RolloutBenchReport> {
         temperature: 1.0,
         max_new_tokens: opts.new_tokens,
         stop_token_ids: Some(Vec::new()),
+        engine: EngineConfig {
+            cuda_graphs: opts.cuda_graphs,
+            ..EngineConfig::default()
+        },
         ..SamplingParams::default()
     };
     let request = |seed| GenerationRequest {
@@ -160,6 +197,9 @@ pub fn bench_rollout(opts: &RolloutBenchOptions) -> Result<RolloutBenchReport> {
         tokens_per_s: median(&runs),
         runs_tokens_per_s: runs,
         threads: candle_core::utils::get_num_threads(),
+        device: format!("{:?}", opts.device),
+        dtype: opts.dtype.as_str().to_string(),
+        cuda_graphs: opts.cuda_graphs,
         deterministic_tokens_per_s: median(&det_runs),
         deterministic_runs_tokens_per_s: det_runs,
         deterministic_tokens: compared,

@@ -3,6 +3,7 @@
 
 use super::decode_stacks::LayerStacks;
 use super::{Ctx, LayerCache, OpPath, Transformer};
+use crate::ops::{decode_product, DecodeEpilogue, InputNorm, SplitCounters};
 use crate::paged_kv::{BlockPool, PagedStep};
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
@@ -10,18 +11,23 @@ use candle_core::{DType, Tensor};
 /// The model's projections stacked for the decode step, layer by layer
 /// ([`LayerStacks`]); none off the kernel path. Built once per rollout by the engine, from the
 /// weights it samples with: a copy of q/k/v's and gate/up's weights (about 60% of a decoder
-/// layer's), held while the rollout runs.
+/// layer's), held while the rollout runs; and the LM head's split-k counters.
 #[derive(Debug)]
-pub(crate) struct DecodeStacks(Vec<LayerStacks>);
+pub(crate) struct DecodeStacks {
+    layers: Vec<LayerStacks>,
+    /// Counters for the LM head on the skinny kernel (the final norm inside it), where the
+    /// kernel serves the head; `None` elsewhere (the head is then the norm and a product).
+    head_counters: Option<SplitCounters>,
+}
 
 impl DecodeStacks {
     /// Whether a decode step of `rows` runs every layer with its norms inside the products
     /// ([`LayerStacks::norms_in_products`]; at most the skinny kernel's rows, past which the
     /// separate products and `add_rms_norm` are fewer launches).
     pub(crate) fn norms_in_products(&self, rows: usize) -> bool {
-        !self.0.is_empty()
+        !self.layers.is_empty()
             && rows <= crate::ops::DECODE_PRODUCT_MAX_ROWS
-            && self.0.iter().all(|l| l.norms_in_products)
+            && self.layers.iter().all(|l| l.norms_in_products)
     }
 }
 
@@ -49,10 +55,24 @@ impl Transformer {
     /// [`DecodeStacks`] of this model's current weights.
     pub(crate) fn stack_for_decode(&self) -> Result<DecodeStacks> {
         if self.decode_path() != OpPath::Kernels {
-            return Ok(DecodeStacks(Vec::new()));
+            return Ok(DecodeStacks {
+                layers: Vec::new(),
+                head_counters: None,
+            });
         }
         let layers = self.model.layers.iter().map(|l| l.stack_for_decode());
-        Ok(DecodeStacks(layers.collect::<Result<_>>()?))
+        let (vocab, hidden) = self.lm_head.dims2()?;
+        let head_served = self.lm_head.dtype() == DType::BF16
+            && crate::ops::decode_product_serves(vocab, hidden, DecodeEpilogue::Product);
+        let head_counters = if head_served {
+            SplitCounters::for_device(&self.device, vocab)?
+        } else {
+            None
+        };
+        Ok(DecodeStacks {
+            layers: layers.collect::<Result<_>>()?,
+            head_counters,
+        })
     }
 
     /// Feeds `tokens[b]` to row `b` of a paged batch (inference path, no backward): each
@@ -126,12 +146,24 @@ impl Transformer {
         let layers = &self.model.layers;
         if stacks.norms_in_products(b) {
             let mut x = x.reshape((b, self.cfg.hidden_size))?;
-            for (i, (layer, stack)) in layers.iter().zip(&stacks.0).enumerate() {
+            for (i, (layer, stack)) in layers.iter().zip(&stacks.layers).enumerate() {
                 let cache = (pool.layer(i), step);
                 x = layer.forward_decode_norms_in_products(&x, &ctx, cache, stack)?;
             }
-            let h = self.model.norm.forward(&x.unsqueeze(1)?, path)?;
-            return Ok(self.head_logits(&h)?.squeeze(1)?);
+            // The final norm inside the LM head's product, as the layers' norms are in theirs.
+            let norm = InputNorm {
+                weight: &self.model.norm.weight,
+                eps: self.model.norm.eps,
+            };
+            let counters = stacks.head_counters.as_ref();
+            return decode_product(
+                &x,
+                &self.lm_head,
+                DecodeEpilogue::Product,
+                Some(norm),
+                None,
+                counters,
+            );
         }
         // `h` is `x` normalised for what reads it next: each layer's residual adds are fused
         // with the norm that follows them (the next layer's input norm, the final norm last).
@@ -144,7 +176,7 @@ impl Transformer {
                 .get(i + 1)
                 .map_or(&self.model.norm, |l| &l.input_layernorm);
             let cache = LayerCache::Paged(pool.layer(i), step);
-            (x, h) = layer.forward_decode(&x, &h, &ctx, cache, stacks.0.get(i), next_norm)?;
+            (x, h) = layer.forward_decode(&x, &h, &ctx, cache, stacks.layers.get(i), next_norm)?;
         }
         Ok(self.head_logits(&h)?.squeeze(1)?)
     }
