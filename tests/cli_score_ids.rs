@@ -81,29 +81,49 @@ fn score_ids_matches_transformers_and_the_text_path() {
     }
 }
 
+/// `generate`'s samples scored by `score --batch` on their own ids: equal to rounding, and
+/// with `--deterministic` on both sides bit for bit (the scorer batching all rows together,
+/// the sampler its three samples).
 #[test]
 fn batch_scores_a_samplers_own_ids_to_its_logprobs() {
+    for deterministic in [false, true] {
+        scores_a_samplers_own_ids(deterministic);
+    }
+}
+
+fn scores_a_samplers_own_ids(deterministic: bool) {
+    let det: &[&str] = if deterministic {
+        &["--deterministic"]
+    } else {
+        &[]
+    };
     let dir = fixture("qwen2-tiny");
     let dir = dir.to_str().unwrap();
     let prompt = "def add(a, b):";
     let prompt_ids =
         run_json(&["score", "--model", dir, "--text", prompt, "--json"])["input_ids"].clone();
-    let generated = run_json(&[
-        "generate",
-        "--model",
-        dir,
-        "--prompt",
-        prompt,
-        "--num-samples",
-        "3",
-        "--seed",
-        "5",
-        "--temperature",
-        "0.7",
-        "--max-new-tokens",
-        "24",
-        "--json",
-    ]);
+    let generated = run_json(
+        &[
+            &[
+                "generate",
+                "--model",
+                dir,
+                "--prompt",
+                prompt,
+                "--num-samples",
+                "3",
+                "--seed",
+                "5",
+                "--temperature",
+                "0.7",
+                "--max-new-tokens",
+                "24",
+                "--json",
+            ],
+            det,
+        ]
+        .concat(),
+    );
     let samples = generated["samples"].as_array().unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let batch = tmp.path().join("rows.jsonl");
@@ -116,15 +136,21 @@ fn batch_scores_a_samplers_own_ids_to_its_logprobs() {
         .collect();
     // A blank line between rows is allowed.
     std::fs::write(&batch, lines.join("\n\n") + "\n").unwrap();
-    let scored = run_json(&[
-        "score",
-        "--model",
-        dir,
-        "--batch",
-        batch.to_str().unwrap(),
-        "--temperature",
-        "0.7",
-    ]);
+    let scored = run_json(
+        &[
+            &[
+                "score",
+                "--model",
+                dir,
+                "--batch",
+                batch.to_str().unwrap(),
+                "--temperature",
+                "0.7",
+            ],
+            det,
+        ]
+        .concat(),
+    );
     let rows = scored["rows"].as_array().unwrap();
     assert_eq!(rows.len(), samples.len());
     let n_prompt = prompt_ids.as_array().unwrap().len() as u64;
@@ -135,11 +161,12 @@ fn batch_scores_a_samplers_own_ids_to_its_logprobs() {
         assert_eq!(scorer.len(), sampler.len(), "sample {i}");
         assert!(!scorer.is_empty());
         for (t, (a, b)) in scorer.iter().zip(&sampler).enumerate() {
-            // f32, KV-cached decode vs one forward: equal to rounding (bitwise needs the
-            // deterministic mode).
+            // f32, KV-cached decode vs one forward: equal to rounding; bitwise in
+            // deterministic mode.
+            let tol = if deterministic { 0.0 } else { 1e-4 };
             assert!(
-                (a - b).abs() <= 1e-4,
-                "sample {i} token {t}: scorer {a} vs sampler {b}"
+                (a - b).abs() <= tol,
+                "deterministic {deterministic}, sample {i} token {t}: scorer {a} vs sampler {b}"
             );
         }
     }

@@ -62,7 +62,8 @@ pub struct RolloutBenchReport {
     pub dtype: String,
     /// The engine ran with its decode steps as CUDA graphs.
     pub cuda_graphs: bool,
-    /// Deterministic mode (`deterministic = true`: every sample alone, token by token) on the
+    /// Deterministic mode (`deterministic = true`: one token a step, batch-invariant
+    /// products on the CPU, every sample alone elsewhere) on the
     /// same workload: tokens per second of each timed run, alternating with the engine's.
     pub deterministic_runs_tokens_per_s: Vec<f64>,
     /// Their median.

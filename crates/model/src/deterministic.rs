@@ -1,55 +1,90 @@
 //! Deterministic (batch-invariant) sampling and scoring: the sampler's log-probs equal the
 //! scorer's recomputed log-probs bit for bit.
 //!
-//! Batched decoding cannot promise that: a matmul's reduction order depends on its shape
-//! (rows in the batch, prefill chunk length), and padding shifts what a row's reductions see.
-//! Here every sequence runs alone, one token at a time, through the ordinary KV-cached
-//! forward ([`Transformer::forward`] with a one-row [`KvCache`]): the logits after token `t`
-//! come from the same kernels on the same shapes and the same numbers whether they are
-//! computed while sampling (prompt fed token by token, then decode) or while scoring a
-//! finished sequence, and whatever else is in the batch. Both read the token's log-prob with
-//! the sampler's own `log softmax(logits / T)` ([`sampler_log_softmax`]).
+//! Batched decoding cannot promise that by itself: a product's reduction order depends on its
+//! shape (candle's CPU product takes another path for one row than for several, and for some
+//! small shapes changes with the row count), a prefill computes the prompt's keys with other
+//! shapes than a decode step, and padding shifts what a row's reductions see. Here:
+//! - every row is fed one token a step, in lockstep: at step `t` each row feeds its token at
+//!   position `t` (prompt, then sampled; a finished row a filler whose outputs are dropped),
+//!   so every row's cache holds its own tokens, all of them written by a one-token step, and
+//!   the shapes of step `t` are the same for the sampler and the scorer;
+//! - on the CPU the rows go through the forward together with every product
+//!   [batch-invariant](crate::ops::linear_rows_invariant) — the rest of the forward is row by
+//!   row already (norms, RoPE, each row's attention over its own cache row, the sampler's
+//!   `log softmax(logits / T)`, [`sampler_log_softmax`]) — so a row's bits do not depend on
+//!   which rows are beside it, how many, or where it sits;
+//! - on other devices (cuBLAS picks its algorithm by shape) each row runs alone, one token at
+//!   a time, through the ordinary KV-cached forward: the same kernels on the same shapes
+//!   whether sampling or scoring.
 //!
-//! The price is throughput: no batching and no multi-token prefill (see BENCHMARKS.md,
-//! "Deterministic mode: what bitwise log-probs cost"). Same RNG streams as
+//! The price is throughput (see BENCHMARKS.md, "Deterministic mode: what bitwise log-probs
+//! cost"): no multi-token prefill, and on a GPU no batching. Same RNG streams as
 //! [`generate`](crate::generate), so the same seed samples from the same uniforms.
 
 use crate::kv_cache::KvCache;
 use crate::sampling::{
-    check_requests, empty_samples, next_tokens, sampler_log_softmax, Active, GenerationRequest,
-    Sample, SamplingParams,
+    check_requests, chosen_logprobs, empty_samples, next_tokens, sampler_log_softmax, Active,
+    GenerationRequest, Sample, SamplingParams,
 };
 use crate::transformer::Transformer;
 use anyhow::Result;
 use candle_core::Tensor;
 
-/// One sequence fed token by token through the KV-cached forward.
-struct SoloSequence<'a> {
+/// Rows fed together on the CPU (bounds the lockstep caches' memory; any grouping gives the
+/// same bits).
+const CPU_ROWS: usize = 64;
+
+/// Rows that may share a lockstep batch on `model`'s device: batch-invariant products run
+/// on the CPU only.
+fn rows_per_batch(model: &Transformer) -> usize {
+    if model.device().is_cpu() {
+        CPU_ROWS
+    } else {
+        1
+    }
+}
+
+/// Rows fed one position a step through the KV-cached forward.
+struct Lockstep<'a> {
     model: &'a Transformer,
     cache: KvCache,
 }
 
-impl<'a> SoloSequence<'a> {
-    fn new(model: &'a Transformer) -> Self {
-        SoloSequence {
-            model,
-            cache: KvCache::new(model.cfg.num_hidden_layers, vec![0]),
-        }
+impl<'a> Lockstep<'a> {
+    /// `rows` empty rows, their caches sized for `max_len` positions.
+    fn new(model: &'a Transformer, rows: usize, max_len: usize) -> Self {
+        let mut cache = KvCache::new(model.cfg.num_hidden_layers, vec![0; rows]);
+        cache.reserve(max_len);
+        Lockstep { model, cache }
     }
 
-    /// Feeds one token; returns the next-token logits `[1, V]`.
-    fn step(&mut self, token: u32) -> Result<Tensor> {
-        let input = Tensor::new(&[[token]], self.model.device())?;
-        Ok(self
-            .model
-            .forward(&input, Some(&mut self.cache))?
-            .squeeze(1)?)
+    /// Feeds one token per row (position `cache.len()`); returns the next-token logits
+    /// `[rows, V]` f32 (f64 for an f64 model).
+    fn step(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        let input = Tensor::from_vec(tokens.to_vec(), (tokens.len(), 1), self.model.device())?;
+        let logits = if self.model.device().is_cpu() {
+            self.model.forward_rows_invariant(&input, &mut self.cache)?
+        } else {
+            self.model.forward(&input, Some(&mut self.cache))?
+        };
+        Ok(logits.squeeze(1)?)
     }
 }
 
-/// As [`generate`](crate::generate), batch-invariant: each sample decodes alone, its
-/// prompt fed one token at a time. Its log-probs equal [`score_deterministic`]'s on the same
-/// ids, bitwise.
+/// One sample of deterministic decoding: its prompt, the token it feeds next, its draw.
+struct Row<'r> {
+    prompt: &'r [u32],
+    /// The token sampled last (fed at the next step).
+    last: u32,
+    /// Its draw (taken out while `next_tokens` draws for the rows at a step).
+    active: Option<Active>,
+    done: bool,
+}
+
+/// As [`generate`](crate::generate), batch-invariant: the samples decode in lockstep (see
+/// the module's doc), their prompts fed one token a step. Its log-probs equal
+/// [`score_deterministic`]'s on the same ids, bitwise.
 pub fn generate_deterministic(
     model: &Transformer,
     requests: &[GenerationRequest],
@@ -61,36 +96,87 @@ pub fn generate_deterministic(
     }
     let model = model.detached();
     let max_pos = model.cfg.max_position_embeddings;
-    let mut out = Vec::with_capacity(requests.len());
-    for (i, r) in requests.iter().enumerate() {
-        let mut samples = Vec::with_capacity(r.num_samples);
-        for s in 0..r.num_samples {
-            let mut seq = SoloSequence::new(&model);
-            let mut logits = None;
-            for &t in &r.prompt_ids {
-                logits = Some(seq.step(t)?);
+    let mut out: Vec<Vec<Option<Sample>>> = requests
+        .iter()
+        .map(|r| (0..r.num_samples).map(|_| None).collect())
+        .collect();
+    let all: Vec<(usize, usize)> = requests
+        .iter()
+        .enumerate()
+        .flat_map(|(i, r)| (0..r.num_samples).map(move |s| (i, s)))
+        .collect();
+    for group in all.chunks(rows_per_batch(&model)) {
+        let mut rows: Vec<Row> = group
+            .iter()
+            .map(|&(i, s)| Row {
+                prompt: &requests[i].prompt_ids,
+                last: 0,
+                active: Some(Active::new(i, &requests[i], s)),
+                done: false,
+            })
+            .collect();
+        let max_len = rows
+            .iter()
+            .map(|r| (r.prompt.len() + params.max_new_tokens).min(max_pos))
+            .max()
+            .unwrap_or(0);
+        let mut lockstep = Lockstep::new(&model, rows.len(), max_len);
+        for t in 0.. {
+            if rows.iter().all(|r| r.done) {
+                break;
             }
-            let mut logits = logits.expect("prompts are non-empty (checked)");
-            let mut active = [Active::new(i, r, s)];
-            loop {
-                let (tokens, lps) = next_tokens(&logits, params, &mut active)?;
-                if let Some(done) =
-                    active[0].push(tokens[0], lps[0], &stop_ids, params.max_new_tokens, max_pos)
-                {
-                    samples.push(done);
-                    break;
+            let tokens: Vec<u32> = rows
+                .iter()
+                .map(|r| match r.prompt.get(t) {
+                    Some(&p) => p,
+                    None if r.done => r.prompt[0],
+                    None => r.last,
+                })
+                .collect();
+            let logits = lockstep.step(&tokens)?;
+            // Rows whose next token is drawn now: past their prompt's last token, not done.
+            let drawing: Vec<usize> = (0..rows.len())
+                .filter(|&j| !rows[j].done && t + 1 >= rows[j].prompt.len())
+                .collect();
+            if drawing.is_empty() {
+                continue;
+            }
+            let index = Tensor::from_vec(
+                drawing.iter().map(|&j| j as u32).collect::<Vec<_>>(),
+                drawing.len(),
+                logits.device(),
+            )?;
+            let mut active: Vec<Active> = drawing
+                .iter()
+                .filter_map(|&j| rows[j].active.take())
+                .collect();
+            let (tokens, lps) = next_tokens(&logits.index_select(&index, 0)?, params, &mut active)?;
+            for (((&j, mut a), token), lp) in drawing.iter().zip(active).zip(tokens).zip(lps) {
+                let row = &mut rows[j];
+                row.last = token;
+                if let Some(done) = a.push(token, lp, &stop_ids, params.max_new_tokens, max_pos) {
+                    out[a.request][a.sample] = Some(done);
+                    row.done = true;
                 }
-                logits = seq.step(tokens[0])?;
+                row.active = Some(a);
             }
         }
-        out.push(samples);
     }
-    Ok(out)
+    Ok(out
+        .into_iter()
+        .map(|samples| {
+            samples
+                .into_iter()
+                .map(|s| s.expect("every sample finishes (length limits)"))
+                .collect()
+        })
+        .collect())
 }
 
 /// As [`score_with_temperature`](crate::score::score_with_temperature), batch-invariant:
 /// entry `t` of sequence `s` is `log softmax(logits / T)[s[t+1]]` after feeding `s[..=t]` one
-/// token at a time. T = 1 scores a greedy sampler's log-probs.
+/// token a step, the sequences in lockstep (see the module's doc). T = 1 scores a greedy
+/// sampler's log-probs.
 pub fn score_deterministic(
     model: &Transformer,
     seqs: &[Vec<u32>],
@@ -98,19 +184,33 @@ pub fn score_deterministic(
 ) -> Result<Vec<Vec<f32>>> {
     crate::score::check_score_inputs(model, seqs, temperature)?;
     let model = model.detached();
-    let mut out = Vec::with_capacity(seqs.len());
-    for s in seqs {
-        let mut seq = SoloSequence::new(&model);
-        let mut lps = Vec::with_capacity(s.len().saturating_sub(1));
-        for w in s.windows(2) {
-            let logp = sampler_log_softmax(&seq.step(w[0])?, temperature)?;
-            let lp = logp
-                .narrow(1, w[1] as usize, 1)?
-                .flatten_all()?
-                .to_vec1::<f32>()?[0];
-            lps.push(lp);
+    let mut out: Vec<Vec<f32>> = seqs
+        .iter()
+        .map(|s| Vec::with_capacity(s.len().saturating_sub(1)))
+        .collect();
+    // Only sequences with a next token to score take a row.
+    let scored: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].len() >= 2).collect();
+    for group in scored.chunks(rows_per_batch(&model)) {
+        let max_len = group.iter().map(|&i| seqs[i].len()).max().unwrap_or(0);
+        let mut lockstep = Lockstep::new(&model, group.len(), max_len);
+        for t in 0..max_len - 1 {
+            // A row past its last scored position feeds a filler; its outputs are dropped.
+            let fed: Vec<u32> = group
+                .iter()
+                .map(|&i| seqs[i].get(t).copied().unwrap_or(seqs[i][0]))
+                .collect();
+            let next: Vec<u32> = group
+                .iter()
+                .map(|&i| seqs[i].get(t + 1).copied().unwrap_or(0))
+                .collect();
+            let logp = sampler_log_softmax(&lockstep.step(&fed)?, temperature)?;
+            let lps = chosen_logprobs(&logp, &next)?;
+            for (&i, lp) in group.iter().zip(lps) {
+                if t + 1 < seqs[i].len() {
+                    out[i].push(lp);
+                }
+            }
         }
-        out.push(lps);
     }
     Ok(out)
 }

@@ -339,6 +339,13 @@ impl LoraAdapter {
         Ok((xa.matmul(&self.lora_b.t()?)? * self.scaling)?)
     }
 
+    /// [`Self::delta`] without dropout, its products
+    /// [`crate::ops::linear_rows_invariant`]: each row's bits independent of the batch.
+    pub(crate) fn delta_rows_invariant(&self, x: &Tensor) -> Result<Tensor> {
+        let xa = crate::ops::linear_rows_invariant(x, &self.lora_a)?;
+        Ok((crate::ops::linear_rows_invariant(&xa, &self.lora_b)? * self.scaling)?)
+    }
+
     /// `s · B A`, the update merged into the base weight `[out, in]`.
     pub(crate) fn merged_update(&self) -> Result<Tensor> {
         Ok((self.lora_b.matmul(&self.lora_a)? * self.scaling)?)

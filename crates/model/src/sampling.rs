@@ -13,8 +13,8 @@
 
 mod draw;
 
+pub(crate) use draw::{chosen_logprobs, next_tokens, next_tokens_on_device};
 pub use draw::{filter_cuts, sample_inverse_cdf, SampleFilter};
-pub(crate) use draw::{next_tokens, next_tokens_on_device};
 
 use crate::logprobs;
 use crate::transformer::Transformer;
@@ -40,8 +40,9 @@ pub struct SamplingParams {
     pub max_new_tokens: usize,
     /// Token ids that end a sample (included in its completion). None = the model's EOS ids.
     pub stop_token_ids: Option<Vec<u32>>,
-    /// Batch-invariant decoding ([`crate::deterministic`]): every sample alone, token by
-    /// token, so its log-probs equal [`crate::score_deterministic`]'s bitwise. Slower.
+    /// Batch-invariant decoding ([`crate::deterministic`]): one token a step, prompts
+    /// included; on the CPU the samples together through batch-invariant products, elsewhere
+    /// each alone; its log-probs equal [`crate::score_deterministic`]'s bitwise. Slower.
     #[serde(default)]
     pub deterministic: bool,
     /// Scheduler knobs (batch size and KV token budget limits, prefill chunk); the default

@@ -303,8 +303,45 @@ impl Transformer {
         &self,
         input_ids: &Tensor,
         left_pad: Option<&[usize]>,
+        cache: Option<&mut KvCache>,
+        differentiable: bool,
+    ) -> Result<Tensor> {
+        self.hidden_states(input_ids, left_pad, cache, differentiable, false)
+    }
+
+    /// [`Self::forward`] with a cache, every product batch-invariant
+    /// ([`crate::ops::linear_rows_invariant`], CPU only): a row's logits, to the bit, do not
+    /// depend on the other rows fed with it — deterministic mode's forward. The rest of the
+    /// forward is already row by row (norms, RoPE, attention of each row over its own cache
+    /// row, the element-wise ops).
+    pub(crate) fn forward_rows_invariant(
+        &self,
+        input_ids: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let h = self.hidden_states(input_ids, None, Some(cache), false, true)?;
+        let head = Linear {
+            weight: self.lm_head.clone(),
+            bias: None,
+            lora: None,
+        };
+        let logits = head.forward_with(&h, layers::Products::RowsInvariant)?;
+        let out_dtype = if self.dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        Ok(logits.to_dtype(out_dtype)?)
+    }
+
+    /// [`Self::forward_hidden`], the products batch-invariant with `rows_invariant`.
+    fn hidden_states(
+        &self,
+        input_ids: &Tensor,
+        left_pad: Option<&[usize]>,
         mut cache: Option<&mut KvCache>,
         differentiable: bool,
+        rows_invariant: bool,
     ) -> Result<Tensor> {
         // candle-nn's fused kernels have no f64 CPU implementation; f64 models (gradient
         // checks) use the differentiable ops on every path. The custom CPU ops serve forwards
@@ -374,6 +411,7 @@ impl Transformer {
             cu_seqlens,
             path,
             train: differentiable,
+            rows_invariant,
         };
         let x = crate::ops::embedding(&self.model.embed_tokens, input_ids, differentiable)?
             .reshape((b, t, self.cfg.hidden_size))?;
@@ -421,6 +459,7 @@ impl Transformer {
             cu_seqlens: batch.cu_seqlens.clone(),
             path,
             train: true,
+            rows_invariant: false,
         };
         let x = crate::ops::embedding_of_ids(&self.model.embed_tokens, &batch.ids, true)?
             .reshape((1, n, self.cfg.hidden_size))?;

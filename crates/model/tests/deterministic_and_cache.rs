@@ -1,6 +1,7 @@
 //! Deterministic mode: the sampler's log-probs equal the scorer's recomputed log-probs
-//! bitwise (max |Δ| == 0, f32, CPU) on the transformers-written fixtures and on a built-in
-//! random model, whatever else is in the batch. And the in-place, block-grown KV cache: the
+//! bitwise (max |Δ| == 0, f32 and bf16, CPU) on the transformers-written fixtures and on a
+//! built-in random model, whatever else is in the batch (the sampler's rows and the scorer's
+//! sequences batched differently). And the in-place, block-grown KV cache: the
 //! same logits whether it grows block by block or was reserved up front.
 
 mod common;
@@ -112,6 +113,44 @@ fn deterministic_samples_do_not_depend_on_the_rest_of_the_batch() {
     assert!(e.to_string().contains("384"), "{e}");
     let e = score_deterministic(&model, &[vec![1, 2]], 0.0).unwrap_err();
     assert!(e.to_string().contains("temperature"), "{e}");
+}
+
+/// The scorer batches sequences of any lengths in any order: each sequence's log-probs are,
+/// to the bit, those it gets scored alone and those its sampler drew with (f32 and bf16).
+#[test]
+fn deterministic_scores_do_not_depend_on_how_sequences_are_batched() {
+    for dtype in [DType::F32, DType::BF16] {
+        let model = Transformer::load(&fixture("qwen2-tiny"), &Device::Cpu, dtype).unwrap();
+        let reqs = requests();
+        let out = generate_deterministic(&model, &reqs, &params(0.8, 20)).unwrap();
+        let mut seqs = Vec::new();
+        let mut drawn = Vec::new();
+        for (r, samples) in reqs.iter().zip(&out) {
+            for s in samples {
+                seqs.push([r.prompt_ids.as_slice(), &s.completion_ids].concat());
+                drawn.push((r.prompt_ids.len(), s.sampler_logprobs.clone()));
+            }
+        }
+        // Reversed, with a one-token and an empty sequence among them (nothing to score).
+        let mut mixed: Vec<Vec<u32>> = seqs.iter().rev().cloned().collect();
+        mixed.insert(1, vec![7]);
+        mixed.push(Vec::new());
+        let mut scored = score_deterministic(&model, &mixed, 0.8).unwrap();
+        assert!(scored[1].is_empty() && scored.last().unwrap().is_empty());
+        scored.remove(1);
+        scored.pop();
+        scored.reverse();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (i, (seq, (prompt_len, sampler))) in seqs.iter().zip(&drawn).enumerate() {
+            assert_eq!(
+                bits(&scored[i][prompt_len - 1..]),
+                bits(sampler),
+                "{dtype:?} sequence {i}: scorer vs sampler"
+            );
+            let alone = score_deterministic(&model, std::slice::from_ref(seq), 0.8).unwrap();
+            assert_eq!(bits(&alone[0]), bits(&scored[i]), "{dtype:?} sequence {i}");
+        }
+    }
 }
 
 /// Feeds `prompt` then `steps` greedy tokens through `cache`; returns every step's logits.

@@ -36,6 +36,7 @@ mod embedding;
 mod head_softmax;
 mod kv_write;
 mod linear;
+mod linear_rows;
 mod masked_softmax;
 pub(crate) mod paged_attention;
 mod qkv_bias_rope;
@@ -60,6 +61,7 @@ pub use head_softmax::{
 };
 pub use kv_write::{write_kv_slots, KvSlots};
 pub use linear::linear;
+pub use linear_rows::linear_rows_invariant;
 pub use masked_softmax::{masked_softmax, masked_softmax_composed};
 pub use paged_attention::{paged_decode_attention, paged_decode_attention_composed, PagedLayout};
 pub use qkv_bias_rope::{qkv_bias_rope, QkvHeads};

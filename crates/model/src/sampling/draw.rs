@@ -301,7 +301,7 @@ fn draw_rows<T: Real>(
 }
 
 /// `logp[row, tokens[row]]` for every row.
-fn chosen_logprobs(logp: &Tensor, tokens: &[u32]) -> Result<Vec<f32>> {
+pub(crate) fn chosen_logprobs(logp: &Tensor, tokens: &[u32]) -> Result<Vec<f32>> {
     let ids = Tensor::from_vec(tokens.to_vec(), (tokens.len(), 1), logp.device())?;
     Ok(logp.gather(&ids, 1)?.squeeze(1)?.to_vec1::<f32>()?)
 }

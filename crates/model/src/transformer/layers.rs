@@ -27,6 +27,18 @@ pub(super) enum OpPath {
     Kernels,
 }
 
+/// How a forward's projections compute their products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Products {
+    /// [`crate::ops::linear`] (and the adapters' matmuls), no dropout.
+    Plain,
+    /// As `Plain`, LoRA dropout active: a training forward.
+    Train,
+    /// [`crate::ops::linear_rows_invariant`] for the base and the adapters: every row's bits
+    /// independent of the batch (deterministic mode on the CPU).
+    RowsInvariant,
+}
+
 /// `y = x Wᵀ + b`, weights stored `[out, in]` as in PyTorch.
 #[derive(Debug, Clone)]
 pub struct Linear {
@@ -40,7 +52,7 @@ pub struct Linear {
 
 impl Linear {
     pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward_with(x, false)
+        self.forward_with(x, Products::Plain)
     }
 
     /// The decode step's projection of `x` `[.., in]`: with `counters` and no bias the skinny
@@ -63,30 +75,40 @@ impl Linear {
         if let Some(last) = dims.last_mut() {
             *last = self.weight.dim(0)?;
         }
-        self.plus_adapter(&x2, y.reshape(dims)?, false)
+        self.plus_adapter(&x2, y.reshape(dims)?, Products::Plain)
     }
 
-    /// `forward`, with the adapter's dropout active when `train`.
-    fn forward_with(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        // One graph node whatever x's rank; a frozen weight (LoRA's base) gets no gradient,
-        // the bias added in place to the product (one node, no broadcast pass).
-        let y = crate::ops::linear(x, &self.weight, self.bias.as_ref())?;
+    /// `forward`, its products as `products` says.
+    pub(super) fn forward_with(&self, x: &Tensor, products: Products) -> Result<Tensor> {
+        let y = if products == Products::RowsInvariant {
+            let y = crate::ops::linear_rows_invariant(x, &self.weight)?;
+            match &self.bias {
+                Some(b) => y.broadcast_add(b)?,
+                None => y,
+            }
+        } else {
+            // One graph node whatever x's rank; a frozen weight (LoRA's base) gets no
+            // gradient, the bias added in place to the product (one node, no broadcast pass).
+            crate::ops::linear(x, &self.weight, self.bias.as_ref())?
+        };
         match &self.lora {
-            Some(_) => self.plus_adapter(&rows_of(x)?, y, train),
+            Some(_) => self.plus_adapter(&rows_of(x)?, y, products),
             None => Ok(y),
         }
     }
 
     /// `y`, this projection's product of the rows `x2` `[n, in]` (in any shape of n rows), plus
-    /// the adapter's delta when there is one (its dropout active when `train`).
-    fn plus_adapter(&self, x2: &Tensor, y: Tensor, train: bool) -> Result<Tensor> {
-        match &self.lora {
-            Some(a) => {
-                let delta = a.delta(x2, train)?.reshape(y.shape())?;
-                Ok((y + delta)?)
-            }
-            None => Ok(y),
-        }
+    /// the adapter's delta when there is one, computed as `products` says.
+    fn plus_adapter(&self, x2: &Tensor, y: Tensor, products: Products) -> Result<Tensor> {
+        let Some(a) = &self.lora else {
+            return Ok(y);
+        };
+        let delta = match products {
+            Products::RowsInvariant => a.delta_rows_invariant(x2)?,
+            _ => a.delta(x2, products == Products::Train)?,
+        };
+        let delta = delta.reshape(y.shape())?;
+        Ok((y + delta)?)
     }
 }
 
@@ -208,6 +230,19 @@ pub(super) struct Ctx {
     pub(super) path: OpPath,
     /// A training forward (LoRA dropout on).
     pub(super) train: bool,
+    /// Every product batch-invariant ([`Products::RowsInvariant`]): deterministic mode.
+    pub(super) rows_invariant: bool,
+}
+
+impl Ctx {
+    /// How this forward's projections compute.
+    pub(super) fn products(&self) -> Products {
+        match (self.rows_invariant, self.train) {
+            (true, _) => Products::RowsInvariant,
+            (false, true) => Products::Train,
+            (false, false) => Products::Plain,
+        }
+    }
 }
 
 /// RoPE of `x` `[B, H, T, D]` with `cos`/`sin` `[B, T, D/2]` (the mask-based paths).
@@ -224,15 +259,15 @@ impl Attention {
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let q = self
             .q_proj
-            .forward_with(x, ctx.train)?
+            .forward_with(x, ctx.products())?
             .reshape((b, t, nh, hd))?;
         let k = self
             .k_proj
-            .forward_with(x, ctx.train)?
+            .forward_with(x, ctx.products())?
             .reshape((b, t, nkv, hd))?;
         let v = self
             .v_proj
-            .forward_with(x, ctx.train)?
+            .forward_with(x, ctx.products())?
             .reshape((b, t, nkv, hd))?;
         let q = match &self.q_norm {
             Some(n) => n.forward(&q, ctx.path)?,
@@ -313,7 +348,7 @@ impl Attention {
             .reshape((b, nh, t, hd))?
             .transpose(1, 2)?
             .reshape((b, t, nh * hd))?;
-        self.o_proj.forward_with(&out, ctx.train)
+        self.o_proj.forward_with(&out, ctx.products())
     }
 
     /// The decode step's attention over the paged pool. With `qkv` (the stacked projections,
@@ -420,7 +455,7 @@ impl Attention {
             crate::ops::causal_attention_varlen_composed(&q, &k, &v, &ctx.cu_seqlens, scale)?
         };
         self.o_proj
-            .forward_with(&out.reshape((b, t, nh * hd))?, ctx.train)
+            .forward_with(&out.reshape((b, t, nh * hd))?, ctx.products())
     }
 }
 
@@ -447,7 +482,7 @@ impl Mlp {
         counters: Option<&SplitCounters>,
     ) -> Result<Tensor> {
         let Some(gu) = gate_up else {
-            return self.forward(x, path, false);
+            return self.forward(x, path, Products::Plain);
         };
         let (b, t, hidden) = x.dims3()?;
         let x2 = x.reshape((b * t, hidden))?;
@@ -466,14 +501,14 @@ impl Mlp {
             .forward_decode(&h.reshape((b, t, h.dim(1)?))?, counters)
     }
 
-    fn forward(&self, x: &Tensor, path: OpPath, train: bool) -> Result<Tensor> {
-        let gate = self.gate_proj.forward_with(x, train)?;
-        let up = self.up_proj.forward_with(x, train)?;
+    fn forward(&self, x: &Tensor, path: OpPath, products: Products) -> Result<Tensor> {
+        let gate = self.gate_proj.forward_with(x, products)?;
+        let up = self.up_proj.forward_with(x, products)?;
         let h = match path {
             OpPath::Kernels => crate::ops::swiglu(&gate, &up)?,
             OpPath::Fused | OpPath::Differentiable => crate::ops::swiglu_composed(&gate, &up)?,
         };
-        self.down_proj.forward_with(&h, train)
+        self.down_proj.forward_with(&h, products)
     }
 }
 
@@ -500,7 +535,7 @@ impl DecoderLayer {
         let h = self.input_layernorm.forward(x, ctx.path)?;
         let x = (x + self.self_attn.forward(&h, ctx, cache)?)?;
         let h = self.post_attention_layernorm.forward(&x, ctx.path)?;
-        Ok((&x + self.mlp.forward(&h, ctx.path, ctx.train)?)?)
+        Ok((&x + self.mlp.forward(&h, ctx.path, ctx.products())?)?)
     }
 }
 

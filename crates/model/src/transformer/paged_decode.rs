@@ -137,6 +137,7 @@ impl Transformer {
             cu_seqlens: Vec::new(),
             path,
             train: false,
+            rows_invariant: false,
         };
         let mut x =
             self.model
