@@ -14,6 +14,10 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor, D};
 use half::{bf16, f16};
 
+/// Multiply-adds past which a product spreads over candle's CPU threads (below, a thread's
+/// start costs more than its share).
+const PARALLEL_MACS: usize = 1 << 18;
+
 /// `x` `[.., in]` times `wᵀ` for `w` `[out, in]`, giving `[.., out]` in x's dtype; row `r` of
 /// the result depends on row `r` of x and on w alone (see the module's doc).
 pub fn linear_rows_invariant(x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -71,20 +75,41 @@ where
     let xs: Vec<A> = super::with_slice::<T, _>(x, "linear_rows_invariant", |s| {
         s.iter().map(|&v| widen(v)).collect()
     })?;
-    // Outputs weight row by weight row, `[out, rows]`, then transposed.
-    let mut by_out = vec![T::zero(); out * rows];
-    super::with_slice::<T, _>(w, "linear_rows_invariant", |ws| {
-        super::par_rows(&mut by_out, rows, |j, ys| {
-            let wj: Vec<A> = ws[j * k..(j + 1) * k].iter().map(|&v| widen(v)).collect();
-            for (r, y) in ys.iter_mut().enumerate() {
-                *y = narrow(super::dot(&xs[r * k..(r + 1) * k], &wj));
+    // Outputs weight row by weight row, in blocks of weight rows spread over candle's CPU
+    // threads once the product is worth a thread (each output's arithmetic is the same on
+    // any thread); each block `[rows of w, rows of x]`, then transposed into place.
+    let parallel = rows * out * k >= PARALLEL_MACS;
+    let block = if parallel {
+        out.div_ceil(4 * candle_core::utils::get_num_threads().max(1))
+    } else {
+        out
+    }
+    .max(1);
+    let blocks = super::with_slice::<T, _>(w, "linear_rows_invariant", |ws| {
+        let one_block = |b: usize| {
+            let (lo, hi) = (b * block, ((b + 1) * block).min(out));
+            let mut ys = Vec::with_capacity((hi - lo) * rows);
+            let mut wj = Vec::with_capacity(k);
+            for j in lo..hi {
+                wj.clear();
+                wj.extend(ws[j * k..(j + 1) * k].iter().map(|&v| widen(v)));
+                ys.extend((0..rows).map(|r| narrow(super::dot(&xs[r * k..(r + 1) * k], &wj))));
             }
-        })
+            ys
+        };
+        if parallel {
+            super::par_map(out.div_ceil(block), one_block)
+        } else {
+            (0..out.div_ceil(block)).map(one_block).collect()
+        }
     })?;
     let mut y = vec![T::zero(); rows * out];
-    for (j, col) in by_out.chunks(rows.max(1)).enumerate() {
-        for (r, &v) in col.iter().enumerate() {
-            y[r * out + j] = v;
+    for (b, ys) in blocks.iter().enumerate() {
+        for (jj, col) in ys.chunks(rows.max(1)).enumerate() {
+            let j = b * block + jj;
+            for (r, &v) in col.iter().enumerate() {
+                y[r * out + j] = v;
+            }
         }
     }
     Ok(Tensor::from_vec(y, (rows, out), x.device())?)
@@ -96,12 +121,14 @@ mod tests {
     use candle_core::Device;
 
     /// Row 0's bits whatever the number of rows, and each row's bits whatever its position,
-    /// for the shapes where candle's product is not batch-invariant (one row; in 16, out 24).
+    /// for the shapes where candle's product is not batch-invariant (one row; in 16, out 24),
+    /// on one thread and spread over several.
     #[test]
     fn a_row_gets_the_same_bits_in_any_batch() -> Result<()> {
         let dev = Device::Cpu;
         for dtype in [DType::F32, DType::BF16, DType::F64] {
-            for (k, n) in [(16, 24), (64, 192), (40, 7)] {
+            // The last shape spreads over threads at 40 rows, not at one.
+            for (k, n) in [(16, 24), (64, 192), (40, 7), (256, 1100)] {
                 let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?.to_dtype(dtype)?;
                 let x = Tensor::randn(0f32, 1.0, (40, k), &dev)?.to_dtype(dtype)?;
                 let bits = |t: &Tensor| -> Result<Vec<Vec<f64>>> {
