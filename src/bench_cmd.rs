@@ -23,11 +23,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
         }
         BenchCommand::Rollout(a) => match a.workload.as_str() {
             "decode" => {
-                let device = composer_model::device_from_str(&a.device).context("--device")?;
-                let dtype = match &a.dtype {
-                    Some(d) => parse_dtype(d).context("--dtype")?,
-                    None => composer_model::bench::default_dtype(&device),
-                };
+                let (device, dtype) = device_and_dtype(&a.device, a.dtype.as_deref())?;
                 bench_rollout(
                     &composer_model::bench_rollout::RolloutBenchOptions {
                         model_dir: a.model,
@@ -56,7 +52,8 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                     cuda_graphs: a.cuda_graphs,
                 };
                 let shape = a.shape.as_deref();
-                bench_rollout_grpo(&opts, &a.model, shape, &a.device, a.dtype, a.json)
+                let (device, dtype) = device_and_dtype(&a.device, a.dtype.as_deref())?;
+                bench_rollout_grpo(&opts, &a.model, shape, &device, dtype, a.json)
             }
             other => anyhow::bail!("--workload {other:?} is not one of: decode, grpo"),
         },
@@ -228,29 +225,38 @@ fn bench_rollout_grpo(
     opts: &composer_model::bench_rollout_grpo::GrpoRolloutOptions,
     model_dir: &std::path::Path,
     shape: Option<&str>,
-    device: &str,
-    dtype: Option<String>,
+    device: &candle_core::Device,
+    dtype: candle_core::DType,
     json: bool,
 ) -> Result<()> {
-    let device = composer_model::device_from_str(device)?;
-    let dtype = match dtype {
-        Some(d) => parse_dtype(&d).context("--dtype")?,
-        None => composer_model::bench::default_dtype(&device),
-    };
     let model = match shape {
         Some(shape) => {
             let cfg = composer_model::bench::shape_model_config(shape)?;
-            composer_model::Transformer::random_init_on_device(&cfg, dtype, &device)?.0
+            composer_model::Transformer::random_init_on_device(&cfg, dtype, device)?.0
         }
-        None => composer_model::Policy::load(model_dir, &device, dtype)?.model,
+        None => composer_model::Policy::load(model_dir, device, dtype)?.model,
     };
     let report = composer_model::bench_rollout_grpo::bench_grpo_rollout(&model, opts)?;
     if json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        println!("{}", report.table(&device, dtype.as_str()));
+        println!("{}", report.table(device, dtype.as_str()));
     }
     Ok(())
+}
+
+/// `--device` and `--dtype` (default: bf16 on CUDA, f32 on the CPU), each error naming its
+/// flag.
+fn device_and_dtype(
+    device: &str,
+    dtype: Option<&str>,
+) -> Result<(candle_core::Device, candle_core::DType)> {
+    let device = composer_model::device_from_str(device).context("--device")?;
+    let dtype = match dtype {
+        Some(d) => parse_dtype(d).context("--dtype")?,
+        None => composer_model::bench::default_dtype(&device),
+    };
+    Ok((device, dtype))
 }
 
 /// `LO..HI` (or one length `N`) as a prompt-length range, `--prompt-len`.

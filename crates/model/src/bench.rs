@@ -166,6 +166,14 @@ pub fn shape_model_config(name: &str) -> Result<ModelConfig> {
     })
 }
 
+/// [`shape_model_config`] with its vocabulary widened to `tokenizer`'s (random weights of a
+/// named shape that take a real tokenizer's ids).
+pub fn shape_model_config_for(name: &str, tokenizer: &crate::Tokenizer) -> Result<ModelConfig> {
+    let mut cfg = shape_model_config(name)?;
+    cfg.vocab_size = cfg.vocab_size.max(tokenizer.vocab_size());
+    Ok(cfg)
+}
+
 /// One batch size's numbers.
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchRow {

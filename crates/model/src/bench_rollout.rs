@@ -91,9 +91,8 @@ fn bench_policy(opts: &RolloutBenchOptions) -> Result<Policy> {
     let Some(shape) = &opts.shape else {
         return Policy::load(&opts.model_dir, &opts.device, opts.dtype);
     };
-    let mut cfg = crate::bench::shape_model_config(shape)?;
     let tokenizer = Tokenizer::from_dir(&opts.model_dir)?;
-    cfg.vocab_size = cfg.vocab_size.max(tokenizer.vocab_size());
+    let cfg = crate::bench::shape_model_config_for(shape, &tokenizer)?;
     let (model, _) = Transformer::random_init_on_device(&cfg, opts.dtype, &opts.device)?;
     Policy::new(model, tokenizer, None)
 }

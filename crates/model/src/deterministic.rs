@@ -35,10 +35,16 @@ use candle_core::Tensor;
 /// same bits).
 const CPU_ROWS: usize = 64;
 
-/// Rows that may share a lockstep batch on `model`'s device: batch-invariant products run
-/// on the CPU only.
+/// Whether `model`'s device has batch-invariant products
+/// ([`Transformer::forward_rows_invariant`], the CPU's): there rows share a lockstep batch,
+/// elsewhere each runs alone.
+fn rows_invariant_on(model: &Transformer) -> bool {
+    model.device().is_cpu()
+}
+
+/// Rows that may share a lockstep batch on `model`'s device.
 fn rows_per_batch(model: &Transformer) -> usize {
-    if model.device().is_cpu() {
+    if rows_invariant_on(model) {
         CPU_ROWS
     } else {
         1
@@ -63,7 +69,7 @@ impl<'a> Lockstep<'a> {
     /// `[rows, V]` f32 (f64 for an f64 model).
     fn step(&mut self, tokens: &[u32]) -> Result<Tensor> {
         let input = Tensor::from_vec(tokens.to_vec(), (tokens.len(), 1), self.model.device())?;
-        let logits = if self.model.device().is_cpu() {
+        let logits = if rows_invariant_on(self.model) {
             self.model.forward_rows_invariant(&input, &mut self.cache)?
         } else {
             self.model.forward(&input, Some(&mut self.cache))?

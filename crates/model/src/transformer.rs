@@ -40,7 +40,7 @@ mod layers;
 mod packed;
 mod paged_decode;
 pub use layers::{Attention, DecoderLayer, Linear, Mlp, RmsNorm};
-use layers::{Ctx, LayerCache, OpPath, Rope};
+use layers::{Ctx, LayerCache, OpPath, Products, Rope};
 pub use packed::PackedBatch;
 pub(crate) use paged_decode::DecodeStacks;
 
@@ -257,24 +257,34 @@ impl Transformer {
     /// LM head on final hidden states `[.., hidden]` → f32 logits `[.., vocab]` (f64 for an
     /// f64 model, so finite-difference gradient checks keep their precision).
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.widened(self.head_logits(hidden)?)
+    }
+
+    /// The LM head's `logits` in f32 (f64 for an f64 model).
+    fn widened(&self, logits: Tensor) -> Result<Tensor> {
         let out_dtype = if self.dtype == DType::F64 {
             DType::F64
         } else {
             DType::F32
         };
-        Ok(self.head_logits(hidden)?.to_dtype(out_dtype)?)
+        Ok(logits.to_dtype(out_dtype)?)
     }
 
     /// [`Self::logits`] in the model's own dtype: a bf16 model's stay bf16. The decode step
     /// hands these to the sampler, which reads them in f32 — the very values `logits` gives
     /// (widening bf16 is exact) without writing an f32 `[rows, vocab]` copy each step.
     pub(crate) fn head_logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let lin = Linear {
+        self.head_products(hidden, Products::Plain)
+    }
+
+    /// `hidden · lm_headᵀ` in the model's dtype, computed as `products` says.
+    fn head_products(&self, hidden: &Tensor, products: Products) -> Result<Tensor> {
+        let head = Linear {
             weight: self.lm_head.clone(),
             bias: None,
             lora: None,
         };
-        lin.forward(hidden)
+        head.forward_with(hidden, products)
     }
 
     /// The fused, chunked LM head on final hidden states `[N, hidden]`: log-probs at `ids`
@@ -320,18 +330,7 @@ impl Transformer {
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let h = self.hidden_states(input_ids, None, Some(cache), false, true)?;
-        let head = Linear {
-            weight: self.lm_head.clone(),
-            bias: None,
-            lora: None,
-        };
-        let logits = head.forward_with(&h, layers::Products::RowsInvariant)?;
-        let out_dtype = if self.dtype == DType::F64 {
-            DType::F64
-        } else {
-            DType::F32
-        };
-        Ok(logits.to_dtype(out_dtype)?)
+        self.widened(self.head_products(&h, Products::RowsInvariant)?)
     }
 
     /// [`Self::forward_hidden`], the products batch-invariant with `rows_invariant`.

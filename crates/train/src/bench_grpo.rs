@@ -128,9 +128,8 @@ fn check(o: &GrpoStepBenchOptions) -> Result<()> {
 /// Writes random weights of `shape` with the tokenizer files of `tokenizer_dir` as an HF
 /// checkpoint in `dir`.
 fn write_shape_checkpoint(shape: &str, tokenizer_dir: &Path, dir: &Path) -> Result<()> {
-    let mut cfg = composer_model::bench::shape_model_config(shape)?;
     let tokenizer = composer_model::Tokenizer::from_dir(tokenizer_dir)?;
-    cfg.vocab_size = cfg.vocab_size.max(tokenizer.vocab_size());
+    let cfg = composer_model::bench::shape_model_config_for(shape, &tokenizer)?;
     let (model, _) = composer_model::Transformer::random_init(&cfg, 0, &candle_core::Device::Cpu)?;
     model.save_pretrained(dir)?;
     for file in [

@@ -21,19 +21,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, St
 /// `[.., out]`: the same values in and out of a graph; in one, a single node whose backward
 /// forms `∂x`, and `∂w` and `∂bias` when `w` is trainable.
 pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let (out_w, in_w) = w
-        .dims2()
-        .context("linear: w must be [out_features, in_features]")?;
-    let in_f = x.dim(D::Minus1).context("linear: x has no dimensions")?;
-    if in_f != in_w || x.dtype() != w.dtype() {
-        anyhow::bail!(
-            "linear: x {:?} {:?} and w {:?} {:?} do not fit",
-            x.dims(),
-            x.dtype(),
-            w.dims(),
-            w.dtype()
-        );
-    }
+    let (out_w, _) = check_product(x, w, "linear")?;
     if let Some(b) = bias {
         if b.dims() != [out_w] || b.dtype() != w.dtype() {
             anyhow::bail!(
@@ -112,6 +100,27 @@ fn add_bias_cpu(y: &mut CpuStorage, b: &CpuStorage, lb: &Layout) -> candle_core:
         _ => candle_core::bail!("linear: the bias's dtype is not the product's"),
     }
     Ok(())
+}
+
+/// `w`'s `(out, in)` when `x` `[.., in]` and `w` `[out, in]` fit a product `x · wᵀ` (same
+/// dtype), else an error naming `op` and both.
+pub(super) fn check_product(x: &Tensor, w: &Tensor, op: &str) -> Result<(usize, usize)> {
+    let (out_w, in_w) = w
+        .dims2()
+        .with_context(|| format!("{op}: w must be [out_features, in_features]"))?;
+    let in_f = x
+        .dim(D::Minus1)
+        .with_context(|| format!("{op}: x has no dimensions"))?;
+    if in_f != in_w || x.dtype() != w.dtype() {
+        anyhow::bail!(
+            "{op}: x {:?} {:?} and w {:?} {:?} do not fit",
+            x.dims(),
+            x.dtype(),
+            w.dims(),
+            w.dtype()
+        );
+    }
+    Ok((out_w, in_w))
 }
 
 /// The CUDA product plus `b` (if any), added in place (`bias_add_rows`).

@@ -10,8 +10,8 @@
 //! The weight is read once a call (outputs by weight row, all rows of x each time). CPU only,
 //! inference only (no backward).
 
-use anyhow::{bail, Context, Result};
-use candle_core::{DType, Tensor, D};
+use anyhow::{bail, Result};
+use candle_core::{DType, Tensor};
 use half::{bf16, f16};
 
 /// Multiply-adds past which a product spreads over candle's CPU threads (below, a thread's
@@ -21,21 +21,7 @@ const PARALLEL_MACS: usize = 1 << 18;
 /// `x` `[.., in]` times `wᵀ` for `w` `[out, in]`, giving `[.., out]` in x's dtype; row `r` of
 /// the result depends on row `r` of x and on w alone (see the module's doc).
 pub fn linear_rows_invariant(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let (out, in_w) = w
-        .dims2()
-        .context("linear_rows_invariant: w must be [out_features, in_features]")?;
-    let in_f = x
-        .dim(D::Minus1)
-        .context("linear_rows_invariant: x has no dimensions")?;
-    if in_f != in_w || x.dtype() != w.dtype() {
-        bail!(
-            "linear_rows_invariant: x {:?} {:?} and w {:?} {:?} do not fit",
-            x.dims(),
-            x.dtype(),
-            w.dims(),
-            w.dtype()
-        );
-    }
+    let (out, in_f) = super::linear::check_product(x, w, "linear_rows_invariant")?;
     if !x.device().is_cpu() || !w.device().is_cpu() {
         bail!("linear_rows_invariant: a CPU op (deterministic mode batches rows on the CPU only)");
     }

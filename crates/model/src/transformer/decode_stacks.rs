@@ -227,7 +227,7 @@ impl DecoderLayer {
 }
 
 /// `n` as the norm in front of a decode product.
-fn input_norm(n: &RmsNorm) -> Option<InputNorm<'_>> {
+pub(super) fn input_norm(n: &RmsNorm) -> Option<InputNorm<'_>> {
     Some(InputNorm {
         weight: &n.weight,
         eps: n.eps,

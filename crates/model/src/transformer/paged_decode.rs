@@ -1,9 +1,9 @@
 //! The rollout engine's decode forward over its paged KV cache: one token per row, each at
 //! its own position, attending over the row's blocks (`crate::paged_kv`).
 
-use super::decode_stacks::LayerStacks;
+use super::decode_stacks::{input_norm, LayerStacks};
 use super::{Ctx, LayerCache, OpPath, Transformer};
-use crate::ops::{decode_product, DecodeEpilogue, InputNorm, SplitCounters};
+use crate::ops::{decode_product, DecodeEpilogue, SplitCounters};
 use crate::paged_kv::{BlockPool, PagedStep};
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
@@ -152,16 +152,13 @@ impl Transformer {
                 x = layer.forward_decode_norms_in_products(&x, &ctx, cache, stack)?;
             }
             // The final norm inside the LM head's product, as the layers' norms are in theirs.
-            let norm = InputNorm {
-                weight: &self.model.norm.weight,
-                eps: self.model.norm.eps,
-            };
+            let norm = input_norm(&self.model.norm);
             let counters = stacks.head_counters.as_ref();
             return decode_product(
                 &x,
                 &self.lm_head,
                 DecodeEpilogue::Product,
-                Some(norm),
+                norm,
                 None,
                 counters,
             );
