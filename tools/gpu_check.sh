@@ -248,7 +248,8 @@ if want lora7b; then
   bench "c7-t8c" 200 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 8 --train-seq-len 1024 --lora 16 --skip-decode --gradient-checkpointing
 fi
 if want rollout; then
-  # First (not yet run on a GPU): deterministic mode in bf16 on the GPU (issue 17 §3), its
+  # First (not yet run on a GPU): deterministic mode in bf16 on the GPU (issue 17 §3; its 64
+  # rows in lockstep through the batch-invariant kernels of rows_invariant_kernels.cuh), its
   # tokens/s beside the engine's at batch 64, and max |sampler - scorer| on the same ids
   # (0 = bitwise with the GPU's kernels).
   bench "c05-rollout-det" 200 "$BIN" bench rollout --shape qwen2.5-0.5b --model .device/shared/fixtures/hf-tiny/qwen2-tiny \

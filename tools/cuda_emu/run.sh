@@ -3,7 +3,7 @@
 # emu.h and the real kernel source, and compares the kernels with an f64 reference.
 #   tools/cuda_emu/run.sh [--quick]                      every driver
 #   tools/cuda_emu/run.sh [--quick] DRIVER [ARGS...]     one driver; ARGS go to it (case indices)
-# DRIVER: varlen_attention (attention_kernels.cu), paged_decode, decode_gemm, sample_inverse_cdf, kv_write (decode_kernels.cu),
+# DRIVER: varlen_attention (attention_kernels.cu), paged_decode, decode_gemm, rows_invariant, sample_inverse_cdf, kv_write (decode_kernels.cu),
 # head_softmax, add_rms_norm, qkv_bias_rope, rope, swiglu_packed, adamw, embedding, rms_norm_bwd, bias_add (kernels.cu).
 # --quick: each driver's quick subset of its cases (the default runs all of them).
 # SANITIZE=address (default: ASan + UBSan, out-of-bounds global/shared memory and undefined
@@ -18,7 +18,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 ops="$here/../../crates/model/src/ops"
 quick=()
 if [ "${1:-}" = --quick ]; then quick=(--quick); shift; fi
-all=(varlen_attention paged_decode decode_gemm sample_inverse_cdf kv_write head_softmax add_rms_norm qkv_bias_rope rope swiglu_packed adamw embedding rms_norm_bwd bias_add)
+all=(varlen_attention paged_decode decode_gemm rows_invariant sample_inverse_cdf kv_write head_softmax add_rms_norm qkv_bias_rope rope swiglu_packed adamw embedding rms_norm_bwd bias_add)
 if [ $# -gt 0 ]; then drivers=("$1"); shift; else drivers=("${all[@]}"); fi
 case "${SANITIZE:-address}" in
   address) flags=(-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all) ;;
@@ -32,7 +32,7 @@ trap 'rm -rf "$work"' EXIT
 # the launch's buffer (emu.h) instead of `extern __shared__`, which a host compiler cannot give.
 # attention_tc_kernels.cuh, which attention_kernels.cu includes, is rewritten under its own name
 # in the work directory (searched before the sources' directory).
-for src in attention_kernels.cu decode_kernels.cu kernels.cu attention_tc_kernels.cuh decode_tc_kernels.cuh decode_gemm_kernels.cuh embedding_kernels.cuh linear_kernels.cuh; do
+for src in attention_kernels.cu decode_kernels.cu kernels.cu attention_tc_kernels.cuh decode_tc_kernels.cuh decode_gemm_kernels.cuh rows_invariant_kernels.cuh embedding_kernels.cuh linear_kernels.cuh; do
   case "$src" in *.cu) out="${src%.cu}_emu.cu" ;; *) out="$src" ;; esac
   sed -E 's/extern __shared__ float ([A-Za-z_][A-Za-z0-9_]*)\[\];/float* \1 = emu_dynamic_smem;/' \
     "$ops/$src" >"$work/$out"

@@ -9,18 +9,20 @@
 //!   position `t` (prompt, then sampled; a finished row a filler whose outputs are dropped),
 //!   so every row's cache holds its own tokens, all of them written by a one-token step, and
 //!   the shapes of step `t` are the same for the sampler and the scorer;
-//! - on the CPU the rows go through the forward together with every product
-//!   [batch-invariant](crate::ops::linear_rows_invariant) — the rest of the forward is row by
-//!   row already (norms, RoPE, each row's attention over its own cache row, the sampler's
-//!   `log softmax(logits / T)`, [`sampler_log_softmax`]) — so a row's bits do not depend on
-//!   which rows are beside it, how many, or where it sits;
-//! - on other devices (cuBLAS picks its algorithm by shape) each row runs alone, one token at
-//!   a time, through the ordinary KV-cached forward: the same kernels on the same shapes
-//!   whether sampling or scoring.
+//! - the rows go through the forward together (up to 64) with every product
+//!   [batch-invariant](crate::ops::linear_rows_invariant) and each row's attention over its
+//!   own cache row [alone](crate::ops::attend_one_rows_invariant) — on the CPU their CPU
+//!   bodies, on CUDA their kernels (cuBLAS picks its algorithm by the whole shape, so its
+//!   products would not do); the rest of the forward is row by row already (norms, RoPE, the
+//!   sampler's `log softmax(logits / T)`, [`sampler_log_softmax`]) — so a row's bits do not
+//!   depend on which rows are beside it, how many, or where it sits;
+//! - where those kernels do not serve (CUDA in f16/f64, head_dim past 256) each row runs alone,
+//!   one token at a time, through the ordinary KV-cached forward: the same kernels on the same
+//!   shapes whether sampling or scoring.
 //!
 //! The price is throughput (see BENCHMARKS.md, "Deterministic mode: what bitwise log-probs
-//! cost"): no multi-token prefill, and on a GPU no batching. Same RNG streams as
-//! [`generate`](crate::generate), so the same seed samples from the same uniforms.
+//! cost"): no multi-token prefill, and simple kernels in place of the engine's. Same RNG
+//! streams as [`generate`](crate::generate), so the same seed samples from the same uniforms.
 
 use crate::kv_cache::KvCache;
 use crate::sampling::{
@@ -29,23 +31,26 @@ use crate::sampling::{
 };
 use crate::transformer::Transformer;
 use anyhow::Result;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
-/// Rows fed together on the CPU (bounds the lockstep caches' memory; any grouping gives the
-/// same bits).
-const CPU_ROWS: usize = 64;
+/// Rows fed together (bounds the lockstep caches' memory; any grouping gives the same bits).
+const LOCKSTEP_ROWS: usize = 64;
 
-/// Whether `model`'s device has batch-invariant products
-/// ([`Transformer::forward_rows_invariant`], the CPU's): there rows share a lockstep batch,
+/// Whether [`Transformer::forward_rows_invariant`] serves `model`: on the CPU, and on CUDA in
+/// f32 or bf16 with head_dim ≤ 256 (its kernels'). There rows share a lockstep batch;
 /// elsewhere each runs alone.
 fn rows_invariant_on(model: &Transformer) -> bool {
-    model.device().is_cpu()
+    let device = model.device();
+    device.is_cpu()
+        || (device.is_cuda()
+            && matches!(model.dtype(), DType::F32 | DType::BF16)
+            && model.cfg.head_dim <= 256)
 }
 
 /// Rows that may share a lockstep batch on `model`'s device.
 fn rows_per_batch(model: &Transformer) -> usize {
     if rows_invariant_on(model) {
-        CPU_ROWS
+        LOCKSTEP_ROWS
     } else {
         1
     }

@@ -319,11 +319,12 @@ impl Transformer {
         self.hidden_states(input_ids, left_pad, cache, differentiable, false)
     }
 
-    /// [`Self::forward`] with a cache, every product batch-invariant
-    /// ([`crate::ops::linear_rows_invariant`], CPU only): a row's logits, to the bit, do not
-    /// depend on the other rows fed with it — deterministic mode's forward. The rest of the
-    /// forward is already row by row (norms, RoPE, attention of each row over its own cache
-    /// row, the element-wise ops).
+    /// [`Self::forward`] of one token a row with a cache, every product batch-invariant
+    /// ([`crate::ops::linear_rows_invariant`]) and each row's attention over its own cache row
+    /// alone ([`crate::ops::attend_one_rows_invariant`]): a row's logits, to the bit, do not
+    /// depend on the other rows fed with it — deterministic mode's forward, on the CPU and on
+    /// CUDA (f32, bf16). The rest of the forward is already row by row (norms, RoPE, the
+    /// element-wise ops).
     pub(crate) fn forward_rows_invariant(
         &self,
         input_ids: &Tensor,

@@ -1,16 +1,18 @@
 //! Deterministic mode: the sampler's log-probs equal the scorer's recomputed log-probs
-//! bitwise (max |Δ| == 0, f32 and bf16, CPU) on the transformers-written fixtures and on a
+//! bitwise (max |Δ| == 0, f32 and bf16) on the transformers-written fixtures and on a
 //! built-in random model, whatever else is in the batch (the sampler's rows and the scorer's
-//! sequences batched differently). And the in-place, block-grown KV cache: the
+//! sequences batched differently), and they are the model's log-probs (the ordinary scorer's,
+//! to rounding). On `$COMPOSER_TEST_DEVICE` (the CPU in CI; `tools/gpu_check.sh` runs them on
+//! CUDA, where the batch-invariant kernels serve). And the in-place, block-grown KV cache: the
 //! same logits whether it grows block by block or was reserved up front.
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{fixture, FIXTURES};
+use common::{fixture, test_device, FIXTURES};
 use composer_model::{
-    generate, generate_deterministic, score_deterministic, GenerationRequest, KvCache, ModelConfig,
-    SamplingParams, Transformer,
+    generate, generate_deterministic, score_deterministic, score_with_temperature,
+    GenerationRequest, KvCache, ModelConfig, SamplingParams, Transformer,
 };
 
 fn params(temperature: f64, max_new_tokens: usize) -> SamplingParams {
@@ -57,11 +59,21 @@ fn max_sampler_scorer_gap(
             .map(|s| [r.prompt_ids.as_slice(), &s.completion_ids].concat())
             .collect();
         let scored = score_deterministic(model, &seqs, score_t).unwrap();
-        for (s, lp) in samples.iter().zip(&scored) {
+        // The ordinary (batched, prefilled) scorer: the same log-probs but for rounding.
+        let ordinary = score_with_temperature(model, &seqs, score_t).unwrap();
+        let tol = if model.dtype() == DType::BF16 {
+            0.1
+        } else {
+            1e-4
+        };
+        for ((s, lp), plain) in samples.iter().zip(&scored).zip(&ordinary) {
             let completion = &lp[r.prompt_ids.len() - 1..];
             assert_eq!(completion.len(), s.sampler_logprobs.len());
             for (a, b) in completion.iter().zip(&s.sampler_logprobs) {
                 gap = gap.max((a - b).abs());
+            }
+            for (a, b) in lp.iter().zip(plain) {
+                assert!((a - b).abs() <= tol, "deterministic {a} vs ordinary {b}");
             }
             tokens += completion.len();
         }
@@ -73,7 +85,7 @@ fn max_sampler_scorer_gap(
 #[test]
 fn deterministic_sampler_logprobs_equal_the_scorer_bitwise() {
     for name in FIXTURES {
-        let model = Transformer::load(&fixture(name), &Device::Cpu, DType::F32).unwrap();
+        let model = Transformer::load(&fixture(name), &test_device(), DType::F32).unwrap();
         for t in [0.0, 0.7, 1.0] {
             assert_eq!(
                 max_sampler_scorer_gap(&model, t, &requests()),
@@ -82,8 +94,15 @@ fn deterministic_sampler_logprobs_equal_the_scorer_bitwise() {
             );
         }
     }
+    // bf16 (the GPU's dtype): bitwise too.
+    let model = Transformer::load(&fixture("qwen2-tiny"), &test_device(), DType::BF16).unwrap();
+    assert_eq!(
+        max_sampler_scorer_gap(&model, 1.0, &requests()),
+        0.0,
+        "bf16"
+    );
     let (builtin, _) =
-        Transformer::random_init(&ModelConfig::tiny_qwen2(512), 3, &Device::Cpu).unwrap();
+        Transformer::random_init(&ModelConfig::tiny_qwen2(512), 3, &test_device()).unwrap();
     for t in [0.0, 1.0] {
         assert_eq!(
             max_sampler_scorer_gap(&builtin, t, &requests()),
@@ -95,7 +114,7 @@ fn deterministic_sampler_logprobs_equal_the_scorer_bitwise() {
 
 #[test]
 fn deterministic_samples_do_not_depend_on_the_rest_of_the_batch() {
-    let model = Transformer::load(&fixture("qwen2-tiny"), &Device::Cpu, DType::F32).unwrap();
+    let model = Transformer::load(&fixture("qwen2-tiny"), &test_device(), DType::F32).unwrap();
     let reqs = requests();
     let together = generate_deterministic(&model, &reqs, &params(0.9, 16)).unwrap();
     for (i, r) in reqs.iter().enumerate() {
@@ -120,7 +139,7 @@ fn deterministic_samples_do_not_depend_on_the_rest_of_the_batch() {
 #[test]
 fn deterministic_scores_do_not_depend_on_how_sequences_are_batched() {
     for dtype in [DType::F32, DType::BF16] {
-        let model = Transformer::load(&fixture("qwen2-tiny"), &Device::Cpu, dtype).unwrap();
+        let model = Transformer::load(&fixture("qwen2-tiny"), &test_device(), dtype).unwrap();
         let reqs = requests();
         let out = generate_deterministic(&model, &reqs, &params(0.8, 20)).unwrap();
         let mut seqs = Vec::new();

@@ -764,3 +764,5 @@ SG_INSTANTIATE(1)
 SG_INSTANTIATE(2)
 SG_INSTANTIATE(3)
 SG_INSTANTIATE(4)
+
+#include "rows_invariant_kernels.cuh"

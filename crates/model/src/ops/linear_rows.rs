@@ -7,8 +7,10 @@
 //! small shapes (in 16, out 24) its blocking changes with the number of rows. Here each output
 //! is [`super::dot`] of the row and the weight row — eight lanes over `in`, summed in a fixed
 //! order — in f32 for f32/bf16/f16 (the half-precision result rounded once) and f64 for f64.
-//! The weight is read once a call (outputs by weight row, all rows of x each time). CPU only,
-//! inference only (no backward).
+//! The weight is read once a call (outputs by weight row, all rows of x each time). On CUDA the
+//! `rows_linear` kernel (`rows_invariant_kernels.cuh`, f32 and bf16: a warp per weight row, its
+//! lanes over every 32nd input in order, f32 sums) gives the same guarantee there — the CPU
+//! body is its twin. Inference only (no backward).
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
@@ -22,14 +24,23 @@ const PARALLEL_MACS: usize = 1 << 18;
 /// the result depends on row `r` of x and on w alone (see the module's doc).
 pub fn linear_rows_invariant(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (out, in_f) = super::linear::check_product(x, w, "linear_rows_invariant")?;
-    if !x.device().is_cpu() || !w.device().is_cpu() {
-        bail!("linear_rows_invariant: a CPU op (deterministic mode batches rows on the CPU only)");
+    if !x.device().same_device(w.device()) {
+        bail!("linear_rows_invariant: x and w on different devices");
     }
     let rows = x.elem_count() / in_f.max(1);
     let mut dims = x.dims().to_vec();
     *dims.last_mut().expect("x has a last dimension") = out;
     let x2 = x.reshape((rows, in_f))?.contiguous()?;
     let w = w.contiguous()?;
+    if x.device().is_cuda() {
+        return Ok(cuda(&x2, &w, rows, out, in_f)?.reshape(dims)?);
+    }
+    if !x.device().is_cpu() {
+        bail!(
+            "linear_rows_invariant: {:?} has no kernel (CPU and CUDA only)",
+            x.device()
+        );
+    }
     let y = match x.dtype() {
         DType::F32 => by_weight_row::<f32, f32>(&x2, &w, rows, out, in_f, |v| v, |v| v)?,
         DType::F64 => by_weight_row::<f64, f64>(&x2, &w, rows, out, in_f, |v| v, |v| v)?,
@@ -42,6 +53,18 @@ pub fn linear_rows_invariant(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         other => bail!("linear_rows_invariant: dtype {other:?} is not a float"),
     };
     Ok(y.reshape(dims)?)
+}
+
+/// The CUDA kernel `rows_linear` (`rows_invariant_kernels.cuh`, f32 and bf16): a warp per
+/// weight row, each lane over every 32nd input, butterfly-summed.
+#[cfg(feature = "cuda")]
+fn cuda(x: &Tensor, w: &Tensor, rows: usize, out: usize, k: usize) -> Result<Tensor> {
+    Ok(super::rows_invariant_cuda::rows_linear(x, w, rows, out, k)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(_: &Tensor, _: &Tensor, _: usize, _: usize, _: usize) -> Result<Tensor> {
+    bail!("linear_rows_invariant: a CUDA tensor in a build without the cuda feature")
 }
 
 /// The product for storage type `T` accumulated in `A`: `widen` into `A`, `narrow` back.

@@ -18,10 +18,13 @@
 //! varlen attention kernel, which holds no `[heads, T, T]` tensor. The rollout engine's decode
 //! attention over a paged KV cache ([`paged_decode_attention`], inference only) has a CPU
 //! kernel, a CUDA kernel (`decode_kernels.cu`, launched by `decode_cuda.rs`) and a gathering
-//! composition elsewhere.
+//! composition elsewhere. Deterministic mode's batch-invariant product and attention
+//! ([`linear_rows_invariant`], [`attend_one_rows_invariant`], inference only) have a CPU body
+//! and a CUDA kernel (`rows_invariant_kernels.cuh`, launched by `rows_invariant_cuda.rs`).
 
 mod adamw;
 mod add_into;
+mod attend_one;
 mod attention;
 mod attention_cpu;
 #[cfg(feature = "cuda")]
@@ -42,10 +45,13 @@ pub(crate) mod paged_attention;
 mod qkv_bias_rope;
 mod rms_norm;
 pub(crate) mod rope;
+#[cfg(feature = "cuda")]
+mod rows_invariant_cuda;
 mod swiglu;
 
 pub use adamw::{adamw_update, AdamWStep};
 pub(crate) use add_into::add_into;
+pub use attend_one::attend_one_rows_invariant;
 pub use attention::{causal_attention_varlen, causal_attention_varlen_composed, check_cu_seqlens};
 #[cfg(feature = "cuda")]
 pub(crate) use decode_cuda::sample_inverse_cdf as sample_inverse_cdf_cuda;

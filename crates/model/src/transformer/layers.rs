@@ -9,7 +9,7 @@ use crate::kv_cache::LayerKv;
 use crate::lora_adapter::LoraAdapter;
 use crate::ops::{decode_product, DecodeEpilogue, InputNorm, SplitCounters};
 use crate::paged_kv::{PagedStep, PoolLayer};
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 
 /// Which implementation of the non-matmul ops a forward uses.
@@ -230,7 +230,8 @@ pub(super) struct Ctx {
     pub(super) path: OpPath,
     /// A training forward (LoRA dropout on).
     pub(super) train: bool,
-    /// Every product batch-invariant ([`Products::RowsInvariant`]): deterministic mode.
+    /// Every product batch-invariant ([`Products::RowsInvariant`]) and each row's attention
+    /// alone ([`crate::ops::attend_one_rows_invariant`]): deterministic mode.
     pub(super) rows_invariant: bool,
 }
 
@@ -309,6 +310,16 @@ impl Attention {
             }
             None => (k, v),
         };
+        if ctx.rows_invariant {
+            // Deterministic mode: each row's one query over its own cache, alone.
+            if t != 1 || ctx.mask.is_some() {
+                bail!("a batch-invariant forward feeds one token a row, unpadded (got {t})");
+            }
+            let out = crate::ops::attend_one_rows_invariant(&q.reshape((b, nh, hd))?, &k, &v)?;
+            return self
+                .o_proj
+                .forward_with(&out.reshape((b, 1, nh * hd))?, ctx.products());
+        }
         let tk = k.dim(2)?;
         let n_rep = nh / nkv;
         // Grouped-query attention without copying K/V: head h uses kv head h / n_rep, so

@@ -1,0 +1,240 @@
+//! Deterministic mode's attention: one query per row and head over the row's own dense KV
+//! cache, each (row, head) computed alone in one order fixed by its head_dim and key count —
+//! a row's bits do not depend on the other rows of the step. The ordinary cached attention
+//! (batched `q·Kᵀ` and `p·V` products) does not promise that on CUDA, where cuBLAS picks its
+//! kernels by the whole batched shape. On CUDA the `attend_one` kernel
+//! (`rows_invariant_kernels.cuh`: keys dealt to eight warps, online softmax, warps merged in
+//! order); on the CPU an exact two-pass softmax per (row, head) — its twin, tested in CI by
+//! deterministic mode's bitwise tests. Inference only (no backward).
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Storage, Tensor};
+use half::{bf16, f16};
+
+/// Attention work (rows × heads × keys × head_dim) past which the CPU version spreads over
+/// candle's threads.
+const PARALLEL_WORK: usize = 1 << 18;
+
+/// `softmax(q·Kᵀ / √d)·V` for `q` `[rows, hq, d]` over `k`/`v` `[rows, hkv, len, d]` (GQA: head
+/// `h` reads KV head `h / (hq / hkv)`; the dense KV cache's buffers narrowed to `len` keys):
+/// `[rows, hq, d]` in q's dtype, row `r` depending on row `r` of q, k and v alone.
+pub fn attend_one_rows_invariant(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    const OP: &str = "attend_one_rows_invariant";
+    let (rows, hq, d) = q.dims3().map_err(|_| {
+        anyhow::anyhow!(
+            "{OP}: q must be [rows, heads, head_dim], got {:?}",
+            q.dims()
+        )
+    })?;
+    let kd = k.dims4().map_err(|_| {
+        anyhow::anyhow!(
+            "{OP}: keys must be [rows, kv_heads, keys, head_dim], got {:?}",
+            k.dims()
+        )
+    })?;
+    let (_, hkv, len, _) = kd;
+    if v.dims() != k.dims() || kd.0 != rows || kd.3 != d || hkv == 0 || !hq.is_multiple_of(hkv) {
+        bail!(
+            "{OP}: q {:?}, keys {:?} and values {:?} do not fit",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        bail!(
+            "{OP}: q {:?}, keys {:?}, values {:?}: one dtype",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        );
+    }
+    if rows == 0 || hq == 0 || d == 0 {
+        return Ok(Tensor::zeros((rows, hq, d), q.dtype(), q.device())?);
+    }
+    if len == 0 {
+        bail!("{OP}: no keys to attend to");
+    }
+    let scale = 1.0 / (d as f64).sqrt();
+    if q.device().is_cuda() {
+        return cuda(q, k, v, scale);
+    }
+    if !q.device().is_cpu() {
+        bail!("{OP}: {:?} has no kernel (CPU and CUDA only)", q.device());
+    }
+    let (k, v) = (k.contiguous()?, v.contiguous()?);
+    let shape = Shapes {
+        hq,
+        hkv,
+        len,
+        d,
+        scale,
+    };
+    let out = match q.dtype() {
+        DType::F32 => cpu::<f32, f32>(q, &k, &v, &shape, |x| x, |x| x)?,
+        DType::F64 => cpu::<f64, f64>(q, &k, &v, &shape, |x| x, |x| x)?,
+        DType::BF16 => cpu::<bf16, f32>(q, &k, &v, &shape, bf16::to_f32, bf16::from_f32)?,
+        DType::F16 => cpu::<f16, f32>(q, &k, &v, &shape, f16::to_f32, f16::from_f32)?,
+        other => bail!("{OP}: dtype {other:?} is not a float"),
+    };
+    Ok(out.reshape((rows, hq, d))?)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    let d = q.dim(2)?;
+    if d > super::rows_invariant_cuda::ATTEND_MAX_HEAD_DIM {
+        bail!("attend_one_rows_invariant: head_dim {d} is past the CUDA kernel's 256");
+    }
+    Ok(super::rows_invariant_cuda::attend_one(q, k, v, scale)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(_: &Tensor, _: &Tensor, _: &Tensor, _: f64) -> Result<Tensor> {
+    bail!("attend_one_rows_invariant: a CUDA tensor in a build without the cuda feature")
+}
+
+/// What the CPU version needs of the shapes.
+struct Shapes {
+    hq: usize,
+    hkv: usize,
+    len: usize,
+    d: usize,
+    scale: f64,
+}
+
+/// The CPU version for storage type `T` summed in `A`: per (row, KV head) — its query heads
+/// together, each key widened once — the scores by [`super::dot`], their max, `p = exp(s −
+/// max)`, then `Σ p·v / Σ p` in key order. The cache is read in place through its strides.
+fn cpu<T, A>(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    s: &Shapes,
+    widen: impl Fn(T) -> A + Sync + Copy,
+    narrow: impl Fn(A) -> T + Sync,
+) -> Result<Tensor>
+where
+    T: candle_core::WithDType + Copy + Send + Sync,
+    A: super::Real + Send + Sync,
+{
+    const OP: &str = "attend_one_rows_invariant";
+    let qs: Vec<A> = super::with_slice::<T, _>(q, OP, |x| x.iter().map(|&e| widen(e)).collect())?;
+    let (k, v) = if k.layout().stride()[3] == 1 && k.layout().stride() == v.layout().stride() {
+        (k.clone(), v.clone())
+    } else {
+        (k.contiguous()?, v.contiguous()?)
+    };
+    let (kg, kl) = k.storage_and_layout();
+    let (vg, vl) = v.storage_and_layout();
+    let (Storage::Cpu(ks), Storage::Cpu(vs)) = (&*kg, &*vg) else {
+        bail!("{OP}: the CPU version got a non-CPU tensor");
+    };
+    let (ks, vs) = (ks.as_slice::<T>()?, vs.as_slice::<T>()?);
+    let (k0, v0, st) = (kl.start_offset(), vl.start_offset(), kl.stride());
+    let (d, len, n_rep) = (s.d, s.len, s.hq / s.hkv);
+    let scale = A::from_f64(s.scale);
+    // One (row, KV head): its n_rep query heads' outputs, [n_rep, d].
+    let group = |task: usize| -> Vec<T> {
+        let (row, kvh) = (task / s.hkv, task % s.hkv);
+        let at = row * st[0] + kvh * st[1];
+        let qg = &qs[task * n_rep * d..(task + 1) * n_rep * d];
+        let mut key = vec![A::zero(); d];
+        let mut scores = vec![A::zero(); n_rep * len];
+        for j in 0..len {
+            let from = at + j * st[2];
+            for (x, &e) in key.iter_mut().zip(&ks[k0 + from..k0 + from + d]) {
+                *x = widen(e);
+            }
+            for h in 0..n_rep {
+                scores[h * len + j] = super::dot(&qg[h * d..(h + 1) * d], &key) * scale;
+            }
+        }
+        let mut out = Vec::with_capacity(n_rep * d);
+        let mut acc = vec![A::zero(); d];
+        for h in 0..n_rep {
+            let sh = &scores[h * len..(h + 1) * len];
+            let top = sh
+                .iter()
+                .copied()
+                .fold(A::NEG_INFINITY, |m, x| if x > m { x } else { m });
+            acc.iter_mut().for_each(|a| *a = A::zero());
+            let mut sum = A::zero();
+            for (j, &sj) in sh.iter().enumerate() {
+                let p = (sj - top).exp();
+                sum += p;
+                let from = v0 + at + j * st[2];
+                for (a, &x) in acc.iter_mut().zip(&vs[from..from + d]) {
+                    *a += p * widen(x);
+                }
+            }
+            out.extend(acc.iter().map(|&a| narrow(a / sum)));
+        }
+        out
+    };
+    let tasks = qs.len() / (n_rep * d);
+    let out: Vec<T> = if qs.len() * len >= PARALLEL_WORK {
+        super::par_map(tasks, group).concat()
+    } else {
+        (0..tasks).flat_map(group).collect()
+    };
+    Ok(Tensor::from_vec(out, qs.len(), q.device())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The attention of each row (f64 reference: the composed softmax), its bits the same in
+    /// any batch; keys read through a narrowed cache buffer; bad shapes named.
+    #[test]
+    fn attends_each_row_alone() -> Result<()> {
+        let dev = Device::Cpu;
+        let (rows, hq, hkv, d, cap, len) = (5, 6, 2, 24, 40, 33);
+        for dtype in [DType::F32, DType::BF16, DType::F64] {
+            let q = Tensor::randn(0f32, 1.0, (rows, hq, d), &dev)?.to_dtype(dtype)?;
+            let kb = Tensor::randn(0f32, 1.0, (rows, hkv, cap, d), &dev)?.to_dtype(dtype)?;
+            let vb = Tensor::randn(0f32, 1.0, (rows, hkv, cap, d), &dev)?.to_dtype(dtype)?;
+            let (k, v) = (kb.narrow(2, 0, len)?, vb.narrow(2, 0, len)?);
+            let got = attend_one_rows_invariant(&q, &k, &v)?;
+            let f = |t: &Tensor| t.to_dtype(DType::F64);
+            let qg = f(&q)?.reshape((rows, hkv, hq / hkv, d))?;
+            let s = (qg.matmul(&f(&k)?.t()?)? / (d as f64).sqrt())?;
+            let p = candle_nn::ops::softmax_last_dim(&s)?;
+            let want = p.matmul(&f(&v)?)?.reshape((rows, hq, d))?;
+            let err = (f(&got)? - want)?.abs()?.max_all()?.to_scalar::<f64>()?;
+            let tol = if dtype == DType::BF16 { 2e-2 } else { 1e-5 };
+            assert!(err <= tol, "{dtype:?}: {err}");
+            let bits =
+                |t: &Tensor| -> Result<Vec<f64>> { Ok(f(t)?.flatten_all()?.to_vec1::<f64>()?) };
+            let all = bits(&got)?;
+            let per_row = hq * d;
+            for r in [0, 3, 4] {
+                let one = |t: &Tensor| t.narrow(0, r, 1);
+                let alone = attend_one_rows_invariant(&one(&q)?, &one(&k)?, &one(&v)?)?;
+                assert_eq!(
+                    bits(&alone)?,
+                    all[r * per_row..(r + 1) * per_row],
+                    "{dtype:?} row {r}"
+                );
+            }
+        }
+        let q = Tensor::zeros((2, 3, 8), DType::F32, &dev)?;
+        let k = Tensor::zeros((2, 2, 4, 8), DType::F32, &dev)?;
+        let e = attend_one_rows_invariant(&q, &k, &k)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("do not fit"), "{e}");
+        let q = Tensor::zeros((2, 4, 8), DType::F32, &dev)?;
+        let e = attend_one_rows_invariant(&q, &k.to_dtype(DType::BF16)?, &k)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one dtype"), "{e}");
+        let e = attend_one_rows_invariant(&q, &k.narrow(2, 0, 0)?, &k.narrow(2, 0, 0)?)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no keys"), "{e}");
+        Ok(())
+    }
+}
