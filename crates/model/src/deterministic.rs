@@ -5,24 +5,27 @@
 //! shape (candle's CPU product takes another path for one row than for several, and for some
 //! small shapes changes with the row count), a prefill computes the prompt's keys with other
 //! shapes than a decode step, and padding shifts what a row's reductions see. Here:
-//! - every row is fed one token a step, in lockstep: at step `t` each row feeds its token at
-//!   position `t` (prompt, then sampled; a finished row a filler whose outputs are dropped),
-//!   so every row's cache holds its own tokens, all of them written by a one-token step, and
-//!   the shapes of step `t` are the same for the sampler and the scorer;
+//! - the rows are fed in lockstep, unpadded: the positions where every row still has prompt
+//!   tokens in as few forwards as allowed (a prefill), then one token a step — at position
+//!   `t` each row feeds its token (prompt, then sampled; a finished row a filler whose outputs
+//!   are dropped), so every row's cache holds its own tokens;
 //! - the rows go through the forward together (up to 64) with every product
-//!   [batch-invariant](crate::ops::linear_rows_invariant) and each row's attention over its
-//!   own cache row [alone](crate::ops::attend_one_rows_invariant) — on the CPU their CPU
-//!   bodies, on CUDA their kernels (cuBLAS picks its algorithm by the whole shape, so its
-//!   products would not do); the rest of the forward is row by row already (norms, RoPE, the
-//!   sampler's `log softmax(logits / T)`, [`sampler_log_softmax`]) — so a row's bits do not
-//!   depend on which rows are beside it, how many, or where it sits;
+//!   [batch-invariant](crate::ops::linear_rows_invariant) and each new query's attention over
+//!   its own cache row, causally, [alone](crate::ops::attend_one_rows_invariant) — on the CPU
+//!   their CPU bodies, on CUDA their kernels (cuBLAS picks its algorithm by the whole shape, so
+//!   its products would not do); the rest of the forward is row by row already (norms, RoPE,
+//!   the sampler's `log softmax(logits / T)`, [`sampler_log_softmax`]) — so a position's bits
+//!   depend neither on which rows are beside it, how many, or where it sits, nor on whether it
+//!   came in a prefill or a one-token step (the sampler and the scorer batch and prefill
+//!   differently and still agree);
 //! - where those kernels do not serve (CUDA in f16/f64, head_dim past 256) each row runs alone,
 //!   one token at a time, through the ordinary KV-cached forward: the same kernels on the same
 //!   shapes whether sampling or scoring.
 //!
 //! The price is throughput (see BENCHMARKS.md, "Deterministic mode: what bitwise log-probs
-//! cost"): no multi-token prefill, and simple kernels in place of the engine's. Same RNG
-//! streams as [`generate`](crate::generate), so the same seed samples from the same uniforms.
+//! cost"): simple kernels in place of the engine's, a prefill only over the prompt positions
+//! every row of a group shares, no prefix sharing. Same RNG streams as
+//! [`generate`](crate::generate), so the same seed samples from the same uniforms.
 
 use crate::kv_cache::KvCache;
 use crate::sampling::{
@@ -56,10 +59,18 @@ fn rows_per_batch(model: &Transformer) -> usize {
     }
 }
 
-/// Rows fed one position a step through the KV-cached forward.
+/// Tokens a prefill forward feeds across its rows at most (bounds its activations).
+const PREFILL_TOKENS: usize = 2048;
+
+/// Logits (elements) a scoring forward returns at most: a prefill's positions are all scored.
+const SCORE_LOGITS: usize = 1 << 25;
+
+/// Rows fed through the KV-cached forward in lockstep: a shared prefix of positions at once,
+/// then one position a step.
 struct Lockstep<'a> {
     model: &'a Transformer,
     cache: KvCache,
+    rows: usize,
 }
 
 impl<'a> Lockstep<'a> {
@@ -67,19 +78,39 @@ impl<'a> Lockstep<'a> {
     fn new(model: &'a Transformer, rows: usize, max_len: usize) -> Self {
         let mut cache = KvCache::new(model.cfg.num_hidden_layers, vec![0; rows]);
         cache.reserve(max_len);
-        Lockstep { model, cache }
+        Lockstep { model, cache, rows }
     }
 
-    /// Feeds one token per row (position `cache.len()`); returns the next-token logits
-    /// `[rows, V]` f32 (f64 for an f64 model).
-    fn step(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        let input = Tensor::from_vec(tokens.to_vec(), (tokens.len(), 1), self.model.device())?;
+    /// Positions to feed next when every row has real tokens up to position `shared`
+    /// (exclusive) and the cache holds `cache.len()`: the rest of that prefix in one forward
+    /// (at most [`PREFILL_TOKENS`] over the rows, and with `scored` at most [`SCORE_LOGITS`]
+    /// logits), else one. Only the batch-invariant forward may feed several: there a
+    /// position's bits do not depend on the positions fed with it.
+    fn span(&self, shared: usize, scored: bool) -> usize {
+        let left = shared.saturating_sub(self.cache.len);
+        if left <= 1 || !rows_invariant_on(self.model) {
+            return 1;
+        }
+        let mut most = PREFILL_TOKENS / self.rows;
+        if scored {
+            most = most.min(SCORE_LOGITS / (self.rows * self.model.cfg.vocab_size).max(1));
+        }
+        left.min(most.max(1))
+    }
+
+    /// Feeds `span` tokens per row (`tokens` row by row; positions `cache.len()..+span`);
+    /// returns the next-token logits `[rows · n, V]` f32 (f64 for an f64 model), row by row,
+    /// of every fed position (`n = span`) or with `last_only` of the last (`n = 1`).
+    fn feed(&mut self, tokens: &[u32], span: usize, last_only: bool) -> Result<Tensor> {
+        let input = Tensor::from_vec(tokens.to_vec(), (self.rows, span), self.model.device())?;
         let logits = if rows_invariant_on(self.model) {
-            self.model.forward_rows_invariant(&input, &mut self.cache)?
+            self.model
+                .forward_rows_invariant(&input, &mut self.cache, last_only)?
         } else {
             self.model.forward(&input, Some(&mut self.cache))?
         };
-        Ok(logits.squeeze(1)?)
+        let v = logits.dim(2)?;
+        Ok(logits.reshape((logits.elem_count() / v, v))?)
     }
 }
 
@@ -132,20 +163,24 @@ pub fn generate_deterministic(
             .max()
             .unwrap_or(0);
         let mut lockstep = Lockstep::new(&model, rows.len(), max_len);
-        for t in 0.. {
-            if rows.iter().all(|r| r.done) {
-                break;
-            }
+        // Every row's prompt covers positions below `shared`: fed in as few forwards as allowed.
+        let shared = rows.iter().map(|r| r.prompt.len()).min().unwrap_or(0);
+        while !rows.iter().all(|r| r.done) {
+            let t0 = lockstep.cache.len;
+            let span = lockstep.span(shared, false);
             let tokens: Vec<u32> = rows
                 .iter()
-                .map(|r| match r.prompt.get(t) {
-                    Some(&p) => p,
-                    None if r.done => r.prompt[0],
-                    None => r.last,
+                .flat_map(|r| {
+                    (t0..t0 + span).map(move |t| match r.prompt.get(t) {
+                        Some(&p) => p,
+                        None if r.done => r.prompt[0],
+                        None => r.last,
+                    })
                 })
                 .collect();
-            let logits = lockstep.step(&tokens)?;
+            let logits = lockstep.feed(&tokens, span, true)?;
             // Rows whose next token is drawn now: past their prompt's last token, not done.
+            let t = t0 + span - 1;
             let drawing: Vec<usize> = (0..rows.len())
                 .filter(|&j| !rows[j].done && t + 1 >= rows[j].prompt.len())
                 .collect();
@@ -204,21 +239,36 @@ pub fn score_deterministic(
     for group in scored.chunks(rows_per_batch(&model)) {
         let max_len = group.iter().map(|&i| seqs[i].len()).max().unwrap_or(0);
         let mut lockstep = Lockstep::new(&model, group.len(), max_len);
-        for t in 0..max_len - 1 {
+        // Positions below `shared` are real in every sequence: fed in as few forwards as allowed.
+        let shared = group
+            .iter()
+            .map(|&i| seqs[i].len())
+            .min()
+            .unwrap_or(0)
+            .min(max_len - 1);
+        while lockstep.cache.len < max_len - 1 {
+            let t0 = lockstep.cache.len;
+            let span = lockstep.span(shared, true);
             // A row past its last scored position feeds a filler; its outputs are dropped.
             let fed: Vec<u32> = group
                 .iter()
-                .map(|&i| seqs[i].get(t).copied().unwrap_or(seqs[i][0]))
+                .flat_map(|&i| {
+                    (t0..t0 + span).map(move |t| seqs[i].get(t).copied().unwrap_or(seqs[i][0]))
+                })
                 .collect();
             let next: Vec<u32> = group
                 .iter()
-                .map(|&i| seqs[i].get(t + 1).copied().unwrap_or(0))
+                .flat_map(|&i| {
+                    (t0 + 1..t0 + span + 1).map(move |t| seqs[i].get(t).copied().unwrap_or(0))
+                })
                 .collect();
-            let logp = sampler_log_softmax(&lockstep.step(&fed)?, temperature)?;
+            let logp = sampler_log_softmax(&lockstep.feed(&fed, span, false)?, temperature)?;
             let lps = chosen_logprobs(&logp, &next)?;
-            for (&i, lp) in group.iter().zip(lps) {
-                if t + 1 < seqs[i].len() {
-                    out[i].push(lp);
+            for (g, &i) in group.iter().enumerate() {
+                for (dt, &lp) in lps[g * span..(g + 1) * span].iter().enumerate() {
+                    if t0 + dt + 1 < seqs[i].len() {
+                        out[i].push(lp);
+                    }
                 }
             }
         }

@@ -319,18 +319,29 @@ impl Transformer {
         self.hidden_states(input_ids, left_pad, cache, differentiable, false)
     }
 
-    /// [`Self::forward`] of one token a row with a cache, every product batch-invariant
-    /// ([`crate::ops::linear_rows_invariant`]) and each row's attention over its own cache row
-    /// alone ([`crate::ops::attend_one_rows_invariant`]): a row's logits, to the bit, do not
-    /// depend on the other rows fed with it — deterministic mode's forward, on the CPU and on
-    /// CUDA (f32, bf16). The rest of the forward is already row by row (norms, RoPE, the
-    /// element-wise ops).
+    /// [`Self::forward`] with an unpadded cache, every product batch-invariant
+    /// ([`crate::ops::linear_rows_invariant`]) and each new query's attention over its own
+    /// cache row alone ([`crate::ops::attend_one_rows_invariant`]): a position's logits, to the
+    /// bit, depend neither on the other rows fed with it nor on how many of its row's tokens
+    /// come in the same call — deterministic mode's forward, on the CPU and on CUDA (f32,
+    /// bf16). The rest of the forward is already row by row (norms, RoPE, the element-wise
+    /// ops). With `last_only`, the logits of each row's last position only (`[B, 1, V]`).
     pub(crate) fn forward_rows_invariant(
         &self,
         input_ids: &Tensor,
         cache: &mut KvCache,
+        last_only: bool,
     ) -> Result<Tensor> {
+        if cache.left_pad.iter().any(|&p| p != 0) {
+            bail!("a batch-invariant forward takes an unpadded KV cache");
+        }
         let h = self.hidden_states(input_ids, None, Some(cache), false, true)?;
+        let h = if last_only {
+            let t = h.dim(1)?;
+            h.narrow(1, t - 1, 1)?
+        } else {
+            h
+        };
         self.widened(self.head_products(&h, Products::RowsInvariant)?)
     }
 

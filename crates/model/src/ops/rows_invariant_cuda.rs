@@ -70,13 +70,14 @@ pub(super) fn rows_linear(
     )
 }
 
-/// One query per row and head, `q` `[rows, hq, d]`, over the first `len` keys of `k`/`v`
-/// `[rows, hkv, len, d]` (read in place: any strides with the last axis contiguous, as the
-/// dense KV cache's narrowed buffers are); `[rows, hq, d]`. The caller checked the shapes.
+/// The `t` queries of each row, `q` `[rows, t, hq, d]`, over the first `keys` of `k`/`v`
+/// `[rows, hkv, keys, d]` causally (query `i` over `keys − t + i + 1`; read in place: any
+/// strides with the last axis contiguous, as the dense KV cache's narrowed buffers are);
+/// `[rows, t, hq, d]`. The caller checked the shapes (`keys ≥ t ≥ 1`, rows ≥ 1).
 pub(super) fn attend_one(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     let dtype = q.dtype();
     let q = q.contiguous()?;
-    let (rows, hq, d) = q.dims3()?;
+    let (rows, t, hq, d) = q.dims4()?;
     let (_, hkv, len, _) = k.dims4()?;
     if k.layout().stride() != v.layout().stride() {
         candle_core::bail!("attend_one_rows_invariant: keys and values laid out differently")
@@ -85,10 +86,16 @@ pub(super) fn attend_one(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resu
     if st[3] != 1 {
         candle_core::bail!("attend_one_rows_invariant: the keys' last axis is not contiguous")
     }
+    if [rows * t * hq, len, d]
+        .iter()
+        .any(|&n| n > i32::MAX as usize)
+    {
+        candle_core::bail!("attend_one_rows_invariant: past the kernel's 32-bit sizes")
+    }
     // The furthest element a block reads past the start (checked against the storages below).
     let reach = (rows - 1) * st[0] + (hkv - 1) * st[1] + (len - 1) * st[2] + d;
     let (s_row, s_head, s_key) = (st[0] as i64, st[1] as i64, st[2] as i64);
-    let ints = [hq as i32, hkv as i32, d as i32, len as i32];
+    let ints = [hq as i32, hkv as i32, d as i32, t as i32, (len - t) as i32];
     let scale = scale as f32;
     let (qg, ql) = q.storage_and_layout();
     let (kg, kl) = k.storage_and_layout();
@@ -101,7 +108,7 @@ pub(super) fn attend_one(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resu
         let qv = view::<T>(qs, ql, "attend_one_rows_invariant q")?;
         let kv = reaching::<T>(ks, kl.start_offset(), reach)?;
         let vv = reaching::<T>(vs, vl.start_offset(), reach)?;
-        let out = alloc::<T>(&dev, rows * hq * d)?;
+        let out = alloc::<T>(&dev, rows * t * hq * d)?;
         let f = dev.get_or_load_custom_func(&kernel_name("attend_one", dtype)?, MODULE, PTX)?;
         let mut b = f.builder();
         b.arg(&qv).arg(&kv).arg(&vv).arg(&out);
@@ -110,18 +117,18 @@ pub(super) fn attend_one(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resu
         }
         b.arg(&s_row).arg(&s_head).arg(&s_key).arg(&scale);
         let cfg = LaunchConfig {
-            grid_dim: ((rows * hq) as u32, 1, 1),
+            grid_dim: ((rows * t * hq) as u32, 1, 1),
             block_dim: (32 * ATTEND_WARPS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match the kernel's signature; every key and value the blocks
-        // read lies within `reach` of the views' starts (checked above), q holds rows·hq·d.
+        // read lies within `reach` of the views' starts (checked above), q holds rows·t·hq·d.
         unsafe { b.launch(cfg) }.w()?;
         T::wrap_cuda_slice(out, dev.clone())
     });
     Ok(Tensor::from_storage(
         Storage::Cuda(out),
-        Shape::from((rows, hq, d)),
+        Shape::from((rows, t, hq, d)),
         BackpropOp::none(),
         false,
     ))

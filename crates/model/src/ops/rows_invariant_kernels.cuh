@@ -45,21 +45,24 @@ __device__ void rows_linear(const T* __restrict__ x, const T* __restrict__ w, T*
 // Largest head_dim: a lane holds RA_MAX_D / 32 query and accumulator values.
 #define RA_MAX_D 256
 
-// out [rows, hq, d] = softmax(q·Kᵀ·scale)·V for one query per row and head (GQA: head h reads KV
-// head h / (hq / hkv)) over the row's first `len` keys; element (row, kv head, key j, e) of k and
-// v lies at row·s_row + head·s_head + j·s_key + e (the dense KV cache read in place). One block
-// per (row, head): warp w takes keys w, w + RA_WARPS, … in order with an online softmax in f32
-// (scores by lanes over head_dim, butterfly-summed), and warp 0 merges the warps in warp order.
+// out [rows, t_q, hq, d] = softmax(q·Kᵀ·scale)·V for the t_q queries of each row, causally: query
+// i of a row (at position past + i) attends to the row's first past + i + 1 keys (GQA: head h
+// reads KV head h / (hq / hkv)); element (row, kv head, key j, e) of k and v lies at
+// row·s_row + head·s_head + j·s_key + e (the dense KV cache read in place). One block per
+// (query, head): warp w takes keys w, w + RA_WARPS, … in order with an online softmax in f32
+// (scores by lanes over head_dim, butterfly-summed), and warp 0 merges the warps in warp order —
+// so a query's bits depend on its own q, keys and values only, not on t_q, past or the rows.
 template <typename T>
 __device__ void attend_one(const T* __restrict__ q, const T* __restrict__ k,
                            const T* __restrict__ v, T* __restrict__ out, int hq, int hkv, int d,
-                           int len, long long s_row, long long s_head, long long s_key,
-                           float scale) {
+                           int t_q, int past, long long s_row, long long s_head,
+                           long long s_key, float scale) {
   constexpr int PER = RA_MAX_D / 32;
   __shared__ float red_m[RA_WARPS], red_l[RA_WARPS];
   __shared__ float red_o[RA_WARPS][RA_MAX_D];
-  const int bh = blockIdx.x;  // row · hq + head
-  const int row = bh / hq, head = bh % hq;
+  const int bh = blockIdx.x;  // (row · t_q + query) · hq + head
+  const int query = bh / hq, head = bh % hq;
+  const int row = query / t_q, len = past + query % t_q + 1;
   const int kvh = head / (hq / hkv);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float qv[PER], acc[PER];
@@ -132,9 +135,9 @@ __device__ void attend_one(const T* __restrict__ q, const T* __restrict__ k,
     rows_linear<T>(x, w, y, m, n, k);                                                           \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(32 * RA_WARPS) attend_one_##SFX(                 \
-      const T* q, const T* k, const T* v, T* out, int hq, int hkv, int d, int len,              \
+      const T* q, const T* k, const T* v, T* out, int hq, int hkv, int d, int t_q, int past,     \
       long long s_row, long long s_head, long long s_key, float scale) {                        \
-    attend_one<T>(q, k, v, out, hq, hkv, d, len, s_row, s_head, s_key, scale);                  \
+    attend_one<T>(q, k, v, out, hq, hkv, d, t_q, past, s_row, s_head, s_key, scale);            \
   }
 RI_INSTANTIATE(float, f32)
 RI_INSTANTIATE(bf16, bf16)

@@ -9,7 +9,7 @@ use crate::kv_cache::LayerKv;
 use crate::lora_adapter::LoraAdapter;
 use crate::ops::{decode_product, DecodeEpilogue, InputNorm, SplitCounters};
 use crate::paged_kv::{PagedStep, PoolLayer};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 
 /// Which implementation of the non-matmul ops a forward uses.
@@ -311,14 +311,13 @@ impl Attention {
             None => (k, v),
         };
         if ctx.rows_invariant {
-            // Deterministic mode: each row's one query over its own cache, alone.
-            if t != 1 || ctx.mask.is_some() {
-                bail!("a batch-invariant forward feeds one token a row, unpadded (got {t})");
-            }
-            let out = crate::ops::attend_one_rows_invariant(&q.reshape((b, nh, hd))?, &k, &v)?;
+            // Deterministic mode: each new query over its own row's cache, causally, alone (the
+            // mask is not needed: the lockstep's rows are unpadded).
+            let q = q.transpose(1, 2)?; // [B, T, nh, hd]
+            let out = crate::ops::attend_one_rows_invariant(&q, &k, &v)?;
             return self
                 .o_proj
-                .forward_with(&out.reshape((b, 1, nh * hd))?, ctx.products());
+                .forward_with(&out.reshape((b, t, nh * hd))?, ctx.products());
         }
         let tk = k.dim(2)?;
         let n_rep = nh / nkv;
