@@ -36,8 +36,13 @@ use crate::transformer::Transformer;
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 
-/// Rows fed together (bounds the lockstep caches' memory; any grouping gives the same bits).
+/// Rows fed together at most (any grouping gives the same bits).
 const LOCKSTEP_ROWS: usize = 64;
+
+/// KV cache bytes a lockstep group may reserve (its rows' dense caches, each sized for the
+/// longest sequence): fewer rows a group when longer sequences or a larger model need more
+/// (a 7B in bf16 at 4,096 positions: ~235 MB a row, 18 rows).
+const LOCKSTEP_KV_BYTES: usize = 4 << 30;
 
 /// Whether [`Transformer::forward_rows_invariant`] serves `model`: on the CPU, and on CUDA in
 /// f32 or bf16 with head_dim ≤ 256 (its kernels'). There rows share a lockstep batch;
@@ -50,13 +55,25 @@ fn rows_invariant_on(model: &Transformer) -> bool {
             && model.cfg.head_dim <= 256)
 }
 
-/// Rows that may share a lockstep batch on `model`'s device.
-fn rows_per_batch(model: &Transformer) -> usize {
-    if rows_invariant_on(model) {
-        LOCKSTEP_ROWS
-    } else {
-        1
+/// Rows that may share a lockstep batch on `model`'s device when the longest sequence has
+/// `max_len` positions: up to [`LOCKSTEP_ROWS`] within [`LOCKSTEP_KV_BYTES`], at least one.
+fn rows_per_batch(model: &Transformer, max_len: usize) -> usize {
+    if !rows_invariant_on(model) {
+        return 1;
     }
+    let c = &model.cfg;
+    let per_position = 2
+        * c.num_hidden_layers
+        * c.num_key_value_heads
+        * c.head_dim
+        * model.dtype().size_in_bytes();
+    rows_within(per_position, max_len)
+}
+
+/// Rows whose caches of `max_len` positions at `per_position` bytes fit [`LOCKSTEP_KV_BYTES`]
+/// (between 1 and [`LOCKSTEP_ROWS`]).
+fn rows_within(per_position: usize, max_len: usize) -> usize {
+    (LOCKSTEP_KV_BYTES / per_position.saturating_mul(max_len).max(1)).clamp(1, LOCKSTEP_ROWS)
 }
 
 /// Tokens a prefill forward feeds across its rows at most (bounds its activations).
@@ -147,7 +164,12 @@ pub fn generate_deterministic(
         .enumerate()
         .flat_map(|(i, r)| (0..r.num_samples).map(move |s| (i, s)))
         .collect();
-    for group in all.chunks(rows_per_batch(&model)) {
+    let longest = requests
+        .iter()
+        .map(|r| (r.prompt_ids.len() + params.max_new_tokens).min(max_pos))
+        .max()
+        .unwrap_or(0);
+    for group in all.chunks(rows_per_batch(&model, longest)) {
         let mut rows: Vec<Row> = group
             .iter()
             .map(|&(i, s)| Row {
@@ -236,7 +258,8 @@ pub fn score_deterministic(
         .collect();
     // Only sequences with a next token to score take a row.
     let scored: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].len() >= 2).collect();
-    for group in scored.chunks(rows_per_batch(&model)) {
+    let longest = seqs.iter().map(Vec::len).max().unwrap_or(0);
+    for group in scored.chunks(rows_per_batch(&model, longest)) {
         let max_len = group.iter().map(|&i| seqs[i].len()).max().unwrap_or(0);
         let mut lockstep = Lockstep::new(&model, group.len(), max_len);
         // Positions below `shared` are real in every sequence: fed in as few forwards as allowed.
@@ -274,4 +297,20 @@ pub fn score_deterministic(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lockstep group's dense caches stay within their budget: Qwen2.5-7B in bf16 (28
+    /// layers × 4 KV heads × 128) at 4,096 positions takes 18 rows, Qwen2.5-0.5B (24 × 2 × 64)
+    /// all 64, and a sequence too long for even one row still gets one.
+    #[test]
+    fn lockstep_groups_fit_the_kv_budget() {
+        assert_eq!(rows_within(2 * 28 * 4 * 128 * 2, 4096), 18);
+        assert_eq!(rows_within(2 * 24 * 2 * 64 * 2, 4096), 64);
+        assert_eq!(rows_within(2 * 28 * 4 * 128 * 2, 1 << 20), 1);
+        assert_eq!(rows_within(0, 0), 64);
+    }
 }

@@ -40,9 +40,9 @@ pub struct SamplingParams {
     pub max_new_tokens: usize,
     /// Token ids that end a sample (included in its completion). None = the model's EOS ids.
     pub stop_token_ids: Option<Vec<u32>>,
-    /// Batch-invariant decoding ([`crate::deterministic`]): one token a step, prompts
-    /// included; on the CPU the samples together through batch-invariant products, elsewhere
-    /// each alone; its log-probs equal [`crate::score_deterministic`]'s bitwise. Slower.
+    /// Batch-invariant decoding ([`crate::deterministic`]): the samples in lockstep through
+    /// batch-invariant products and attention (CPU; CUDA in f32/bf16; elsewhere each alone,
+    /// one token a step); its log-probs equal [`crate::score_deterministic`]'s bitwise. Slower.
     #[serde(default)]
     pub deterministic: bool,
     /// Scheduler knobs (batch size and KV token budget limits, prefill chunk); the default

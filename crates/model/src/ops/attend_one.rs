@@ -6,8 +6,9 @@
 //! products) does not promise that on CUDA, where cuBLAS picks its kernels by the whole
 //! batched shape. On CUDA the `attend_one` kernel (`rows_invariant_kernels.cuh`: keys dealt to
 //! eight warps, online softmax, warps merged in order); on the CPU an exact two-pass softmax per
-//! (query, head) — its twin, tested in CI by deterministic mode's bitwise tests. Inference only
-//! (no backward).
+//! (query, head) — its twin in what it computes and guarantees (not in its bits: the two sum in
+//! different orders, so the guarantee holds on each device), tested in CI by deterministic
+//! mode's bitwise tests. Inference only (no backward).
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Storage, Tensor};
@@ -45,6 +46,14 @@ pub fn attend_one_rows_invariant(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<T
             v.dims()
         );
     }
+    if !k.device().same_device(q.device()) || !v.device().same_device(q.device()) {
+        bail!(
+            "{OP}: q on {:?}, keys on {:?}, values on {:?}: one device",
+            q.device(),
+            k.device(),
+            v.device()
+        );
+    }
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         bail!(
             "{OP}: q {:?}, keys {:?}, values {:?}: one dtype",
@@ -66,7 +75,6 @@ pub fn attend_one_rows_invariant(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<T
     if !q.device().is_cpu() {
         bail!("{OP}: {:?} has no kernel (CPU and CUDA only)", q.device());
     }
-    let (k, v) = (k.contiguous()?, v.contiguous()?);
     let shape = Shapes {
         t,
         hq,
@@ -76,10 +84,10 @@ pub fn attend_one_rows_invariant(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<T
         scale,
     };
     let out = match q.dtype() {
-        DType::F32 => cpu::<f32, f32>(q, &k, &v, &shape, |x| x, |x| x)?,
-        DType::F64 => cpu::<f64, f64>(q, &k, &v, &shape, |x| x, |x| x)?,
-        DType::BF16 => cpu::<bf16, f32>(q, &k, &v, &shape, bf16::to_f32, bf16::from_f32)?,
-        DType::F16 => cpu::<f16, f32>(q, &k, &v, &shape, f16::to_f32, f16::from_f32)?,
+        DType::F32 => cpu::<f32, f32>(q, k, v, &shape, |x| x, |x| x)?,
+        DType::F64 => cpu::<f64, f64>(q, k, v, &shape, |x| x, |x| x)?,
+        DType::BF16 => cpu::<bf16, f32>(q, k, v, &shape, bf16::to_f32, bf16::from_f32)?,
+        DType::F16 => cpu::<f16, f32>(q, k, v, &shape, f16::to_f32, f16::from_f32)?,
         other => bail!("{OP}: dtype {other:?} is not a float"),
     };
     Ok(out.reshape((rows, t, hq, d))?)

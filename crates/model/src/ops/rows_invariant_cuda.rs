@@ -79,13 +79,13 @@ pub(super) fn attend_one(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resu
     let q = q.contiguous()?;
     let (rows, t, hq, d) = q.dims4()?;
     let (_, hkv, len, _) = k.dims4()?;
-    if k.layout().stride() != v.layout().stride() {
-        candle_core::bail!("attend_one_rows_invariant: keys and values laid out differently")
-    }
+    // The kernel reads keys and values through one set of strides, rows of head_dim in place.
+    let (k, v) = if k.layout().stride()[3] == 1 && k.layout().stride() == v.layout().stride() {
+        (k.clone(), v.clone())
+    } else {
+        (k.contiguous()?, v.contiguous()?)
+    };
     let st = k.layout().stride();
-    if st[3] != 1 {
-        candle_core::bail!("attend_one_rows_invariant: the keys' last axis is not contiguous")
-    }
     if [rows * t * hq, len, d]
         .iter()
         .any(|&n| n > i32::MAX as usize)

@@ -35,7 +35,7 @@ pub(super) enum Products {
     /// As `Plain`, LoRA dropout active: a training forward.
     Train,
     /// [`crate::ops::linear_rows_invariant`] for the base and the adapters: every row's bits
-    /// independent of the batch (deterministic mode on the CPU).
+    /// independent of the batch (deterministic mode).
     RowsInvariant,
 }
 
