@@ -164,9 +164,11 @@ pub fn generate_deterministic(
         .enumerate()
         .flat_map(|(i, r)| (0..r.num_samples).map(move |s| (i, s)))
         .collect();
+    // Positions a sample may reach: its prompt and new tokens, within the context.
+    let positions = |prompt: &[u32]| (prompt.len() + params.max_new_tokens).min(max_pos);
     let longest = requests
         .iter()
-        .map(|r| (r.prompt_ids.len() + params.max_new_tokens).min(max_pos))
+        .map(|r| positions(&r.prompt_ids))
         .max()
         .unwrap_or(0);
     for group in all.chunks(rows_per_batch(&model, longest)) {
@@ -179,11 +181,7 @@ pub fn generate_deterministic(
                 done: false,
             })
             .collect();
-        let max_len = rows
-            .iter()
-            .map(|r| (r.prompt.len() + params.max_new_tokens).min(max_pos))
-            .max()
-            .unwrap_or(0);
+        let max_len = rows.iter().map(|r| positions(r.prompt)).max().unwrap_or(0);
         let mut lockstep = Lockstep::new(&model, rows.len(), max_len);
         // Every row's prompt covers positions below `shared`: fed in as few forwards as allowed.
         let shared = rows.iter().map(|r| r.prompt.len()).min().unwrap_or(0);

@@ -69,6 +69,14 @@ pub fn attend_one_rows_invariant(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<T
         bail!("{OP}: {t} queries a row but {len} keys (the queries' own keys are in the cache)");
     }
     let scale = 1.0 / (d as f64).sqrt();
+    // Both versions read keys and values in place through one set of strides, rows of
+    // head_dim contiguous (the dense cache's narrowed buffers are); anything else is copied.
+    let (k, v) = if k.layout().stride()[3] == 1 && k.layout().stride() == v.layout().stride() {
+        (k.clone(), v.clone())
+    } else {
+        (k.contiguous()?, v.contiguous()?)
+    };
+    let (k, v) = (&k, &v);
     if q.device().is_cuda() {
         return cuda(q, k, v, scale);
     }
@@ -121,7 +129,7 @@ struct Shapes {
 /// The CPU version for storage type `T` summed in `A`: per (row, KV head) — its queries and
 /// query heads together, each key widened once — a query's scores by [`super::dot`] over its
 /// keys, their max, `p = exp(s − max)`, then `Σ p·v / Σ p` in key order. The cache is read in
-/// place through its strides.
+/// place through its strides (k and v share them, rows contiguous: the caller's).
 fn cpu<T, A>(
     q: &Tensor,
     k: &Tensor,
@@ -136,11 +144,6 @@ where
 {
     const OP: &str = "attend_one_rows_invariant";
     let qs: Vec<A> = super::with_slice::<T, _>(q, OP, |x| x.iter().map(|&e| widen(e)).collect())?;
-    let (k, v) = if k.layout().stride()[3] == 1 && k.layout().stride() == v.layout().stride() {
-        (k.clone(), v.clone())
-    } else {
-        (k.contiguous()?, v.contiguous()?)
-    };
     let (kg, kl) = k.storage_and_layout();
     let (vg, vl) = v.storage_and_layout();
     let (Storage::Cpu(ks), Storage::Cpu(vs)) = (&*kg, &*vg) else {

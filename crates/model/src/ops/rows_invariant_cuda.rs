@@ -71,20 +71,16 @@ pub(super) fn rows_linear(
 }
 
 /// The `t` queries of each row, `q` `[rows, t, hq, d]`, over the first `keys` of `k`/`v`
-/// `[rows, hkv, keys, d]` causally (query `i` over `keys − t + i + 1`; read in place: any
-/// strides with the last axis contiguous, as the dense KV cache's narrowed buffers are);
-/// `[rows, t, hq, d]`. The caller checked the shapes (`keys ≥ t ≥ 1`, rows ≥ 1).
+/// `[rows, hkv, keys, d]` causally (query `i` over `keys − t + i + 1`; read in place through
+/// strides k and v share, the last axis contiguous, as the dense KV cache's narrowed buffers
+/// are); `[rows, t, hq, d]`. The caller checked the shapes (`keys ≥ t ≥ 1`, rows ≥ 1) and
+/// the layout.
 pub(super) fn attend_one(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     let dtype = q.dtype();
     let q = q.contiguous()?;
     let (rows, t, hq, d) = q.dims4()?;
     let (_, hkv, len, _) = k.dims4()?;
-    // The kernel reads keys and values through one set of strides, rows of head_dim in place.
-    let (k, v) = if k.layout().stride()[3] == 1 && k.layout().stride() == v.layout().stride() {
-        (k.clone(), v.clone())
-    } else {
-        (k.contiguous()?, v.contiguous()?)
-    };
+    // The kernel reads keys and values through k's strides (the caller gave both one layout).
     let st = k.layout().stride();
     if [rows * t * hq, len, d]
         .iter()
