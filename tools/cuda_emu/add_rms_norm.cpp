@@ -37,7 +37,7 @@ int run(int rows, int d, unsigned seed) {
     for (int i = 0; i < d; i++) {
       const double got_s = back(out[r * d + i]), got_y = back(out[rows * d + r * d + i]);
       const double want_y = s[i] * inv * back(w[i]);
-      worst = std::max({worst, std::abs(got_s - s[i]) / std::max(1.0, std::abs(s[i])),
+      worst = worst_of({worst, std::abs(got_s - s[i]) / std::max(1.0, std::abs(s[i])),
                         std::abs(got_y - want_y) / std::max(1.0, std::abs(want_y))});
     }
   }

@@ -145,7 +145,7 @@ int run(const Case& c, unsigned seed) {
           want = dot(x, w, c.k, r, j, nw);
           if (c.residual) want = round_bf16(want) + f(res[(size_t)r * c.n + j]);
         }
-        worst = std::max(worst, rel(f(y[(size_t)r * out_cols + j]), want));
+        worst = worst_of(worst, rel(f(y[(size_t)r * out_cols + j]), want));
       }
     // bf16 outputs: 2⁻⁸ of rounding (a dropped stage or split is off by far more).
     const bool ok = worst <= 1e-2 && l.zeroed();
@@ -210,7 +210,7 @@ int run_qkv(const QkvCase& c, unsigned seed) {
           } else {
             got = &pool[((size_t)c.slot_count + slots[r]) * width + (size_t)(head - c.nh - c.nkv) * c.d];
           }
-          worst = std::max({worst, rel(f(got[j]), x1), rel(f(got[j + half]), x2)});
+          worst = worst_of({worst, rel(f(got[j]), x1), rel(f(got[j + half]), x2)});
         }
     }
     int touched = 0;  // slots no row owns must keep their values

@@ -69,7 +69,7 @@ int run(int n, int vocab, int h, int hot, unsigned seed) {
         }
       // f32 sums of up to n terms; bf16 also rounds the result to 8 bits.
       const double err = std::abs(back(dw[(size_t)v * h + c]) - want);
-      worst = std::max(worst, err / std::max(1.0, f32 ? scale : std::abs(want)));
+      worst = worst_of(worst, err / std::max(1.0, f32 ? scale : std::abs(want)));
     }
   const double tol = f32 ? 1e-6 : 8e-3;
   const bool ok = worst <= tol;

@@ -42,7 +42,7 @@ int run(int rows, int v, int w, double t, bool spike, unsigned seed) {
     double s = 0, sx = 0;
     for (int j = 0; j < v; j++) { double e = std::exp(x[j] - m); s += e; sx += e * x[j]; }
     const double lse = m + std::log(s), h = lse - sx / s;
-    worst_stat = std::max({worst_stat, std::abs(stats[2 * r] - lse), std::abs(stats[2 * r + 1] - h)});
+    worst_stat = worst_of({worst_stat, std::abs(stats[2 * r] - lse), std::abs(stats[2 * r + 1] - h)});
     double gs = 0;
     for (int k = 0; k < w; k++) gs += grad[r * (w + 1) + k];
     const double ge = grad[r * (w + 1) + w];
@@ -55,7 +55,7 @@ int run(int rows, int v, int w, double t, bool spike, unsigned seed) {
     for (int j = 0; j < v; j++) {
       const double d = back(dz[r * v + j]) - want[j] / t;
       num += d * d; den += want[j] / t * want[j] / t;
-      worst_abs = std::max(worst_abs, std::abs(d));
+      worst_abs = worst_of(worst_abs, std::abs(d));
     }
   }
   const double rel = std::sqrt(num / std::max(den, 1e-300));

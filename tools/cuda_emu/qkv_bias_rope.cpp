@@ -50,7 +50,7 @@ int run(int rows, int nh, int nkv, int d, bool bias, unsigned blocks, unsigned s
             y1 = x1 * c - x2 * s;
             y2 = x2 * c + x1 * s;
           }
-          worst = std::max({worst, std::abs(back(out[off + base + i]) - y1) / std::max(1.0, std::abs(y1)),
+          worst = worst_of({worst, std::abs(back(out[off + base + i]) - y1) / std::max(1.0, std::abs(y1)),
                             std::abs(back(out[off + base + i + half]) - y2) / std::max(1.0, std::abs(y2))});
         }
     off += (size_t)rows * heads * d;

@@ -48,13 +48,13 @@ int run(int rows, int d, bool misaligned, unsigned seed) {
     for (int i = 0; i < d; i++) {
       const double xv = back(x[r * d + i]), gv = back(g[r * d + i]);
       const double want = rr * gv * back(w[i]) - xv * c;
-      worst_dx = std::max(worst_dx, std::abs(back(dx[r * d + i]) - want) / std::max(1.0, std::abs(want)));
+      worst_dx = worst_of(worst_dx, std::abs(back(dx[r * d + i]) - want) / std::max(1.0, std::abs(want)));
       want_dw[i] += gv * xv * rr;
       scale_dw[i] += std::abs(gv * xv * rr);
     }
   }
   for (int i = 0; i < d; i++)
-    worst_dw = std::max(worst_dw, std::abs(back(dw[i]) - want_dw[i]) / std::max(1.0, f32 ? scale_dw[i] : std::abs(want_dw[i])));
+    worst_dw = worst_of(worst_dw, std::abs(back(dw[i]) - want_dw[i]) / std::max(1.0, f32 ? scale_dw[i] : std::abs(want_dw[i])));
   const double tol = f32 ? 1e-5 : 1e-2;
   const bool ok = worst_dx <= tol && worst_dw <= tol;
   std::printf("%s rows %d d %d%s (%ld blocks of %d warps): worst dx %.2e dw %.2e %s\n", f32 ? "f32 " : "bf16", rows, d,

@@ -38,7 +38,7 @@ int run(int b, int t, int h, int d, int heads_major, float sign, unsigned blocks
         const double c = back(cos[tok * half + i]), s = sign * back(sin[tok * half + i]);
         const double x1 = back(x[xb + i]), x2 = back(x[xb + i + half]);
         const double w1 = x1 * c - x2 * s, w2 = x2 * c + x1 * s;
-        worst = std::max({worst, std::abs(back(y[yb + i]) - w1), std::abs(back(y[yb + i + half]) - w2)});
+        worst = worst_of({worst, std::abs(back(y[yb + i]) - w1), std::abs(back(y[yb + i + half]) - w2)});
       }
     }
   const bool f32 = sizeof(T) == 4;

@@ -32,7 +32,7 @@ trap 'rm -rf "$work"' EXIT
 # the launch's buffer (emu.h) instead of `extern __shared__`, which a host compiler cannot give.
 # attention_tc_kernels.cuh, which attention_kernels.cu includes, is rewritten under its own name
 # in the work directory (searched before the sources' directory).
-for src in attention_kernels.cu decode_kernels.cu kernels.cu attention_tc_kernels.cuh decode_tc_kernels.cuh decode_gemm_kernels.cuh rows_invariant_kernels.cuh embedding_kernels.cuh linear_kernels.cuh; do
+for src in attention_kernels.cu decode_kernels.cu kernels.cu attention_tc_kernels.cuh decode_tc_kernels.cuh decode_gemm_kernels.cuh rows_invariant_kernels.cuh sample_kernels.cuh head_kernels.cuh embedding_kernels.cuh linear_kernels.cuh; do
   case "$src" in *.cu) out="${src%.cu}_emu.cu" ;; *) out="$src" ;; esac
   sed -E 's/extern __shared__ float ([A-Za-z_][A-Za-z0-9_]*)\[\];/float* \1 = emu_dynamic_smem;/' \
     "$ops/$src" >"$work/$out"

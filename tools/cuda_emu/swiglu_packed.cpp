@@ -30,7 +30,7 @@ int run(int rows, int inter, unsigned blocks, unsigned seed) {
     for (int j = 0; j < inter; j++) {
       const double g = back(gu[(size_t)r * 2 * inter + j]), u = back(gu[(size_t)r * 2 * inter + inter + j]);
       const double want = g / (1.0 + std::exp(-g)) * u;
-      worst = std::max(worst, std::abs(back(y[(size_t)r * inter + j]) - want) / std::max(1.0, std::abs(want)));
+      worst = worst_of(worst, std::abs(back(y[(size_t)r * inter + j]) - want) / std::max(1.0, std::abs(want)));
     }
   const bool f32 = sizeof(T) == 4;
   const bool ok = worst <= (f32 ? 1e-6 : 1e-2);
@@ -63,7 +63,7 @@ int run_op(size_t n, unsigned blocks, size_t offset, unsigned seed) {
   auto rel = [](double got, double want) { return std::abs(got - want) / std::max(1.0, std::abs(want)); };
   for (size_t i = 0; i < n; i++) {
     const double gv = back(pg[i]), uv = back(pu[i]), d = back(pd[i]), s = 1.0 / (1.0 + std::exp(-gv));
-    worst = std::max({worst, rel(back(py[i]), gv * s * uv), rel(back(po[i]), d * uv * s * (1 + gv * (1 - s))),
+    worst = worst_of({worst, rel(back(py[i]), gv * s * uv), rel(back(po[i]), d * uv * s * (1 + gv * (1 - s))),
                       rel(back(po[n + i]), d * gv * s)});
   }
   const bool f32 = sizeof(T) == 4;

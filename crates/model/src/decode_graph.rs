@@ -48,6 +48,9 @@ struct Bucket {
     /// u32 `[rows · (4 + width)]`: ids, positions, slots and lengths `[rows]` each, then the
     /// block tables `[rows, width]`.
     inputs: Tensor,
+    /// u32 `[rows · kv_heads]`, zeros between launches: the paged attention counts each row's
+    /// chunks done here ([`PagedLayout::with_device_tables`]); the graph replays its pointer.
+    split_counters: Tensor,
     #[cfg(feature = "cuda")]
     graph: Option<candle_core::cuda_backend::cudarc::driver::CudaGraph>,
 }
@@ -177,6 +180,11 @@ impl DecodeGraphs {
             std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::btree_map::Entry::Vacant(e) => e.insert(Bucket {
                 inputs: Tensor::zeros(n * (4 + w), DType::U32, device)?,
+                split_counters: Tensor::zeros(
+                    n * model.cfg.num_key_value_heads,
+                    DType::U32,
+                    device,
+                )?,
                 #[cfg(feature = "cuda")]
                 graph: None,
             }),
@@ -194,8 +202,11 @@ impl DecodeGraphs {
         let step = PagedStep {
             slots: KvSlots::with_device(part(2), view(2)?)?,
             layout: PagedLayout::new(bs, table_rows, lens)?.with_device_tables(
-                bucket.inputs.narrow(0, 4 * n, n * w)?.reshape((n, w))?,
-                view(3)?,
+                (
+                    bucket.inputs.narrow(0, 4 * n, n * w)?.reshape((n, w))?,
+                    view(3)?,
+                    bucket.split_counters.clone(),
+                ),
                 w * bs,
             )?,
         };

@@ -26,6 +26,17 @@ __device__ __forceinline__ unsigned dynamic_smem_bytes() {
 __device__ unsigned dynamic_smem_bytes();
 #endif
 
+#ifdef __CUDA_ARCH__
+// A load that bypasses L1 (another block wrote the value; L1 is not coherent across SMs).
+__device__ __forceinline__ float4 ld_cg_f4(const float* p) {
+  return __ldcg(reinterpret_cast<const float4*>(p));
+}
+__device__ __forceinline__ float ld_cg_f1(const float* p) { return __ldcg(p); }
+#else
+__device__ float4 ld_cg_f4(const float* p);
+__device__ float ld_cg_f1(const float* p);
+#endif
+
 // Butterfly reductions over a warp: every lane gets the same value (a + b == b + a in floating
 // point, so the result does not depend on the lane).
 __device__ __forceinline__ float warp_sum(float v) {

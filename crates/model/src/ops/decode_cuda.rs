@@ -21,14 +21,16 @@ const MODULE: &str = "composer_model_decode";
 /// `[slots, hkv, d]` read in place through `tables` (u32 `[rows, max_blocks]`) and `lens`
 /// (u32 `[rows]`), both on q's device. The caller checked the shapes and that every slot
 /// the tables reach lies inside the pools. With more than one chunk of keys per row
-/// (`plan.splits > 1`), each chunk's partial sums go to an f32 workspace and a second kernel
-/// merges them. bf16 at head_dim 64/128 with ≤ 16 query heads per KV head runs the
-/// tensor-core kernel (`decode_tc_kernels.cuh`; same chunks, same partials).
+/// (`plan.splits > 1`), each chunk's partial sums go to an f32 workspace and the last block of
+/// a (row, KV head) to finish merges them, counting arrivals in `counters` (u32, at least
+/// `rows · hkv`, zero before and after: see [`super::PagedLayout::with_device_tables`]). bf16
+/// at head_dim 64/128 with ≤ 16 query heads per KV head runs the tensor-core kernel
+/// (`decode_tc_kernels.cuh`; same chunks, same partials, same merge).
 pub(super) fn paged_decode(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
-    (tables, lens): (&Tensor, &Tensor),
+    (tables, lens, counters): (&Tensor, &Tensor, &Tensor),
     plan: &DecodePlan,
     scale: f64,
 ) -> Result<CudaStorage> {
@@ -44,6 +46,17 @@ pub(super) fn paged_decode(
     };
     let tv = view::<u32>(ts, tl, "paged attention tables")?;
     let lv = view::<u32>(ls, ll, "paged attention lengths")?;
+    if counters.dims1()? < rows * hkv {
+        candle_core::bail!(
+            "paged attention: {} split counters for {rows} rows of {hkv} KV heads",
+            counters.dims1()?
+        )
+    }
+    let (cg, cl) = counters.storage_and_layout();
+    let Storage::Cuda(cs) = &*cg else {
+        candle_core::bail!("paged attention: the split counters are not on the CUDA device")
+    };
+    let cv = view::<u32>(cs, cl, "paged attention split counters")?;
     let ints = [
         hq as i32,
         hkv as i32,
@@ -83,6 +96,7 @@ pub(super) fn paged_decode(
             Some((o, m, l)) => b.arg(o).arg(m).arg(l),
             None => b.arg(&null).arg(&null).arg(&null),
         };
+        b.arg(&cv);
         for x in &ints {
             b.arg(x);
         }
@@ -97,27 +111,10 @@ pub(super) fn paged_decode(
             shared_mem_bytes: shared_bytes as u32,
         };
         // SAFETY: the arguments match the kernel's signature; the partial buffers are null
-        // only when splits == 1 (the kernel then writes `out` directly); every slot the
+        // only when splits == 1 (the kernel then writes `out` directly, and reads no
+        // counter); the counters hold rows · hkv words, zero between launches; every slot the
         // tables reach was checked against the pools' length by the caller.
         unsafe { b.launch(cfg) }.w()?;
-        if let Some((o, m, l)) = &parts {
-            let f = dev.get_or_load_custom_func(
-                &kernel_name("paged_decode_combine", dtype)?,
-                MODULE,
-                PTX,
-            )?;
-            let mut b = f.builder();
-            b.arg(o).arg(m).arg(l).arg(&lv).arg(&out);
-            b.arg(&ints[0]).arg(&ints[2]).arg(&ints[5]).arg(&ints[6]);
-            let cfg = LaunchConfig {
-                grid_dim: ((rows * hq) as u32, 1, 1),
-                block_dim: ((d.div_ceil(32) * 32) as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: the arguments match the kernel's signature; the first kernel wrote the
-            // partials of every chunk the combine reads (those below each row's length).
-            unsafe { b.launch(cfg) }.w()?;
-        }
         Ok(T::wrap_cuda_slice(out, dev))
     })
 }
@@ -135,7 +132,7 @@ const SAMPLE_PART: usize = 4096;
 
 /// Draws one token per row of `logits` `[rows, V]` (f32 or bf16, on the CUDA device) at
 /// temperature `1 / inv_t` from what `filter` keeps, by inverse CDF at `uniforms[row]` (the CPU
-/// sampler's draw, see the sampling kernels in decode_kernels.cu); returns the tokens and
+/// sampler's draw, see the sampling kernels in sample_kernels.cuh); returns the tokens and
 /// their log-probs. Without top-k and top-p, three launches over parts of every row; with
 /// them, one block per row. Only `rows` uniforms go to the device and `rows` tokens and
 /// log-probs come back.

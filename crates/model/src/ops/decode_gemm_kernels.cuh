@@ -38,17 +38,6 @@
 // Columns of the f32 result tile in shared memory (padded).
 #define SG_TILE_PITCH (SG_NT + 4)
 
-#ifdef __CUDA_ARCH__
-// A load that bypasses L1 (another block wrote the value; L1 is not coherent across SMs).
-__device__ __forceinline__ float4 ld_cg_f4(const float* p) {
-  return __ldcg(reinterpret_cast<const float4*>(p));
-}
-__device__ __forceinline__ float ld_cg_f1(const float* p) { return __ldcg(p); }
-#else
-__device__ float4 ld_cg_f4(const float* p);
-__device__ float ld_cg_f1(const float* p);
-#endif
-
 // The epilogues: each gives the weight row of a block's local row r (0 .. SG_NT − 1) and
 // writes the block's result from the f32 tile t [MR][SG_TILE_PITCH] in shared memory (rows
 // past m are not read).

@@ -5,7 +5,7 @@
 use std::sync::OnceLock;
 
 /// Keys one block of the CUDA kernel scores at most (a row's keys split into chunks of this
-/// many or fewer, merged by a second kernel when a row has more than one).
+/// many or fewer, merged by the last of its blocks to finish when a row has more than one).
 pub(crate) const DECODE_CHUNK: usize = 256;
 
 /// The smaller chunks the CUDA kernel may use: to fit shared memory, or to give a step with

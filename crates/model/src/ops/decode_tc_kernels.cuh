@@ -1,6 +1,6 @@
 // The paged decode attention on tensor cores (bf16, head_dim D = 64 or 128, up to 16 query
 // heads per KV head): the contract of paged_decode in decode_kernels.cu, which includes this
-// file (one PTX module), and the same partials for paged_decode_combine. The group's query
+// file (one PTX module), and the same partials, merged by merge_chunks_if_last. The group's query
 // heads are the 16 rows of an mma.sync m16n8k16 A operand (rows past n_rep zero), so the
 // scores of a tile of keys for every head of the group are a few products, and P·V
 // accumulates in registers — no per-key shuffles and no cross-thread sums of values, which
@@ -21,7 +21,7 @@
 // slots looked up once, its key and value rows copied into shared memory together (cp.async
 // when both pools start 16-byte aligned, zero rows past the chunk), warp w scoring and summing
 // tile w. The warps' (m, l, o) then meet in shared memory in warp order, and the result or
-// the chunk's partials (max in natural-log units, as paged_decode_combine reads them) are
+// the chunk's partials (max in natural-log units, as merge_chunks_if_last reads them) are
 // written as paged_decode writes them. blockDim.x = 32·DT_WARPS; dynamic shared memory:
 // 2·DT_WARPS·BK rows of D + 8 bf16 (keys, values), then DT_WARPS·BK u32 slots
 // (decode_cuda.rs computes the same).
@@ -30,8 +30,9 @@ __device__ void paged_decode_tc(const bf16* __restrict__ q, const bf16* __restri
                                 const bf16* __restrict__ v, const uint32_t* __restrict__ tables,
                                 const uint32_t* __restrict__ lens, bf16* __restrict__ out,
                                 float* __restrict__ part_o, float* __restrict__ part_m,
-                                float* __restrict__ part_l, int hq, int hkv, int d, int block_size,
-                                int max_blocks, int chunk, int splits, float scale) {
+                                float* __restrict__ part_l, unsigned* __restrict__ counters,
+                                int hq, int hkv, int d, int block_size, int max_blocks, int chunk,
+                                int splits, float scale) {
   constexpr int BK = DT_BK(D), ROUND = DT_WARPS * BK, KS = D + 8;
   constexpr unsigned KV_BYTES = 2u * ROUND * KS * 2;
   const int n_rep = hq / hkv;
@@ -149,4 +150,7 @@ __device__ void paged_decode_tc(const bf16* __restrict__ q, const bf16* __restri
       }
     }
   }
+  if (splits > 1)
+    merge_chunks_if_last<bf16>(c, part_o, part_m, part_l, counters, out,
+                               reinterpret_cast<int*>(smem), hq, hkv, D, chunk, splits);
 }

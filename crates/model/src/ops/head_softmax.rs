@@ -10,7 +10,7 @@
 //!
 //! [`crate::chunked_logprobs`] calls them between its matrix products. Kernels: the CPU (f32,
 //! f64; bf16/f16 logits are widened to f32 first) and CUDA (f32, bf16 logits, f32 math, in
-//! `kernels.cu`); elsewhere the candle compositions (`*_composed`), which the tests compare
+//! `head_kernels.cuh`); elsewhere the candle compositions (`*_composed`), which the tests compare
 //! against. Neither function builds a gradient graph: they are the inside of a custom op.
 
 use super::{kernels_apply_to, par_map, par_rows, with_slice, work_dtype, Real};
@@ -30,7 +30,7 @@ pub fn head_row_stats(z: &Tensor, temperature: f64) -> Result<Tensor> {
     let inv_t = 1.0 / temperature;
     #[cfg(feature = "cuda")]
     if z.device().is_cuda() && kernels_apply_to(z.device(), z.dtype()) {
-        return Ok(super::cuda::head_row_stats(z, inv_t)?);
+        return Ok(super::softmax_cuda::head_row_stats(z, inv_t)?);
     }
     if !z.device().is_cpu() {
         return head_row_stats_composed(z, temperature);
@@ -105,7 +105,9 @@ pub fn head_logits_grad(
     let inv_t = 1.0 / temperature;
     #[cfg(feature = "cuda")]
     if z.device().is_cuda() && kernels_apply_to(z.device(), z.dtype()) {
-        return Ok(super::cuda::head_logits_grad(z, stats, ids, grad, inv_t)?);
+        return Ok(super::softmax_cuda::head_logits_grad(
+            z, stats, ids, grad, inv_t,
+        )?);
     }
     if !z.device().is_cpu() {
         return head_logits_grad_composed(z, stats, ids, grad, temperature);

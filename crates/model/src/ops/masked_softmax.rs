@@ -147,19 +147,19 @@ impl CustomOp1 for MaskedSoftmax {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let shape = super::cuda::MaskShape {
+        let shape = super::softmax_cuda::MaskShape {
             t: self.t,
             rows_per_batch: self.rows_per_batch,
             mask_batches: self.mask_batches,
         };
-        let p = super::cuda::masked_softmax_fwd((s, l), self.mask.as_ref(), &shape)?;
+        let p = super::softmax_cuda::masked_softmax_fwd((s, l), self.mask.as_ref(), &shape)?;
         Ok((p, l.shape().clone()))
     }
 
     fn bwd(&self, _s: &Tensor, p: &Tensor, dp: &Tensor) -> candle_core::Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
         if p.device().is_cuda() {
-            return Ok(Some(super::cuda::masked_softmax_bwd(p, dp)?));
+            return Ok(Some(super::softmax_cuda::masked_softmax_bwd(p, dp)?));
         }
         // The CPU twin of the CUDA backward kernel (f32/f64 on the CPU).
         let dot = (dp * p)?.sum_keepdim(D::Minus1)?;

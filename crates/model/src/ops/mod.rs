@@ -47,6 +47,8 @@ mod rms_norm;
 pub(crate) mod rope;
 #[cfg(feature = "cuda")]
 mod rows_invariant_cuda;
+#[cfg(feature = "cuda")]
+mod softmax_cuda;
 mod swiglu;
 
 pub use adamw::{adamw_update, AdamWStep};

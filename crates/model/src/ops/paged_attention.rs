@@ -6,7 +6,7 @@
 //! The CPU kernel (f32/f64) and, built with `--features cuda`, the CUDA kernel (f32/bf16,
 //! `decode_kernels.cu`: a block per row, KV head and chunk of up to
 //! [`DECODE_CHUNK`](super::decode_plan::DECODE_CHUNK) keys,
-//! the chunks merged flash-decoding style) read the slots in place (no per-step copy of the rows'
+//! the chunks merged flash-decoding style by the last block of a row to finish) read the slots in place (no per-step copy of the rows'
 //! K/V); elsewhere [`paged_decode_attention_composed`] gathers each row's slots into a
 //! contiguous, masked batch with candle ops (the device-generic fallback, and the reference of
 //! the tests). Inference only: no backward.
@@ -30,10 +30,11 @@ pub struct PagedLayout {
     /// The fallback's slot index `[rows · longest]` and mask `[rows, 1, 1, longest]`, built
     /// once per layout (a step's layers share them).
     gathered: OnceLock<(Tensor, Tensor)>,
-    /// The CUDA kernel's block tables `[rows, max_blocks]` and lengths `[rows]` (u32), built
-    /// once per layout (or given: [`PagedLayout::with_device_tables`]).
+    /// The CUDA kernel's block tables `[rows, max_blocks]`, lengths `[rows]` and split
+    /// counters `[rows · kv_heads]` (u32), built once per layout (or given:
+    /// [`PagedLayout::with_device_tables`]); a step's layers share them.
     #[cfg(feature = "cuda")]
-    device_tables: OnceLock<(Tensor, Tensor)>,
+    device_tables: OnceLock<(Tensor, Tensor, Tensor)>,
     /// The longest row the CUDA kernel is planned for, when fixed in advance (a captured
     /// launch keeps its grid whatever later steps' rows are); else this step's longest.
     plan_len: Option<usize>,
@@ -74,23 +75,40 @@ impl PagedLayout {
 
     /// The same layout with the CUDA kernel's inputs given: `tables` u32 `[rows, width]` and
     /// `lens` u32 `[rows]` on the device (views of a buffer a CUDA graph reads, holding this
-    /// layout's tables and lengths: the caller uploads them), and the kernel planned for rows
-    /// of up to `plan_len` keys, so one captured launch serves every later step whose rows
-    /// fit. The CPU kernel reads the host tables as before.
-    pub fn with_device_tables(self, tables: Tensor, lens: Tensor, plan_len: usize) -> Result<Self> {
+    /// layout's tables and lengths: the caller uploads them), `counters` u32 `[rows ·
+    /// kv_heads]` (or more), zeros, where the kernel counts the chunks of a row done (each
+    /// launch leaves them zero; the caller keeps them as long as a graph that read them), and
+    /// the kernel planned for rows of up to `plan_len` keys, so one captured launch serves
+    /// every later step whose rows fit. The CPU kernel reads the host tables as before.
+    pub fn with_device_tables(
+        self,
+        (tables, lens, counters): (Tensor, Tensor, Tensor),
+        plan_len: usize,
+    ) -> Result<Self> {
         let rows = self.rows();
         let width = self.tables.iter().map(Vec::len).max().unwrap_or(0);
         let (t_rows, t_width) = tables.dims2().context("paged attention: device tables")?;
-        if t_rows != rows || t_width < width || lens.dims() != [rows] || plan_len < self.longest() {
+        if t_rows != rows
+            || t_width < width
+            || lens.dims() != [rows]
+            || counters
+                .dims1()
+                .context("paged attention: split counters")?
+                < rows
+            || plan_len < self.longest()
+        {
             bail!(
-                "paged attention: device tables {:?} and lengths {:?} planned for {plan_len} keys do not hold {rows} rows of up to {width} blocks and {} keys",
+                "paged attention: device tables {:?}, lengths {:?} and split counters {:?} planned for {plan_len} keys do not hold {rows} rows of up to {width} blocks and {} keys",
                 tables.dims(),
                 lens.dims(),
+                counters.dims(),
                 self.longest()
             );
         }
         #[cfg(feature = "cuda")]
-        let _ = self.device_tables.set((tables, lens));
+        let _ = self.device_tables.set((tables, lens, counters));
+        #[cfg(not(feature = "cuda"))]
+        let _ = (tables, lens, counters);
         Ok(PagedLayout {
             plan_len: Some(plan_len),
             ..self
@@ -149,9 +167,14 @@ impl PagedLayout {
     }
 
     /// The CUDA kernel's block tables `[rows, max_blocks]` (shorter tables padded with block
-    /// 0, never read) and row lengths `[rows]`, u32 on `device`.
+    /// 0, never read), row lengths `[rows]` and split counters `[rows · kv_heads]` (zeros),
+    /// u32 on `device`.
     #[cfg(feature = "cuda")]
-    fn device_tables(&self, device: &Device) -> candle_core::Result<&(Tensor, Tensor)> {
+    fn device_tables(
+        &self,
+        device: &Device,
+        kv_heads: usize,
+    ) -> candle_core::Result<&(Tensor, Tensor, Tensor)> {
         if let Some(t) = self.device_tables.get() {
             return Ok(t);
         }
@@ -165,6 +188,7 @@ impl PagedLayout {
         let built = (
             Tensor::from_vec(flat, (rows, width), device)?,
             Tensor::from_vec(lens, rows, device)?,
+            Tensor::zeros(rows * kv_heads, candle_core::DType::U32, device)?,
         );
         Ok(self.device_tables.get_or_init(|| built))
     }
@@ -470,12 +494,13 @@ impl CustomOp3 for PagedDecode<'_> {
                 "paged attention: the CUDA kernel cannot serve {hq} query heads over {hkv} of dim {d}"
             )
         };
-        let (tables, lens) = layout.device_tables(&Device::Cuda(q.device().clone()))?;
+        let (tables, lens, counters) =
+            layout.device_tables(&Device::Cuda(q.device().clone()), hkv)?;
         let out = super::decode_cuda::paged_decode(
             (q, lq),
             (k, lk),
             (v, lv),
-            (tables, lens),
+            (tables, lens, counters),
             &plan,
             self.scale,
         )?;

@@ -11,26 +11,56 @@
 // Rows of x one warp accumulates at once (registers: one f32 sum per row per lane).
 #define RI_ROWS 16
 
-// y [m, n] = x [m, k] · w [n, k]ᵀ. A warp owns weight row `o`; lane l sums the columns l, l + 32,
-// … in order in f32 (x·w as the compiler contracts it, the same for every row), for RI_ROWS rows
-// of x at a time, then the warp's butterfly sum (the same value in every lane). A row's sum thus
-// depends on its own x row, w and k only.
+// Piece `c0` of a row — columns c0 .. c0 + VEC − 1, those below k (`left` = k − c0) — as f32:
+// one 16-byte load when `vec` (the caller checked alignment and k % VEC == 0), else element by
+// element (columns past k read as 0 and are not summed by the caller).
+template <typename T>
+__device__ __forceinline__ void ri_piece(const T* p, int left, bool vec,
+                                         float (&x)[Vec16<T>::N]) {
+  if (vec) {
+    Vec16<T>::load(p, x);
+  } else {
+#pragma unroll
+    for (int e = 0; e < Vec16<T>::N; e++) x[e] = e < left ? to_f(p[e]) : 0.f;
+  }
+}
+
+// y [m, n] = x [m, k] · w [n, k]ᵀ. A warp owns weight row `o`; lane l sums the pieces l, l + 32,
+// … of VEC = 16 / sizeof(T) consecutive columns (piece p: columns p·VEC .., those below k), each
+// piece's columns in order, by fmaf in f32, for RI_ROWS rows of x at a time, then the warp's
+// butterfly sum (the same value in every lane). Pieces load as 16 bytes where x and w start
+// 16-byte aligned and k is a multiple of VEC, element by element otherwise: the same products
+// summed in the same order either way. So a row's sum depends on its own x row, w and k only —
+// not on the rows beside it, nor on where x lies (the trainer's x is not the sampler's buffer).
+// (Until 2026-11-28 each lane read one column at a time: a load per multiply-add.)
 template <typename T>
 __device__ void rows_linear(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
                             int m, int n, int k) {
+  constexpr int VEC = Vec16<T>::N;
   const int lane = threadIdx.x & 31;
   const int o = blockIdx.x * RI_WARPS + (threadIdx.x >> 5);
   if (o >= n) return;  // the whole warp: o is the warp's
   const T* wr = w + (size_t)o * k;
+  const bool vec = k % VEC == 0 && aligned16<2>({x, w});
+  const int pieces = (k + VEC - 1) / VEC;
   for (int r0 = 0; r0 < m; r0 += RI_ROWS) {
     float acc[RI_ROWS];
 #pragma unroll
     for (int r = 0; r < RI_ROWS; r++) acc[r] = 0.f;
-    for (int c = lane; c < k; c += 32) {
-      const float wv = to_f(wr[c]);
+    for (int p = lane; p < pieces; p += 32) {
+      const int c0 = p * VEC, left = k - c0;
+      float wv[VEC];
+      ri_piece(wr + c0, left, vec, wv);
 #pragma unroll
-      for (int r = 0; r < RI_ROWS; r++)
-        if (r0 + r < m) acc[r] += to_f(x[(size_t)(r0 + r) * k + c]) * wv;
+      for (int r = 0; r < RI_ROWS; r++) {
+        if (r0 + r < m) {
+          float xv[VEC];
+          ri_piece(x + (size_t)(r0 + r) * k + c0, left, vec, xv);
+#pragma unroll
+          for (int e = 0; e < VEC; e++)
+            if (e < left) acc[r] = fmaf(xv[e], wv[e], acc[r]);
+        }
+      }
     }
 #pragma unroll
     for (int r = 0; r < RI_ROWS; r++) {

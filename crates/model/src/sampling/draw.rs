@@ -1,6 +1,6 @@
 //! Drawing each row's next token: greedy, or inverse CDF in id order over what the sampling
 //! filters keep ([`SampleFilter`]). One algorithm with three implementations of the same
-//! arithmetic: the CUDA kernel (`decode_kernels.cu`), its CPU twin ([`draw_rows`]: one
+//! arithmetic: the CUDA kernel (`sample_kernels.cuh`), its CPU twin ([`draw_rows`]: one
 //! task per row, no `[rows, V]` temporaries), and for other devices and dtypes a candle
 //! composition ([`inverse_cdf_blocked`]).
 
@@ -106,7 +106,7 @@ impl SampleFilter {
 /// [0, 1)): the first kept token whose cumulative probability exceeds `u · Σ p_kept`; returns
 /// the tokens and their sampler log-probs `log softmax(logits / temperature)[token]` (of the
 /// whole distribution). On CUDA with f32/bf16 logits (built with `--features cuda`) one
-/// kernel does it on the device (`decode_kernels.cu`, the filters' cuts found by bisection);
+/// kernel does it on the device (`sample_kernels.cuh`, the filters' cuts found by bisection);
 /// on the CPU its twin [`draw_rows`]; elsewhere [`filter_cuts`] and the two-stage
 /// [`inverse_cdf_blocked`]. All draw the same token from the same uniform up to float
 /// rounding at the CDF's and the filters' boundaries.
@@ -248,7 +248,7 @@ fn draw_rows_cpu(
     Ok(drawn.into_iter().unzip())
 }
 
-/// The CPU twin of the CUDA sampler (`decode_kernels.cu`: `sample_inverse_cdf`, or the part
+/// The CPU twin of the CUDA sampler (`sample_kernels.cuh`: `sample_inverse_cdf`, or the part
 /// kernels `sample_parts` / `sample_part_mass` / `sample_pick` without top-k/top-p), a task per
 /// row: `x = logits·inv_t`, `lse = m + ln Σ e^{x−m}` ([`row_sums`]), the filters' cut ([`filter_cut`] on
 /// `x − m`), then the first kept id whose cumulative `p = e^{x − lse}` (summed in f64)
