@@ -35,6 +35,7 @@ use std::path::Path;
 
 mod checkpointing;
 mod construction;
+mod decode_layer;
 mod decode_stacks;
 mod layers;
 mod packed;

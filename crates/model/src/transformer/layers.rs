@@ -1,13 +1,12 @@
 //! The decoder's layers, named as the checkpoint's modules: [`Linear`] (with an optional LoRA
 //! adapter), [`RmsNorm`], the RoPE tables, grouped-query [`Attention`], the SwiGLU [`Mlp`] and
 //! the pre-norm [`DecoderLayer`], each with its forward on every op path (fused inference
-//! kernels, differentiable compositions, the custom ops of [`crate::ops`]).
+//! kernels, differentiable compositions, the custom ops of [`crate::ops`]). The decode step's
+//! forwards over the paged pool are in [`super::decode_layer`].
 
-use super::decode_stacks::{LayerStacks, Stacked};
 use crate::config::ModelConfig;
 use crate::kv_cache::LayerKv;
 use crate::lora_adapter::LoraAdapter;
-use crate::ops::{decode_product, DecodeEpilogue, InputNorm, SplitCounters};
 use crate::paged_kv::{PagedStep, PoolLayer};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -55,29 +54,6 @@ impl Linear {
         self.forward_with(x, Products::Plain)
     }
 
-    /// The decode step's projection of `x` `[.., in]`: with `counters` and no bias the skinny
-    /// product ([`crate::ops::decode_product`]; cuBLAS where it does not serve), plus the
-    /// adapter's delta; else [`Self::forward`].
-    fn forward_decode(&self, x: &Tensor, counters: Option<&SplitCounters>) -> Result<Tensor> {
-        if counters.is_none() || self.bias.is_some() {
-            return self.forward(x);
-        }
-        let x2 = rows_of(x)?;
-        let y = decode_product(
-            &x2,
-            &self.weight,
-            DecodeEpilogue::Product,
-            None,
-            None,
-            counters,
-        )?;
-        let mut dims = x.dims().to_vec();
-        if let Some(last) = dims.last_mut() {
-            *last = self.weight.dim(0)?;
-        }
-        self.plus_adapter(&x2, y.reshape(dims)?, Products::Plain)
-    }
-
     /// `forward`, its products as `products` says.
     pub(super) fn forward_with(&self, x: &Tensor, products: Products) -> Result<Tensor> {
         let y = if products == Products::RowsInvariant {
@@ -99,7 +75,12 @@ impl Linear {
 
     /// `y`, this projection's product of the rows `x2` `[n, in]` (in any shape of n rows), plus
     /// the adapter's delta when there is one, computed as `products` says.
-    fn plus_adapter(&self, x2: &Tensor, y: Tensor, products: Products) -> Result<Tensor> {
+    pub(super) fn plus_adapter(
+        &self,
+        x2: &Tensor,
+        y: Tensor,
+        products: Products,
+    ) -> Result<Tensor> {
         let Some(a) = &self.lora else {
             return Ok(y);
         };
@@ -113,7 +94,7 @@ impl Linear {
 }
 
 /// `x` `[.., in]` as rows `[n, in]` (a free reshape).
-fn rows_of(x: &Tensor) -> Result<Tensor> {
+pub(super) fn rows_of(x: &Tensor) -> Result<Tensor> {
     let in_f = *x.dims().last().context("linear input has no dims")?;
     Ok(x.reshape((x.elem_count() / in_f.max(1), in_f))?)
 }
@@ -255,7 +236,12 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, path: OpPath) -> Result<Te
 }
 
 impl Attention {
-    fn forward(&self, x: &Tensor, ctx: &Ctx, cache: Option<LayerCache>) -> Result<Tensor> {
+    pub(super) fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx,
+        cache: Option<LayerCache>,
+    ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let q = self
@@ -361,69 +347,6 @@ impl Attention {
         self.o_proj.forward_with(&out, ctx.products())
     }
 
-    /// The decode step's attention over the paged pool. With `qkv` (the stacked projections,
-    /// [`Stacked`]) one product (and the adapters' two) gives q, k and v, and their biases and
-    /// RoPE are one fused op ([`crate::ops::qkv_bias_rope`]); otherwise [`Self::forward`].
-    fn forward_decode(
-        &self,
-        x: &Tensor,
-        ctx: &Ctx,
-        cache: LayerCache,
-        qkv: Option<&Stacked>,
-        counters: Option<&SplitCounters>,
-    ) -> Result<Tensor> {
-        let (LayerCache::Paged(pool, step), Some(qkv)) = (&cache, qkv) else {
-            return self.forward(x, ctx, Some(cache));
-        };
-        let (b, t, hidden) = x.dims3()?;
-        let x = x.reshape((b * t, hidden))?;
-        let out = self.attend_decode(&x, None, ctx, (pool, step), qkv, counters)?;
-        self.o_proj
-            .forward_decode(&out.reshape((b * t, 1, out.dim(1)?))?, counters)
-    }
-
-    /// The decode step's attention output `[rows, heads·head_dim]`, before `o_proj`, of `x`
-    /// `[rows, hidden]` (through `norm` first, if given): q/k/v from the stacked product —
-    /// with no adapter, one op from the product to the cache
-    /// ([`crate::ops::decode_qkv_into_cache`]: q back, the keys and values in their slots) —
-    /// then q attending over the rows' blocks.
-    pub(super) fn attend_decode(
-        &self,
-        x: &Tensor,
-        norm: Option<InputNorm>,
-        ctx: &Ctx,
-        (pool, step): (&PoolLayer, &PagedStep),
-        qkv: &Stacked,
-        counters: Option<&SplitCounters>,
-    ) -> Result<Tensor> {
-        let rows = x.dim(0)?;
-        let hd = self.head_dim;
-        let cos = ctx.cos.reshape((rows, hd / 2))?;
-        let sin = ctx.sin.reshape((rows, hd / 2))?;
-        let heads = self.qkv_heads();
-        let q = if qkv.lora.is_none() {
-            crate::ops::decode_qkv_into_cache(
-                x,
-                norm,
-                &qkv.weight,
-                qkv.bias.as_ref(),
-                &cos,
-                &sin,
-                heads,
-                pool.pools(),
-                &step.slots,
-                counters,
-            )?
-        } else {
-            let qkv_out = qkv.product(&crate::ops::input_normed(x, norm)?, counters)?;
-            let (q, kv) =
-                crate::ops::qkv_bias_rope(&qkv_out, qkv.bias.as_ref(), &cos, &sin, heads)?;
-            pool.write(&step.slots, &kv)?;
-            q
-        };
-        self.attend_written(&q, pool, step)
-    }
-
     /// The heads of the stacked `[q | k | v]` projection.
     pub(super) fn qkv_heads(&self) -> crate::ops::QkvHeads {
         crate::ops::QkvHeads {
@@ -435,7 +358,12 @@ impl Attention {
 
     /// `q` `[rows, heads, head_dim]`, one decode token per row, attending over the rows'
     /// blocks once the step's keys and values are in their slots: `[rows, heads·head_dim]`.
-    fn attend_written(&self, q: &Tensor, pool: &PoolLayer, step: &PagedStep) -> Result<Tensor> {
+    pub(super) fn attend_written(
+        &self,
+        q: &Tensor,
+        pool: &PoolLayer,
+        step: &PagedStep,
+    ) -> Result<Tensor> {
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let (keys, values) = (pool.keys()?, pool.values()?);
         let out = crate::ops::paged_decode_attention(q, &keys, &values, &step.layout, scale)?;
@@ -481,37 +409,7 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    /// The decode step's MLP: with `gate_up` (gate's and up's projections stacked) one product
-    /// and one packed SwiGLU instead of two products and a SwiGLU — with `counters` and no
-    /// adapter, one skinny product with the SwiGLU as its epilogue.
-    fn forward_decode(
-        &self,
-        x: &Tensor,
-        path: OpPath,
-        gate_up: Option<&Stacked>,
-        counters: Option<&SplitCounters>,
-    ) -> Result<Tensor> {
-        let Some(gu) = gate_up else {
-            return self.forward(x, path, Products::Plain);
-        };
-        let (b, t, hidden) = x.dims3()?;
-        let x2 = x.reshape((b * t, hidden))?;
-        let h = match &gu.lora {
-            None => decode_product(
-                &x2,
-                &gu.weight,
-                DecodeEpilogue::Swiglu,
-                None,
-                None,
-                counters,
-            )?,
-            Some(_) => crate::ops::swiglu_packed(&gu.product(&x2, counters)?)?,
-        };
-        self.down_proj
-            .forward_decode(&h.reshape((b, t, h.dim(1)?))?, counters)
-    }
-
-    fn forward(&self, x: &Tensor, path: OpPath, products: Products) -> Result<Tensor> {
+    pub(super) fn forward(&self, x: &Tensor, path: OpPath, products: Products) -> Result<Tensor> {
         let gate = self.gate_proj.forward_with(x, products)?;
         let up = self.up_proj.forward_with(x, products)?;
         let h = match path {
@@ -550,32 +448,6 @@ impl DecoderLayer {
 }
 
 impl DecoderLayer {
-    /// The decode step's layer (no backward): `h` is `x` through this layer's input norm;
-    /// returns `(y, next_norm(y))` with `y` the layer's output, each residual add fused with
-    /// the norm after it (this layer's post-attention norm, then `next_norm`: the next layer's
-    /// input norm or the final norm).
-    pub(super) fn forward_decode(
-        &self,
-        x: &Tensor,
-        h: &Tensor,
-        ctx: &Ctx,
-        cache: LayerCache,
-        stacks: Option<&LayerStacks>,
-        next_norm: &RmsNorm,
-    ) -> Result<(Tensor, Tensor)> {
-        let qkv = stacks.and_then(|s| s.qkv.as_ref());
-        let counters = stacks.and_then(|s| s.counters.as_ref());
-        let attn = self
-            .self_attn
-            .forward_decode(h, ctx, cache, qkv, counters)?;
-        let (x, h) = self
-            .post_attention_layernorm
-            .add_forward(x, &attn, ctx.path)?;
-        let gate_up = stacks.and_then(|s| s.gate_up.as_ref());
-        let mlp = self.mlp.forward_decode(&h, ctx.path, gate_up, counters)?;
-        next_norm.add_forward(&x, &mlp, ctx.path)
-    }
-
     /// Replaces every tensor of the layer (weights, biases, adapters, norms) by `f` of it.
     pub(super) fn map_tensors(
         &mut self,
