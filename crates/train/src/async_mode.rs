@@ -278,7 +278,7 @@ impl Rewarder<StepRollout> for RewardActor {
     }
 }
 
-/// What one async step trained on and how it went, for [`end_step`].
+/// What one async step trained on and how it went, for [`crate::step_end::end_step`].
 pub(crate) struct StepReport {
     pub(crate) step: usize,
     pub(crate) batch: RolloutBatch,

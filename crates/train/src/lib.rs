@@ -33,6 +33,7 @@ pub mod sampling;
 pub mod seed;
 pub mod session;
 pub mod signals;
+pub mod step_end;
 pub mod step_hook;
 pub mod step_loss;
 pub mod task;
