@@ -261,6 +261,10 @@ pub(crate) struct BenchModelArgs {
     /// Sequence length of the training step.
     #[arg(long)]
     pub(crate) train_seq_len: Option<usize>,
+    /// Prompt tokens of each decoded sample (default 128 on the model shapes): a long prompt
+    /// times the decode over a long context, where the attention's keys dominate.
+    #[arg(long, conflicts_with = "skip_decode")]
+    pub(crate) prompt_len: Option<usize>,
     /// Also decode with the engine's fixed-shape steps captured as CUDA graphs
     /// (`[rollout] cuda_graphs`), timed beside the plain decode in the same run.
     #[arg(long, conflicts_with = "skip_decode")]

@@ -87,6 +87,17 @@ fn config(a: &BenchModelArgs) -> Result<BenchConfig> {
     cfg.lora_r = a.lora;
     cfg.gradient_checkpointing = a.gradient_checkpointing;
     cfg.padding_free = a.padding_free;
+    if let Some(p) = a.prompt_len {
+        let need = p + cfg.decode_tokens;
+        if p == 0 || need > cfg.model.max_position_embeddings {
+            anyhow::bail!(
+                "--prompt-len {p}: must be at least 1, and with the {} decoded tokens within the shape's max_position_embeddings = {}",
+                cfg.decode_tokens,
+                cfg.model.max_position_embeddings
+            );
+        }
+        cfg.prompt_len = p;
+    }
     if let Some(t) = a.train_seq_len {
         let need = t.max(cfg.prompt_len + cfg.decode_tokens);
         if need > cfg.model.max_position_embeddings {

@@ -456,6 +456,21 @@ fn bench_model_runs_lora_with_checkpointing_and_refuses_bad_flags() {
             "--dtype",
         ),
         (
+            vec!["bench", "model", "--shape", "small", "--prompt-len", "0"],
+            "--prompt-len 0",
+        ),
+        (
+            vec![
+                "bench",
+                "model",
+                "--shape",
+                "qwen2.5-0.5b",
+                "--prompt-len",
+                "40000",
+            ],
+            "--prompt-len 40000",
+        ),
+        (
             vec!["bench", "model", "--shape", "small", "--torch-compile"],
             "--torch",
         ),

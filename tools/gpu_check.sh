@@ -13,7 +13,8 @@
 #   the scalar attention kernels and with the padded batch through the varlen kernels, the
 #   0.5B step timed those ways, and the 16k-token Qwen3-0.6B row padding-free).
 #   `rollout`: `bench rollout --workload grpo` (16 x 8 x 256 on the 0.5B shape), `bench rollout`
-#   in deterministic mode on the GPU (bf16, batch 64: its cost and its bitwise log-probs) and `bench grpo`
+#   in deterministic mode on the GPU (bf16, batch 64: its cost and its bitwise log-probs), a
+#   decode over 4,096-token prompts (`c05-d-long`, batch 1 and 16) and `bench grpo`
 #   (whole GRPO steps vs TRL 1.16's GRPOTrainer; TRL and its missing pure-Python dependencies
 #   are installed from .device/wheels, carried). Status lines and
 #   each benchmark's JSON are appended to $OUT/status.txt and $OUT/results.jsonl as they
@@ -256,6 +257,10 @@ if want rollout; then
     --device cuda --dtype bf16 --batch 64 --new-tokens 64 --repeats 1 --cuda-graphs --skip-reference --json
   # GRPO-shaped rollout: static batches vs continuous batching vs all at once (issue 17 §4).
   bench "c05-rollout-grpo" 240 "$BIN" bench rollout --workload grpo --shape qwen2.5-0.5b --device cuda --cuda-graphs --json
+  # Decode over a long context (4,096-token prompts): at batch 1 a row's keys split into 128
+  # chunks, merged inside the attention kernel by the last block of the row (one merging block
+  # per row and KV head since 2026-11-28, where a second kernel used one per query head).
+  bench "c05-d-long" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 1,16 --prompt-len 4096 --skip-train --cuda-graphs
   # Whole GRPO steps vs TRL (P1). TRL is pure Python: install what the image lacks, offline.
   for mod in trl accelerate datasets dill multiprocess xxhash; do
     python3 -c "import $mod" 2>/dev/null \

@@ -109,10 +109,10 @@ def main():
             fwd, head, bwd = rep["rows"][0]["train_phase_s"]
             print(f"{shape} {b}x{seq}{' LoRA' if lora else ''}: {fwd:.3f} / {head:.3f} / {bwd:.3f}")
 
-    print("\ndecode (bf16, prompt 128, 64 new tokens, tokens/s excluding prefill; % of the HBM roofline)")
+    print("\ndecode (bf16, prompt 128 unless said, 64 new tokens, tokens/s excluding prefill; % of the HBM roofline)")
     for shape, ct, et in [("qwen2.5-0.5b", "c05-d", "te05-d"), ("qwen2.5-0.5b", "c05-d-fine", None),
                           ("qwen2.5-0.5b", "c05-d-coarse", None), ("qwen2.5-0.5b", "c05-d-notc", None),
-                          ("qwen2.5-0.5b", "c05-d-skinny", None),
+                          ("qwen2.5-0.5b", "c05-d-skinny", None), ("qwen2.5-0.5b", "c05-d-long", None),
                           ("qwen2.5-7b", "c7-d", None)]:
         c, e = load(d, ct), load(d, et) if et else None
         if not c:
@@ -127,7 +127,9 @@ def main():
             b, tps = r["batch"], r["decode_tokens_per_s"]
             if tps is None:
                 continue
-            kv = b * (128 + 32) * layers * 2 * kvh * hd * 2
+            # Reports before 2026-11-28 carry no prompt_len / decode_tokens: 128 and 64.
+            prompt, new = c.get("prompt_len", 128), c.get("decode_tokens", 64)
+            kv = b * (prompt + new // 2) * layers * 2 * kvh * hd * 2
             roof = b / ((wbytes + kv) / bw)
             et_ = ers.get(b, {}).get("decode_tokens_per_s")
             tail = f" | HF generate {et_:>8.0f}  ratio {tps / et_:>5.1f}" if et_ else ""
@@ -138,7 +140,7 @@ def main():
             # COMPOSER_DECODE_BLOCKS=1024 (fine) or 128 (coarse), COMPOSER_DECODE_TC=0 (notc),
             # COMPOSER_DECODE_GEMM=1 (skinny)
             label = shape + {"-fine": " fine", "-coarse": " coarse", "-notc": " no-tc",
-                             "-skinny": " skinny"}.get(ct[ct.rfind("-"):], "")
+                             "-skinny": " skinny", "-long": f" prompt {prompt}"}.get(ct[ct.rfind("-"):], "")
             print(f"{label:<19} batch {b:>4}: {tps:>9.0f} tok/s  roofline {roof:>9.0f}  ({100 * tps / roof:>5.1f}%){graphs}{tail}")
 
     rep = load(d, "c05-rollout-grpo")

@@ -215,6 +215,10 @@ pub struct BenchReport {
     /// Dtype of decoding.
     #[serde(serialize_with = "dtype_name")]
     pub decode_dtype: DType,
+    /// Prompt tokens of each decoded sample.
+    pub prompt_len: usize,
+    /// Tokens decoded per sample (the first, after the prefill, not timed).
+    pub decode_tokens: usize,
     /// Peak RSS (MB) after the model was built, before any training step (Linux).
     pub peak_rss_before_train_mb: Option<f64>,
     /// Rows by batch size.
@@ -438,6 +442,8 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         device: format!("{:?}", cfg.device),
         train_dtype: cfg.train_dtype,
         decode_dtype: cfg.decode_dtype,
+        prompt_len: cfg.prompt_len,
+        decode_tokens: cfg.decode_tokens,
         peak_rss_before_train_mb,
         rows,
     })

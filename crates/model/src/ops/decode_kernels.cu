@@ -171,40 +171,56 @@ struct DecodeChunk {
 // Every block of (row, KV head g) with keys, once its partials are written, counts itself in
 // counters[row · hkv + g]; the last of the row's ⌈len / chunk⌉ to arrive merges them for the
 // group's query heads — out[row, h] = Σ_s e^{m_s − M}·o_s / Σ_s e^{m_s − M}·l_s, M the largest
-// chunk max, summed in chunk order, so the result does not depend on which block came last —
-// and wraps the counter back to zero for the next launch (no launch zeroes them: a CUDA graph
-// replays the kernel alone). Until 2026-11-28 a second kernel did this merge: one launch more
-// per layer and step. `flag` is a word of the block's shared memory, no longer read by the
-// caller. Every thread of the block calls it.
+// chunk max — and wraps the counter back to zero for the next launch (no launch zeroes them: a
+// CUDA graph replays the kernel alone). Each head's M and denominator are found once, by a warp
+// (lanes over the chunks, butterfly-reduced), then every output sums its chunks in chunk order:
+// the order is fixed by the row's length and the block size, not by which block came last.
+// Until 2026-11-28 a second kernel did this merge: one launch more per layer and step. `scratch`
+// is the block's shared memory (1 + 2·n_rep words), no longer read by the caller. Every thread
+// of the block calls it.
 template <typename T>
 __device__ void merge_chunks_if_last(const DecodeChunk& c, const float* part_o,
                                      const float* part_m, const float* part_l,
-                                     unsigned* counters, T* out, int* flag, int hq, int hkv, int d,
-                                     int chunk, int splits) {
+                                     unsigned* counters, T* out, float* scratch, int hq, int hkv,
+                                     int d, int chunk, int splits) {
   const int used = (c.len + chunk - 1) / chunk;
+  int* flag = reinterpret_cast<int*>(scratch);
+  float* stats = scratch + 1;  // [n_rep][max, denominator]
   __threadfence();  // this block's partials are visible device-wide before the counter says so
-  __syncthreads();  // and every thread is done with shared memory (flag reuses it)
+  __syncthreads();  // and every thread is done with shared memory (scratch reuses it)
   if (threadIdx.x == 0)
     *flag = atomicInc(counters + (size_t)c.row * hkv + c.g, (unsigned)used - 1) ==
             (unsigned)used - 1;
   __syncthreads();
   if (!*flag) return;
   __threadfence();  // every other chunk's partials are visible to this block
-  const int n_rep = hq / hkv;
-  for (int i = threadIdx.x; i < n_rep * d; i += blockDim.x) {
-    const int col = i % d;
-    const size_t h = (size_t)c.row * hq + (size_t)c.g * n_rep + i / d;
-    const float* m = part_m + h * splits;
-    const float* l = part_l + h * splits;
+  const int n_rep = hq / hkv, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const size_t h0 = (size_t)c.row * hq + (size_t)c.g * n_rep;
+  for (int r = warp; r < n_rep; r += blockDim.x >> 5) {
+    const float* m = part_m + (h0 + r) * splits;
+    const float* l = part_l + (h0 + r) * splits;
     float top = -INFINITY;
-    for (int s = 0; s < used; s++) top = fmaxf(top, ld_cg_f1(m + s));
-    float num = 0.f, den = 0.f;
-    for (int s = 0; s < used; s++) {
-      const float w = expf(ld_cg_f1(m + s) - top);
-      den += w * ld_cg_f1(l + s);
-      num += w * ld_cg_f1(part_o + (h * splits + s) * d + col);
+    for (int s = lane; s < used; s += 32) top = fmaxf(top, ld_cg_f1(m + s));
+    top = warp_max(top);
+    float den = 0.f;
+    for (int s = lane; s < used; s += 32) den += expf(ld_cg_f1(m + s) - top) * ld_cg_f1(l + s);
+    den = warp_sum(den);
+    if (lane == 0) {
+      stats[2 * r] = top;
+      stats[2 * r + 1] = den;
     }
-    out[h * d + col] = from_f<T>(num / den);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n_rep * d; i += blockDim.x) {
+    const int r = i / d, col = i % d;
+    const size_t h = h0 + r;
+    const float* m = part_m + h * splits;
+    const float* o = part_o + h * splits * d + col;
+    const float top = stats[2 * r];
+    float num = 0.f;
+#pragma unroll 4
+    for (int s = 0; s < used; s++) num += expf(ld_cg_f1(m + s) - top) * ld_cg_f1(o + (size_t)s * d);
+    out[h * d + col] = from_f<T>(num / stats[2 * r + 1]);
   }
 }
 
@@ -303,6 +319,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
                              int splits, float scale) {
   extern __shared__ float smem[];
   const DecodeChunk c(lens, tables, hkv, chunk, max_blocks);
+  if (c.len > splits * chunk) __trap();  // the plan is shorter than the row: keys would be lost
   if (c.n == 0) return;
   const int row = c.row, g = c.g, split = c.split, n = c.n;
   const int n_rep = hq / hkv;
@@ -391,8 +408,8 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k,
                      g, hkv, hq, d, row, split, splits);
   }
   if (splits > 1)
-    merge_chunks_if_last<T>(c, part_o, part_m, part_l, counters, out, reinterpret_cast<int*>(smem),
-                            hq, hkv, d, chunk, splits);
+    merge_chunks_if_last<T>(c, part_o, part_m, part_l, counters, out, smem, hq, hkv, d, chunk,
+                            splits);
 }
 
 #include "sample_kernels.cuh"

@@ -45,6 +45,7 @@ __device__ void paged_decode_tc(const bf16* __restrict__ q, const bf16* __restri
   uint32_t* slot_s = reinterpret_cast<uint32_t*>(smem + KV_BYTES / 4);  // [ROUND]
 
   const DecodeChunk c(lens, tables, hkv, chunk, max_blocks);
+  if (c.len > splits * chunk) __trap();  // the plan is shorter than the row: keys would be lost
   if (c.n == 0) return;
   const int row = c.row, g = c.g, split = c.split, n = c.n;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
@@ -151,6 +152,6 @@ __device__ void paged_decode_tc(const bf16* __restrict__ q, const bf16* __restri
     }
   }
   if (splits > 1)
-    merge_chunks_if_last<bf16>(c, part_o, part_m, part_l, counters, out,
-                               reinterpret_cast<int*>(smem), hq, hkv, D, chunk, splits);
+    merge_chunks_if_last<bf16>(c, part_o, part_m, part_l, counters, out, smem, hq, hkv, D,
+                               chunk, splits);
 }

@@ -9,8 +9,10 @@
 //! order — in f32 for f32/bf16/f16 (the half-precision result rounded once) and f64 for f64.
 //! The weight is read once a call (outputs by weight row, all rows of x each time). On CUDA the
 //! `rows_linear` kernel (`rows_invariant_kernels.cuh`, f32 and bf16: a warp per weight row, its
-//! lanes over every 32nd input in order, f32 sums) gives the same guarantee there — the CPU
-//! body is its twin. Inference only (no backward).
+//! lanes over every 32nd 16-byte piece of the inputs, each piece's columns in order by `fmaf`,
+//! f32 sums — the same order whether the pieces load 16 bytes at a time or element-wise)
+//! gives the same guarantee there — the CPU body is its twin in what it guarantees, not in
+//! bits. Inference only (no backward).
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
@@ -56,7 +58,7 @@ pub fn linear_rows_invariant(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 }
 
 /// The CUDA kernel `rows_linear` (`rows_invariant_kernels.cuh`, f32 and bf16): a warp per
-/// weight row, each lane over every 32nd input, butterfly-summed.
+/// weight row, each lane over every 32nd 16-byte piece of the inputs, butterfly-summed.
 #[cfg(feature = "cuda")]
 fn cuda(x: &Tensor, w: &Tensor, rows: usize, out: usize, k: usize) -> Result<Tensor> {
     Ok(super::rows_invariant_cuda::rows_linear(x, w, rows, out, k)?)
