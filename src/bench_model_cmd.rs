@@ -88,7 +88,8 @@ fn config(a: &BenchModelArgs) -> Result<BenchConfig> {
     cfg.gradient_checkpointing = a.gradient_checkpointing;
     cfg.padding_free = a.padding_free;
     if let Some(p) = a.prompt_len {
-        let need = p + cfg.decode_tokens;
+        // Saturating: a huge --prompt-len must not wrap round to a small one.
+        let need = p.saturating_add(cfg.decode_tokens);
         if p == 0 || need > cfg.model.max_position_embeddings {
             anyhow::bail!(
                 "--prompt-len {p}: must be at least 1, and with the {} decoded tokens within the shape's max_position_embeddings = {}",

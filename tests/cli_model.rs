@@ -471,6 +471,17 @@ fn bench_model_runs_lora_with_checkpointing_and_refuses_bad_flags() {
             "--prompt-len 40000",
         ),
         (
+            vec![
+                "bench",
+                "model",
+                "--shape",
+                "small",
+                "--prompt-len",
+                "18446744073709551615",
+            ],
+            "--prompt-len 18446744073709551615",
+        ),
+        (
             vec!["bench", "model", "--shape", "small", "--torch-compile"],
             "--torch",
         ),
