@@ -1,5 +1,5 @@
 //! Real-subprocess tests of the sandbox: built-in tasks, grading, limits, task files. The
-//! attack suite is tests/attacks.rs.
+//! attack suite is tests/attacks/.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -274,7 +274,7 @@ fn output_is_captured_and_truncated() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Resource limits and the parent's safety (the attack classes are in tests/attacks.rs).
+// Resource limits and the parent's safety (the attack classes are in tests/attacks/).
 // ---------------------------------------------------------------------------------------------
 
 #[test]

@@ -1,6 +1,6 @@
 //! Launchers of the CUDA kernels in `kernels.cu` (built to PTX by build.rs) for contiguous f32
 //! and bf16 storages. The ops' `cuda_fwd` and their backward ops call these; their CPU twins
-//! are the same ops' `cpu_fwd`, and `tests/ops.rs` (`COMPOSER_TEST_DEVICE=cuda`) compares the two
+//! are the same ops' `cpu_fwd`, and `tests/ops/` (`COMPOSER_TEST_DEVICE=cuda`) compares the two
 //! on a GPU. The varlen attention's launchers are in `attention_cuda.rs`.
 
 use candle_core::backend::BackendStorage;

@@ -1,7 +1,7 @@
 //! Launchers of the rollout engine's decode kernels in `decode_kernels.cu` (built to their own
 //! PTX module by build.rs) for contiguous f32 and bf16 storages. The paged decode attention's
 //! custom op calls [`paged_decode`] from its `cuda_fwd`; its CPU twin is the op's `cpu_fwd`,
-//! and `tests/paged_kv.rs` compares both with a dense reference on `$COMPOSER_TEST_DEVICE`.
+//! and `tests/paged_kv/` compares both with a dense reference on `$COMPOSER_TEST_DEVICE`.
 
 use super::cuda::{alloc, kernel_name, launch_opted_in, typed, view};
 use super::decode_gemm::{SkinnyPlan, SKINNY_THREADS};

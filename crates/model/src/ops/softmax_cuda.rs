@@ -1,7 +1,7 @@
 //! Launchers of the softmax kernels in `kernels.cu` (with `head_kernels.cuh`): attention's
 //! masked softmax and the LM head's softmax algebra, for contiguous f32 and bf16 storages. Their
 //! CPU twins are the same custom ops' `cpu_fwd` (`masked_softmax.rs`, `head_softmax.rs`);
-//! `tests/ops.rs` (`COMPOSER_TEST_DEVICE=cuda`) compares the two on a GPU.
+//! `tests/ops/` (`COMPOSER_TEST_DEVICE=cuda`) compares the two on a GPU.
 
 use super::cuda::{alloc, kernel_name, on_tensors, rows_config, typed, view, MODULE, PTX};
 use candle_core::backend::BackendStorage;

@@ -1,4 +1,4 @@
-//! Checks shared by the ops tests (`ops.rs`, `ops_attention.rs`): deterministic random
+//! Checks shared by the ops tests (`ops/`, `ops_attention.rs`): deterministic random
 //! tensors, error measures, and running an op and its gradients on the test device against the
 //! f64 composition on the CPU.
 
