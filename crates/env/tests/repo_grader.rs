@@ -481,3 +481,187 @@ fn a_missing_module_fails_each_test() {
     assert_eq!(v.len(), 7, "{v:?}");
     assert!(v.iter().all(|v| !v.1), "{v:?}");
 }
+
+/// An object whose operators answer plain values (`f(x) - y` → 0.0, `abs(...)` → 0.0) passes
+/// no assertion through them: an operator with a plain operand, or a unary numeric one, counts
+/// only when it answers another of the code's objects.
+#[test]
+fn attack_operators_answering_plain_values_fail() {
+    let evil = format!(
+        "{SHAPES}\n\
+         class Zero:\n\
+         \x20   def __sub__(self, o): return 0.0\n\
+         \x20   def __rsub__(self, o): return 0.0\n\
+         \n\
+         class AbsZero:\n\
+         \x20   def __sub__(self, o): return self\n\
+         \x20   def __abs__(self): return 0.0\n\
+         \n\
+         def mean(xs):\n    return Zero()\n\
+         def mean_abs(xs):\n    return AbsZero()\n"
+    );
+    let tests = r#"
+from shapes import geo
+
+
+def test_sub():
+    assert abs(geo.mean([1, 2, 4]) - 7 / 3) < 1e-9
+
+
+def test_rsub():
+    assert abs(7 / 3 - geo.mean([1, 2, 4])) < 1e-9
+
+
+def test_abs():
+    assert abs(geo.mean_abs([1, 2, 4]) - 7 / 3) < 1e-9
+
+
+def test_objects_still_add():
+    assert geo.Square(1) + geo.Square(2) == geo.Square(3)
+"#;
+    let v = grade(&evil, tests);
+    assert_eq!(v.len(), 4, "{v:?}");
+    for t in ["test_sub", "test_rsub", "test_abs"] {
+        assert!(!passed(&v, t), "{t}: {v:?}");
+    }
+    assert!(passed(&v, "test_objects_still_add"), "{v:?}");
+}
+
+/// A repository exception whose class also derives from StopIteration (the bases are the
+/// code's claim) does not end `all(map(f, xs))` early: it fails the test like StopIteration.
+#[test]
+fn attack_exception_classes_mixing_in_control_flow_fail() {
+    let evil = format!(
+        "{SHAPES}\n\
+         class Stop(ValueError, StopIteration):\n    pass\n\
+         \n\
+         def check(x):\n    raise Stop('no')\n"
+    );
+    let tests = r#"
+from shapes import geo
+
+
+def test_all_of_map():
+    assert all(map(geo.check, [1, 2, 3]))
+
+
+def test_for_over_map():
+    for r in map(geo.check, [1, 2]):
+        assert r == "ok"
+"#;
+    let v = grade(&evil, tests);
+    assert!(!passed(&v, "test_all_of_map"), "{v:?}");
+    assert!(!passed(&v, "test_for_over_map"), "{v:?}");
+}
+
+/// `from pkg.mod import *` binds neither names that look like tests (the code cannot add
+/// tests to the file) nor names of built-ins (a module-level `abs` returning 0 would pass
+/// `abs(f(x) - y) < eps`): the tests are the file's own functions, counted from its source.
+#[test]
+fn attack_star_imports_add_no_tests_and_shadow_no_builtins() {
+    let mut evil = SHAPES.replace(
+        "def mean(xs):\n    return sum(xs) / len(xs)",
+        "def mean(xs):\n    return 0",
+    );
+    evil.push_str(
+        "\ndef abs(x):\n    return 0\n\
+         \nfor _i in range(50):\n    globals()['test_free_%d' % _i] = lambda: None\n\
+         \nTestAlso = len\n",
+    );
+    let tests = r#"
+from shapes.geo import *
+
+
+def test_star_mean():
+    assert abs(mean([1, 2, 4]) - 7 / 3) < 1e-9
+
+
+def test_star_square():
+    assert Square(2).area() == 4
+"#;
+    let v = grade(&evil, tests);
+    assert_eq!(v.len(), 2, "only the file's own tests: {v:?}");
+    assert!(!passed(&v, "test_star_mean"), "{v:?}");
+    assert!(passed(&v, "test_star_square"), "{v:?}");
+    // The honest module passes both through the star import.
+    let v = grade(SHAPES, tests);
+    assert!(v.len() == 2 && v.iter().all(|v| v.1), "{v:?}");
+}
+
+/// A module top that fails (here because the code raises where the file calls it) fails each
+/// of the file's tests: breaking it cannot shrink the count to one failed verdict.
+#[test]
+fn attack_a_failing_module_top_fails_every_test_of_the_file() {
+    let evil = SHAPES.replace(
+        "def mean(xs):\n    return sum(xs) / len(xs)",
+        "def mean(xs):\n    raise RuntimeError('no')",
+    );
+    let tests = r#"
+from shapes import geo
+
+BASE = geo.mean([2, 2])
+
+
+def test_one():
+    assert BASE == 2
+
+
+def test_two():
+    assert geo.Square(2).area() == 4
+
+
+def test_three():
+    assert geo.UNIT == 1.0
+"#;
+    let v = grade(&evil, tests);
+    assert_eq!(v.len(), 3, "{v:?}");
+    assert!(v.iter().all(|v| !v.1), "{v:?}");
+    let v = grade(SHAPES, tests);
+    assert!(v.len() == 3 && v.iter().all(|v| v.1), "{v:?}");
+}
+
+/// Integers past 64 bits and floats travel between the judge and the code as their own bytes:
+/// honest code gets its exact values through (arguments and results), and a result one
+/// integer or one ulp off fails.
+#[test]
+fn big_integers_and_floats_travel_exactly() {
+    let code = format!(
+        "{SHAPES}\n\
+         import math\n\
+         def fact(n):\n    return math.factorial(n)\n\
+         def double(x):\n    return 2 * x\n\
+         def near_power():\n    return 2 ** 70 + 12345\n\
+         def near_float():\n    return 0.00021659939713061338\n"
+    );
+    let tests = r#"
+from shapes import geo
+
+
+def test_factorial():
+    assert geo.fact(25) == 15511210043330985984000000
+
+
+def test_big_argument():
+    assert geo.double(2 ** 70 + 1) == 2 ** 71 + 2
+    assert type(geo.double(2 ** 64)) is int
+
+
+def test_float_argument():
+    assert geo.double(0.00010829969856530669) == 0.00021659939713061338
+
+
+def test_near_power_is_not_the_power():
+    assert geo.near_power() == 2 ** 70
+
+
+def test_near_float_is_not_the_float():
+    assert geo.near_float() == 0.00021659939713061335
+"#;
+    let v = grade(&code, tests);
+    assert_eq!(v.len(), 5, "{v:?}");
+    for t in ["test_factorial", "test_big_argument", "test_float_argument"] {
+        assert!(passed(&v, t), "{t}: {v:?}");
+    }
+    assert!(!passed(&v, "test_near_power_is_not_the_power"), "{v:?}");
+    assert!(!passed(&v, "test_near_float_is_not_the_float"), "{v:?}");
+}

@@ -25,9 +25,18 @@
 //!   the candidate writes is at most a claim about what its code returned (a malformed or
 //!   unexpected message fails the test);
 //! - a reference is never equal to, unequal to or ordered against a plain value (the judge does
-//!   not ask the code), so an object whose `__eq__`/`__lt__` answers True cannot pass
-//!   `assert f(x) == y` or `assert abs(f(x) - y) < eps`; a `__exit__` cannot swallow a failed
-//!   assert;
+//!   not ask the code), and an operator between a reference and a plain value (`f(x) - y`), or
+//!   a unary numeric one (`abs`, `-`, `round`), counts only when it answers another reference,
+//!   so an object whose `__eq__`/`__lt__` answers True or whose `__sub__` answers 0.0 cannot
+//!   pass `assert f(x) == y` or `assert abs(f(x) - y) < eps`; a `__exit__` cannot swallow a
+//!   failed assert;
+//! - the tests are the `test*` functions the hidden files define, read from their source and
+//!   announced to this process before the code answers anything; each gets exactly one verdict
+//!   (none given is a failure), so a star import cannot add, replace or shadow tests or
+//!   built-ins, and a failing module top fails every test of its file instead of counting once;
+//! - messages travel between the judge and the code as their own bytes (never re-serialised:
+//!   serde_json's `Value` would turn integers past u64 into floats and move some floats by an
+//!   ulp, failing honest code and passing wrong code);
 //! - a failure of the candidate's process (no answer, a crash, an exit, SystemExit, a time-out,
 //!   StopIteration/AttributeError where they would steer the test's control flow) fails the test
 //!   even when the test catches exceptions;
@@ -42,7 +51,13 @@
 //!
 //! Limits: the test's own non-callable objects cannot be passed to the code; two of the code's
 //! objects compare by the code's own `__eq__` (a candidate may rewrite it, as it may rewrite any
-//! graded file); module-level requests must be deterministic to be replayed.
+//! graded file); module-level requests must be deterministic to be replayed. What a test asks
+//! of an object the code returned — `x in obj`, `len(obj)`, `obj.startswith(...)`, `bool(obj)`
+//! — is the code's answer: where a function should return a plain value, a test that checks it
+//! by `==` against a plain value is immune, one that only probes it this way is not (a
+//! repository class's objects are probed this way legitimately, so the judge cannot refuse it).
+//! An operator with a plain operand whose honest answer is plain (`Fraction(1, 2) + 0.5`) fails
+//! its test: compare such results through plain values (`float(...)`).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -282,6 +297,7 @@ pub fn run_hidden_tests(
     judge.send_line(spec.to_string().as_bytes());
     let mut candidate = Candidate::new(code, deadline);
     let mut verdicts: Vec<(String, bool, String)> = Vec::new();
+    let mut plan: Option<Vec<String>> = None;
     let mut done = false;
     while let Some(line) = judge.recv_line(deadline + JUDGE_GRACE) {
         let Ok(msg) = serde_json::from_slice::<Value>(&line) else {
@@ -294,9 +310,24 @@ pub fn run_hidden_tests(
             candidate.restart();
         } else if let Some(why) = msg.get("kill") {
             candidate.kill(format!("the judge stopped the code's process: {why}"));
-        } else if let Some(request) = msg.get("rpc") {
-            let reply = candidate.forward(request);
-            judge.send_line(reply.to_string().as_bytes());
+        } else if msg.get("rpc").is_some() {
+            // The request's own bytes, not a re-serialised `Value`: serde_json's `Value` turns
+            // integers past u64 into floats and may move a float by an ulp.
+            let reply = match serde_json::from_slice::<JudgeRpc>(&line) {
+                Ok(m) => candidate.forward(m.rpc.get()),
+                Err(_) => bail!("the judge sent a malformed request"),
+            };
+            judge.send_line(reply.as_bytes());
+        } else if let Some(keys) = msg.get("plan") {
+            // The tests, announced before the code answered anything: the verdicts are these,
+            // whatever else arrives.
+            if plan.is_some() {
+                bail!("the judge announced its tests twice");
+            }
+            let keys: Option<Vec<String>> = keys
+                .as_array()
+                .and_then(|a| a.iter().map(|k| k.as_str().map(str::to_string)).collect());
+            plan = Some(keys.context("the judge's plan is not a list of test names")?);
         } else if let Some(file) = msg["file"].as_str() {
             let err = msg["error"].as_str().unwrap_or("").to_string();
             verdicts.push((format!("{file}::<module>"), false, err));
@@ -323,7 +354,34 @@ pub fn run_hidden_tests(
             run.stderr.chars().take(2000).collect::<String>()
         );
     }
-    Ok(verdicts)
+    let Some(plan) = plan else {
+        bail!("the judge did not announce its tests");
+    };
+    Ok(planned_verdicts(&plan, verdicts))
+}
+
+/// The judge's request line `{"rpc": <request>}`, the request kept as its bytes.
+#[derive(serde::Deserialize)]
+struct JudgeRpc<'a> {
+    #[serde(borrow)]
+    rpc: &'a serde_json::value::RawValue,
+}
+
+/// One verdict per planned test, in the plan's order: the first verdict the judge gave for
+/// it, or a failure where it gave none; verdicts for tests outside the plan are dropped.
+fn planned_verdicts(
+    plan: &[String],
+    verdicts: Vec<(String, bool, String)>,
+) -> Vec<(String, bool, String)> {
+    let mut out: Vec<(String, bool, String)> = Vec::with_capacity(plan.len());
+    for key in plan {
+        if out.iter().any(|v| &v.0 == key) {
+            continue;
+        }
+        let v = verdicts.iter().find(|v| &v.0 == key).cloned();
+        out.push(v.unwrap_or_else(|| (key.clone(), false, "no verdict from the judge".into())));
+    }
+    out
 }
 
 /// Longest the code's process may stay silent when it has the turn (one call, with its
@@ -363,10 +421,10 @@ impl<'a> Candidate<'a> {
         self.dead = Some(why);
     }
 
-    /// Sends the judge's message to the code's process and returns what goes back to the
-    /// judge: `{"code": message}` (the process's next JSON object line; anything else it
-    /// writes is dropped) or `{"dead": why}`.
-    fn forward(&mut self, request: &Value) -> Value {
+    /// Sends the judge's request (its JSON text) to the code's process and returns the line
+    /// that goes back to the judge: `{"code": message}` (the process's next JSON object line,
+    /// its bytes as they came; anything else it writes is dropped) or `{"dead": why}`.
+    fn forward(&mut self, request: &str) -> String {
         if self.session.is_none() && self.dead.is_none() {
             let remaining = self.deadline.saturating_duration_since(Instant::now());
             let started = sandbox_python().and_then(|python| {
@@ -380,14 +438,16 @@ impl<'a> Candidate<'a> {
             }
         }
         if let Some(why) = &self.dead {
-            return json!({ "dead": why });
+            return json!({ "dead": why }).to_string();
         }
         let session = self.session.as_ref().expect("started above");
         let turn_deadline = self.deadline.min(Instant::now() + PER_CALL);
-        if session.send_line(request.to_string().as_bytes()) {
+        if session.send_line(request.as_bytes()) {
             while let Some(line) = session.recv_line(turn_deadline) {
-                if let Ok(v @ Value::Object(_)) = serde_json::from_slice::<Value>(&line) {
-                    return json!({ "code": v });
+                if let Ok(raw) = serde_json::from_slice::<&serde_json::value::RawValue>(&line) {
+                    if raw.get().starts_with('{') {
+                        return format!("{{\"code\":{}}}", raw.get());
+                    }
                 }
             }
         }
@@ -399,7 +459,7 @@ impl<'a> Candidate<'a> {
             "the code's process ended before answering (crashed or exited)"
         };
         self.kill(why.to_string());
-        json!({ "dead": why })
+        json!({ "dead": why }).to_string()
     }
 }
 
@@ -444,5 +504,33 @@ pub fn score(verdicts: &[(String, bool, String)], mode: RepoRewardMode) -> RepoG
             .map(|v| (v.0.clone(), v.2.clone()))
             .collect(),
         error: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v(key: &str, ok: bool) -> (String, bool, String) {
+        (key.to_string(), ok, String::new())
+    }
+
+    /// The plan decides the tests: a missing verdict fails, an unplanned or repeated one is
+    /// dropped, the plan's order is kept.
+    #[test]
+    fn verdicts_follow_the_plan() {
+        let plan = ["m::test_a".to_string(), "m::test_b".to_string()];
+        let got = planned_verdicts(
+            &plan,
+            vec![
+                v("m::test_b", true),
+                v("m::test_free", true),
+                v("m::test_b", false),
+            ],
+        );
+        assert_eq!(got.len(), 2);
+        assert_eq!((got[0].0.as_str(), got[0].1), ("m::test_a", false));
+        assert_eq!(got[0].2, "no verdict from the judge");
+        assert_eq!((got[1].0.as_str(), got[1].1), ("m::test_b", true));
     }
 }

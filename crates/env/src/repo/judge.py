@@ -15,8 +15,18 @@
 #   cannot pass `assert f(x) == y` or `assert abs(f(x) - y) < eps`;
 # - a failure of the candidate's process (no answer, a crash, a broken protocol, a time-out,
 #   SystemExit) fails the test even when the test catches the exception;
-# - a test passes only by returning from its function here, in a process the code never runs in.
+# - a test passes only by returning from its function here, in a process the code never runs in;
+# - the tests are the `test*` functions each hidden file defines (read from its source, before
+#   anything runs), announced to the parent first: a star import cannot add tests or replace
+#   one, nor shadow a built-in (`abs`) in the test module, and a module-level failure fails
+#   each of the file's tests rather than counting once;
+# - an operator between the code's object and a plain value (`f(x) - y`), or a unary numeric
+#   operator on it (`abs`, `-`, `round`), counts only when its result is again the code's
+#   object: a plain answer there would be the code's claim standing in for the arithmetic.
 # (Follows composer-sandbox's plain_values.py prelude: enc, dec, send, describe.)
+import ast
+import types
+
 OUT = 3
 os.dup2(2, 1)
 IN = sys.stdin.buffer
@@ -177,7 +187,8 @@ class Remote:
         if (name.startswith("__") and name.endswith("__")
                 and name not in ("__name__", "__doc__", "__all__")):
             raise AttributeError(name)
-        return getattr_op(target_of(self), name)
+        value = getattr_op(target_of(self), name)
+        return star_names(value) if name == "__all__" else value
 
     def __setattr__(self, name, value):
         reply_value(rpc({"op": "setattr", "obj": target_of(self), "name": name,
@@ -271,19 +282,19 @@ class Remote:
         return value
 
     def __round__(self, *nd):
-        return apply_op("round", self, *nd)
+        return not_plain("round", apply_op("round", self, *nd))
 
     def __abs__(self):
-        return apply_op("abs", self)
+        return not_plain("abs", apply_op("abs", self))
 
     def __neg__(self):
-        return apply_op("neg", self)
+        return not_plain("neg", apply_op("neg", self))
 
     def __pos__(self):
-        return apply_op("pos", self)
+        return not_plain("pos", apply_op("pos", self))
 
     def __invert__(self):
-        return apply_op("invert", self)
+        return not_plain("invert", apply_op("invert", self))
 
     # Comparisons: forwarded only between the code's own objects.
     def __eq__(self, other):
@@ -305,23 +316,50 @@ class Remote:
         return compare("ge", self, other)
 
 
+BUILTIN_NAMES = frozenset(vars(builtins))
+
+
+def star_names(value):
+    """The names `from pkg.mod import *` may bind in a test module, of those the code lists:
+    public identifiers that neither look like tests (the judge runs the file's own `test*`
+    functions, never the code's) nor shadow a built-in (`abs`, `len`) the tests rely on."""
+    if type(value) not in (list, tuple):
+        raise TypeError("__all__ must be a list of names")
+    return [n for n in value
+            if type(n) is str and n.isidentifier() and not n.startswith("_")
+            and not n.lower().startswith("test") and n not in BUILTIN_NAMES]
+
+
 def compare(fn, a, b):
     if not (is_remote(a) and is_remote(b)):
         return NotImplemented
     return apply_op(fn, a, b)
 
 
+def not_plain(fn, value):
+    """`value`, the code's answer to an operator on its own object with a plain operand (or a
+    unary one), if it is again the code's object; a plain answer is refused: `f(x) - y` or
+    `abs(f(x))` answering 0.0 would be the code's claim passing `abs(f(x) - y) < eps`."""
+    if not is_remote(value):
+        fail("the code's object answered the operator %s with a plain value; a test compares "
+             "the code's results as plain values, not through operators on its objects" % fn)
+    return value
+
+
 def binary(fn):
     def forward(self, other):
-        return apply_op(fn, self, other)
+        value = apply_op(fn, self, other)
+        return value if is_remote(other) else not_plain(fn, value)
 
     def reflected(self, other):
-        return apply_op(fn, other, self)
+        value = apply_op(fn, other, self)
+        return value if is_remote(other) else not_plain(fn, value)
     return forward, reflected
 
 
-# Arithmetic is the code's own behaviour: a result is plain or another Remote (which, again,
-# is never equal to a plain value).
+# Arithmetic is the code's own behaviour: between two of its objects a result is plain or
+# another Remote (which, again, is never equal to a plain value); with a plain operand only a
+# Remote (see `not_plain`).
 for _fn, _dunder in (("add", "add"), ("sub", "sub"), ("mul", "mul"), ("truediv", "truediv"),
                      ("floordiv", "floordiv"), ("mod", "mod"), ("pow", "pow"),
                      ("matmul", "matmul"), ("and", "and"), ("or", "or"), ("xor", "xor"),
@@ -483,6 +521,12 @@ def exception_of(reply, op):
             return builtin(*args)
         except Exception:
             return builtin(message)
+    # The class's bases are the code's claim: a `ValueError` that also derives from
+    # StopIteration would end `all(map(f, xs))` early; the class raised here obeys the same
+    # rule as the built-in named.
+    if not issubclass(cls, Exception) or (issubclass(cls, CONTROL)
+                                          and not issubclass(cls, allowed)):
+        fail(message)
     exc = BaseException.__new__(cls)
     exc.args = tuple(args)
     exc.__dict__["_text"] = message.split(": ", 1)[-1] if ": " in message else message
@@ -521,6 +565,21 @@ def begin_file(key):
     STATE["module_level"] = True
 
 
+def test_names(file_name, source):
+    """The file's tests: the `test*` functions its source defines at the top, in order (None
+    when it does not parse: the file then fails as one)."""
+    try:
+        body = ast.parse(source, file_name).body
+    except (SyntaxError, ValueError):
+        return None
+    names = []
+    for node in body:
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.name.startswith("test") and node.name not in names):
+            names.append(node.name)
+    return names
+
+
 def main():
     spec = json.loads(IN.readline())
     repo_modules = set(spec["modules"])
@@ -534,26 +593,45 @@ def main():
 
     test_builtins = dict(vars(builtins))
     test_builtins["__import__"] = guarded_import
+    files = []
     for file_name, source in spec["files"]:
         module = os.path.splitext(os.path.basename(file_name))[0]
+        names = test_names(file_name, source)
+        files.append((file_name, source, module, names))
+    # The parent counts these, before any of the code's answers can reach this process.
+    send({"plan": [key for file_name, _, module, names in files
+                   for key in ([file_name + "::<module>"] if names is None
+                               else [module + "::" + n for n in names])]})
+    for file_name, source, module, names in files:
         namespace = {"__name__": module, "__builtins__": test_builtins}
         begin_file(module + "::<module>")
         try:
+            if names is None:
+                compile(source, file_name, "exec")
+                raise SyntaxError("the test file does not parse")
             exec(compile(source, file_name, "exec"), namespace)
-            tests = [n for n, v in namespace.items() if n.startswith("test") and callable(v)]
             header_error = STATE["failure"]
         except BaseException as exc:
             header_error = describe(exc)
         STATE["module_level"] = False
         STATE["module_callbacks"] = list(STATE["callbacks"])
-        if header_error is not None:
+        if names is None:
             send({"file": file_name, "error": header_error})
             continue
-        for name in tests:
+        for name in names:
             key = module + "::" + name
+            if header_error is not None:
+                send({"test": key, "status": "fail", "error": "the test module's top failed: "
+                      + str(header_error)[:2000]})
+                continue
+            fn = namespace.get(name)
+            if type(fn) is not types.FunctionType or fn.__code__.co_filename != file_name:
+                send({"test": key, "status": "fail",
+                      "error": "the test function was replaced (by an import?)"})
+                continue
             begin(key)
             try:
-                namespace[name]()
+                fn()
                 verdict = {"test": key, "status": "pass"}
             except BaseException as exc:
                 verdict = {"test": key, "status": "fail", "error": describe(exc)}
