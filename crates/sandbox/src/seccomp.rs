@@ -3,7 +3,11 @@
 //! `setns`, namespace flags of `clone`), mounts, `ptrace` and cross-process memory access,
 //! keyrings, `bpf`, `perf_event_open`, `userfaultfd`, io_uring, module and kexec loading.
 //! `clone3` fails with ENOSYS so that libc falls back to `clone`, whose flags the filter can
-//! inspect. Other architectures and ABIs (x32, i386 entry points) are refused outright.
+//! inspect. `socket` and `socketpair` work only for AF_UNIX, AF_INET and AF_INET6; every other
+//! address family (AF_NETLINK, AF_PACKET, AF_VSOCK, AF_ALG, AF_BLUETOOTH, ...: kernel code
+//! no sandboxed program needs, some of it reaching past the network namespace, such as vsock
+//! to the hypervisor) fails with EAFNOSUPPORT, as on a kernel built without it. Other
+//! architectures and ABIs (x32, i386 entry points) are refused outright.
 //! Installed with `PR_SET_NO_NEW_PRIVS` right before `exec`, best effort: where the kernel
 //! refuses, the run goes on without it ([`crate::Capabilities::seccomp`] says which).
 
@@ -89,8 +93,17 @@ fn build() -> Vec<libc::sock_filter> {
         Allow,
         Eperm,
         Enosys,
+        Eafnosupport,
         Kill,
+        /// The check of `socket`'s address family below.
+        SocketFamily,
     }
+    // The address families `socket` and `socketpair` may use.
+    const ALLOWED_FAMILIES: [u32; 3] = [
+        libc::AF_UNIX as u32,
+        libc::AF_INET as u32,
+        libc::AF_INET6 as u32,
+    ];
     let mut prog: Vec<(u16, u32, To, To)> = Vec::new();
     let stmt = |code: u16, k: u32| (code, k, To::Next, To::Next);
     prog.push(stmt(LD_W_ABS, 4)); // arch
@@ -101,14 +114,33 @@ fn build() -> Vec<libc::sock_filter> {
         prog.push((JEQ_K, nr as u32, To::Eperm, To::Next));
     }
     prog.push((JEQ_K, libc::SYS_clone3 as u32, To::Enosys, To::Next));
+    prog.push((JEQ_K, libc::SYS_socket as u32, To::SocketFamily, To::Next));
+    prog.push((
+        JEQ_K,
+        libc::SYS_socketpair as u32,
+        To::SocketFamily,
+        To::Next,
+    ));
     prog.push((JEQ_K, libc::SYS_clone as u32, To::Next, To::Allow));
     prog.push(stmt(LD_W_ABS, 16)); // low 32 bits of clone's flags
     prog.push((JSET_K, NS_FLAGS, To::Eperm, To::Allow));
+    // The family: the first argument, an int (the kernel ignores the upper 32 bits).
+    let socket_family = prog.len();
+    prog.push(stmt(LD_W_ABS, 16));
+    for (i, family) in ALLOWED_FAMILIES.iter().enumerate() {
+        let miss = if i + 1 == ALLOWED_FAMILIES.len() {
+            To::Eafnosupport
+        } else {
+            To::Next
+        };
+        prog.push((JEQ_K, *family, To::Allow, miss));
+    }
     let allow = prog.len();
     let eperm = allow + 1;
     let enosys = allow + 2;
-    let kill = allow + 3;
-    let mut out: Vec<libc::sock_filter> = Vec::with_capacity(prog.len() + 4);
+    let eafnosupport = allow + 3;
+    let kill = allow + 4;
+    let mut out: Vec<libc::sock_filter> = Vec::with_capacity(prog.len() + 5);
     for (i, (code, k, jt, jf)) in prog.into_iter().enumerate() {
         let off = |t: To| -> u8 {
             let target = match t {
@@ -116,7 +148,9 @@ fn build() -> Vec<libc::sock_filter> {
                 To::Allow => allow,
                 To::Eperm => eperm,
                 To::Enosys => enosys,
+                To::Eafnosupport => eafnosupport,
                 To::Kill => kill,
+                To::SocketFamily => socket_family,
             };
             (target - i - 1) as u8
         };
@@ -136,6 +170,7 @@ fn build() -> Vec<libc::sock_filter> {
     out.push(ret(RET_ALLOW));
     out.push(ret(RET_ERRNO | libc::EPERM as u32));
     out.push(ret(RET_ERRNO | libc::ENOSYS as u32));
+    out.push(ret(RET_ERRNO | libc::EAFNOSUPPORT as u32));
     out.push(ret(RET_KILL_PROCESS));
     out
 }

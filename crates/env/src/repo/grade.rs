@@ -172,13 +172,27 @@ pub fn forbidden_source_file(path: &str) -> bool {
     FORBIDDEN.contains(&name) || name.ends_with(".pth")
 }
 
-/// Every regular file under `root` (not following symlinks), as sorted repo-relative paths.
+/// Deepest directory nesting [`walk_files`] reads: a working copy is the candidate's, and one
+/// nested 40,000 levels deep must be an error, not a walk that exhausts a stack or the
+/// descriptors (the sandbox removes such a tree itself: composer-sandbox's `exec/tree.rs`).
+const MAX_WALK_DEPTH: usize = 64;
+
+/// Every regular file under `root` (not following symlinks), as sorted repo-relative paths;
+/// an error past [`MAX_WALK_DEPTH`] levels. Iterative: one directory open at a time.
 pub fn walk_files(root: &Path) -> Result<Vec<String>> {
-    fn walk(root: &Path, rel: &str, out: &mut Vec<String>) -> Result<()> {
+    let mut out = Vec::new();
+    let mut pending: Vec<(String, usize)> = vec![(String::new(), 0)];
+    while let Some((rel, depth)) = pending.pop() {
+        if depth > MAX_WALK_DEPTH {
+            bail!(
+                "{} nests directories deeper than {MAX_WALK_DEPTH} levels (at {rel})",
+                root.display()
+            );
+        }
         let dir = if rel.is_empty() {
             root.to_path_buf()
         } else {
-            root.join(rel)
+            root.join(&rel)
         };
         for e in std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
             let e = e?;
@@ -192,15 +206,12 @@ pub fn walk_files(root: &Path) -> Result<Vec<String>> {
             };
             let meta = std::fs::symlink_metadata(e.path())?;
             if meta.is_dir() {
-                walk(root, &child, out)?;
+                pending.push((child, depth + 1));
             } else if meta.is_file() {
                 out.push(child);
             }
         }
-        Ok(())
     }
-    let mut out = Vec::new();
-    walk(root, "", &mut out)?;
     out.sort();
     Ok(out)
 }
@@ -513,6 +524,21 @@ mod tests {
 
     fn v(key: &str, ok: bool) -> (String, bool, String) {
         (key.to_string(), ok, String::new())
+    }
+
+    /// A working copy nested past the walk's depth is an error naming it, not a crash; one
+    /// at the limit is read.
+    #[test]
+    fn a_deep_working_copy_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let at_limit = "d/".repeat(MAX_WALK_DEPTH);
+        std::fs::create_dir_all(dir.path().join(&at_limit)).unwrap();
+        std::fs::write(dir.path().join(&at_limit).join("x.py"), "").unwrap();
+        let files = walk_files(dir.path()).unwrap();
+        assert_eq!(files, vec![format!("{at_limit}x.py")]);
+        std::fs::create_dir_all(dir.path().join(&at_limit).join("d")).unwrap();
+        let e = walk_files(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("deeper than 64 levels"), "{e}");
     }
 
     /// The plan decides the tests: a missing verdict fails, an unplanned or repeated one is

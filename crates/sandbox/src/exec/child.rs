@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use super::config::{
     interpreter_binds, Mode, CHANNEL_FD, DEV_NODES, ETC_FILES, MAX_OPEN_FILES, PRIVATE_TMP_OPTS,
-    ROOT_OPTS, SANDBOX_WORKDIR, SUPERVISOR_ERROR_EXIT, SUPERVISOR_TIMEOUT_EXIT, SYSTEM_DIRS,
-    WRITABLE,
+    ROOT_OPTS, SANDBOX_HOSTNAME, SANDBOX_WORKDIR, SUPERVISOR_ERROR_EXIT, SUPERVISOR_TIMEOUT_EXIT,
+    SYSTEM_DIRS, WRITABLE,
 };
 
 /// One step building the private root, with host paths prepared before the fork.
@@ -378,7 +378,14 @@ pub(super) unsafe fn child_setup(plan: &ChildPlan) -> std::io::Result<()> {
     if plan.mode.namespaces {
         let uid = libc::getuid();
         let gid = libc::getgid();
-        let mut flags = libc::CLONE_NEWUSER | libc::CLONE_NEWNS | libc::CLONE_NEWPID;
+        // IPC: System V shared memory, message queues and semaphores and POSIX message queues
+        // are per IPC namespace; in the host's, a segment would outlive the run (holding host
+        // memory) and be readable by later runs. UTS: the host's name stays the host's.
+        let mut flags = libc::CLONE_NEWUSER
+            | libc::CLONE_NEWNS
+            | libc::CLONE_NEWPID
+            | libc::CLONE_NEWIPC
+            | libc::CLONE_NEWUTS;
         if plan.isolate_net {
             flags |= libc::CLONE_NEWNET;
         }
@@ -391,6 +398,8 @@ pub(super) unsafe fn child_setup(plan: &ChildPlan) -> std::io::Result<()> {
         write_proc(c"/proc/self/uid_map", &line[..n])?;
         let n = id_map_line(gid, &mut line);
         write_proc(c"/proc/self/gid_map", &line[..n])?;
+        // Best effort (the probe reports it): the sandbox sees this name, not the host's.
+        libc::sethostname(SANDBOX_HOSTNAME.as_ptr().cast(), SANDBOX_HOSTNAME.len());
         let pid = libc::fork();
         if pid < 0 {
             return Err(os_err());

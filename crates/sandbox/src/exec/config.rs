@@ -33,6 +33,8 @@ pub(super) const PARENT_GRACE: Duration = Duration::from_secs(2);
 pub(crate) const CHANNEL_FD: RawFd = 3;
 /// Where the working copy appears inside the private root.
 pub(crate) const SANDBOX_WORKDIR: &str = "/workspace";
+/// The host name inside the sandbox (its own UTS namespace).
+pub(super) const SANDBOX_HOSTNAME: &[u8] = b"sandbox";
 
 /// System directories bound read-only into the private root (when they exist; symlinks such
 /// as a merged-/usr `/bin -> usr/bin` are recreated as symlinks).
@@ -76,10 +78,18 @@ pub struct Capabilities {
     pub network_namespace: bool,
     /// Each run is pid 1 of its own pid namespace: all its processes die with it.
     pub pid_namespace: bool,
+    /// Each run has its own IPC namespace: System V shared memory segments, message queues
+    /// and semaphores and POSIX message queues are private to the run and die with it (none of
+    /// the host's or another run's are visible). Without it (no namespaces), root removes the
+    /// run uid's System V objects after the run.
+    pub ipc_namespace: bool,
+    /// Each run has its own UTS namespace: the host name inside is `sandbox`, not the host's.
+    pub uts_namespace: bool,
     /// Private root: only system directories (read-only), a tmpfs /tmp and the working copy;
     /// no host /tmp, /home, /root, /etc beyond the loader's files, no host socket paths.
     pub private_root: bool,
-    /// Private tmpfs on /tmp and /dev/shm.
+    /// Private tmpfs on /tmp and /dev/shm (so POSIX shared memory, `shm_open`, is private
+    /// too).
     pub private_tmp: bool,
     /// Everything except the working copy, /tmp and /dev/shm is read-only.
     pub read_only_root: bool,

@@ -181,21 +181,14 @@ pub(crate) fn safe_join(root: &Path, rel: &str, allow_missing: bool) -> anyhow::
 }
 
 /// Gives every file of the working copy to `uid` (files the parent put there, or left by an
-/// earlier run under the same uid), without following symlinks.
+/// earlier run under the same uid), without following symlinks, never chowning a hard-linked
+/// file (it may be a host file, without a mount namespace), and without recursion (the tree
+/// may be nested deeper than any stack; see [`super::tree`]).
 pub(super) fn chown_tree(dir: &Path, uid: u32) {
-    let _ = std::os::unix::fs::lchown(dir, Some(uid), Some(uid));
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for e in entries.flatten() {
-            let p = e.path();
-            match std::fs::symlink_metadata(&p) {
-                Ok(m) if m.is_dir() => chown_tree(&p, uid),
-                // Never chown a hard link: it may be a host file (no mount namespace).
-                Ok(m) if std::os::unix::fs::MetadataExt::nlink(&m) > 1 => {}
-                Ok(_) => {
-                    let _ = std::os::unix::fs::lchown(&p, Some(uid), Some(uid));
-                }
-                Err(_) => {}
-            }
-        }
+    if let Err(e) = super::tree::chown_tree(dir, uid) {
+        eprintln!(
+            "composer-sandbox: giving {} to the sandbox's uid: {e}",
+            dir.display()
+        );
     }
 }

@@ -6,7 +6,7 @@
 //! ```text
 //! parent (this process)
 //!  └─ supervisor  (own session; joins the run's cgroup; when root: switches to the sandbox's
-//!      │           unprivileged uid; when the kernel allows: new user+mount+pid(+net)
+//!      │           unprivileged uid; when the kernel allows: new user+mount+pid+ipc+uts(+net)
 //!      │           namespaces)
 //!      └─ command (pid 1 of the new pid namespace; private root: read-only system
 //!                  directories, a tmpfs /tmp, the working copy at /workspace; rlimits;
@@ -18,9 +18,10 @@
 //! status. Everything between `fork` and `exec` only uses async-signal-safe libc calls on
 //! memory prepared before the fork (no allocation), as required in a multi-threaded parent.
 //!
-//! Modules, each depending only on those before it: `config` (shared definitions), `child`
-//! (the forked child), `procs` (readers and clean-up), `dirs` (the host directories),
-//! `running` (spawn and wait), `probe` (the capability probe).
+//! Modules, each depending only on those before it: `tree` (walking and removing a directory
+//! tree without recursion), `config` (shared definitions), `child` (the forked child), `procs`
+//! (readers and clean-up), `dirs` (the host directories), `running` (spawn and wait), `probe`
+//! (the capability probe).
 
 mod child;
 mod config;
@@ -28,6 +29,7 @@ mod dirs;
 mod probe;
 mod procs;
 mod running;
+mod tree;
 
 pub use config::Capabilities;
 pub(crate) use config::{python_path, RawRun, SANDBOX_WORKDIR};

@@ -33,6 +33,11 @@ try:
 except OSError:
     seccomp = False
 print("seccomp=%d" % seccomp)
+try:
+    print("ipcns=" + os.readlink("/proc/self/ns/ipc"))
+except OSError:
+    print("ipcns=")
+print("uts=%d" % (socket.gethostname() == "sandbox"))
 "#;
 
 pub(super) static PROBE: OnceLock<(Capabilities, Mode)> = OnceLock::new();
@@ -54,6 +59,8 @@ pub(super) fn probe() -> (Capabilities, Mode) {
         user_namespace: false,
         network_namespace: false,
         pid_namespace: false,
+        ipc_namespace: false,
+        uts_namespace: false,
         private_root: false,
         private_tmp: false,
         read_only_root: false,
@@ -123,6 +130,18 @@ pub(super) fn probe() -> (Capabilities, Mode) {
         caps.private_proc = flag("proc");
         caps.network_namespace = !flag("net");
         caps.seccomp = flag("seccomp");
+        // The IPC namespace is unshared together with the user namespace (one `unshare`, all
+        // or nothing); where both sides can read their namespace link, it must differ.
+        let inside = text
+            .lines()
+            .find_map(|l| l.strip_prefix("ipcns="))
+            .filter(|l| !l.is_empty());
+        let host = std::fs::read_link("/proc/self/ns/ipc").ok();
+        caps.ipc_namespace = match (inside, host) {
+            (Some(inside), Some(host)) => host.as_os_str() != inside,
+            _ => true,
+        };
+        caps.uts_namespace = flag("uts");
     } else {
         caps.notes.push(format!(
             "namespaces unavailable ({:?}: {}); falling back to rlimits{}",

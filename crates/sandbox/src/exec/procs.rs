@@ -1,5 +1,5 @@
 //! The parent side's process plumbing: output readers, pipes, waiting without reaping, and the
-//! fallback clean-up of a run's processes and files (by uid).
+//! fallback clean-up of a run's processes, files and IPC objects (by uid).
 use std::io::Read;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
@@ -8,6 +8,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 
 use super::config::{CHANNEL_QUEUE, MAX_CHANNEL_BYTES, MAX_LINE_BYTES};
+use super::tree::remove_tree;
 
 /// Reads lines of a stream on its own thread (each line cut at [`MAX_LINE_BYTES`], reading
 /// stops after [`MAX_CHANNEL_BYTES`]).
@@ -122,10 +123,10 @@ pub(super) fn reap_uid(uid: u32) {
 }
 
 /// Fallback without a private /tmp (root only): removes what the run's uid left in the
-/// world-writable directories.
+/// world-writable directories (and its POSIX message queues where `/dev/mqueue` is mounted).
 pub(super) fn remove_files_of_uid(uid: u32, keep: &Path) {
     use std::os::unix::fs::MetadataExt;
-    for dir in ["/tmp", "/var/tmp", "/dev/shm"] {
+    for dir in ["/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue"] {
         let Ok(entries) = std::fs::read_dir(dir) else {
             continue;
         };
@@ -136,11 +137,13 @@ pub(super) fn remove_files_of_uid(uid: u32, keep: &Path) {
                 continue;
             }
             match std::fs::symlink_metadata(&path) {
-                Ok(meta) if meta.uid() == uid && meta.is_dir() => {
-                    let _ = std::fs::remove_dir_all(&path);
-                }
                 Ok(meta) if meta.uid() == uid => {
-                    let _ = std::fs::remove_file(&path);
+                    if let Err(e) = remove_tree(&path) {
+                        eprintln!(
+                            "composer-sandbox: could not remove {} left by a sandbox: {e}",
+                            path.display()
+                        );
+                    }
                 }
                 _ => {}
             }
@@ -148,25 +151,59 @@ pub(super) fn remove_files_of_uid(uid: u32, keep: &Path) {
     }
 }
 
-/// Removes the working directory even if the sandbox made parts of it unreadable.
-pub(super) fn remove_dir_robust(dir: tempfile::TempDir) {
-    let path = dir.path().to_path_buf();
-    if dir.close().is_ok() {
-        return;
-    }
-    fn make_writable(p: &Path) {
-        use std::os::unix::fs::PermissionsExt;
-        if let Ok(meta) = std::fs::symlink_metadata(p) {
-            if meta.is_dir() {
-                let _ = std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700));
-                if let Ok(entries) = std::fs::read_dir(p) {
-                    for e in entries.flatten() {
-                        make_writable(&e.path());
-                    }
-                }
+/// Fallback without an IPC namespace (root only): removes the System V shared memory
+/// segments, message queues and semaphore sets the run's uid created or owns (a segment would
+/// otherwise outlive the run, holding memory and whatever it wrote for a later run to read).
+pub(super) fn remove_ipc_of_uid(uid: u32) {
+    for (table, id_column) in [("shm", "shmid"), ("msg", "msqid"), ("sem", "semid")] {
+        let Ok(text) = std::fs::read_to_string(format!("/proc/sysvipc/{table}")) else {
+            continue;
+        };
+        let mut lines = text.lines();
+        let header: Vec<&str> = lines.next().unwrap_or("").split_whitespace().collect();
+        let column = |name: &str| header.iter().position(|h| *h == name);
+        let (Some(id_at), Some(uid_at), Some(cuid_at)) =
+            (column(id_column), column("uid"), column("cuid"))
+        else {
+            continue;
+        };
+        for line in lines {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let field = |i: usize| fields.get(i).and_then(|f| f.parse::<i64>().ok());
+            let (Some(id), Some(owner), Some(creator)) =
+                (field(id_at), field(uid_at), field(cuid_at))
+            else {
+                continue;
+            };
+            if owner != i64::from(uid) && creator != i64::from(uid) {
+                continue;
+            }
+            let Ok(id) = libc::c_int::try_from(id) else {
+                continue;
+            };
+            // SAFETY: IPC_RMID takes no buffer; a stale id only fails.
+            unsafe {
+                match table {
+                    "shm" => libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()),
+                    "msg" => libc::msgctl(id, libc::IPC_RMID, std::ptr::null_mut()),
+                    _ => libc::semctl(id, 0, libc::IPC_RMID),
+                };
             }
         }
     }
-    make_writable(&path);
-    let _ = std::fs::remove_dir_all(&path);
+}
+
+/// Removes the sandbox's directory even if the sandbox made parts of it unreadable, nested it
+/// deeper than any stack or path limit, or planted symlinks (see [`remove_tree`]). A failure is
+/// logged, never a panic.
+pub(super) fn remove_dir_robust(dir: tempfile::TempDir) {
+    // Never `TempDir`'s own removal: std's recursive `remove_dir_all` overflows the stack on
+    // a deep tree and aborts the whole process.
+    let path = dir.keep();
+    if let Err(e) = remove_tree(&path) {
+        eprintln!(
+            "composer-sandbox: could not remove the sandbox directory {}: {e}",
+            path.display()
+        );
+    }
 }

@@ -11,8 +11,8 @@ use super::child::{child_setup, cstr, root_steps, ChildPlan};
 use super::config::{Mode, RawRun, PARENT_GRACE, SUPERVISOR_ERROR_EXIT, SUPERVISOR_TIMEOUT_EXIT};
 use super::dirs::{chown_tree, SandboxDirs};
 use super::procs::{
-    pipe_cloexec, reap_uid, remove_files_of_uid, spawn_line_reader, spawn_reader,
-    wait_exited_nowait,
+    pipe_cloexec, reap_uid, remove_files_of_uid, remove_ipc_of_uid, spawn_line_reader,
+    spawn_reader, wait_exited_nowait,
 };
 use crate::cgroup::Cgroup;
 use crate::{NetworkPolicy, Outcome, SandboxLimits};
@@ -229,6 +229,7 @@ impl Running {
         if let (false, Some(uid)) = (self.mode.namespaces, self.uid) {
             reap_uid(uid);
             remove_files_of_uid(uid, &self.keep);
+            remove_ipc_of_uid(uid);
         }
         let oom = self.cgroup.as_ref().is_some_and(|c| c.oom_killed());
         drop(self.cgroup.take());

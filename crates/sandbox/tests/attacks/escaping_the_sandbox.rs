@@ -357,6 +357,23 @@ attempt("ptrace", lambda: libc.ptrace(0, 0, 0, 0))
 attempt("bpf", lambda: libc.syscall(321, 0, 0, 0))
 attempt("userfaultfd", lambda: -1 if libc.syscall(323, 0) < 0 else 0)
 attempt("mount", lambda: libc.mount(b"none", b"/tmp", b"tmpfs", 0, None))
+# Address families beyond AF_UNIX/AF_INET/AF_INET6 (vsock reaches the hypervisor, past the
+# network namespace).
+import socket
+def sock(name, *args):
+    try:
+        socket.socket(*args).close()
+        print(name, "ok", flush=True)
+    except OSError as e:
+        print(name, "blocked %d" % e.errno, flush=True)
+sock("af_vsock", 40, socket.SOCK_STREAM)
+sock("af_netlink", 16, socket.SOCK_RAW, 0)
+sock("af_packet", 17, socket.SOCK_RAW, 0)
+sock("af_alg", 38, socket.SOCK_SEQPACKET)
+sock("af_unix", socket.AF_UNIX, socket.SOCK_STREAM)
+sock("af_inet", socket.AF_INET, socket.SOCK_DGRAM)
+a, b = socket.socketpair()
+print("socketpair ok", flush=True)
 # Ordinary process creation still works (fork, posix_spawn/clone3 fallback, exec).
 pid = os.fork()
 if pid == 0:
@@ -368,6 +385,9 @@ print("spawn", subprocess.run(["/bin/echo", "hi"], capture_output=True).stdout.d
     assert_eq!(r.outcome, Outcome::Completed, "{r:#?}");
     assert!(r.stdout.contains("fork 7"), "{r:#?}");
     assert!(r.stdout.contains("spawn hi"), "{r:#?}");
+    for name in ["af_unix", "af_inet", "socketpair"] {
+        assert!(r.stdout.contains(&format!("{name} ok\n")), "{name}: {r:#?}");
+    }
     if !caps.seccomp {
         protection_missing(
             "escape_kernel_surface_is_filtered",
@@ -393,6 +413,13 @@ print("spawn", subprocess.run(["/bin/echo", "hi"], capture_output=True).stdout.d
             "{name}: {r:#?}"
         );
     }
+    for name in ["af_vsock", "af_netlink", "af_packet", "af_alg"] {
+        assert!(
+            r.stdout
+                .contains(&format!("{name} blocked {}\n", libc::EAFNOSUPPORT)),
+            "{name}: {r:#?}"
+        );
+    }
     // Graded: the same attempts inside a solution score 0 and break nothing.
     let task = secret_task(&marker("kernel"));
     assert_zero(&format!("{code}\ndef f(x):\n    return None\n"), &task);
@@ -412,4 +439,236 @@ fn sandbox_runs_report_missing_commands_and_keep_only_stdio() {
     let fds: Vec<&str> = r.stdout.split_whitespace().collect();
     // `ls` itself holds one more descriptor: the directory it lists.
     assert!(fds.len() <= 4, "inherited descriptors: {fds:?}");
+}
+
+/// System V IPC objects with `key`, and the POSIX shared memory object and message queue
+/// `name`, in the host's IPC namespace: removed on drop (only a failed test leaves any).
+struct HostIpc {
+    key: libc::key_t,
+    name: String,
+}
+
+impl HostIpc {
+    /// The host's System V segment with this key, if any.
+    fn sysv_segment(&self) -> Option<libc::c_int> {
+        // SAFETY: a lookup only (no IPC_CREAT).
+        let id = unsafe { libc::shmget(self.key, 0, 0) };
+        (id >= 0).then_some(id)
+    }
+
+    /// Whether /proc/sysvipc/shm (what `ipcs -m` reads) lists the key.
+    fn listed_in_proc(&self) -> bool {
+        let table = std::fs::read_to_string("/proc/sysvipc/shm").unwrap_or_default();
+        table
+            .lines()
+            .skip(1)
+            .any(|l| l.split_whitespace().next() == Some(&self.key.to_string()))
+    }
+
+    fn posix_shm(&self) -> PathBuf {
+        PathBuf::from("/dev/shm").join(&self.name)
+    }
+
+    /// Whether the host can open the POSIX message queue.
+    fn message_queue(&self) -> bool {
+        let name = std::ffi::CString::new(format!("/{}", self.name)).unwrap();
+        // SAFETY: a NUL-terminated name; no O_CREAT, so no further arguments.
+        let q = unsafe { libc::mq_open(name.as_ptr(), libc::O_RDONLY) };
+        if q >= 0 {
+            // SAFETY: the descriptor just opened.
+            unsafe { libc::mq_close(q) };
+        }
+        q >= 0
+    }
+}
+
+impl Drop for HostIpc {
+    fn drop(&mut self) {
+        if let Some(id) = self.sysv_segment() {
+            // SAFETY: IPC_RMID takes no buffer.
+            unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) };
+        }
+        let _ = std::fs::remove_file(self.posix_shm());
+        let name = std::ffi::CString::new(format!("/{}", self.name)).unwrap();
+        // SAFETY: a NUL-terminated name.
+        unsafe { libc::mq_unlink(name.as_ptr()) };
+    }
+}
+
+#[test]
+fn escape_ipc_and_shared_memory_do_not_outlive_the_run() {
+    let caps = sandbox_capabilities();
+    let ipc = HostIpc {
+        key: 0x5eed_0000 | (std::process::id() & 0xffff) as libc::key_t,
+        name: marker("shm"),
+    };
+    let secret = marker("ipc");
+    let prelude = format!(
+        r#"
+import ctypes, os, socket
+from multiprocessing import shared_memory, resource_tracker
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+try:
+    mq_open = libc.mq_open
+except AttributeError:
+    mq_open = ctypes.CDLL("librt.so.1", use_errno=True).mq_open
+KEY, NAME, MARK = {key}, {name:?}, {secret:?}.encode()
+print("hostname", socket.gethostname(), flush=True)
+"#,
+        key = ipc.key,
+        name = ipc.name,
+    );
+    // One run leaves a System V segment (mode 1666: IPC_CREAT, readable by every uid), a POSIX
+    // shared memory object kept from the resource tracker, and a POSIX message queue.
+    let make = format!(
+        r#"{prelude}
+shmid = libc.shmget(KEY, 1 << 20, 0o1666)
+if shmid >= 0:
+    addr = libc.shmat(shmid, None, 0)
+    ctypes.memmove(addr, MARK, len(MARK))
+    print("sysv made", flush=True)
+else:
+    print("sysv failed", ctypes.get_errno(), flush=True)
+try:
+    shm = shared_memory.SharedMemory(name=NAME, create=True, size=4096)
+    shm.buf[:len(MARK)] = MARK
+    resource_tracker.unregister(shm._name, "shared_memory")
+    print("posix shm made", flush=True)
+except OSError as e:
+    print("posix shm failed", e.errno, flush=True)
+q = mq_open(("/" + NAME).encode(), os.O_CREAT | os.O_RDWR, 0o666, None)
+if q >= 0:
+    libc.mq_send(q, MARK, len(MARK), 0)
+    print("mq made", flush=True)
+else:
+    print("mq failed", ctypes.get_errno(), flush=True)
+"#
+    );
+    // A later run (another sandbox, another uid) looks for them.
+    let look = format!(
+        r#"{prelude}
+shmid = libc.shmget(KEY, 0, 0)
+if shmid >= 0:
+    addr = libc.shmat(shmid, None, 0o10000)
+    print("sysv seen", ctypes.string_at(addr, len(MARK)), flush=True)
+else:
+    print("sysv absent", flush=True)
+try:
+    shm = shared_memory.SharedMemory(name=NAME)
+    print("posix shm seen", bytes(shm.buf[:len(MARK)]), flush=True)
+except OSError:
+    print("posix shm absent", flush=True)
+print("dev shm", os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else None, flush=True)
+q = mq_open(("/" + NAME).encode(), os.O_RDONLY)
+print("mq seen" if q >= 0 else "mq absent", flush=True)
+"#
+    );
+    let r = run_python(&make, &limits());
+    assert_eq!(r.outcome, Outcome::Completed, "{r:#?}");
+    for what in ["sysv made", "posix shm made", "mq made"] {
+        assert!(
+            r.stdout.contains(what),
+            "the attack did not run ({what}): {r:#?}"
+        );
+    }
+    let check_host = |when: &str| {
+        assert!(
+            ipc.sysv_segment().is_none() && !ipc.listed_in_proc(),
+            "{when}: the System V segment outlived the run on the host"
+        );
+        assert!(
+            !ipc.posix_shm().exists(),
+            "{when}: the POSIX shared memory outlived the run in the host's /dev/shm"
+        );
+    };
+    check_host("after the run");
+    let seen = run_python(&look, &limits());
+    assert_eq!(seen.outcome, Outcome::Completed, "{seen:#?}");
+    assert!(!seen.stdout.contains(&secret), "{seen:#?}");
+    assert!(seen.stdout.contains("sysv absent"), "{seen:#?}");
+    assert!(seen.stdout.contains("posix shm absent"), "{seen:#?}");
+    assert!(!seen.stdout.contains(&ipc.name), "{seen:#?}");
+    if !caps.ipc_namespace {
+        protection_missing(
+            "escape_ipc_and_shared_memory_do_not_outlive_the_run",
+            "no IPC namespace: POSIX message queues outlive the run (System V objects and \
+             /dev/shm files are removed by uid)",
+            &["COMPOSER_SANDBOX_NO_NAMESPACES"],
+            &caps,
+        );
+        return;
+    }
+    assert!(seen.stdout.contains("mq absent"), "{seen:#?}");
+    assert!(!ipc.message_queue(), "the message queue reached the host");
+    if caps.uts_namespace {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        assert!(r.stdout.contains("hostname sandbox\n"), "{r:#?}");
+        assert!(
+            host.trim() == "sandbox" || !r.stdout.contains(&format!("hostname {}\n", host.trim())),
+            "the host name is visible: {r:#?}"
+        );
+    }
+    // Graded: a solution leaving them behind scores 0 and leaves nothing for a later run.
+    let task = secret_task(&secret);
+    assert_zero(&format!("{make}\ndef f(x):\n    return None\n"), &task);
+    check_host("after grading");
+    assert!(!ipc.message_queue(), "the message queue reached the host");
+    let seen = run_python(&look, &limits());
+    assert!(seen.stdout.contains("sysv absent"), "{seen:#?}");
+    assert!(seen.stdout.contains("posix shm absent"), "{seen:#?}");
+    assert!(seen.stdout.contains("mq absent"), "{seen:#?}");
+}
+
+/// The candidate code of a red-team run: 40,000 nested directories. Removing the sandbox's
+/// directory with a recursive walk overflowed the stack and aborted the whole process (a
+/// `serve-env` server lost every session); with a bigger stack it ran out of descriptors and
+/// left the tree on the host.
+const DEEP_TREE_PY: &str = "import os\nfor _ in range(40000):\n    os.mkdir('d'); os.chdir('d')\n";
+
+#[test]
+fn escape_deep_directory_tree_is_removed_without_crashing() {
+    let python = sandbox_capabilities().python.expect("python3");
+    // Room for all 40,000 levels (each `mkdir` costs the kernel up to ~0.25 ms on a slow disk).
+    let lim = SandboxLimits {
+        wall_time: Duration::from_secs(90),
+        cpu_time_s: 60,
+        ..limits()
+    };
+    let sb = Sandbox::new(lim.clone()).unwrap();
+    sb.write_file("main.py", DEEP_TREE_PY.as_bytes()).unwrap();
+    let r = sb.run(&[&python, "-I", "-S", "-B", "main.py"], b"", lim.wall_time);
+    assert_eq!(
+        (&r.outcome, r.exit_code),
+        (&Outcome::Completed, Some(0)),
+        "{r:#?}"
+    );
+    // A second run in the same sandbox (the working copy is given to the sandbox's uid first).
+    let r = sb.run_shell("echo next run", Duration::from_secs(30));
+    assert_eq!(r.stdout, "next run\n", "{r:#?}");
+    let work = sb.host_workdir().to_path_buf();
+    let base = work.parent().unwrap().to_path_buf();
+    assert!(work.join("d/d/d").is_dir(), "no deep tree was made");
+    drop(sb);
+    assert!(!work.exists(), "the deep tree stayed on the host");
+    assert!(!base.exists(), "{} stayed on the host", base.display());
+    // Graded: a solution that nests directories until its CPU limit ends it (under a marker, to
+    // find what is left among other tests' sandboxes) scores 0 and leaves nothing.
+    let secret = marker("deep");
+    let code = format!("import os\nos.mkdir({secret:?}); os.chdir({secret:?})\n{DEEP_TREE_PY}");
+    assert_zero(
+        &format!("{code}\ndef f(x):\n    return None\n"),
+        &secret_task(&secret),
+    );
+    let left: Vec<PathBuf> = std::fs::read_dir(std::env::temp_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("work").join(&secret))
+        .filter(|p| std::fs::symlink_metadata(p).is_ok())
+        .collect();
+    assert_eq!(left, Vec::<PathBuf>::new(), "deep trees stayed on the host");
+    // This process is alive and the sandbox still works.
+    assert_eq!(run_python("print('alive')", &limits()).stdout, "alive\n");
 }
