@@ -665,3 +665,38 @@ def test_near_float_is_not_the_float():
     assert!(!passed(&v, "test_near_power_is_not_the_power"), "{v:?}");
     assert!(!passed(&v, "test_near_float_is_not_the_float"), "{v:?}");
 }
+
+/// What a test sends the code (here `y` of `f(x) - y`, written to a file by the code's
+/// `__rsub__`) is gone for the next test: each test's process runs in a fresh copy of the
+/// code's sandbox, so the expected value cannot be read back and returned as a plain value.
+#[test]
+fn attack_operands_kept_on_disk_do_not_reach_the_next_test() {
+    let evil = format!(
+        "{SHAPES}\n\
+         import os\n\
+         class Spy:\n\
+         \x20   def __sub__(self, o):\n\
+         \x20       with open('leak.txt', 'w') as f:\n\
+         \x20           f.write(repr(o))\n\
+         \x20       return self\n\
+         \n\
+         def mean(xs):\n\
+         \x20   if os.path.exists('leak.txt'):\n\
+         \x20       return float(open('leak.txt').read())\n\
+         \x20   return Spy()\n"
+    );
+    let tests = r#"
+from shapes import geo
+
+
+def test_a_probe():
+    assert abs(geo.mean([1, 2, 4]) - 7 / 3) < 1e-9
+
+
+def test_b_equality():
+    assert geo.mean([1, 2, 4]) == 7 / 3
+"#;
+    let v = grade(&evil, tests);
+    assert!(!passed(&v, "test_a_probe"), "{v:?}");
+    assert!(!passed(&v, "test_b_equality"), "{v:?}");
+}

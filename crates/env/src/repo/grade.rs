@@ -44,10 +44,12 @@
 //!   configuration (`conftest.py`, `sitecustomize.py`, `*.pth`, ...), and Python runs with
 //!   `-I -S` (no site, no user site, no environment).
 //!
-//! Each test runs against a fresh process of the code: the requests the test module made at
-//! its top are made again there first, in order, so module-level objects exist (fresh) in
-//! every test, as if the module had just been imported; changes a test makes to them are not
-//! seen by the next test (under pytest they would be).
+//! Each test runs against a fresh process of the code, in a fresh copy of the grading sandbox
+//! (so nothing a test's process was sent and wrote down — an operand like `y` of `f(x) - y` —
+//! is there for the next test's): the requests the test module made at its top are made again
+//! there first, in order, so module-level objects exist (fresh) in every test, as if the module
+//! had just been imported; changes a test makes to them are not seen by the next test (under
+//! pytest they would be).
 //!
 //! Limits: the test's own non-callable objects cannot be passed to the code; two of the code's
 //! objects compare by the code's own `__eq__` (a candidate may rewrite it, as it may rewrite any
@@ -402,21 +404,27 @@ const PER_CALL: Duration = Duration::from_secs(10);
 const JUDGE_GRACE: Duration = Duration::from_secs(5);
 
 /// The candidate's process of the current hidden test: started at the test's first request,
-/// killed when the next test begins (every test gets a fresh process, like a fresh import).
+/// killed when the next test begins (every test gets a fresh process, like a fresh import), in
+/// a fresh copy of the code's sandbox: nothing a test's process writes — say an operand it was
+/// sent, `y` of `f(x) - y` or `"n=5"` of `"n=5" in f(5)` — is there for the next test's.
 struct Candidate<'a> {
-    code: &'a Sandbox,
+    /// The code to test; never run itself, copied for each test.
+    template: &'a Sandbox,
     deadline: Instant,
+    /// Declared before `copy`: the process goes before its sandbox's files.
     session: Option<Session>,
+    copy: Option<Sandbox>,
     dead: Option<String>,
     compute_py: String,
 }
 
 impl<'a> Candidate<'a> {
-    fn new(code: &'a Sandbox, deadline: Instant) -> Self {
+    fn new(template: &'a Sandbox, deadline: Instant) -> Self {
         Candidate {
-            code,
+            template,
             deadline,
             session: None,
+            copy: None,
             dead: None,
             compute_py: with_plain_values(COMPUTE_PY),
         }
@@ -424,12 +432,26 @@ impl<'a> Candidate<'a> {
 
     fn restart(&mut self) {
         self.session = None;
+        self.copy = None;
         self.dead = None;
     }
 
     fn kill(&mut self, why: String) {
         self.session = None;
+        self.copy = None;
         self.dead = Some(why);
+    }
+
+    /// A fresh sandbox holding the template's files, and the code's process started in it.
+    fn start(&mut self) -> Result<Session> {
+        let copy = Sandbox::new(self.template.limits().clone())?;
+        copy.copy_tree_from(self.template.host_workdir(), "")?;
+        let remaining = self.deadline.saturating_duration_since(Instant::now());
+        let python = sandbox_python()?;
+        let argv = [python, "-I", "-S", "-B", "-c", self.compute_py.as_str()];
+        let session = copy.start(&argv, remaining.max(Duration::from_millis(1)))?;
+        self.copy = Some(copy);
+        Ok(session)
     }
 
     /// Sends the judge's request (its JSON text) to the code's process and returns the line
@@ -437,13 +459,7 @@ impl<'a> Candidate<'a> {
     /// its bytes as they came; anything else it writes is dropped) or `{"dead": why}`.
     fn forward(&mut self, request: &str) -> String {
         if self.session.is_none() && self.dead.is_none() {
-            let remaining = self.deadline.saturating_duration_since(Instant::now());
-            let started = sandbox_python().and_then(|python| {
-                let argv = [python, "-I", "-S", "-B", "-c", self.compute_py.as_str()];
-                self.code
-                    .start(&argv, remaining.max(Duration::from_millis(1)))
-            });
-            match started {
+            match self.start() {
                 Ok(s) => self.session = Some(s),
                 Err(e) => self.dead = Some(format!("the code's process did not start: {e:#}")),
             }
