@@ -700,3 +700,189 @@ def test_b_equality():
     assert!(!passed(&v, "test_a_probe"), "{v:?}");
     assert!(!passed(&v, "test_b_equality"), "{v:?}");
 }
+
+/// `(test, passed, error)` per test, as `run_hidden_tests` gives them.
+type Verdicts = Vec<(String, bool, String)>;
+
+/// `run_hidden_tests` with its own budget: the judge's result (an error when grading fails) and
+/// how long it took.
+fn grade_within(geo: &str, tests: &str, budget_s: u64) -> (anyhow::Result<Verdicts>, Duration) {
+    let sb = sandbox_with(&[("shapes/__init__.py", ""), ("shapes/geo.py", geo)]);
+    let t = std::time::Instant::now();
+    let r = run_hidden_tests(
+        &sb,
+        &["shapes".to_string()],
+        &[("test_geo.py".to_string(), tests.to_string())],
+        Duration::from_secs(budget_s),
+    );
+    (r, t.elapsed())
+}
+
+/// A star import leaves alone every name the test file binds itself (`import math`, `from
+/// math import isclose`, a helper `close`): the code cannot swap the test's tools for
+/// agreeable ones.
+#[test]
+fn attack_star_imports_do_not_rebind_the_tests_own_names() {
+    let evil = format!(
+        "{}\n\
+         class _M:\n\
+         \x20   def isclose(self, *a, **k):\n        return True\n\
+         math = _M()\n\
+         def isclose(*a, **k):\n    return True\n\
+         def close(a, b):\n    return True\n",
+        SHAPES.replace(
+            "def mean(xs):\n    return sum(xs) / len(xs)",
+            "def mean(xs):\n    return 0"
+        )
+    );
+    let tests = r#"
+import math
+from math import isclose
+from shapes.geo import *
+
+
+def close(a, b):
+    return abs(a - b) < 1e-9
+
+
+def test_math_isclose():
+    assert math.isclose(mean([1, 2, 4]), 7 / 3)
+
+
+def test_isclose():
+    assert isclose(mean([1, 2, 4]), 7 / 3, rel_tol=1e-9)
+
+
+def test_helper():
+    assert close(mean([1, 2, 4]), 7 / 3)
+"#;
+    let v = grade(&evil, tests);
+    assert_eq!(v.len(), 3, "{v:?}");
+    assert!(v.iter().all(|v| !v.1), "{v:?}");
+    let v = grade(SHAPES, tests);
+    assert!(v.iter().all(|v| v.1), "the honest module passes: {v:?}");
+}
+
+/// A test that is a coroutine or a generator would "pass" without running its body: it fails.
+#[test]
+fn generator_and_async_tests_fail_instead_of_passing_unrun() {
+    let tests = r#"
+from shapes import geo
+
+
+async def test_async():
+    assert False
+
+
+def test_generator():
+    assert False
+    yield
+
+
+def test_plain():
+    assert geo.UNIT == 1.0
+"#;
+    let v = grade(SHAPES, tests);
+    assert!(!passed(&v, "test_async"), "{v:?}");
+    assert!(!passed(&v, "test_generator"), "{v:?}");
+    assert!(passed(&v, "test_plain"), "{v:?}");
+}
+
+/// Replies the judge cannot read — nested 100,000 deep, an integer of 3,000,000 digits — fail
+/// their test even inside `except Exception` (the code broke the protocol), quickly, and the
+/// next test still grades.
+#[test]
+fn attack_unreadable_replies_fail_their_test_quickly() {
+    let code = format!(
+        "{SHAPES}\n\
+         import __main__, os\n\
+         _send = __main__.send\n\
+         def _hook(obj):\n\
+         \x20   if obj.get('value') == 'DEEP':\n\
+         \x20       os.write(3, b'{{\"re\": %d, \"ok\": true, \"value\": ' % obj['re'] + b'[' * 100000 + b']' * 100000 + b'}}\\n')\n\
+         \x20       return\n\
+         \x20   if obj.get('value') == 'HUGE':\n\
+         \x20       os.write(3, b'{{\"re\": %d, \"ok\": true, \"value\": ' % obj['re'] + b'9' * 3000000 + b'}}\\n')\n\
+         \x20       return\n\
+         \x20   _send(obj)\n\
+         __main__.send = _hook\n\
+         def deep():\n    return 'DEEP'\n\
+         def huge():\n    return 'HUGE'\n"
+    );
+    let tests = r#"
+from shapes import geo
+
+
+def test_a_deep():
+    try:
+        geo.deep()
+    except Exception:
+        return
+    assert False
+
+
+def test_b_huge():
+    try:
+        geo.huge()
+    except Exception:
+        return
+    assert False
+
+
+def test_c_other():
+    assert geo.UNIT == 1.0
+"#;
+    let (r, took) = grade_within(&code, tests, 60);
+    let v = r.expect("the judge finishes");
+    assert!(!passed(&v, "test_a_deep"), "{v:?}");
+    assert!(!passed(&v, "test_b_huge"), "{v:?}");
+    assert!(passed(&v, "test_c_other"), "{v:?}");
+    assert!(took < Duration::from_secs(50), "took {took:?}");
+}
+
+/// A generator that never ends, consumed by `list()`, is many short turns: the test fails when
+/// its share of the grading time runs out, and the tests after it still get theirs.
+#[test]
+fn an_endless_generator_fails_its_test_not_the_rest() {
+    let code = SHAPES.replace(
+        "def count_up(n):\n    for i in range(n):\n        yield i",
+        "def count_up(n):\n    i = 0\n    while True:\n        yield i\n        i += 1",
+    );
+    let tests = r#"
+from shapes import geo
+
+
+def test_a_endless():
+    assert list(geo.count_up(3)) == [0, 1, 2]
+
+
+def test_b_other():
+    assert geo.UNIT == 1.0
+"#;
+    let (r, _) = grade_within(&code, tests, 45);
+    let v = r.expect("the judge finishes");
+    assert!(!passed(&v, "test_a_endless"), "{v:?}");
+    assert!(passed(&v, "test_b_other"), "{v:?}");
+}
+
+/// A string with a lone surrogate makes the judge's next line unreadable to the parent: grading
+/// fails at once (reward 0) instead of waiting out its budget.
+#[test]
+fn a_line_the_parent_cannot_read_fails_grading_at_once() {
+    let code = format!(
+        "{SHAPES}\n\
+         def name():\n    return '\\udc80'\n\
+         def echo(x):\n    return x\n"
+    );
+    let tests = r#"
+from shapes import geo
+
+
+def test_roundtrip():
+    assert geo.echo(geo.name()) == "x"
+"#;
+    let (r, took) = grade_within(&code, tests, 40);
+    let e = format!("{:#}", r.expect_err("grading fails"));
+    assert!(e.contains("not JSON"), "{e}");
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+}

@@ -32,7 +32,8 @@ pub fn chatml_template() -> ChatTemplate {
     }
 }
 
-/// Checks each prompt's token ids against the model's vocabulary (an error naming `at[i]`)
+/// Checks each prompt's token ids against the model's vocabulary and that it has any (errors
+/// naming `at[i]`)
 /// and its length against the context `ctx`: an overlong prompt is an error naming `at[i]`,
 /// or with `skip` is dropped; returns the kept rows and the number dropped.
 pub(crate) fn screen_prompts(
@@ -47,6 +48,11 @@ pub(crate) fn screen_prompts(
     let mut skipped = 0;
     for (r, at) in rows.into_iter().zip(at) {
         let ids = chartok::encode(tok, &r.prompt).with_context(|| format!("{at}: tokenizing"))?;
+        if ids.is_empty() {
+            // Refused here, with the file and line, not at the rollout that meets the row
+            // (which could be hundreds of steps into the run).
+            bail!("{at}: the prompt is empty (it tokenizes to nothing)");
+        }
         if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
             bail!(
                 "{at}: the prompt has token id {id}, outside the model's vocabulary of {vocab} \
@@ -79,6 +85,17 @@ mod tests {
             prompt: prompt.into(),
             answer: "0".into(),
         }
+    }
+
+    #[test]
+    fn an_empty_prompt_is_refused_naming_the_line() {
+        let tok = chartok::build_char_tokenizer(["abc"]).unwrap();
+        let at = vec!["d.jsonl line 1".to_string(), "d.jsonl line 451".to_string()];
+        let full = tok.get_vocab_size(true);
+        let e = screen_prompts(vec![row("1+1="), row("")], &at, &tok, full, 100, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("d.jsonl line 451") && e.contains("empty"), "{e}");
     }
 
     #[test]

@@ -58,26 +58,80 @@ pub struct RecordSummary {
     pub prompts_without_pass: usize,
 }
 
-/// Samples the teacher and writes the trace file.
+/// Most completions per prompt (as `generate`'s `--num-samples`).
+const MAX_NUM_SAMPLES: usize = 1024;
+
+/// The flags' values, checked before anything is loaded or written.
+fn check_options(o: &RecordTracesOptions) -> Result<()> {
+    if !(1..=MAX_NUM_SAMPLES).contains(&o.num_samples) {
+        bail!(
+            "--num-samples must be in 1..={MAX_NUM_SAMPLES}, got {}",
+            o.num_samples
+        );
+    }
+    if o.top_k == 0 {
+        bail!("--top-k must be at least 1 (the teacher's top-K ids recorded per position)");
+    }
+    if o.max_new_tokens == 0 {
+        bail!("--max-new-tokens must be at least 1");
+    }
+    if !(o.temperature.is_finite() && o.temperature >= 0.0) {
+        bail!(
+            "--temperature must be finite and >= 0, got {}",
+            o.temperature
+        );
+    }
+    if matches!(&o.teacher, Some(t) if t.trim().is_empty()) {
+        bail!("--teacher: empty name");
+    }
+    Ok(())
+}
+
+/// Samples the teacher and writes the trace file. Every flag and every prompt row is checked
+/// before the first trace is written, and the traces go to a temporary sibling renamed over
+/// `out` at the end (after a copy of `out` when appending): a bad flag or row, or a failure
+/// halfway, leaves `out` as it was.
 pub fn record_traces(o: &RecordTracesOptions) -> Result<RecordSummary> {
-    let device = composer_model::device_from_str(&o.device)?;
-    let policy = Policy::load(&o.model_dir, &device, DType::F32)?;
-    let rows = data::load_prompts(&o.data, &|m: &[Message]| {
-        render_messages(policy.chat_template.as_ref(), m)
-    })?;
+    check_options(o)?;
     let reward = RewardFn::from_specs(&[VerifierSpec {
         kind: o.verifier.clone(),
         weight: 1.0,
         pattern: o.verifier_pattern.clone(),
     }])
     .context("--verifier")?;
+    let device = composer_model::device_from_str(&o.device)?;
+    let policy = Policy::load(&o.model_dir, &device, DType::F32)?;
+    let vocab = policy.model.cfg.vocab_size;
+    if o.top_k > vocab {
+        bail!(
+            "--top-k {} is more than the teacher's {vocab} tokens",
+            o.top_k
+        );
+    }
+    let rows = data::load_prompts(&o.data, &|m: &[Message]| {
+        render_messages(policy.chat_template.as_ref(), m)
+    })?;
+    let mut prompts = Vec::with_capacity(rows.len());
+    for (i, row) in rows.iter().enumerate() {
+        let prompt_ids = policy.tokenizer.encode(&row.prompt)?;
+        if prompt_ids.is_empty() {
+            bail!(
+                "{} row {}: the prompt tokenizes to nothing",
+                o.data.display(),
+                i + 1
+            );
+        }
+        prompts.push(prompt_ids);
+    }
     let max = reward.max_reward();
-    let teacher = match &o.teacher {
-        Some(t) if t.trim().is_empty() => bail!("--teacher: empty name"),
-        Some(t) => t.clone(),
-        None => teacher_name(&o.model_dir),
-    };
+    let teacher = o
+        .teacher
+        .clone()
+        .unwrap_or_else(|| teacher_name(&o.model_dir));
     let fingerprint = tokenizer_fingerprint(&o.model_dir)?;
+    if o.append {
+        check_appendable(&o.out, &fingerprint, o.top_k, &o.model_dir)?;
+    }
     let params = SamplingParams {
         temperature: o.temperature,
         top_p: 1.0,
@@ -86,61 +140,66 @@ pub fn record_traces(o: &RecordTracesOptions) -> Result<RecordSummary> {
         stop_token_ids: policy.sampling.stop_token_ids.clone(),
         ..Default::default()
     };
-    let mut writer = if o.append {
-        check_appendable(&o.out, &fingerprint, o.top_k, &o.model_dir)?;
-        TraceWriter::append(&o.out)
+    let tmp = composer_fsutil::temp_path(&o.out);
+    if o.append && o.out.exists() {
+        std::fs::copy(&o.out, &tmp)
+            .with_context(|| format!("copying {} to {}", o.out.display(), tmp.display()))?;
     } else {
-        TraceWriter::create(&o.out)
+        let _ = std::fs::remove_file(&tmp);
     }
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut summary = RecordSummary {
-        traces: 0,
-        passed: 0,
-        prompts_without_pass: 0,
-    };
-    for (i, row) in rows.iter().enumerate() {
-        let prompt_ids = policy.tokenizer.encode(&row.prompt)?;
-        if prompt_ids.is_empty() {
-            anyhow::bail!(
-                "{} row {}: the prompt tokenizes to nothing",
-                o.data.display(),
-                i + 1
-            );
-        }
-        let req = GenerationRequest {
-            prompt_ids: prompt_ids.clone(),
-            num_samples: o.num_samples,
-            seed: o.seed.wrapping_add(i as u64),
+    let recorded = (|| {
+        let mut writer = TraceWriter::append(&tmp).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut summary = RecordSummary {
+            traces: 0,
+            passed: 0,
+            prompts_without_pass: 0,
         };
-        let samples = composer_model::generate(&policy.model, &[req], &params)?;
-        let mut any_pass = false;
-        for smp in samples.into_iter().flatten() {
-            let (topk_ids, topk_logprobs) =
-                teacher_topk(&policy, &prompt_ids, &smp.completion_ids, o.top_k)?;
-            let text = policy.tokenizer.decode_skip_special(&smp.completion_ids)?;
-            let (r, _) = reward.score(&text, &row.answer);
-            let passed = r >= max - 1e-9;
-            any_pass |= passed;
-            writer
-                .write(&Trace {
-                    teacher: teacher.clone(),
-                    prompt_ids: prompt_ids.clone(),
-                    completion_ids: smp.completion_ids,
-                    topk_ids,
-                    topk_logprobs,
-                    reward: r,
-                    passed,
-                    loss_mask: None,
-                    tokenizer: Some(fingerprint.clone()),
-                })
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
-            summary.traces += 1;
-            summary.passed += passed as usize;
+        for (i, (row, prompt_ids)) in rows.iter().zip(&prompts).enumerate() {
+            let req = GenerationRequest {
+                prompt_ids: prompt_ids.clone(),
+                num_samples: o.num_samples,
+                seed: o.seed.wrapping_add(i as u64),
+            };
+            let samples = composer_model::generate(&policy.model, &[req], &params)?;
+            let mut any_pass = false;
+            for smp in samples.into_iter().flatten() {
+                let (topk_ids, topk_logprobs) =
+                    teacher_topk(&policy, prompt_ids, &smp.completion_ids, o.top_k)?;
+                let text = policy.tokenizer.decode_skip_special(&smp.completion_ids)?;
+                let (r, _) = reward.score(&text, &row.answer);
+                let passed = r >= max - 1e-9;
+                any_pass |= passed;
+                writer
+                    .write(&Trace {
+                        teacher: teacher.clone(),
+                        prompt_ids: prompt_ids.clone(),
+                        completion_ids: smp.completion_ids,
+                        topk_ids,
+                        topk_logprobs,
+                        reward: r,
+                        passed,
+                        loss_mask: None,
+                        tokenizer: Some(fingerprint.clone()),
+                    })
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                summary.traces += 1;
+                summary.passed += passed as usize;
+            }
+            summary.prompts_without_pass += (!any_pass) as usize;
         }
-        summary.prompts_without_pass += (!any_pass) as usize;
+        writer.flush().map_err(|e| anyhow::anyhow!("{e}"))?;
+        std::fs::File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .with_context(|| format!("syncing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &o.out)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), o.out.display()))?;
+        composer_fsutil::sync_parent(&o.out)?;
+        Ok(summary)
+    })();
+    if recorded.is_err() {
+        let _ = std::fs::remove_file(&tmp);
     }
-    writer.flush().map_err(|e| anyhow::anyhow!("{e}"))?;
-    Ok(summary)
+    recorded
 }
 
 /// The teacher's top-K ids and log-probs (temperature 1) at every completion position.

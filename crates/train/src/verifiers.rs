@@ -1,7 +1,7 @@
 //! Built-in verifiers: exact match, numeric match (`\boxed{}` or the last number), regex, and
 //! code with unit tests run in the sandbox; several combine as a weighted sum.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use regex::Regex;
 
 use crate::recipe::VerifierSpec;
@@ -100,7 +100,17 @@ impl RewardFn {
             let v = match s.kind.as_str() {
                 "exact" => Verifier::Exact,
                 "numeric" => Verifier::Numeric,
-                "regex" => Verifier::Regex(s.pattern.clone().unwrap_or_default()),
+                "regex" => {
+                    // The pattern is checked here, once, with a stand-in answer: a missing one
+                    // would match everything and a broken one nothing, silently.
+                    let p = s
+                        .pattern
+                        .clone()
+                        .context("the regex verifier needs a pattern")?;
+                    regex::Regex::new(&p.replace("{answer}", "0"))
+                        .with_context(|| format!("the regex verifier's pattern {p:?}"))?;
+                    Verifier::Regex(p)
+                }
                 "code" => Verifier::Code,
                 k => anyhow::bail!("unknown verifier kind {k:?}"),
             };

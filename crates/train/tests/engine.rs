@@ -378,6 +378,130 @@ fn record_traces_writes_the_trace_store_format() {
     }
 }
 
+/// Bad flags and bad rows are refused before the trace file is touched, naming the flag or the
+/// row, and a recording that fails leaves the file as it was (also with `--append`).
+#[test]
+fn record_traces_refuses_bad_input_and_keeps_the_file() {
+    use composer_train::record_traces::{record_traces, RecordTracesOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2-tiny");
+    hf_recipe(tmp.path(), &model);
+    let out = tmp.path().join("traces.jsonl");
+    let good = RecordTracesOptions {
+        model_dir: model.clone(),
+        data: tmp.path().join("data.jsonl"),
+        out: out.clone(),
+        append: false,
+        teacher: None,
+        num_samples: 1,
+        top_k: 2,
+        max_new_tokens: 3,
+        temperature: 1.0,
+        seed: 1,
+        verifier: "numeric".into(),
+        verifier_pattern: None,
+        device: "cpu".into(),
+    };
+    record_traces(&good).unwrap();
+    let kept = std::fs::read(&out).unwrap();
+    assert!(!kept.is_empty());
+    // A dataset whose second row is empty.
+    let rows = tmp.path().join("empty_row.jsonl");
+    std::fs::write(
+        &rows,
+        "{\"prompt\": \"1+1=\", \"answer\": \"2\"}\n{\"prompt\": \"\", \"answer\": \"1\"}\n",
+    )
+    .unwrap();
+    let cases: Vec<(RecordTracesOptions, &str)> = vec![
+        (
+            RecordTracesOptions {
+                temperature: -1.0,
+                ..good.clone()
+            },
+            "--temperature",
+        ),
+        (
+            RecordTracesOptions {
+                temperature: f64::NAN,
+                ..good.clone()
+            },
+            "--temperature",
+        ),
+        (
+            RecordTracesOptions {
+                top_k: 0,
+                ..good.clone()
+            },
+            "--top-k",
+        ),
+        (
+            RecordTracesOptions {
+                top_k: 1 << 30,
+                ..good.clone()
+            },
+            "--top-k",
+        ),
+        (
+            RecordTracesOptions {
+                max_new_tokens: 0,
+                ..good.clone()
+            },
+            "--max-new-tokens",
+        ),
+        (
+            RecordTracesOptions {
+                num_samples: 0,
+                ..good.clone()
+            },
+            "--num-samples",
+        ),
+        (
+            RecordTracesOptions {
+                verifier: "regex".into(),
+                ..good.clone()
+            },
+            "pattern",
+        ),
+        (
+            RecordTracesOptions {
+                verifier: "regex".into(),
+                verifier_pattern: Some("(".into()),
+                ..good.clone()
+            },
+            "pattern",
+        ),
+        (
+            RecordTracesOptions {
+                data: rows.clone(),
+                ..good.clone()
+            },
+            "row 2",
+        ),
+        (
+            RecordTracesOptions {
+                data: rows.clone(),
+                append: true,
+                ..good.clone()
+            },
+            "row 2",
+        ),
+    ];
+    for (o, named) in cases {
+        let e = format!("{:#}", record_traces(&o).unwrap_err());
+        assert!(e.contains(named), "expected {named:?} in: {e}");
+        assert_eq!(std::fs::read(&out).unwrap(), kept, "{e}: the file changed");
+    }
+    // Appending adds to what is there.
+    let before = composer_loss::TraceStore::load(&out).unwrap().traces.len();
+    record_traces(&RecordTracesOptions {
+        append: true,
+        ..good.clone()
+    })
+    .unwrap();
+    let after = composer_loss::TraceStore::load(&out).unwrap().traces.len();
+    assert_eq!(after, 2 * before);
+}
+
 #[test]
 fn every_step_logs_the_sampler_trainer_mismatch() {
     let tmp = tempfile::tempdir().unwrap();

@@ -32,8 +32,12 @@
 //!   failed assert;
 //! - the tests are the `test*` functions the hidden files define, read from their source and
 //!   announced to this process before the code answers anything; each gets exactly one verdict
-//!   (none given is a failure), so a star import cannot add, replace or shadow tests or
-//!   built-ins, and a failing module top fails every test of its file instead of counting once;
+//!   (none given is a failure), so a star import cannot add, replace or shadow tests,
+//!   built-ins or the file's own names (`import math`, helpers), a failing module top fails
+//!   every test of its file instead of counting once, and a generator or coroutine test (which
+//!   would pass unrun) fails;
+//! - each test gets a share of the budget (`per_test`), so many short turns (an endless
+//!   generator) fail that test, not the rest; a reply the judge cannot read fails its test;
 //! - messages travel between the judge and the code as their own bytes (never re-serialised:
 //!   serde_json's `Value` would turn integers past u64 into floats and move some floats by an
 //!   ulp, failing honest code and passing wrong code);
@@ -308,13 +312,22 @@ pub fn run_hidden_tests(
     )?;
     let spec = json!({"modules": modules, "files": files});
     judge.send_line(spec.to_string().as_bytes());
-    let mut candidate = Candidate::new(code, deadline);
+    let per_test = (budget / 4).max(3 * PER_CALL);
+    let mut candidate = Candidate::new(code, deadline, per_test);
     let mut verdicts: Vec<(String, bool, String)> = Vec::new();
     let mut plan: Option<Vec<String>> = None;
     let mut done = false;
     while let Some(line) = judge.recv_line(deadline + JUDGE_GRACE) {
         let Ok(msg) = serde_json::from_slice::<Value>(&line) else {
-            continue;
+            // Never skipped: the judge would wait for an answer to it forever. (A string the
+            // code returned with a lone surrogate is valid to Python's json, not to serde's.)
+            bail!(
+                "the judge sent a line that is not JSON: {}",
+                String::from_utf8_lossy(&line)
+                    .chars()
+                    .take(200)
+                    .collect::<String>()
+            );
         };
         if msg["done"] == true {
             done = true;
@@ -411,6 +424,10 @@ struct Candidate<'a> {
     /// The code to test; never run itself, copied for each test.
     template: &'a Sandbox,
     deadline: Instant,
+    /// Longest one test may take, all its turns together (an endless generator is many short
+    /// turns: without it, one test would spend the whole budget and fail the rest).
+    per_test: Duration,
+    test_deadline: Instant,
     /// Declared before `copy`: the process goes before its sandbox's files.
     session: Option<Session>,
     copy: Option<Sandbox>,
@@ -419,10 +436,12 @@ struct Candidate<'a> {
 }
 
 impl<'a> Candidate<'a> {
-    fn new(template: &'a Sandbox, deadline: Instant) -> Self {
+    fn new(template: &'a Sandbox, deadline: Instant, per_test: Duration) -> Self {
         Candidate {
             template,
             deadline,
+            per_test,
+            test_deadline: deadline,
             session: None,
             copy: None,
             dead: None,
@@ -434,6 +453,7 @@ impl<'a> Candidate<'a> {
         self.session = None;
         self.copy = None;
         self.dead = None;
+        self.test_deadline = self.deadline.min(Instant::now() + self.per_test);
     }
 
     fn kill(&mut self, why: String) {
@@ -446,7 +466,7 @@ impl<'a> Candidate<'a> {
     fn start(&mut self) -> Result<Session> {
         let copy = Sandbox::new(self.template.limits().clone())?;
         copy.copy_tree_from(self.template.host_workdir(), "")?;
-        let remaining = self.deadline.saturating_duration_since(Instant::now());
+        let remaining = self.test_deadline.saturating_duration_since(Instant::now());
         let python = sandbox_python()?;
         let argv = [python, "-I", "-S", "-B", "-c", self.compute_py.as_str()];
         let session = copy.start(&argv, remaining.max(Duration::from_millis(1)))?;
@@ -468,7 +488,7 @@ impl<'a> Candidate<'a> {
             return json!({ "dead": why }).to_string();
         }
         let session = self.session.as_ref().expect("started above");
-        let turn_deadline = self.deadline.min(Instant::now() + PER_CALL);
+        let turn_deadline = self.test_deadline.min(Instant::now() + PER_CALL);
         if session.send_line(request.as_bytes()) {
             while let Some(line) = session.recv_line(turn_deadline) {
                 if let Ok(raw) = serde_json::from_slice::<&serde_json::value::RawValue>(&line) {
@@ -480,6 +500,8 @@ impl<'a> Candidate<'a> {
         }
         let why = if Instant::now() >= self.deadline {
             "grading ran out of time"
+        } else if Instant::now() >= self.test_deadline {
+            "the test ran out of its share of the grading time"
         } else if Instant::now() >= turn_deadline {
             "the code took too long to answer"
         } else {

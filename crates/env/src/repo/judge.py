@@ -36,7 +36,7 @@ class CodeFailed(BaseException):
     """The candidate's process failed this test (not an exception the code raised)."""
 
 
-STATE = {"module_level": False, "gen": 0, "file_gen": 0, "next_id": 0, "failure": None,
+STATE = {"file_names": frozenset(), "namespace": None, "module_level": False, "gen": 0, "file_gen": 0, "next_id": 0, "failure": None,
          "callbacks": [], "classes": {}, "module_log": [], "module_callbacks": []}
 REAL_IMPORT = builtins.__import__
 
@@ -70,6 +70,8 @@ def rpc(msg):
     send({"rpc": msg})
     while True:
         m = read_message()
+        if "malformed" in m:
+            kill("the code sent a message this process cannot read (%s)" % m["malformed"])
         if "dead" in m:
             fail(str(m["dead"])[:2000])
         code = m.get("code")
@@ -83,14 +85,27 @@ def rpc(msg):
         kill("the code's process broke the protocol")
 
 
+MAX_INT_DIGITS = 100000
+
+
+def bounded_int(text):
+    # Python's str -> int is quadratic in the digits (plain_values lifts the interpreter's own
+    # guard for exact round trips): a reply of millions of digits would stall this process.
+    if len(text) > MAX_INT_DIGITS:
+        raise ValueError("an integer of %d digits" % len(text))
+    return int(text)
+
+
 def read_message():
     line = IN.readline()
     if not line:
         os._exit(3)
     try:
-        m = json.loads(line)
-    except ValueError:
-        os._exit(3)
+        m = json.loads(line, parse_int=bounded_int)
+    except (ValueError, RecursionError, MemoryError) as exc:
+        # The parent's framing is its own; what can be malformed is the code's payload in it
+        # (nested past the recursion limit, an endless integer): the code broke the protocol.
+        return {"malformed": type(exc).__name__}
     return m if type(m) is dict else {}
 
 
@@ -422,7 +437,9 @@ def class_of(desc):
     name = str(desc.get("name", "?")).rsplit(".", 1)[-1]
     bases = ()
     if type(desc.get("exc")) is list:
-        found = [getattr(builtins, n, None) for n in desc["exc"]]
+        # The code's claim: deduplicated and bounded (the leaves below are quadratic in it).
+        names = list(dict.fromkeys(n for n in desc["exc"][:64] if type(n) is str))
+        found = [getattr(builtins, n, None) for n in names]
         found = [k for k in found if isinstance(k, type) and issubclass(k, BaseException)]
         leaves = [k for k in found if not any(o is not k and issubclass(o, k) for o in found)]
         for candidate in (tuple(leaves), tuple(leaves[:1]), (Exception,)):
@@ -469,8 +486,8 @@ def tagged(tag, payload):
 def decode(x):
     try:
         return dec(x, 0, tagged)
-    except (ValueError, TypeError, KeyError) as exc:
-        kill("the code sent a malformed value (%s)" % exc)
+    except (ValueError, TypeError, KeyError, RecursionError, MemoryError) as exc:
+        kill("the code sent a malformed value (%s)" % type(exc).__name__)
 
 
 def other_value(v):
@@ -546,6 +563,9 @@ def begin(key):
     (under the same references) in every test's process, fresh each time."""
     STATE["gen"] += 1
     STATE["failure"] = None
+    # Classes reached by handle belong to their test's process: drop those of earlier tests.
+    STATE["classes"] = {k: c for k, c in STATE["classes"].items()
+                        if type.__getattribute__(c, "_gen") in (None, STATE["file_gen"])}
     STATE["callbacks"] = list(STATE["module_callbacks"])
     send({"begin": key})
     for msg in STATE["module_log"]:
@@ -563,6 +583,49 @@ def begin_file(key):
     begin(key)
     STATE["file_gen"] = STATE["gen"]
     STATE["module_level"] = True
+
+
+class StarImport:
+    """What `from pkg.mod import *` gets: the module, whose `__all__` leaves out every name the
+    test file binds itself (`import math`, a helper `close`, ...) or has bound already, so the
+    code cannot swap the test's own tools for agreeable ones."""
+    __slots__ = ("_module", "_bound")
+
+    def __init__(self, module, bound):
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_bound", frozenset(bound))
+
+    def __getattr__(self, name):
+        module = object.__getattribute__(self, "_module")
+        if name == "__all__":
+            bound = object.__getattribute__(self, "_bound")
+            return [n for n in module.__all__ if n not in bound]
+        return getattr(module, name)
+
+
+def bound_names(tree):
+    """Every name a test file binds at module level (imports, functions, classes, assignment,
+    loop and `with` targets — also under `if`/`try`, not inside functions or classes), which a
+    star import must leave alone."""
+    names = set()
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name != "*":
+                    names.add((alias.asname or alias.name).split(".")[0])
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif not isinstance(node, ast.Lambda):
+            pending.extend(ast.iter_child_nodes(node))
+    return names
+
+
+# CO_GENERATOR | CO_COROUTINE | CO_ITERABLE_COROUTINE | CO_ASYNC_GENERATOR
+GENERATOR_FLAGS = 0x20 | 0x80 | 0x100 | 0x200
 
 
 def test_names(file_name, source):
@@ -588,7 +651,15 @@ def main():
         top = name.split(".")[0]
         if level == 0 and top in repo_modules:
             path = name if fromlist else top
-            return Remote({"path": path}, "module", path)
+            module = Remote({"path": path}, "module", path)
+            if fromlist and "*" in fromlist:
+                # Into the test module: none of the names the file binds (also those bound
+                # later); into any namespace: none already bound there.
+                bound = set(globals or ())
+                if globals is STATE["namespace"]:
+                    bound |= STATE["file_names"]
+                return StarImport(module, bound)
+            return module
         return REAL_IMPORT(name, globals, locals, fromlist, level)
 
     test_builtins = dict(vars(builtins))
@@ -604,6 +675,11 @@ def main():
                                else [module + "::" + n for n in names])]})
     for file_name, source, module, names in files:
         namespace = {"__name__": module, "__builtins__": test_builtins}
+        STATE["namespace"] = namespace
+        try:
+            STATE["file_names"] = frozenset(bound_names(ast.parse(source, file_name)))
+        except (SyntaxError, ValueError):
+            STATE["file_names"] = frozenset()
         begin_file(module + "::<module>")
         try:
             if names is None:
@@ -628,6 +704,11 @@ def main():
             if type(fn) is not types.FunctionType or fn.__code__.co_filename != file_name:
                 send({"test": key, "status": "fail",
                       "error": "the test function was replaced (by an import?)"})
+                continue
+            if fn.__code__.co_flags & GENERATOR_FLAGS:
+                # Calling it would run none of its body: it could only "pass".
+                send({"test": key, "status": "fail",
+                      "error": "a test that is a generator or a coroutine is never run"})
                 continue
             begin(key)
             try:
