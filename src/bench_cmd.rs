@@ -5,11 +5,31 @@ use anyhow::{Context, Result};
 
 use crate::args::BenchCommand;
 
+/// `value` of the flag `name`, refused unless finite and within `lo..=hi` (checked before any
+/// run: a NaN would otherwise surface as a generated recipe's error).
+fn check_range(name: &str, value: f64, lo: f64, hi: f64) -> Result<()> {
+    if !(value.is_finite() && (lo..=hi).contains(&value)) {
+        anyhow::bail!("{name} must be a number in [{lo}, {hi}], got {value}");
+    }
+    Ok(())
+}
+
+/// The embedded default's stopping flags: an accuracy to reach and a step cap.
+fn check_stop(stop: &crate::args::BenchStopArgs) -> Result<()> {
+    check_range("--target", stop.target, 0.0, 1.0)?;
+    if stop.max_steps == 0 {
+        anyhow::bail!("--max-steps must be at least 1");
+    }
+    Ok(())
+}
+
 /// Runs one `bench` subcommand and prints its table (or JSON).
 pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Model(a) => crate::bench_model_cmd::run(a),
         BenchCommand::Async(a) => {
+            check_stop(&a.stop)?;
+            check_range("--reward-latency-s", a.reward_latency_s, 0.0, 3600.0)?;
             let table = composer_train::bench_async(&composer_train::AsyncBenchOptions {
                 seed: a.seed,
                 reward_latency_s: a.reward_latency_s,
@@ -57,24 +77,11 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             }
             other => anyhow::bail!("--workload {other:?} is not one of: decode, grpo"),
         },
-        BenchCommand::Grpo(a) => bench_grpo(
-            &composer_train::bench_grpo::GrpoStepBenchOptions {
-                model_dir: a.model,
-                shape: a.shape,
-                prompts: a.prompts,
-                group: a.group,
-                new_tokens: a.new_tokens,
-                steps: a.steps,
-                loss_type: a.loss_type,
-                learning_rate: a.learning_rate,
-                device: a.device,
-                bf16: a.bf16,
-                out_dir: a.out_dir,
-            },
-            a.reference,
-            a.json,
-        ),
+        BenchCommand::Grpo(a) => bench_grpo_checked(a),
         BenchCommand::Channels(a) => {
+            check_stop(&a.stop)?;
+            check_range("--hint-weight", a.hint_weight, 0.0, 1e6)?;
+            check_range("--replay-weight", a.replay_weight, 0.0, 1e6)?;
             let (_, table) = composer_train::bench_channels(&composer_train::BenchOptions {
                 seeds: a.seeds,
                 target: a.stop.target,
@@ -88,6 +95,28 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// `bench grpo` after its float flag is checked.
+fn bench_grpo_checked(a: crate::args::BenchGrpoArgs) -> Result<()> {
+    check_range("--learning-rate", a.learning_rate, f64::MIN_POSITIVE, 1.0)?;
+    bench_grpo(
+        &composer_train::bench_grpo::GrpoStepBenchOptions {
+            model_dir: a.model,
+            shape: a.shape,
+            prompts: a.prompts,
+            group: a.group,
+            new_tokens: a.new_tokens,
+            steps: a.steps,
+            loss_type: a.loss_type,
+            learning_rate: a.learning_rate,
+            device: a.device,
+            bf16: a.bf16,
+            out_dir: a.out_dir,
+        },
+        a.reference,
+        a.json,
+    )
 }
 
 /// transformers' side of `bench rollout`, run with `python` (tools/bench_generate_hf.py).

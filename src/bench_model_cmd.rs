@@ -17,6 +17,9 @@ use crate::bench_cmd::{parse_dtype, run_python_script};
 const BENCH_TORCH_PY: &str = include_str!("../tools/bench_torch.py");
 
 /// Runs `bench model` and prints its table (or JSON).
+/// Largest batch `bench model` takes (a typo like 100000000 must not start a run).
+const MAX_BENCH_BATCH: usize = 4096;
+
 pub(crate) fn run(a: BenchModelArgs) -> Result<()> {
     composer_model::device::check_device_spec(&a.device).context("--device")?;
     let mut cfg = config(&a)?;
@@ -100,6 +103,9 @@ fn config(a: &BenchModelArgs) -> Result<BenchConfig> {
         cfg.prompt_len = p;
     }
     if let Some(t) = a.train_seq_len {
+        if t < 2 {
+            anyhow::bail!("--train-seq-len {t}: must be at least 2 (a next token to predict)");
+        }
         let need = t.max(cfg.prompt_len + cfg.decode_tokens);
         if need > cfg.model.max_position_embeddings {
             anyhow::bail!(
@@ -110,6 +116,9 @@ fn config(a: &BenchModelArgs) -> Result<BenchConfig> {
         cfg.train_seq_len = t;
     }
     if let Some(b) = &a.batch {
+        if let Some(bad) = b.iter().find(|&&n| !(1..=MAX_BENCH_BATCH).contains(&n)) {
+            anyhow::bail!("--batch {bad}: each batch size must be in 1..={MAX_BENCH_BATCH}");
+        }
         cfg.batch_sizes = b.clone();
     }
     cfg.skip_train |= a.skip_train;

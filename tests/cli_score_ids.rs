@@ -217,10 +217,11 @@ fn bad_ids_and_batch_files_fail_naming_the_culprit() {
         );
     }
     let f = tmp.path().join("vocab.jsonl");
-    std::fs::write(&f, "{\"prompt_ids\":[1],\"completion_ids\":[2]}\n{\"prompt_ids\":[1],\"completion_ids\":[999]}\n").unwrap();
+    // The bad row on line 3 (after a blank line): named by its line, as parse errors are.
+    std::fs::write(&f, "{\"prompt_ids\":[1],\"completion_ids\":[2]}\n\n{\"prompt_ids\":[1],\"completion_ids\":[999]}\n").unwrap();
     let e = run_err(&["score", "--model", dir, "--batch", f.to_str().unwrap()]);
     assert!(
-        e.contains("row 1") && e.contains("999") && e.contains("vocab"),
+        e.contains("line 3") && e.contains("999") && e.contains("vocab"),
         "{e}"
     );
     let e = run_err(&[

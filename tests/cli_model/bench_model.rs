@@ -119,6 +119,29 @@ fn bench_model_runs_lora_with_checkpointing_and_refuses_bad_flags() {
             ],
             "unknown device `tpu`",
         ),
+        (
+            vec!["bench", "model", "--shape", "small", "--train-seq-len", "0"],
+            "--train-seq-len 0",
+        ),
+        (
+            vec!["bench", "model", "--shape", "small", "--batch", "0"],
+            "--batch 0",
+        ),
+        (
+            vec!["bench", "model", "--shape", "small", "--batch", "100000000"],
+            "--batch 100000000",
+        ),
+        (
+            vec!["bench", "grpo", "--learning-rate", "nan"],
+            "--learning-rate",
+        ),
+        (vec!["bench", "async", "--target", "nan"], "--target"),
+        (vec!["bench", "channels", "--target", "5"], "--target"),
+        (vec!["bench", "channels", "--max-steps", "0"], "--max-steps"),
+        (
+            vec!["bench", "channels", "--hint-weight=-1"],
+            "--hint-weight",
+        ),
     ] {
         let out = composer_rl(&args);
         assert!(!out.status.success(), "{args:?} succeeded");

@@ -49,6 +49,8 @@ pub struct ScoreRow {
     pub prompt_ids: Vec<u32>,
     /// Completion token ids (may be empty).
     pub completion_ids: Vec<u32>,
+    /// Its 1-based line in the file (blank lines counted), for errors.
+    pub line: usize,
 }
 
 /// Parses `--ids`: non-negative integers separated by commas and/or whitespace.
@@ -97,6 +99,7 @@ pub fn parse_batch(path: &Path) -> Result<Vec<ScoreRow>> {
         let row = ScoreRow {
             prompt_ids: field("prompt_ids")?,
             completion_ids: field("completion_ids")?,
+            line: n + 1,
         };
         if row.prompt_ids.is_empty() {
             bail!("{}: `prompt_ids` is empty", at());
@@ -177,8 +180,8 @@ pub fn score_cli(opts: &ScoreOptions) -> Result<Value> {
                 .iter()
                 .map(|r| [r.prompt_ids.as_slice(), r.completion_ids.as_slice()].concat())
                 .collect();
-            for (n, s) in seqs.iter().enumerate() {
-                check_ids(s, &cfg, &format!("{} row {n}", path.display()))?;
+            for (r, s) in rows.iter().zip(&seqs) {
+                check_ids(s, &cfg, &format!("{} line {}", path.display(), r.line))?;
             }
             let model = Transformer::load(&opts.model_dir, &device, dtype)?;
             let lps = score_seqs(&model, &seqs, opts)?;

@@ -62,8 +62,19 @@ pub fn render_chatml(messages: &[Message]) -> Result<String> {
 }
 
 fn read_rows(path: &Path) -> Result<Vec<(usize, RawRow)>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading dataset {}", path.display()))?;
+    let bytes =
+        std::fs::read(path).with_context(|| format!("reading dataset {}", path.display()))?;
+    let text = match String::from_utf8(bytes) {
+        Ok(t) => t,
+        Err(e) => {
+            let at = e.utf8_error().valid_up_to();
+            let line = 1 + e.as_bytes()[..at].iter().filter(|&&b| b == b'\n').count();
+            bail!(
+                "{} line {line}: not valid UTF-8 (byte {at} of the file)",
+                path.display()
+            );
+        }
+    };
     let mut rows = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
@@ -130,4 +141,24 @@ pub fn load_sft(path: &Path, chat: ChatRenderer) -> Result<Vec<SftRow>> {
         out.push(SftRow { prompt, completion });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A dataset with bytes that are not UTF-8 names the line they are on.
+    #[test]
+    fn non_utf8_bytes_are_named_by_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("d.jsonl");
+        let mut bytes = b"{\"prompt\": \"1+1=\", \"answer\": \"2\"}\n".repeat(12);
+        bytes.extend_from_slice(b"{\"prompt\": \"\xff\", \"answer\": \"2\"}\n");
+        std::fs::write(&p, bytes).unwrap();
+        let e = match read_rows(&p) {
+            Ok(_) => panic!("read"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(e.contains("line 13") && e.contains("UTF-8"), "{e}");
+    }
 }
