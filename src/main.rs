@@ -368,12 +368,16 @@ fn run(cli: Cli) -> Result<()> {
                 max_sessions: a.max_sessions,
                 ..Default::default()
             };
+            if a.max_sessions == 0 {
+                anyhow::bail!("--max-sessions must be at least 1 (every session would be refused)");
+            }
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            eprintln!(
-                "serving env `{}` on http://{addr} (WebSocket ws://{addr}/ws); Ctrl-C stops",
-                a.env
-            );
-            runtime.block_on(composer_env::serve_env(factory, addr, config))
+            let env = a.env.clone();
+            runtime.block_on(composer_env::serve_env(factory, addr, config, |bound| {
+                eprintln!(
+                    "serving env `{env}` on http://{bound} (WebSocket ws://{bound}/ws); Ctrl-C stops"
+                )
+            }))
         }
         Command::Bench(cmd) => bench_cmd::run(cmd),
     }

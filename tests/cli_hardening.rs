@@ -132,3 +132,38 @@ fn train_into_a_used_run_dir_is_refused_unless_overwrite() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `serve-env --max-sessions 0` (every session refused) is an error naming the flag, and the
+/// address printed is the one bound: with `--port 0`, the port the system chose.
+#[test]
+fn serve_env_refuses_zero_sessions_and_prints_the_bound_port() {
+    let out = composer_rl(&["serve-env", "echo", "--max-sessions", "0"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--max-sessions"), "{stderr}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_composer-rl"))
+        .args(["serve-env", "echo", "--port", "0"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("serve-env starts");
+    let mut line = String::new();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    while !line.contains("serving env") {
+        line.clear();
+        if std::io::BufRead::read_line(&mut err, &mut line).unwrap() == 0 {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        line.contains("serving env `echo` on http://127.0.0.1:"),
+        "{line}"
+    );
+    assert!(
+        !line.contains("127.0.0.1:0 "),
+        "the port printed is 0: {line}"
+    );
+}

@@ -233,3 +233,15 @@ fn bad_ids_and_batch_files_fail_naming_the_culprit() {
     ]);
     assert!(e.contains("/nonexistent/rows.jsonl"), "{e}");
 }
+
+/// A temperature the scored distribution cannot have (0, inf, NaN, 1e-40: logits / t
+/// overflows to null log-probs) is refused naming the flag.
+#[test]
+fn score_refuses_temperatures_outside_its_range() {
+    let dir = fixture("qwen2-tiny");
+    let dir = dir.to_str().unwrap();
+    for t in ["0", "inf", "nan", "1e-40", "1e9"] {
+        let e = run_err(&["score", "--model", dir, "--text", "hi", "--temperature", t]);
+        assert!(e.contains("--temperature"), "{t}: {e}");
+    }
+}

@@ -212,6 +212,13 @@ pub fn generate_cli(opts: &GenerateOptions) -> Result<Value> {
     let out = generate(&policy.model, &[req], &params)?;
     let mut samples = Vec::new();
     for s in out.into_iter().flatten() {
+        if let Some(i) = s.sampler_logprobs.iter().position(|lp| !lp.is_finite()) {
+            anyhow::bail!(
+                "{}: the model's log-prob of sampled token {i} is {} (non-finite logits: NaN or                  inf weights, or a config value such as rms_norm_eps that makes them)",
+                opts.model_dir.display(),
+                s.sampler_logprobs[i]
+            );
+        }
         samples.push(json!({
             "completion_ids": s.completion_ids,
             // As transformers' decode(ids, skip_special_tokens=True): no `<|im_end|>` etc.

@@ -152,6 +152,12 @@ fn score_seqs(
 /// "completion_logprobs"}]}` with entry t = `log p(completion[t] | prompt, completion[..t])`,
 /// comparable one to one with a sampler's log-probs.
 pub fn score_cli(opts: &ScoreOptions) -> Result<Value> {
+    if !(opts.temperature.is_finite() && (1e-4..=1e4).contains(&opts.temperature)) {
+        bail!(
+            "--temperature must be in [0.0001, 10000] (the scored distribution is log softmax(logits / t)), got {}",
+            opts.temperature
+        );
+    }
     let device = device_from_str(&opts.device)?;
     let dtype = dtype_for(&device);
     match &opts.input {

@@ -556,3 +556,47 @@ fn a_tensor_handed_to_another_thread_reads_its_final_values() {
     let sum = reader.join().unwrap();
     assert_eq!(sum, (n * n) as f32, "read on another thread");
 }
+
+/// A checkpoint whose weights hold NaN makes `generate` fail naming the model directory,
+/// instead of printing `null` log-probs with exit status 0.
+#[test]
+fn generate_refuses_non_finite_log_probs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixture("qwen2-tiny");
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
+        }
+    }
+    let weights = tmp.path().join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &Device::Cpu).unwrap();
+    let name = tensors
+        .keys()
+        .find(|k| k.ends_with("self_attn.q_proj.weight"))
+        .unwrap()
+        .clone();
+    let w = &tensors[&name];
+    let nan = (w.ones_like().unwrap() * f64::NAN).unwrap();
+    tensors.insert(name, nan);
+    candle_core::safetensors::save(&tensors, &weights).unwrap();
+    let opts = composer_model::GenerateOptions {
+        model_dir: tmp.path().to_path_buf(),
+        prompt: "hi".into(),
+        chat: false,
+        max_new_tokens: 3,
+        temperature: 1.0,
+        top_p: 1.0,
+        top_k: 0,
+        min_p: 0.0,
+        seed: 1,
+        num_samples: 1,
+        device: "cpu".into(),
+        deterministic: false,
+    };
+    let e = format!("{:#}", composer_model::generate_cli(&opts).unwrap_err());
+    assert!(
+        e.contains("non-finite") && e.contains(&tmp.path().display().to_string()),
+        "{e}"
+    );
+}

@@ -60,15 +60,23 @@ struct AppState {
 }
 
 /// Serves `factory` on `addr` until Ctrl-C or SIGTERM (open sessions get close code 1012).
+/// `on_bound` gets the address actually bound (the port chosen for port 0) once the listener
+/// is up, before the first connection.
 pub async fn serve_env(
     factory: EnvFactory,
     addr: SocketAddr,
     config: ServeConfig,
+    on_bound: impl FnOnce(SocketAddr),
 ) -> anyhow::Result<()> {
+    if config.max_sessions == 0 {
+        anyhow::bail!("max_sessions must be at least 1 (every session would be refused)");
+    }
     let listener = TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding {addr}"))?;
-    tracing::info!("serving the OpenEnv protocol on http://{addr} (ws://{addr}/ws)");
+    let bound = listener.local_addr().unwrap_or(addr);
+    tracing::info!("serving the OpenEnv protocol on http://{bound} (ws://{bound}/ws)");
+    on_bound(bound);
     serve_env_until(factory, listener, config, shutdown_signal()).await
 }
 
