@@ -24,6 +24,28 @@ pub struct LoadedCheckpoint {
 }
 
 impl LoadedCheckpoint {
+    /// After the model took its tensors: an error when what is left holds a decoder layer the
+    /// config does not have (`model.layers.{i}` with i ≥ `num_hidden_layers`), which would
+    /// otherwise be dropped silently — a config that does not describe its checkpoint. Other
+    /// leftovers (a tied `lm_head.weight`, old `rotary_emb.inv_freq` buffers) are fine.
+    pub fn check_no_extra_layers(&self, num_hidden_layers: usize) -> Result<()> {
+        let extra = self
+            .tensors
+            .keys()
+            .filter_map(|k| {
+                let rest = k.strip_prefix("model.layers.")?;
+                rest.split('.').next()?.parse::<usize>().ok()
+            })
+            .filter(|&i| i >= num_hidden_layers)
+            .max();
+        if let Some(i) = extra {
+            bail!(
+                "the checkpoint has weights of layer {i} but config.json says num_hidden_layers =                  {num_hidden_layers}: the config does not describe this checkpoint"
+            );
+        }
+        Ok(())
+    }
+
     /// Takes tensor `name`, checking its shape and converting to `dtype`; errors name the
     /// tensor and the file.
     pub fn take(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {

@@ -600,3 +600,31 @@ fn generate_refuses_non_finite_log_probs() {
         "{e}"
     );
 }
+
+/// A config.json with fewer layers than its checkpoint holds is refused naming the first layer
+/// it would drop, rather than loading a truncated model.
+#[test]
+fn a_config_with_fewer_layers_than_the_checkpoint_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixture("qwen2-tiny");
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
+        }
+    }
+    let cfg_path = tmp.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let layers = cfg["num_hidden_layers"].as_u64().unwrap();
+    cfg["num_hidden_layers"] = (layers - 1).into();
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let e = match Transformer::load(tmp.path(), &Device::Cpu, DType::F32) {
+        Ok(_) => panic!("a truncated model loaded"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(
+        e.contains(&format!("layer {}", layers - 1)) && e.contains("num_hidden_layers"),
+        "{e}"
+    );
+}

@@ -168,6 +168,8 @@ impl Transformer {
             ckpt.take(name, shape, dtype)
         })
         .with_context(|| format!("loading weights from {}", dir.display()))?;
+        ckpt.check_no_extra_layers(cfg.num_hidden_layers)
+            .with_context(|| format!("loading weights from {}", dir.display()))?;
         m.source_shards = shards;
         Ok(m)
     }
@@ -184,6 +186,8 @@ impl Transformer {
             insert_var(&varmap, name, &t)
         })
         .with_context(|| format!("loading weights from {}", dir.display()))?;
+        ckpt.check_no_extra_layers(cfg.num_hidden_layers)
+            .with_context(|| format!("loading weights from {}", dir.display()))?;
         m.source_shards = shards;
         Ok((m, varmap))
     }
