@@ -378,6 +378,9 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
             );
         }
     }
+    if let Some(p) = recipe.warmup.as_ref().and_then(|w| w.dataset.as_ref()) {
+        check_warmup_rows(p, &render, &tok, ctx)?;
+    }
 
     // Optimizer over the model's variables.
     let vars: Vec<(String, candle_core::Var)> = {
@@ -560,4 +563,27 @@ pub fn save(s: &Session, extra_files: Vec<(String, Vec<u8>)>) -> Result<PathBuf>
             extra_files,
         },
     )
+}
+
+/// The warm-up dataset's examples against the model's context, before any step: an example
+/// (prompt, completion and EOS) longer than `ctx` is an error naming the file and row.
+fn check_warmup_rows(
+    path: &std::path::Path,
+    render: &dyn Fn(&[data::Message]) -> Result<String>,
+    tok: &Tokenizer,
+    ctx: usize,
+) -> Result<()> {
+    for (i, r) in data::load_sft(path, render)?.iter().enumerate() {
+        let n = chartok::encode(tok, &r.prompt)?.len() + chartok::encode(tok, &r.completion)?.len();
+        if n + 1 > ctx {
+            bail!(
+                "{} row {}: the warm-up example is {} tokens (prompt, completion and EOS), more \
+                 than the model's context of {ctx} (max_position_embeddings)",
+                path.display(),
+                i + 1,
+                n + 1
+            );
+        }
+    }
+    Ok(())
 }

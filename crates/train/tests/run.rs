@@ -404,3 +404,40 @@ fn hf_checkpoint_trains_on_a_jsonl_dataset_and_saves_loadable_weights() {
     .unwrap();
     assert_eq!(resumed.steps_completed, 3);
 }
+
+/// A warm-up example longer than the model's context is refused naming its file and row when
+/// the run opens, before any step.
+#[test]
+fn an_overlong_warmup_example_is_refused_before_training() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("sft.jsonl");
+    let long = "7".repeat(300);
+    std::fs::write(
+        &data,
+        format!(
+            "{{\"prompt\": \"1+1=\", \"completion\": \"2\"}}\n{{\"prompt\": \"2+2=\", \"completion\": \"{long}\"}}\n"
+        ),
+    )
+    .unwrap();
+    let model_and_task = tiny_model_and_task!().replacen(
+        "intermediate_size = 32\n",
+        "intermediate_size = 32\nmax_position_embeddings = 64\n",
+        1,
+    );
+    let text = format!(
+        "{model_and_task}{}\n[train]\nsteps = 1\nprompts_per_step = 2\n\n\
+         [warmup]\nsteps = 2\nbatch_size = 2\ndataset = {:?}\n",
+        all_channels_rollout!(),
+        data.display().to_string()
+    );
+    let recipe = write_recipe(tmp.path(), &text);
+    let e = format!(
+        "{:#}",
+        run_train(&opts(&recipe, &tmp.path().join("run"))).unwrap_err()
+    );
+    assert!(
+        e.contains("sft.jsonl row 2") && e.contains("context of 64"),
+        "{e}"
+    );
+    assert!(!tmp.path().join("run/metrics.jsonl").exists());
+}
