@@ -298,6 +298,12 @@ fn run(cli: Cli) -> Result<()> {
             out,
             merge,
         } => {
+            if !checkpoint.is_dir() {
+                anyhow::bail!(
+                    "export {}: no such checkpoint directory",
+                    checkpoint.display()
+                );
+            }
             composer_model::lora::export_adapter(&checkpoint, &out, merge)?;
             println!("wrote {}", out.display());
             Ok(())
@@ -358,12 +364,17 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 (other, None) => composer_env::builtin_env_factory(other)?,
             };
-            let addr: SocketAddr = format!("{}:{}", a.host, a.port).parse().with_context(|| {
-                format!(
-                    "--host {} --port {} is not a socket address",
-                    a.host, a.port
-                )
-            })?;
+            // A name (`localhost`) as well as an address: the first address it resolves to.
+            let addr: SocketAddr =
+                std::net::ToSocketAddrs::to_socket_addrs(&(a.host.as_str(), a.port))
+                    .ok()
+                    .and_then(|mut it| it.next())
+                    .with_context(|| {
+                        format!(
+                            "--host {} --port {}: not an address or a name that resolves to one",
+                            a.host, a.port
+                        )
+                    })?;
             let config = composer_env::ServeConfig {
                 max_sessions: a.max_sessions,
                 ..Default::default()

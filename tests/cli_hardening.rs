@@ -167,3 +167,44 @@ fn serve_env_refuses_zero_sessions_and_prints_the_bound_port() {
         "the port printed is 0: {line}"
     );
 }
+
+/// `export` of a directory that does not exist says so, and `serve-env --host` takes a name
+/// that resolves (`localhost`), not only an address.
+#[test]
+fn export_names_a_missing_checkpoint_and_serve_env_resolves_host_names() {
+    let out = composer_rl(&["export", "/nonexistent/ck", "--out", "/tmp/never-written"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("/nonexistent/ck: no such checkpoint directory"),
+        "{stderr}"
+    );
+    let out = composer_rl(&[
+        "serve-env",
+        "echo",
+        "--host",
+        "no such host!",
+        "--port",
+        "0",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--host no such host!"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_composer-rl"))
+        .args(["serve-env", "echo", "--host", "localhost", "--port", "0"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("serve-env starts");
+    let mut line = String::new();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    while !line.contains("serving env") {
+        line.clear();
+        if std::io::BufRead::read_line(&mut err, &mut line).unwrap() == 0 {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(line.contains("serving env `echo` on http://"), "{line}");
+}
