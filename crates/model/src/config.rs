@@ -207,6 +207,23 @@ impl ModelConfig {
         if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             bail!("config key `rope_theta` must be > 0");
         }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            bail!(
+                "config key `rms_norm_eps` must be finite and > 0, got {}",
+                self.rms_norm_eps
+            );
+        }
+        if let Some(id) = self
+            .eos_token_ids
+            .iter()
+            .find(|&&id| id as usize >= self.vocab_size)
+        {
+            bail!(
+                "config key `eos_token_id` ({id}) is outside the vocabulary (vocab_size = {}): \
+                 generation could never stop on it",
+                self.vocab_size
+            );
+        }
         Ok(())
     }
 
@@ -229,6 +246,13 @@ impl ModelConfig {
                 .with_context(|| format!("parsing {} as JSON", gen_path.display()))?;
             if let Some(e) = v.get("eos_token_id") {
                 for id in token_id_list(e, "eos_token_id", &gen_path)? {
+                    if id as usize >= cfg.vocab_size {
+                        bail!(
+                            "{}: `eos_token_id` {id} is outside the vocabulary (vocab_size = {})",
+                            gen_path.display(),
+                            cfg.vocab_size
+                        );
+                    }
                     if !cfg.eos_token_ids.contains(&id) {
                         cfg.eos_token_ids.push(id);
                     }
@@ -496,5 +520,36 @@ fn token_id_list(v: &Value, key: &str, file: &Path) -> Result<Vec<u32>> {
     match v {
         Value::Array(a) => a.iter().map(one).collect(),
         x => Ok(vec![one(x)?]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen2_json() -> Value {
+        serde_json::json!({
+            "model_type": "qwen2", "vocab_size": 384, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "eos_token_id": 3
+        })
+    }
+
+    /// An EOS id outside the vocabulary (generation could never stop) and a non-positive or
+    /// NaN `rms_norm_eps` are refused naming the key.
+    #[test]
+    fn eos_outside_the_vocabulary_and_bad_rms_eps_are_refused() {
+        assert!(ModelConfig::from_json(&qwen2_json()).is_ok());
+        let mut v = qwen2_json();
+        v["eos_token_id"] = 99_999.into();
+        let e = ModelConfig::from_json(&v).unwrap_err().to_string();
+        assert!(e.contains("eos_token_id") && e.contains("99999"), "{e}");
+        for eps in [-1.0, 0.0] {
+            let mut v = qwen2_json();
+            v["rms_norm_eps"] = eps.into();
+            let e = ModelConfig::from_json(&v).unwrap_err().to_string();
+            assert!(e.contains("rms_norm_eps"), "{e}");
+        }
     }
 }
