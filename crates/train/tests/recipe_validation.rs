@@ -327,3 +327,91 @@ fn cuda_graphs_with_async_actors_on_a_gpu_is_refused() {
     )
     .unwrap();
 }
+
+/// Values that used to pass parsing and then panic (`[warmup] batch_size = 0`), abort on an
+/// allocation (`kv_block_size` 10¹²), write NaN weights (`eps = 0`), or train on NaN losses or
+/// silently switched-off channels: each refused naming its key.
+#[test]
+fn values_that_broke_runs_later_are_refused_at_parse_time() {
+    for (section, line, key) in [
+        ("warmup", "batch_size = 0", "[warmup] batch_size"),
+        ("warmup", "batch_size = 100000000", "[warmup] batch_size"),
+        ("warmup", "hint_fraction = 7.0", "[warmup] hint_fraction"),
+        ("warmup", "hint_fraction = nan", "[warmup] hint_fraction"),
+        (
+            "rollout",
+            "kv_block_size = 1000000000000",
+            "[rollout] kv_block_size",
+        ),
+        ("rollout", "num_generations = 100000000", "num_generations"),
+        ("train", "prompts_per_step = 1000000000", "prompts_per_step"),
+        ("optimizer", "eps = 0.0", "[optimizer] eps"),
+        ("optimizer", "eps = -1.0", "[optimizer] eps"),
+        (
+            "optimizer",
+            "max_grad_norm = nan",
+            "[optimizer] max_grad_norm",
+        ),
+        (
+            "optimizer",
+            "max_grad_norm = -1.0",
+            "[optimizer] max_grad_norm",
+        ),
+        ("loss", "hint_weight = nan", "[loss] hint_weight"),
+        ("loss", "replay_weight = -1.0", "[loss] replay_weight"),
+        ("loss", "beta = nan", "beta"),
+        ("loss", "entropy_coef = nan", "entropy_coef"),
+        ("loss", "kl_tau = nan", "kl_tau"),
+        ("loss", "adv_tau = -1.0", "adv_tau"),
+        ("loss", "sapo_temperature_pos = nan", "sapo_temperature_pos"),
+        ("loss", "loss_scale_factor = 0.0", "loss_scale_factor"),
+        (
+            "loss",
+            "sampler_importance_sampling_clip_max = -1.0",
+            "sampler_importance_sampling_clip_max",
+        ),
+        (
+            "train",
+            "stop_at_accuracy = 5.0",
+            "[train] stop_at_accuracy",
+        ),
+        (
+            "train",
+            "stop_at_accuracy = nan",
+            "[train] stop_at_accuracy",
+        ),
+        (
+            "train",
+            "max_nonfinite_steps = 0",
+            "[train] max_nonfinite_steps",
+        ),
+        (
+            "replay",
+            "teacher_weights = [-5.0]",
+            "[replay] teacher_weights",
+        ),
+    ] {
+        let err = match parse_recipe(&with_key(section, line), Path::new("recipes/bad.toml")) {
+            Ok(_) => panic!("{line}: accepted"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(
+            err.contains("recipes/bad.toml"),
+            "{line}: no file in: {err}"
+        );
+        assert!(err.contains(key), "{line}: no {key} in: {err}");
+    }
+    // Both clip bounds set, the lower above the upper: nothing would train.
+    let text = with_key(
+        "loss",
+        "sampler_importance_sampling_clip_min = 5.0\nsampler_importance_sampling_clip_max = 1.0",
+    );
+    let err = format!(
+        "{:#}",
+        parse_recipe(&text, Path::new("recipes/bad.toml")).unwrap_err()
+    );
+    assert!(
+        err.contains("sampler_importance_sampling_clip_min"),
+        "{err}"
+    );
+}

@@ -334,8 +334,54 @@ impl RlvrConfig {
         if self.loss_type == LossType::DrGrpo && self.max_completion_length == 0 {
             return bad("max_completion_length", "must be > 0 for dr_grpo".into());
         }
-        if self.sapo_temperature_pos <= 0.0 || self.sapo_temperature_neg <= 0.0 {
-            return bad("sapo_temperature_pos/neg", "must be > 0".into());
+        let positive = |x: f64| x > 0.0 && x.is_finite();
+        if !(positive(self.sapo_temperature_pos) && positive(self.sapo_temperature_neg)) {
+            return bad("sapo_temperature_pos/neg", "must be finite and > 0".into());
+        }
+        // Every other number: finite, and in its range. NaN fails each `!(x >= lo)` test, where
+        // `x < lo` would let it through to a loss that is NaN every step.
+        let at_least = |key: &'static str, x: f64, lo: f64| -> Result<()> {
+            if !(x >= lo && x.is_finite()) {
+                return bad(key, format!("must be finite and >= {lo}, got {x}"));
+            }
+            Ok(())
+        };
+        let above = |key: &'static str, x: f64| -> Result<()> {
+            if !(x > 0.0 && x.is_finite()) {
+                return bad(key, format!("must be finite and > 0, got {x}"));
+            }
+            Ok(())
+        };
+        at_least("beta", self.beta, 0.0)?;
+        at_least("entropy_coef", self.entropy_coef, 0.0)?;
+        at_least("kl_tau", self.kl_tau, 0.0)?;
+        above("adv_tau", self.adv_tau)?;
+        at_least("dppo_mask_low", self.dppo_mask_low, 0.0)?;
+        at_least("dppo_mask_high", self.dppo_mask_high, 0.0)?;
+        above("vespo_k_pos", self.vespo_k_pos)?;
+        above("vespo_lambda_pos", self.vespo_lambda_pos)?;
+        above("vespo_k_neg", self.vespo_k_neg)?;
+        above("vespo_lambda_neg", self.vespo_lambda_neg)?;
+        if let Some(f) = self.loss_scale_factor {
+            above("loss_scale_factor", f)?;
+        }
+        let (lo, hi) = (
+            self.sampler_importance_sampling_clip_min,
+            self.sampler_importance_sampling_clip_max,
+        );
+        if let Some(lo) = lo {
+            at_least("sampler_importance_sampling_clip_min", lo, 0.0)?;
+        }
+        if let Some(hi) = hi {
+            above("sampler_importance_sampling_clip_max", hi)?;
+            if let Some(lo) = lo {
+                if lo > hi {
+                    return bad(
+                        "sampler_importance_sampling_clip_min",
+                        format!("{lo} is above sampler_importance_sampling_clip_max = {hi}"),
+                    );
+                }
+            }
         }
         Ok(())
     }

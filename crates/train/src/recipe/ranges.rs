@@ -10,6 +10,12 @@ use composer_loss::advantages::AdvantageEstimator;
 
 use super::sections::Recipe;
 
+/// Most samples a step (prompts × generations) and most examples a warm-up batch: a typo
+/// (1e9) must be refused before anything is allocated.
+const MAX_BATCH: usize = 1 << 20;
+/// Most tokens a KV block holds (a block is allocated whole).
+const MAX_KV_BLOCK: usize = 1 << 16;
+
 /// Checks every numeric range and cross-key rule of `r` that the serde types cannot express;
 /// `origin` is the recipe file named in the error.
 pub fn validate_ranges(r: &Recipe, origin: &Path) -> Result<()> {
@@ -42,9 +48,100 @@ pub fn validate_ranges(r: &Recipe, origin: &Path) -> Result<()> {
             )?;
         }
     }
+    if !(o.eps > 0.0 && o.eps.is_finite()) {
+        // 0 divides by √v̂ = 0 on a zero gradient: NaN weights, written to the checkpoint.
+        out_of_range("[optimizer] eps", o.eps.to_string(), "a finite number > 0")?;
+    }
+    if !(o.max_grad_norm >= 0.0 && o.max_grad_norm.is_finite()) {
+        out_of_range(
+            "[optimizer] max_grad_norm",
+            o.max_grad_norm.to_string(),
+            "a finite number >= 0 (0 = no clipping)",
+        )?;
+    }
     if let Some(w) = &r.warmup {
         if !(w.lr >= 0.0) || !w.lr.is_finite() {
             out_of_range("[warmup] lr", w.lr.to_string(), "a finite number >= 0")?;
+        }
+        if !(1..=MAX_BATCH).contains(&w.batch_size) {
+            out_of_range(
+                "[warmup] batch_size",
+                w.batch_size.to_string(),
+                &format!("1..={MAX_BATCH}"),
+            )?;
+        }
+        if !(0.0..=1.0).contains(&w.hint_fraction) {
+            out_of_range(
+                "[warmup] hint_fraction",
+                w.hint_fraction.to_string(),
+                "[0, 1] (the share of warm-up examples shown in the hint format)",
+            )?;
+        }
+    }
+    let samples = r
+        .train
+        .prompts_per_step
+        .saturating_mul(r.rollout.num_generations);
+    if samples > MAX_BATCH {
+        out_of_range(
+            "[train] prompts_per_step × [rollout] num_generations",
+            format!(
+                "{} × {} = {samples}",
+                r.train.prompts_per_step, r.rollout.num_generations
+            ),
+            &format!("at most {MAX_BATCH} samples a step"),
+        )?;
+    }
+    if r.rollout.kv_block_size > MAX_KV_BLOCK {
+        out_of_range(
+            "[rollout] kv_block_size",
+            r.rollout.kv_block_size.to_string(),
+            &format!("1..={MAX_KV_BLOCK} tokens a block"),
+        )?;
+    }
+    for (key, w) in [
+        ("[loss] hint_weight", r.loss.hint_weight),
+        ("[loss] replay_weight", r.loss.replay_weight),
+    ] {
+        if !(w >= 0.0 && w.is_finite()) {
+            out_of_range(key, w.to_string(), "a finite number >= 0 (0 = channel off)")?;
+        }
+    }
+    if let Some(rp) = &r.replay {
+        if let Some(w) = rp
+            .teacher_weights
+            .iter()
+            .find(|w| !(**w >= 0.0 && w.is_finite()))
+        {
+            out_of_range(
+                "[replay] teacher_weights",
+                w.to_string(),
+                "finite numbers >= 0",
+            )?;
+        }
+    }
+    let t = &r.train;
+    if !(0.0..=1.0).contains(&t.stop_at_accuracy) {
+        out_of_range(
+            "[train] stop_at_accuracy",
+            t.stop_at_accuracy.to_string(),
+            "[0, 1] (0 = never stop early)",
+        )?;
+    }
+    if t.max_nonfinite_steps == 0 {
+        out_of_range(
+            "[train] max_nonfinite_steps",
+            "0".into(),
+            "an integer >= 1 (consecutive skipped steps before the run stops)",
+        )?;
+    }
+    for (i, v) in r.data.verifiers.iter().enumerate() {
+        if !v.weight.is_finite() {
+            out_of_range(
+                &format!("[[data.verifiers]] #{i} weight"),
+                v.weight.to_string(),
+                "a finite number",
+            )?;
         }
     }
 
