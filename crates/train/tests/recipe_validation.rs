@@ -415,3 +415,36 @@ fn values_that_broke_runs_later_are_refused_at_parse_time() {
         "{err}"
     );
 }
+
+/// Loss options the loss functions checked only at the first step (after the warm-up), some
+/// under another key's name: refused at parse time by their recipe keys.
+#[test]
+fn loss_channel_options_are_checked_at_parse_time() {
+    for (section, line, key) in [
+        ("loss.replay", "dpo_beta = 0.0", "[loss.replay] dpo_beta"),
+        ("loss.replay", "dpo_beta = nan", "[loss.replay] dpo_beta"),
+        ("loss.hint", "is_clip = -1.0", "[loss.hint] is_clip"),
+        (
+            "loss",
+            "loss_type = \"vespo\"",
+            "sampler_importance_sampling_mode",
+        ),
+        (
+            "loss",
+            "reward_weights = [1.0, 2.0]",
+            "[loss] reward_weights",
+        ),
+    ] {
+        let err = match parse_recipe(&with_key(section, line), Path::new("recipes/bad.toml")) {
+            Ok(_) => panic!("{line}: accepted"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(err.contains(key), "{line}: no {key} in: {err}");
+    }
+    let jsd = with_key("loss.hint", "divergence = \"jsd\"\nalpha = 5.0");
+    let err = format!(
+        "{:#}",
+        parse_recipe(&jsd, Path::new("recipes/bad.toml")).unwrap_err()
+    );
+    assert!(err.contains("[loss.hint] alpha"), "{err}");
+}

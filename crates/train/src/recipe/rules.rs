@@ -67,6 +67,7 @@ pub(super) fn validate(r: &Recipe) -> Result<()> {
         .rlvr
         .validate()
         .map_err(|e| anyhow::anyhow!("key `[loss]`: {e}"))?;
+    validate_loss_channels(r)?;
     if !r.loss.hint.template.reprompt.contains("{prompt}") {
         bail!("key `[loss.hint.template] reprompt`: must contain {{prompt}}");
     }
@@ -219,6 +220,50 @@ pub(super) fn validate_env(e: &EnvSection, r: &Recipe) -> Result<()> {
     ] {
         if !t.contains("{observation}") {
             bail!("key `[env] {key}`: must contain {{observation}}");
+        }
+    }
+    Ok(())
+}
+
+/// The loss options the loss functions would otherwise check only at the first step's loss
+/// (after the whole warm-up), named by their recipe keys.
+fn validate_loss_channels(r: &Recipe) -> Result<()> {
+    use composer_loss::{HintDivergence, LossType, SamplerIsMode};
+    let hint = &r.loss.hint.config;
+    if hint.divergence == HintDivergence::Jsd && !(hint.alpha > 0.0 && hint.alpha < 1.0) {
+        bail!(
+            "key `[loss.hint] alpha` = {}: the JSD divergence's mixing weight must be in (0, 1)",
+            hint.alpha
+        );
+    }
+    if let Some(c) = hint.is_clip {
+        if !(c > 0.0 && c.is_finite()) {
+            bail!("key `[loss.hint] is_clip` = {c}: must be a finite number > 0 (the IS weight's cap)");
+        }
+    }
+    let dpo_beta = r.loss.replay.dpo_beta;
+    if !(dpo_beta > 0.0 && dpo_beta.is_finite()) {
+        bail!("key `[loss.replay] dpo_beta` = {dpo_beta}: must be a finite number > 0");
+    }
+    let rl = &r.loss.rlvr;
+    let seq_mode = matches!(
+        rl.sampler_importance_sampling_mode,
+        SamplerIsMode::SequenceMask | SamplerIsMode::SequenceTruncate
+    );
+    if rl.loss_type == LossType::Vespo && rl.sampler_importance_sampling_correction && seq_mode {
+        bail!(
+            "key `[loss] loss_type = \"vespo\"` needs `[loss] sampler_importance_sampling_mode` = \
+             \"token_truncate\" or \"token_mask\" (as TRL), or the correction off"
+        );
+    }
+    if let (Some(w), None) = (&r.loss.advantage.reward_weights, &r.env) {
+        if w.len() != r.data.verifiers.len() {
+            bail!(
+                "key `[loss] reward_weights`: {} weights for {} reward functions \
+                 (`[[data.verifiers]]`)",
+                w.len(),
+                r.data.verifiers.len()
+            );
         }
     }
     Ok(())
