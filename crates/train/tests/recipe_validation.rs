@@ -448,3 +448,19 @@ fn loss_channel_options_are_checked_at_parse_time() {
     );
     assert!(err.contains("[loss.hint] alpha"), "{err}");
 }
+
+/// The arithmetic task lists every operand pair: an `operand_max` below the smallest operand
+/// (one problem, silently) and one that makes hundreds of millions of problems are refused.
+#[test]
+fn arithmetic_operand_ranges_are_bounded() {
+    for line in ["operand_max = 5", "operand_max = 9999"] {
+        let err = match parse_recipe(
+            &with_key("data.arithmetic", line),
+            Path::new("recipes/bad.toml"),
+        ) {
+            Ok(_) => panic!("{line}: accepted"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(err.contains("operand_max"), "{line}: {err}");
+    }
+}

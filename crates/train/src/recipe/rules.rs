@@ -5,6 +5,9 @@ use anyhow::{bail, Context, Result};
 use super::sections::{Recipe, TrainMode};
 use super::EnvSection;
 
+/// Most problems the arithmetic task lists (every operand pair of every operator).
+const MAX_ARITHMETIC_PROBLEMS: u64 = 1 << 22;
+
 pub(super) fn validate(r: &Recipe) -> Result<()> {
     match (&r.model.path, &r.model.builtin_tiny) {
         (None, None) => bail!("key `[model]`: set `path` (an HF checkpoint) or `builtin_tiny`"),
@@ -29,6 +32,32 @@ pub(super) fn validate(r: &Recipe) -> Result<()> {
     for op in &r.data.arithmetic.ops {
         if !["+", "-", "*"].contains(&op.as_str()) {
             bail!("key `[data.arithmetic] ops`: unknown operator {op:?} (known: + - *)");
+        }
+    }
+    if r.data.task.is_some() {
+        // The task lists every operand pair: bounded, and never empty.
+        let a = &r.data.arithmetic;
+        let lo = if a.digits == 1 {
+            0
+        } else {
+            10u64.pow(a.digits - 1)
+        };
+        let top = a.operand_max.unwrap_or(10u64.pow(a.digits) - 1);
+        if top < lo {
+            bail!(
+                "key `[data.arithmetic] operand_max` = {top}: below the smallest {}-digit operand ({lo})",
+                a.digits
+            );
+        }
+        let pairs = (top - lo + 1)
+            .saturating_mul(top - lo + 1)
+            .saturating_mul(a.ops.len().max(1) as u64);
+        if pairs > MAX_ARITHMETIC_PROBLEMS {
+            bail!(
+                "keys `[data.arithmetic] digits` = {} / `operand_max` = {top}: {pairs} problems, more \
+                 than the {MAX_ARITHMETIC_PROBLEMS} the task lists in memory; lower `operand_max`",
+                a.digits
+            );
         }
     }
     for (i, v) in r.data.verifiers.iter().enumerate() {
