@@ -97,6 +97,39 @@ pub struct AdvantageConfig {
     pub singleton_group: SingletonGroup,
 }
 
+impl AdvantageConfig {
+    /// Check ranges (NaN fails every check); errors name the key. `std_epsilon` must be finite
+    /// and > 0 (0 divides a group whose rewards all agree by 0: NaN advantages); every
+    /// `reward_weights` entry finite, and with `num_reward_funcs` given, one weight per reward
+    /// function.
+    pub fn validate(&self, num_reward_funcs: Option<usize>) -> Result<()> {
+        let e = self.std_epsilon;
+        if !(e > 0.0 && e.is_finite()) {
+            return Err(LossError::Config {
+                key: "std_epsilon",
+                message: format!("must be finite and > 0, got {e}"),
+            });
+        }
+        if let Some(w) = &self.reward_weights {
+            if let Some(x) = w.iter().find(|x| !x.is_finite()) {
+                return Err(LossError::Config {
+                    key: "reward_weights",
+                    message: format!("every weight must be finite, got {x}"),
+                });
+            }
+            if let Some(k) = num_reward_funcs {
+                if w.len() != k {
+                    return Err(LossError::Config {
+                        key: "reward_weights",
+                        message: format!("{} weights for {k} reward functions", w.len()),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Default for AdvantageConfig {
     fn default() -> Self {
         Self {

@@ -47,6 +47,51 @@ impl Default for ComposerConfig {
     }
 }
 
+impl ComposerConfig {
+    /// Check every knob before the first loss (NaN fails every check): the channel weights
+    /// finite and >= 0, then each channel's config. Errors name the key (`hint.alpha`,
+    /// `replay.dpo.beta`, ...; RLVR keys unprefixed, as they sit at the top of `[loss]`).
+    pub fn validate(&self) -> Result<()> {
+        for (key, w) in [
+            ("hint_coef", self.hint_coef),
+            ("replay_coef", self.replay_coef),
+        ] {
+            if !(w >= 0.0 && w.is_finite()) {
+                return Err(LossError::Config {
+                    key,
+                    message: format!("must be finite and >= 0, got {w}"),
+                });
+            }
+        }
+        self.rlvr.validate()?;
+        let prefix = |keys: &[(&'static str, &'static str)], e: LossError| match e {
+            LossError::Config { key, message } => LossError::Config {
+                key: keys
+                    .iter()
+                    .find(|(k, _)| *k == key)
+                    .map_or(key, |(_, full)| *full),
+                message,
+            },
+            e => e,
+        };
+        self.hint
+            .validate()
+            .map_err(|e| prefix(&[("alpha", "hint.alpha"), ("is_clip", "hint.is_clip")], e))?;
+        self.replay.validate().map_err(|e| {
+            prefix(
+                &[
+                    ("dpo.beta", "replay.dpo.beta"),
+                    ("dpo_coef", "replay.dpo_coef"),
+                    ("kl_coef", "replay.kl_coef"),
+                    ("teacher_weights", "replay.teacher_weights"),
+                ],
+                e,
+            )
+        })?;
+        Ok(())
+    }
+}
+
 /// Metrics of the composed loss, one block per enabled channel.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct ComposerMetrics {
@@ -75,6 +120,7 @@ pub fn composer_loss(
             message: "all channels are off".into(),
         });
     }
+    cfg.validate()?;
     let mut total: Option<Tensor> = None;
     let mut metrics = ComposerMetrics::default();
     let mut add = |t: Tensor| -> Result<()> {

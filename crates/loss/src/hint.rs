@@ -58,6 +58,37 @@ impl Default for HintConfig {
     }
 }
 
+impl HintConfig {
+    /// Check ranges (NaN fails every check); errors name the key. `alpha` is used by the JSD
+    /// divergence only, where it must lie in (0, 1); set for another divergence it must still
+    /// be a number in [0, 1]. `is_clip`, when set, must be finite and > 0 (a negative cap would
+    /// flip the sign of every weight).
+    pub fn validate(&self) -> Result<()> {
+        let a = self.alpha;
+        if self.divergence == HintDivergence::Jsd && !(a > 0.0 && a < 1.0) {
+            return Err(LossError::Config {
+                key: "alpha",
+                message: format!("JSD mixing must be in (0, 1), got {a}"),
+            });
+        }
+        if !(0.0..=1.0).contains(&a) {
+            return Err(LossError::Config {
+                key: "alpha",
+                message: format!("must be in [0, 1], got {a}"),
+            });
+        }
+        if let Some(c) = self.is_clip {
+            if !(c > 0.0 && c.is_finite()) {
+                return Err(LossError::Config {
+                    key: "is_clip",
+                    message: format!("must be finite and > 0 (the IS weight's cap), got {c}"),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Metrics of the hint channel.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct HintMetrics {
@@ -97,12 +128,7 @@ pub fn hint_loss(inputs: &LossInputs, cfg: &HintConfig) -> Result<(Tensor, HintM
             message: format!("has {} flags for a batch of {b}", hint.has_hint.len()),
         });
     }
-    if cfg.divergence == HintDivergence::Jsd && !(cfg.alpha > 0.0 && cfg.alpha < 1.0) {
-        return Err(LossError::Config {
-            key: "alpha",
-            message: format!("JSD mixing must be in (0, 1), got {}", cfg.alpha),
-        });
-    }
+    cfg.validate()?;
     let lp = &inputs.trainer_logprobs;
     let keep: Vec<f64> = hint
         .has_hint

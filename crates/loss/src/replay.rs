@@ -49,6 +49,19 @@ pub struct DpoConfig {
     pub beta: f64,
 }
 
+impl DpoConfig {
+    /// Check ranges: β finite and > 0 (NaN fails); errors name the key.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.beta > 0.0 && self.beta.is_finite()) {
+            return Err(LossError::Config {
+                key: "beta",
+                message: format!("must be finite and > 0, got {}", self.beta),
+            });
+        }
+        Ok(())
+    }
+}
+
 impl Default for DpoConfig {
     fn default() -> Self {
         Self {
@@ -96,12 +109,7 @@ pub fn dpo_loss(inputs: &DpoInputs, cfg: &DpoConfig) -> Result<(Tensor, DpoMetri
     check_shape(&inputs.policy_rejected_logps, "policy_rejected_logps", &[p])?;
     check_shape(&inputs.ref_chosen_logps, "ref_chosen_logps", &[p])?;
     check_shape(&inputs.ref_rejected_logps, "ref_rejected_logps", &[p])?;
-    if !(cfg.beta > 0.0) {
-        return Err(LossError::Config {
-            key: "beta",
-            message: format!("must be > 0, got {}", cfg.beta),
-        });
-    }
+    cfg.validate()?;
     let pc = &inputs.policy_chosen_logps;
     let dt = pc.dtype();
     let h_c = (pc - inputs.ref_chosen_logps.detach().to_dtype(dt)?)?;
@@ -268,6 +276,39 @@ pub struct ReplayConfig {
     /// Aggregation of the teacher KL: `seq-mean-token-mean` (TRL 1.16 SDPO, default) or
     /// `token-mean`.
     pub kl_loss_agg_mode: DistillationAgg,
+}
+
+impl ReplayConfig {
+    /// Check ranges (NaN fails every check); errors name the key: `dpo.beta` finite and > 0,
+    /// `dpo_coef`, `kl_coef` and every teacher weight finite and >= 0 (0 = term off).
+    pub fn validate(&self) -> Result<()> {
+        self.dpo.validate().map_err(|e| match e {
+            LossError::Config { message, .. } => LossError::Config {
+                key: "dpo.beta",
+                message,
+            },
+            e => e,
+        })?;
+        for (key, w) in [("dpo_coef", self.dpo_coef), ("kl_coef", self.kl_coef)] {
+            if !(w >= 0.0 && w.is_finite()) {
+                return Err(LossError::Config {
+                    key,
+                    message: format!("must be finite and >= 0, got {w}"),
+                });
+            }
+        }
+        if let Some((name, w)) = self
+            .teacher_weights
+            .iter()
+            .find(|(_, w)| !(**w >= 0.0 && w.is_finite()))
+        {
+            return Err(LossError::Config {
+                key: "teacher_weights",
+                message: format!("teacher {name:?}: must be finite and >= 0, got {w}"),
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Default for ReplayConfig {

@@ -265,3 +265,188 @@ fn configs_reject_unknown_keys() {
     assert_eq!(c.sampler_importance_sampling_mode, SamplerIsMode::TokenMask);
     assert_eq!(c.kl_estimator, KlEstimator::K3);
 }
+
+/// Every config float is checked by `validate` before the first loss, NaN included (a `<= 0`
+/// test lets NaN through), and the error names the key.
+#[test]
+fn configs_validate_ranges_and_nan() {
+    let key_of = |r: Result<()>| r.unwrap_err().to_string();
+    for (cfg, key) in [
+        (
+            RlvrConfig {
+                beta: f64::NAN,
+                ..Default::default()
+            },
+            "beta",
+        ),
+        (
+            RlvrConfig {
+                entropy_coef: f64::NAN,
+                ..Default::default()
+            },
+            "entropy_coef",
+        ),
+        (
+            RlvrConfig {
+                epsilon: f64::INFINITY,
+                ..Default::default()
+            },
+            "epsilon",
+        ),
+        (
+            RlvrConfig {
+                delta: Some(0.5),
+                ..Default::default()
+            },
+            "delta",
+        ),
+        (
+            RlvrConfig {
+                kl_clamp: Some(-1.0),
+                ..Default::default()
+            },
+            "kl_clamp",
+        ),
+        (
+            RlvrConfig {
+                clip_cov_ratio: f64::NAN,
+                ..Default::default()
+            },
+            "clip_cov_ratio",
+        ),
+        (
+            RlvrConfig {
+                clip_cov_lb: 6.0,
+                ..Default::default()
+            },
+            "clip_cov_lb",
+        ),
+        (
+            RlvrConfig {
+                loss_scale_factor: Some(f64::NAN),
+                ..Default::default()
+            },
+            "loss_scale_factor",
+        ),
+    ] {
+        contains(key_of(cfg.validate()), key);
+    }
+    RlvrConfig::default().validate().unwrap();
+
+    for (cfg, key) in [
+        (
+            HintConfig {
+                alpha: 5.0,
+                ..Default::default()
+            },
+            "alpha",
+        ),
+        (
+            HintConfig {
+                divergence: HintDivergence::ReverseKl,
+                alpha: f64::NAN,
+                ..Default::default()
+            },
+            "alpha",
+        ),
+        (
+            HintConfig {
+                is_clip: Some(-1.0),
+                ..Default::default()
+            },
+            "is_clip",
+        ),
+    ] {
+        contains(key_of(cfg.validate()), key);
+    }
+    HintConfig::default().validate().unwrap();
+
+    let nan_beta = DpoConfig {
+        beta: f64::NAN,
+        ..Default::default()
+    };
+    contains(key_of(nan_beta.validate()), "beta");
+    for (cfg, key) in [
+        (
+            ReplayConfig {
+                dpo: nan_beta.clone(),
+                ..Default::default()
+            },
+            "dpo.beta",
+        ),
+        (
+            ReplayConfig {
+                kl_coef: -1.0,
+                ..Default::default()
+            },
+            "kl_coef",
+        ),
+        (
+            ReplayConfig {
+                teacher_weights: [("t".to_string(), f64::NAN)].into(),
+                ..Default::default()
+            },
+            "teacher_weights",
+        ),
+    ] {
+        contains(key_of(cfg.validate()), key);
+    }
+    ReplayConfig::default().validate().unwrap();
+
+    let adv = |std_epsilon: f64, w: Option<Vec<f64>>| AdvantageConfig {
+        std_epsilon,
+        reward_weights: w,
+        ..Default::default()
+    };
+    contains(key_of(adv(-1.0, None).validate(None)), "std_epsilon");
+    contains(key_of(adv(f64::NAN, None).validate(None)), "std_epsilon");
+    contains(
+        key_of(adv(1e-4, Some(vec![f64::NAN])).validate(None)),
+        "reward_weights",
+    );
+    contains(
+        key_of(adv(1e-4, Some(vec![1.0, 2.0])).validate(Some(1))),
+        "reward_weights",
+    );
+    adv(1e-4, Some(vec![1.0, 2.0])).validate(Some(2)).unwrap();
+
+    for (cfg, key) in [
+        (
+            ComposerConfig {
+                hint_coef: f64::NAN,
+                ..Default::default()
+            },
+            "hint_coef",
+        ),
+        (
+            ComposerConfig {
+                replay_coef: -1.0,
+                ..Default::default()
+            },
+            "replay_coef",
+        ),
+        (
+            ComposerConfig {
+                hint: HintConfig {
+                    is_clip: Some(f64::NAN),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            "hint.is_clip",
+        ),
+        (
+            ComposerConfig {
+                replay: ReplayConfig {
+                    dpo: nan_beta.clone(),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            "replay.dpo.beta",
+        ),
+    ] {
+        contains(key_of(cfg.validate()), key);
+    }
+    ComposerConfig::default().validate().unwrap();
+}

@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{Tensor, Var};
 use composer_model::ops::{adamw_update, AdamWStep};
 
@@ -25,6 +25,30 @@ pub struct AdamWParams {
     pub eps: f64,
     /// Decoupled weight decay λ.
     pub weight_decay: f64,
+}
+
+impl AdamWParams {
+    /// Check the ranges the recipe checks (`[optimizer] betas`, `eps`, `weight_decay`), for
+    /// callers that build the optimizer without a recipe: ε = 0 divides by √v̂ = 0 on a zero
+    /// gradient (NaN weights), β = 1 makes the bias correction divide by 0.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.eps > 0.0 && self.eps.is_finite()) {
+            bail!("AdamW eps = {}: must be a finite number > 0", self.eps);
+        }
+        if let Some(b) = self.betas.iter().find(|b| !(0.0..1.0).contains(*b)) {
+            bail!(
+                "AdamW betas = {:?}: each beta must be in [0, 1), got {b}",
+                self.betas
+            );
+        }
+        if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
+            bail!(
+                "AdamW weight_decay = {}: must be a finite number >= 0",
+                self.weight_decay
+            );
+        }
+        Ok(())
+    }
 }
 
 /// AdamW state over a fixed, name-sorted list of variables.
@@ -43,6 +67,7 @@ pub struct AdamW {
 impl AdamW {
     /// Fresh state (zero moments) for `vars`.
     pub fn new(mut vars: Vec<(String, Var)>, params: AdamWParams) -> Result<Self> {
+        params.validate()?;
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         let mut moments = HashMap::new();
         for (name, var) in &vars {
@@ -133,9 +158,14 @@ pub fn grad_norm(names: &[String], grads: &HashMap<String, Tensor>) -> Result<f6
 }
 
 /// Scale all gradients so their global norm is at most `max_norm` (torch clip_grad_norm_:
-/// factor = max_norm / (norm + 1e-6), applied when < 1).
+/// factor = max_norm / (norm + 1e-6), applied when < 1). `max_norm = 0` means no clipping
+/// (`[optimizer] max_grad_norm = 0`); a negative, NaN or infinite `max_norm` is an error (it
+/// used to skip clipping silently; the recipe refuses it at parse time).
 pub fn clip_grads(grads: &mut HashMap<String, Tensor>, norm: f64, max_norm: f64) -> Result<()> {
-    if max_norm <= 0.0 {
+    if !(max_norm >= 0.0 && max_norm.is_finite()) {
+        bail!("max_grad_norm = {max_norm}: must be a finite number >= 0 (0 = no clipping)");
+    }
+    if max_norm == 0.0 {
         return Ok(());
     }
     let factor = max_norm / (norm + 1e-6);

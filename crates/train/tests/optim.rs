@@ -43,6 +43,28 @@ fn adamw_matches_hand_computed_torch_steps() {
 }
 
 #[test]
+fn adamw_refuses_params_that_write_nan_weights() {
+    let var = Var::from_tensor(&Tensor::new(&[1.0f32], &Device::Cpu).unwrap()).unwrap();
+    for (eps, betas, wd, what) in [
+        (0.0, [0.9, 0.999], 0.0, "eps"),
+        (f64::NAN, [0.9, 0.999], 0.0, "eps"),
+        (1e-8, [1.0, 0.999], 0.0, "betas"),
+        (1e-8, [0.9, 0.999], -1.0, "weight_decay"),
+    ] {
+        let params = AdamWParams {
+            betas,
+            eps,
+            weight_decay: wd,
+        };
+        let e = match AdamW::new(vec![("p".into(), var.clone())], params) {
+            Ok(_) => panic!("{params:?} accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(what), "{e}");
+    }
+}
+
+#[test]
 fn clipping_and_schedule() {
     let mut g = HashMap::from([
         (
@@ -59,6 +81,13 @@ fn clipping_and_schedule() {
     clip_grads(&mut g, n, 1.0).unwrap();
     let a: Vec<f32> = g["a"].to_vec1().unwrap();
     assert!((a[0] - 0.6).abs() < 1e-5);
+    // 0 = off; negative or NaN is an error, not a silent skip.
+    clip_grads(&mut g, 100.0, 0.0).unwrap();
+    assert_eq!(g["a"].to_vec1::<f32>().unwrap(), a);
+    for bad in [-1.0, f64::NAN, f64::INFINITY] {
+        let e = clip_grads(&mut g, 100.0, bad).unwrap_err().to_string();
+        assert!(e.contains("max_grad_norm"), "{e}");
+    }
     assert_eq!(lr_at(1.0, 0, 4, 100, false), 0.25);
     assert_eq!(lr_at(1.0, 50, 4, 100, false), 1.0);
     assert!((lr_at(1.0, 4, 4, 104, true) - 1.0).abs() < 1e-12);

@@ -365,6 +365,61 @@ impl RlvrConfig {
         if let Some(f) = self.loss_scale_factor {
             above("loss_scale_factor", f)?;
         }
+        // The clip bounds: ε and ε_high finite (∞ would switch clipping off unasked), δ > 1 (a
+        // cap on the ratio below 1 clips every token that gained probability).
+        at_least("epsilon", self.epsilon, 0.0)?;
+        at_least("epsilon_high", self.epsilon_high(), 0.0)?;
+        if let Some(d) = self.delta {
+            if !(d > 1.0 && d.is_finite()) {
+                return bad("delta", format!("must be finite and > 1, got {d}"));
+            }
+        }
+        if self.dual_clip && !self.clip_ratio_c.is_finite() {
+            return bad(
+                "clip_ratio_c",
+                format!("must be finite, got {}", self.clip_ratio_c),
+            );
+        }
+        // Clamps to [−c, c]: c > 0.
+        for (key, c) in [
+            ("log_ratio_clamp", self.log_ratio_clamp),
+            ("kl_clamp", self.kl_clamp),
+        ] {
+            if let Some(c) = c {
+                above(key, c)?;
+            }
+        }
+        for (key, x) in [
+            ("sequence_log_ratio_max", self.sequence_log_ratio_max),
+            ("off_policy_mask_threshold", self.off_policy_mask_threshold),
+        ] {
+            if let Some(x) = x {
+                if !x.is_finite() {
+                    return bad(key, format!("must be finite, got {x}"));
+                }
+            }
+        }
+        for (key, x) in [
+            ("clip_cov_ratio", self.clip_cov_ratio),
+            ("kl_cov_ratio", self.kl_cov_ratio),
+        ] {
+            if !(0.0..=1.0).contains(&x) {
+                return bad(key, format!("must be in [0, 1], got {x}"));
+            }
+        }
+        if !(self.clip_cov_lb.is_finite()
+            && self.clip_cov_ub.is_finite()
+            && self.clip_cov_lb < self.clip_cov_ub)
+        {
+            return bad(
+                "clip_cov_lb",
+                format!(
+                    "clip_cov_lb = {} and clip_cov_ub = {} must be finite with lb < ub",
+                    self.clip_cov_lb, self.clip_cov_ub
+                ),
+            );
+        }
+        at_least("ppo_kl_coef", self.ppo_kl_coef, 0.0)?;
         let (lo, hi) = (
             self.sampler_importance_sampling_clip_min,
             self.sampler_importance_sampling_clip_max,

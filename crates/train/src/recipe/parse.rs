@@ -113,6 +113,9 @@ pub fn parse_recipe(text: &str, origin: &Path) -> Result<Recipe> {
             origin.display()
         )
     })?;
+    if let Some(d) = &raw.diloco {
+        validate_diloco_steps(d, raw.train.steps, origin)?;
+    }
     let loss = parse_loss(raw.loss.unwrap_or_default(), text)
         .map_err(|e| anyhow::anyhow!("recipe {}{e}", origin.display()))?;
     let recipe = Recipe {
@@ -131,4 +134,33 @@ pub fn parse_recipe(text: &str, origin: &Path) -> Result<Recipe> {
     validate_ranges(&recipe, origin)?;
     validate(&recipe).with_context(|| format!("recipe {}", origin.display()))?;
     Ok(recipe)
+}
+
+/// `[diloco] inner_steps` against `[train] steps`: a replica syncs every `inner_steps` steps,
+/// so fewer steps than that run no round at all (and exit 0), and a remainder trains steps no
+/// round ever averages. The rest of `[diloco]` is composer-diloco's to check. Public for the
+/// replica path, which strips `[diloco]` before [`parse_recipe`] sees the recipe.
+pub fn validate_diloco_steps(diloco: &toml::Table, steps: usize, origin: &Path) -> Result<()> {
+    let Some(inner) = diloco.get("inner_steps").and_then(toml::Value::as_integer) else {
+        return Ok(());
+    };
+    let Ok(inner) = usize::try_from(inner) else {
+        return Ok(()); // negative: composer-diloco refuses it naming the key
+    };
+    if inner >= 1 && (steps < inner || !steps.is_multiple_of(inner)) {
+        anyhow::bail!(
+            "recipe {}: key `[train] steps` = {steps} with `[diloco] inner_steps` = {inner} \
+             would run {} full DiLoCo round(s){}; allowed: steps a positive multiple of \
+             inner_steps (e.g. {})",
+            origin.display(),
+            steps / inner,
+            if steps < inner {
+                String::new()
+            } else {
+                format!(" and {} steps no round averages", steps % inner)
+            },
+            (steps / inner).max(1) * inner
+        );
+    }
+    Ok(())
 }

@@ -15,6 +15,9 @@ use super::sections::Recipe;
 const MAX_BATCH: usize = 1 << 20;
 /// Most tokens a KV block holds (a block is allocated whole).
 const MAX_KV_BLOCK: usize = 1 << 16;
+/// Most problems the arithmetic task generates (every operand pair of every operator is built
+/// up front: `digits = 4` with the default `operand_max` is 81 million pairs, gigabytes).
+pub(super) const MAX_ARITHMETIC_PROBLEMS: u64 = 1 << 22;
 
 /// Checks every numeric range and cross-key rule of `r` that the serde types cannot express;
 /// `origin` is the recipe file named in the error.
@@ -26,6 +29,7 @@ pub fn validate_ranges(r: &Recipe, origin: &Path) -> Result<()> {
     };
 
     validate_lora(r, origin)?;
+    validate_model_and_data(r, origin)?;
 
     let o = &r.optimizer;
     if !(o.lr >= 0.0) || !o.lr.is_finite() {
@@ -107,7 +111,16 @@ pub fn validate_ranges(r: &Recipe, origin: &Path) -> Result<()> {
             out_of_range(key, w.to_string(), "a finite number >= 0 (0 = channel off)")?;
         }
     }
+    super::loss_ranges::validate_loss(r, origin)?;
     if let Some(rp) = &r.replay {
+        if rp.traces.is_empty() && r.loss.replay_weight > 0.0 {
+            bail!(
+                "recipe {file}: key `[loss] replay_weight` = {} switches the replay channel on, \
+                 but `[replay] traces` = [] gives it nothing to replay; allowed: at least one \
+                 trace source (e.g. traces = [\"builtin:scripted\"]), or replay_weight = 0",
+                r.loss.replay_weight
+            );
+        }
         if let Some(w) = rp
             .teacher_weights
             .iter()
@@ -140,7 +153,7 @@ pub fn validate_ranges(r: &Recipe, origin: &Path) -> Result<()> {
             out_of_range(
                 &format!("[[data.verifiers]] #{i} weight"),
                 v.weight.to_string(),
-                "a finite number",
+                "a finite number (negative: a penalty)",
             )?;
         }
     }
@@ -323,4 +336,100 @@ fn validate_lora(r: &Recipe, origin: &Path) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `[model.builtin_tiny]`'s floats, `[data]`'s task options and `[env] pass_reward`.
+fn validate_model_and_data(r: &Recipe, origin: &Path) -> Result<()> {
+    let file = origin.display();
+    if let Some(t) = &r.model.builtin_tiny {
+        for (key, x) in [
+            ("rms_norm_eps", t.rms_norm_eps),
+            ("init_std", t.init_std),
+            ("rope_theta", t.rope_theta),
+        ] {
+            if !(x > 0.0 && x.is_finite()) {
+                bail!(
+                    "recipe {file}: key `[model.builtin_tiny] {key}` = {x} is out of range; \
+                     allowed: a finite number > 0"
+                );
+            }
+        }
+    }
+    let d = &r.data;
+    if d.task.is_some() {
+        if let Some(e) = &d.eval_dataset {
+            bail!(
+                "recipe {file}: key `[data] eval_dataset` = {:?} is set with `[data] task`, \
+                 whose eval rows are generated (it would be ignored); allowed: eval_dataset \
+                 with `[data] dataset` only (drop it, or set `eval_size`)",
+                e.display()
+            );
+        }
+        validate_arithmetic(&d.arithmetic, origin)?;
+    }
+    if let Some(env) = &r.env {
+        if !env.pass_reward.is_finite() {
+            bail!(
+                "recipe {file}: key `[env] pass_reward` = {} is out of range; allowed: a finite \
+                 number (rewards at or above it count as passed)",
+                env.pass_reward
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `[data.arithmetic]`: `operand_max` at least one above the smallest `digits`-digit operand
+/// (below it the task collapses to one problem), and at most [`MAX_ARITHMETIC_PROBLEMS`]
+/// problems built. `digits` and `ops` themselves are checked by `rules`.
+fn validate_arithmetic(a: &super::ArithmeticConfig, origin: &Path) -> Result<()> {
+    let file = origin.display();
+    if !(1..=4).contains(&a.digits) {
+        return Ok(()); // refused by `rules`, naming `[data.arithmetic] digits`
+    }
+    // As `task::arithmetic_split`: operands lo..=max.
+    let lo = if a.digits == 1 {
+        0
+    } else {
+        10u64.pow(a.digits - 1)
+    };
+    let max = match a.operand_max {
+        Some(m) if m <= lo => bail!(
+            "recipe {file}: key `[data.arithmetic] operand_max` = {m} is out of range for \
+             `digits` = {}: the operands start at {lo}, so every problem would be \
+             {lo}{op}{lo}; allowed: operand_max >= {}",
+            a.digits,
+            lo + 1,
+            op = a.ops.first().map_or("+", String::as_str),
+        ),
+        Some(m) => m,
+        None => 10u64.pow(a.digits) - 1,
+    };
+    if a.ops.is_empty() {
+        bail!(
+            "recipe {file}: key `[data.arithmetic] ops` = [] builds no problems; allowed: one or \
+             more of \"+\", \"-\", \"*\""
+        );
+    }
+    let span = max - lo + 1;
+    let problems = span.saturating_mul(span).saturating_mul(a.ops.len() as u64);
+    if problems > MAX_ARITHMETIC_PROBLEMS {
+        bail!(
+            "recipe {file}: keys `[data.arithmetic] digits` = {} / `operand_max` = {max} \
+             (with {} op(s)) build {problems} problems (every operand pair is generated up \
+             front); allowed: at most {MAX_ARITHMETIC_PROBLEMS}: lower `digits`, or set \
+             `operand_max` to at most {}",
+            a.digits,
+            a.ops.len(),
+            lo + max_span(a.ops.len() as u64) - 1
+        );
+    }
+    Ok(())
+}
+
+/// Most operands per side that keep `ops` operators within [`MAX_ARITHMETIC_PROBLEMS`].
+fn max_span(ops: u64) -> u64 {
+    ((MAX_ARITHMETIC_PROBLEMS / ops.max(1)) as f64)
+        .sqrt()
+        .floor() as u64
 }

@@ -5,9 +5,6 @@ use anyhow::{bail, Context, Result};
 use super::sections::{Recipe, TrainMode};
 use super::EnvSection;
 
-/// Most problems the arithmetic task lists (every operand pair of every operator).
-const MAX_ARITHMETIC_PROBLEMS: u64 = 1 << 22;
-
 pub(super) fn validate(r: &Recipe) -> Result<()> {
     match (&r.model.path, &r.model.builtin_tiny) {
         (None, None) => bail!("key `[model]`: set `path` (an HF checkpoint) or `builtin_tiny`"),
@@ -32,32 +29,6 @@ pub(super) fn validate(r: &Recipe) -> Result<()> {
     for op in &r.data.arithmetic.ops {
         if !["+", "-", "*"].contains(&op.as_str()) {
             bail!("key `[data.arithmetic] ops`: unknown operator {op:?} (known: + - *)");
-        }
-    }
-    if r.data.task.is_some() {
-        // The task lists every operand pair: bounded, and never empty.
-        let a = &r.data.arithmetic;
-        let lo = if a.digits == 1 {
-            0
-        } else {
-            10u64.pow(a.digits - 1)
-        };
-        let top = a.operand_max.unwrap_or(10u64.pow(a.digits) - 1);
-        if top < lo {
-            bail!(
-                "key `[data.arithmetic] operand_max` = {top}: below the smallest {}-digit operand ({lo})",
-                a.digits
-            );
-        }
-        let pairs = (top - lo + 1)
-            .saturating_mul(top - lo + 1)
-            .saturating_mul(a.ops.len().max(1) as u64);
-        if pairs > MAX_ARITHMETIC_PROBLEMS {
-            bail!(
-                "keys `[data.arithmetic] digits` = {} / `operand_max` = {top}: {pairs} problems, more \
-                 than the {MAX_ARITHMETIC_PROBLEMS} the task lists in memory; lower `operand_max`",
-                a.digits
-            );
         }
     }
     for (i, v) in r.data.verifiers.iter().enumerate() {
@@ -92,11 +63,6 @@ pub(super) fn validate(r: &Recipe) -> Result<()> {
         &r.optimizer.schedule,
         &["constant", "cosine"],
     )?;
-    r.loss
-        .rlvr
-        .validate()
-        .map_err(|e| anyhow::anyhow!("key `[loss]`: {e}"))?;
-    validate_loss_channels(r)?;
     if !r.loss.hint.template.reprompt.contains("{prompt}") {
         bail!("key `[loss.hint.template] reprompt`: must contain {{prompt}}");
     }
@@ -249,50 +215,6 @@ pub(super) fn validate_env(e: &EnvSection, r: &Recipe) -> Result<()> {
     ] {
         if !t.contains("{observation}") {
             bail!("key `[env] {key}`: must contain {{observation}}");
-        }
-    }
-    Ok(())
-}
-
-/// The loss options the loss functions would otherwise check only at the first step's loss
-/// (after the whole warm-up), named by their recipe keys.
-fn validate_loss_channels(r: &Recipe) -> Result<()> {
-    use composer_loss::{HintDivergence, LossType, SamplerIsMode};
-    let hint = &r.loss.hint.config;
-    if hint.divergence == HintDivergence::Jsd && !(hint.alpha > 0.0 && hint.alpha < 1.0) {
-        bail!(
-            "key `[loss.hint] alpha` = {}: the JSD divergence's mixing weight must be in (0, 1)",
-            hint.alpha
-        );
-    }
-    if let Some(c) = hint.is_clip {
-        if !(c > 0.0 && c.is_finite()) {
-            bail!("key `[loss.hint] is_clip` = {c}: must be a finite number > 0 (the IS weight's cap)");
-        }
-    }
-    let dpo_beta = r.loss.replay.dpo_beta;
-    if !(dpo_beta > 0.0 && dpo_beta.is_finite()) {
-        bail!("key `[loss.replay] dpo_beta` = {dpo_beta}: must be a finite number > 0");
-    }
-    let rl = &r.loss.rlvr;
-    let seq_mode = matches!(
-        rl.sampler_importance_sampling_mode,
-        SamplerIsMode::SequenceMask | SamplerIsMode::SequenceTruncate
-    );
-    if rl.loss_type == LossType::Vespo && rl.sampler_importance_sampling_correction && seq_mode {
-        bail!(
-            "key `[loss] loss_type = \"vespo\"` needs `[loss] sampler_importance_sampling_mode` = \
-             \"token_truncate\" or \"token_mask\" (as TRL), or the correction off"
-        );
-    }
-    if let (Some(w), None) = (&r.loss.advantage.reward_weights, &r.env) {
-        if w.len() != r.data.verifiers.len() {
-            bail!(
-                "key `[loss] reward_weights`: {} weights for {} reward functions \
-                 (`[[data.verifiers]]`)",
-                w.len(),
-                r.data.verifiers.len()
-            );
         }
     }
     Ok(())
