@@ -79,6 +79,18 @@ pub fn split_recipe(text: &str, origin: &Path) -> Result<(DilocoConfig, String)>
     let section = table
         .remove("diloco")
         .ok_or_else(|| anyhow!("recipe {}: no [diloco] section", origin.display()))?;
+    // The full recipe's rule, here too (the replica's trainer never sees `[diloco]`): `[train]
+    // steps` a multiple of `inner_steps`, or the replica runs no round.
+    if let (Some(d), Some(steps)) = (
+        section.as_table(),
+        table
+            .get("train")
+            .and_then(|t| t.get("steps"))
+            .and_then(toml::Value::as_integer)
+            .and_then(|n| usize::try_from(n).ok()),
+    ) {
+        composer_train::recipe::validate_diloco_steps(d, steps, origin)?;
+    }
     let config: DilocoConfig = section
         .try_into()
         .map_err(|e| anyhow!("recipe {}: [diloco]: {e}", origin.display()))?;

@@ -426,3 +426,17 @@ async fn folder_store_unavailable_for_a_while_is_retried() {
         "{msg}"
     );
 }
+
+/// A replica's recipe whose `[train] steps` is not a multiple of `[diloco] inner_steps` (a
+/// replica that would run no round, exit 0) is refused naming both keys.
+#[test]
+fn replica_recipe_steps_must_be_a_multiple_of_inner_steps() {
+    let text = "[train]\nsteps = 2\n\n[diloco]\ninner_steps = 3\nnum_replicas = 1\n";
+    let e = format!(
+        "{:#}",
+        composer_diloco::split_recipe(text, std::path::Path::new("r.toml")).unwrap_err()
+    );
+    assert!(e.contains("inner_steps") && e.contains("steps"), "{e}");
+    let ok = "[train]\nsteps = 6\n\n[diloco]\ninner_steps = 3\nnum_replicas = 1\n";
+    assert!(composer_diloco::split_recipe(ok, std::path::Path::new("r.toml")).is_ok());
+}
