@@ -141,23 +141,7 @@ fn serve_env_refuses_zero_sessions_and_prints_the_bound_port() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--max-sessions"), "{stderr}");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_composer-rl"))
-        .args(["serve-env", "echo", "--port", "0"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("serve-env starts");
-    let mut line = String::new();
-    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
-    while !line.contains("serving env") {
-        line.clear();
-        if std::io::BufRead::read_line(&mut err, &mut line).unwrap() == 0 {
-            break;
-        }
-    }
-    let _ = child.kill();
-    let _ = child.wait();
+    let line = serving_line(&["serve-env", "echo", "--port", "0"]);
     assert!(
         line.contains("serving env `echo` on http://127.0.0.1:"),
         "{line}"
@@ -189,8 +173,14 @@ fn export_names_a_missing_checkpoint_and_serve_env_resolves_host_names() {
     ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--host no such host!"));
+    let line = serving_line(&["serve-env", "echo", "--host", "localhost", "--port", "0"]);
+    assert!(line.contains("serving env `echo` on http://"), "{line}");
+}
+
+/// Starts `composer-rl args` (a `serve-env`), returns its "serving env" line and stops it.
+fn serving_line(args: &[&str]) -> String {
     let mut child = Command::new(env!("CARGO_BIN_EXE_composer-rl"))
-        .args(["serve-env", "echo", "--host", "localhost", "--port", "0"])
+        .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -206,5 +196,5 @@ fn export_names_a_missing_checkpoint_and_serve_env_resolves_host_names() {
     }
     let _ = child.kill();
     let _ = child.wait();
-    assert!(line.contains("serving env `echo` on http://"), "{line}");
+    line
 }

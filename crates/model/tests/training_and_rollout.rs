@@ -561,14 +561,7 @@ fn a_tensor_handed_to_another_thread_reads_its_final_values() {
 /// instead of printing `null` log-probs with exit status 0.
 #[test]
 fn generate_refuses_non_finite_log_probs() {
-    let tmp = tempfile::tempdir().unwrap();
-    let src = fixture("qwen2-tiny");
-    for e in std::fs::read_dir(&src).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_file() {
-            std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
-        }
-    }
+    let tmp = fixture_copy("qwen2-tiny");
     let weights = tmp.path().join("model.safetensors");
     let mut tensors = candle_core::safetensors::load(&weights, &Device::Cpu).unwrap();
     let name = tensors
@@ -605,14 +598,7 @@ fn generate_refuses_non_finite_log_probs() {
 /// it would drop, rather than loading a truncated model.
 #[test]
 fn a_config_with_fewer_layers_than_the_checkpoint_is_refused() {
-    let tmp = tempfile::tempdir().unwrap();
-    let src = fixture("qwen2-tiny");
-    for e in std::fs::read_dir(&src).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_file() {
-            std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
-        }
-    }
+    let tmp = fixture_copy("qwen2-tiny");
     let cfg_path = tmp.path().join("config.json");
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
@@ -627,4 +613,16 @@ fn a_config_with_fewer_layers_than_the_checkpoint_is_refused() {
         e.contains(&format!("layer {}", layers - 1)) && e.contains("num_hidden_layers"),
         "{e}"
     );
+}
+
+/// A copy of fixture `name`'s files in a temporary directory, to change one of them.
+fn fixture_copy(name: &str) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(fixture(name)).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
+        }
+    }
+    tmp
 }

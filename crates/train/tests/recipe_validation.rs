@@ -40,6 +40,14 @@ fn refusal(text: &str) -> String {
     }
 }
 
+/// Parses `text` as `recipes/bad.toml` and returns the whole error chain.
+fn chain(text: &str) -> String {
+    match parse_recipe(text, Path::new("recipes/bad.toml")) {
+        Ok(_) => panic!("recipe accepted:\n{text}"),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
 /// Asserts the refusal names the file, the key and every `allowed` fragment.
 fn assert_refused(section: &str, line: &str, key: &str, allowed: &[&str]) {
     let err = refusal(&with_key(section, line));
@@ -391,10 +399,7 @@ fn values_that_broke_runs_later_are_refused_at_parse_time() {
             "[replay] teacher_weights",
         ),
     ] {
-        let err = match parse_recipe(&with_key(section, line), Path::new("recipes/bad.toml")) {
-            Ok(_) => panic!("{line}: accepted"),
-            Err(e) => format!("{e:#}"),
-        };
+        let err = chain(&with_key(section, line));
         assert!(
             err.contains("recipes/bad.toml"),
             "{line}: no file in: {err}"
@@ -406,10 +411,7 @@ fn values_that_broke_runs_later_are_refused_at_parse_time() {
         "loss",
         "sampler_importance_sampling_clip_min = 5.0\nsampler_importance_sampling_clip_max = 1.0",
     );
-    let err = format!(
-        "{:#}",
-        parse_recipe(&text, Path::new("recipes/bad.toml")).unwrap_err()
-    );
+    let err = chain(&text);
     assert!(
         err.contains("sampler_importance_sampling_clip_min"),
         "{err}"
@@ -435,17 +437,11 @@ fn loss_channel_options_are_checked_at_parse_time() {
             "[loss] reward_weights",
         ),
     ] {
-        let err = match parse_recipe(&with_key(section, line), Path::new("recipes/bad.toml")) {
-            Ok(_) => panic!("{line}: accepted"),
-            Err(e) => format!("{e:#}"),
-        };
+        let err = chain(&with_key(section, line));
         assert!(err.contains(key), "{line}: no {key} in: {err}");
     }
     let jsd = with_key("loss.hint", "divergence = \"jsd\"\nalpha = 5.0");
-    let err = format!(
-        "{:#}",
-        parse_recipe(&jsd, Path::new("recipes/bad.toml")).unwrap_err()
-    );
+    let err = chain(&jsd);
     assert!(err.contains("[loss.hint] alpha"), "{err}");
 }
 
@@ -454,22 +450,8 @@ fn loss_channel_options_are_checked_at_parse_time() {
 #[test]
 fn arithmetic_operand_ranges_are_bounded() {
     for line in ["operand_max = 5", "operand_max = 9999"] {
-        let err = match parse_recipe(
-            &with_key("data.arithmetic", line),
-            Path::new("recipes/bad.toml"),
-        ) {
-            Ok(_) => panic!("{line}: accepted"),
-            Err(e) => format!("{e:#}"),
-        };
+        let err = chain(&with_key("data.arithmetic", line));
         assert!(err.contains("operand_max"), "{line}: {err}");
-    }
-}
-
-/// Parses `text` as `recipes/bad.toml` and returns the whole error chain.
-fn chain(text: &str) -> String {
-    match parse_recipe(text, Path::new("recipes/bad.toml")) {
-        Ok(_) => panic!("recipe accepted:\n{text}"),
-        Err(e) => format!("{e:#}"),
     }
 }
 
