@@ -202,8 +202,7 @@ class Remote:
         if (name.startswith("__") and name.endswith("__")
                 and name not in ("__name__", "__doc__", "__all__")):
             raise AttributeError(name)
-        value = getattr_op(target_of(self), name)
-        return star_names(value) if name == "__all__" else value
+        return getattr_op(target_of(self), name)
 
     def __setattr__(self, name, value):
         reply_value(rpc({"op": "setattr", "obj": target_of(self), "name": name,
@@ -586,9 +585,10 @@ def begin_file(key):
 
 
 class StarImport:
-    """What `from pkg.mod import *` gets: the module, whose `__all__` leaves out every name the
-    test file binds itself (`import math`, a helper `close`, ...) or has bound already, so the
-    code cannot swap the test's own tools for agreeable ones."""
+    """What `from pkg.mod import *` gets: the module, whose `__all__` is the code's list less
+    what `star_names` drops (test names, built-ins) and every name the test file binds itself
+    (`import math`, a helper `close`, ...) or has bound already, so the code cannot swap the
+    test's own tools for agreeable ones. The one place a star import's names are decided."""
     __slots__ = ("_module", "_bound")
 
     def __init__(self, module, bound):
@@ -599,7 +599,7 @@ class StarImport:
         module = object.__getattribute__(self, "_module")
         if name == "__all__":
             bound = object.__getattribute__(self, "_bound")
-            return [n for n in module.__all__ if n not in bound]
+            return [n for n in star_names(module.__all__) if n not in bound]
         return getattr(module, name)
 
 

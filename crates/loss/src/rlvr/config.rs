@@ -334,10 +334,6 @@ impl RlvrConfig {
         if self.loss_type == LossType::DrGrpo && self.max_completion_length == 0 {
             return bad("max_completion_length", "must be > 0 for dr_grpo".into());
         }
-        let positive = |x: f64| x > 0.0 && x.is_finite();
-        if !(positive(self.sapo_temperature_pos) && positive(self.sapo_temperature_neg)) {
-            return bad("sapo_temperature_pos/neg", "must be finite and > 0".into());
-        }
         // Every other number: finite, and in its range. NaN fails each `!(x >= lo)` test, where
         // `x < lo` would let it through to a loss that is NaN every step.
         let at_least = |key: &'static str, x: f64, lo: f64| -> Result<()> {
@@ -352,6 +348,8 @@ impl RlvrConfig {
             }
             Ok(())
         };
+        above("sapo_temperature_pos", self.sapo_temperature_pos)?;
+        above("sapo_temperature_neg", self.sapo_temperature_neg)?;
         at_least("beta", self.beta, 0.0)?;
         at_least("entropy_coef", self.entropy_coef, 0.0)?;
         at_least("kl_tau", self.kl_tau, 0.0)?;
