@@ -1,8 +1,8 @@
 //! The `generate` and `score` subcommands of the real `composer-rl` binary on the
 //! transformers-written tiny checkpoints: greedy continuations and next-token log-probs
 //! against each fixture's reference.json (computed by transformers 5.23, f32, CPU), seeded
-//! sampling reproducibility, the chat template, the JSON shapes, and a missing model dir; and
-//! `bench model` / `bench rollout`.
+//! sampling reproducibility, the chat template, the JSON shapes, and a missing model dir;
+//! `score --ids` / `--batch`; and `bench model` / `bench rollout`.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -13,6 +13,7 @@ mod bench_grpo;
 mod bench_model;
 mod bench_rollout;
 mod generate_and_score;
+mod score_ids;
 
 const FIXTURES: [&str; 3] = ["llama-tiny", "qwen2-tiny", "qwen3-tiny"];
 
@@ -56,6 +57,14 @@ fn run_json(args: &[&str]) -> Value {
             String::from_utf8_lossy(&out.stdout)
         )
     })
+}
+
+/// Runs the binary, expects failure with nothing on stdout, returns stderr.
+fn run_err(args: &[&str]) -> String {
+    let out = composer_rl(args);
+    assert!(!out.status.success(), "composer-rl {args:?} succeeded");
+    assert!(out.stdout.is_empty(), "{args:?} printed to stdout");
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 fn u32s(v: &Value) -> Vec<u32> {

@@ -12,7 +12,7 @@
 //! removed. A kill at any moment leaves a complete `checkpoint/` or (between the two renames)
 //! a complete `checkpoint.old/`, which [`find_checkpoint`] falls back to.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -64,6 +64,10 @@ pub struct TrainerState {
     pub seed: u64,
     /// Warm-up accuracy (eval before RL), if measured.
     pub warmup_accuracy: Option<f64>,
+    /// The sha256 of each data file the recipe names, by recipe key: a resumed run refuses
+    /// data that changed (`resume_check::same_data`).
+    #[serde(default)]
+    pub data_digests: BTreeMap<String, String>,
 }
 
 /// Everything one checkpoint holds, borrowed from the trainer.

@@ -122,6 +122,13 @@ pub fn load_prompts_with_lines(path: &Path, chat: ChatRenderer) -> Result<Vec<(u
     Ok(out)
 }
 
+/// sha256 of a file's bytes as `sha256:<hex>`: the identity of a dataset or a tokenizer.
+pub fn file_sha256(path: &Path) -> Result<String> {
+    use sha2::{Digest, Sha256};
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(format!("sha256:{:x}", Sha256::digest(&bytes)))
+}
+
 /// Load supervised rows: each needs `prompt` (or `messages`) and `completion`.
 pub fn load_sft(path: &Path, chat: ChatRenderer) -> Result<Vec<SftRow>> {
     let mut out = Vec::new();

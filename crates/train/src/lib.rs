@@ -26,6 +26,7 @@ pub mod recipe;
 pub mod record_episodes;
 pub mod record_traces;
 pub mod replay;
+pub mod resume_check;
 pub mod rewards;
 pub mod rollout;
 pub mod run_dir;

@@ -8,7 +8,6 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
 use composer_loss::{Trace, TraceStore, TraceWriter};
 use composer_model::{GenerationRequest, Policy, SamplingParams};
-use sha2::{Digest, Sha256};
 
 use crate::data::{self, Message};
 use crate::prompts::render_messages;
@@ -255,9 +254,7 @@ fn teacher_name(dir: &Path) -> String {
 
 /// sha256 (hex) of the checkpoint's tokenizer.json: the identity of the token ids in its traces.
 fn tokenizer_fingerprint(model_dir: &Path) -> Result<String> {
-    let path = model_dir.join("tokenizer.json");
-    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-    Ok(format!("sha256:{:x}", Sha256::digest(&bytes)))
+    crate::data::file_sha256(&model_dir.join("tokenizer.json"))
 }
 
 /// With `--append`: the existing store at `out` (if any) must load as a trace store, and every

@@ -10,13 +10,14 @@ use composer_model::ChatTemplate;
 use tokenizers::Tokenizer;
 
 use crate::checkpoint::{self, CheckpointData, TrainerState};
-use crate::data::{self, Message, PromptRow};
+use crate::data::{self, Message, PromptRow, SftRow};
 use crate::model::PolicyModel;
 use crate::optim::{AdamW, AdamWParams};
 use crate::options::TrainOptions;
 use crate::prompts::{chatml_template, render_messages, screen_prompts};
 use crate::recipe::{self, Recipe};
 use crate::replay::{self, TeacherTrace};
+use crate::resume_check;
 use crate::seed::mix_seed;
 use crate::task;
 use crate::tokenizer as chartok;
@@ -54,6 +55,8 @@ pub struct Session {
     pub train_rows: Vec<PromptRow>,
     /// Held-out prompts.
     pub eval_rows: Vec<PromptRow>,
+    /// The `[warmup] dataset`'s examples, when the recipe names one.
+    pub warmup_rows: Option<Vec<SftRow>>,
     /// Reward.
     pub reward: RewardFn,
     /// Teacher traces.
@@ -143,32 +146,6 @@ impl Session {
     }
 }
 
-/// With `--resume`, a recipe argument must be the run's own recipe (byte-equal, or equal once
-/// parsed): refuses otherwise, naming both files.
-fn check_resume_recipe(given: &Path, stored_text: &str, stored: &Path) -> Result<()> {
-    let text = std::fs::read_to_string(given)
-        .with_context(|| format!("reading recipe {}", given.display()))?;
-    if text == stored_text {
-        return Ok(());
-    }
-    let same = match (
-        recipe::parse_recipe(&text, given),
-        recipe::parse_recipe(stored_text, stored),
-    ) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => false,
-    };
-    if !same {
-        bail!(
-            "recipe {} differs from the resumed run's recipe {}; a resumed run continues with its \
-             own recipe: drop the recipe argument, or start a new run with it",
-            given.display(),
-            stored.display()
-        );
-    }
-    Ok(())
-}
-
 /// Load or build everything; on `resume`, restore weights, optimizer, reference and counters.
 pub fn open_session(opts: &TrainOptions) -> Result<Session> {
     // A resumed run's recipe is the one in its checkpoint; its optimizer state is read on
@@ -181,7 +158,7 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
         None => None,
     };
     if let (Some(c), Some(p)) = (&resume_ckpt, &opts.recipe_path) {
-        check_resume_recipe(p, &c.recipe_text, &c.dir.join("recipe.toml"))?;
+        resume_check::same_recipe(p, &c.recipe_text, &c.dir.join("recipe.toml"))?;
     }
     let (recipe_text, origin) = match (&resume_ckpt, &opts.recipe_path) {
         (Some(c), _) => (c.recipe_text.clone(), c.dir.join("recipe.toml")),
@@ -198,6 +175,10 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
     let mut recipe = recipe::parse_recipe(&recipe_text, &origin)?;
     if let Some(s) = opts.max_steps_override {
         recipe.train.steps = s;
+    }
+    let data_digests = resume_check::data_digests(&recipe)?;
+    if let Some(c) = &resume_ckpt {
+        resume_check::same_data(&c.state.data_digests, &data_digests, &c.dir)?;
     }
     let device = composer_model::device_from_str(&recipe.model.device)
         .with_context(|| format!("key `[model] device` = {:?}", recipe.model.device))?;
@@ -270,6 +251,12 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
         }
         (None, None) => bail!("key `[data]`: no task and no dataset"),
     };
+    // The warm-up dataset, read once: the char tokenizer, the context check and the warm-up
+    // itself all use these rows.
+    let warmup_rows = match recipe.warmup.as_ref().and_then(|w| w.dataset.as_ref()) {
+        Some(p) => Some(data::load_sft(p, &render)?),
+        None => None,
+    };
     let (train_at, train_rows): (Vec<String>, Vec<PromptRow>) = train_rows.into_iter().unzip();
     let (eval_at, eval_rows): (Vec<String>, Vec<PromptRow>) = eval_rows.into_iter().unzip();
     if train_rows.is_empty() {
@@ -316,15 +303,9 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
                         texts.push(&r.prompt);
                         texts.push(&r.answer);
                     }
-                    let sft_rows;
-                    if let Some(w) = &recipe.warmup {
-                        if let Some(p) = &w.dataset {
-                            sft_rows = data::load_sft(p, &render)?;
-                            for r in &sft_rows {
-                                texts.push(&r.prompt);
-                                texts.push(&r.completion);
-                            }
-                        }
+                    for r in warmup_rows.iter().flatten() {
+                        texts.push(&r.prompt);
+                        texts.push(&r.completion);
                     }
                     chartok::build_char_tokenizer(texts)?
                 }
@@ -378,8 +359,11 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
             );
         }
     }
-    if let Some(p) = recipe.warmup.as_ref().and_then(|w| w.dataset.as_ref()) {
-        check_warmup_rows(p, &render, &tok, ctx)?;
+    if let (Some(p), Some(rows)) = (
+        recipe.warmup.as_ref().and_then(|w| w.dataset.as_ref()),
+        &warmup_rows,
+    ) {
+        check_warmup_rows(p, rows, &tok, ctx)?;
     }
 
     // Optimizer over the model's variables.
@@ -415,7 +399,10 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
                     .with_context(|| format!("resuming from {}", c.dir.display()))?;
                 reference = Some(r);
             }
-            c.state.clone()
+            TrainerState {
+                data_digests,
+                ..c.state.clone()
+            }
         }
         None => TrainerState {
             step: 0,
@@ -427,6 +414,7 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
             trained_tokens: 0,
             seed,
             warmup_accuracy: None,
+            data_digests,
         },
     };
 
@@ -498,6 +486,7 @@ pub fn open_session(opts: &TrainOptions) -> Result<Session> {
         opt,
         train_rows,
         eval_rows,
+        warmup_rows,
         reward,
         traces,
         teacher_weights,
@@ -567,13 +556,8 @@ pub fn save(s: &Session, extra_files: Vec<(String, Vec<u8>)>) -> Result<PathBuf>
 
 /// The warm-up dataset's examples against the model's context, before any step: an example
 /// (prompt, completion and EOS) longer than `ctx` is an error naming the file and row.
-fn check_warmup_rows(
-    path: &std::path::Path,
-    render: &dyn Fn(&[data::Message]) -> Result<String>,
-    tok: &Tokenizer,
-    ctx: usize,
-) -> Result<()> {
-    for (i, r) in data::load_sft(path, render)?.iter().enumerate() {
+fn check_warmup_rows(path: &Path, rows: &[SftRow], tok: &Tokenizer, ctx: usize) -> Result<()> {
+    for (i, r) in rows.iter().enumerate() {
         let n = chartok::encode(tok, &r.prompt)?.len() + chartok::encode(tok, &r.completion)?.len();
         if n + 1 > ctx {
             bail!(

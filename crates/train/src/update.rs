@@ -10,9 +10,8 @@ use composer_loss::hint::{build_hint_prompts, RolloutForHint};
 use composer_loss::LossScale;
 
 use crate::batch::{self, scalar};
-use crate::data::{self, SftRow};
+use crate::data::SftRow;
 use crate::optim::{self, AdamW};
-use crate::prompts::render_messages;
 use crate::rewards::Rewards;
 use crate::sampling::RolloutBatch;
 use crate::seed::mix_seed;
@@ -62,10 +61,8 @@ pub struct TrainStats {
 /// Supervised warm-up: cross-entropy on completion tokens (+ EOS) only, constant lr, its own
 /// AdamW. Returns the last step's loss.
 pub fn warmup(s: &mut Session, w: &crate::recipe::WarmupSection) -> Result<f64> {
-    let rows: Vec<SftRow> = match &w.dataset {
-        Some(p) => data::load_sft(p, &|m: &[data::Message]| {
-            render_messages(s.chat_template.as_ref(), m)
-        })?,
+    let rows: Vec<SftRow> = match &s.warmup_rows {
+        Some(rows) => rows.clone(),
         None => s
             .train_rows
             .iter()

@@ -406,7 +406,7 @@ fn hf_checkpoint_trains_on_a_jsonl_dataset_and_saves_loadable_weights() {
 }
 
 /// A warm-up example longer than the model's context is refused naming its file and row when
-/// the run opens, before any step.
+/// the run opens, before any step; a file that fits is what the warm-up trains on.
 #[test]
 fn an_overlong_warmup_example_is_refused_before_training() {
     let tmp = tempfile::tempdir().unwrap();
@@ -440,4 +440,9 @@ fn an_overlong_warmup_example_is_refused_before_training() {
         "{e}"
     );
     assert!(!tmp.path().join("run/metrics.jsonl").exists());
+    // Without the long row the same run warms up on the file's examples and trains.
+    std::fs::write(&data, "{\"prompt\": \"1+1=\", \"completion\": \"2\"}\n").unwrap();
+    let out = run_train(&opts(&recipe, &tmp.path().join("run"))).unwrap();
+    assert_eq!(out.steps_completed, 1);
+    assert!(out.warmup_accuracy.is_some());
 }

@@ -1,6 +1,6 @@
 //! Issue 19, run safety: a fresh run refuses a directory holding a run (unless
 //! `overwrite`), two processes never share a run directory, a recipe given with `--resume`
-//! must be the run's own, overlong prompts are reported by file and line, a corrupted
+//! must be the run's own (and its data files unchanged), overlong prompts are reported by file and line, a corrupted
 //! checkpoint is a clear error (never a panic), and a failed checkpoint write (disk full)
 //! keeps the last good checkpoint.
 
@@ -271,6 +271,42 @@ fn overlong_prompts_are_reported_by_file_and_line_or_skipped() {
     );
 }
 
+/// A resumed run refuses a dataset whose bytes changed since the run started (it would train
+/// on other prompts than its seed drew), naming the key and the checkpoint that recorded it;
+/// with the file restored the run resumes.
+#[test]
+fn resume_refuses_a_dataset_that_changed_since_the_run_started() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rows = "{\"prompt\": \"1+1=\", \"answer\": \"2\"}\n\
+                {\"prompt\": \"2+2=\", \"answer\": \"4\"}\n\
+                {\"prompt\": \"3+3=\", \"answer\": \"6\"}\n";
+    let data = write(tmp.path(), "data.jsonl", rows);
+    let recipe = write(
+        tmp.path(),
+        "recipe.toml",
+        &ONE_STEP.replace(
+            "task = \"arithmetic\"\neval_size = 10",
+            &format!("dataset = {:?}\neval_size = 1", data.display().to_string()),
+        ),
+    );
+    let run = tmp.path().join("run");
+    fresh(&recipe, &run, false).unwrap();
+    std::fs::write(
+        &data,
+        rows.replace("3+3=", "4+4=").replace("\"6\"", "\"8\""),
+    )
+    .unwrap();
+    let e = error_of("edited dataset", || resume(&run, None));
+    assert!(
+        e.contains("`[data] dataset`")
+            && e.contains("changed")
+            && e.contains(&run.join("checkpoint").display().to_string()),
+        "{e}"
+    );
+    std::fs::write(&data, rows).unwrap();
+    resume(&run, None).unwrap();
+}
+
 /// A `Write` into a shared buffer, for capturing this thread's log.
 #[derive(Clone, Default)]
 struct LogBuffer(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
@@ -426,6 +462,7 @@ fn checkpoint_of(step: usize, floats: usize) -> (HashMap<String, Tensor>, Traine
         trained_tokens: 0,
         seed: 0,
         warmup_accuracy: None,
+        data_digests: Default::default(),
     };
     (HashMap::from([("w".to_string(), w)]), state)
 }

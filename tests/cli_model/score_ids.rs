@@ -1,60 +1,15 @@
-//! `composer-rl score --ids` and `--batch` on the real binary and the transformers-written
-//! tiny checkpoints: exact ids score as transformers does, a sampler's completions score to
-//! its own log-probs on the very ids it sampled, and bad ids / files fail naming the culprit.
+//! `composer-rl score --ids` and `--batch`: exact ids score as transformers does, a sampler's
+//! completions score to its own log-probs on the very ids it sampled, and bad ids / files fail
+//! naming the culprit.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
-
-use serde_json::Value;
-
-fn fixture(name: &str) -> PathBuf {
-    let shared = match std::env::var("COMPOSER_SHARED") {
-        Ok(p) if !p.is_empty() => PathBuf::from(p),
-        _ => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared")),
-    };
-    shared.join("fixtures/hf-tiny").join(name)
-}
-
-fn composer_rl(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_composer-rl"))
-        .args(args)
-        .output()
-        .expect("running composer-rl")
-}
-
-fn run_json(args: &[&str]) -> Value {
-    let out = composer_rl(args);
-    assert!(
-        out.status.success(),
-        "composer-rl {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("stdout is JSON")
-}
-
-/// Runs the binary, expects failure, returns stderr.
-fn run_err(args: &[&str]) -> String {
-    let out = composer_rl(args);
-    assert!(!out.status.success(), "composer-rl {args:?} succeeded");
-    assert!(out.stdout.is_empty(), "{args:?} printed to stdout");
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn nums(v: &Value) -> Vec<f64> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_f64().expect("number"))
-        .collect()
-}
+use super::{f64s, fixture, reference, run_err, run_json};
 
 #[test]
 fn score_ids_matches_transformers_and_the_text_path() {
     for name in ["llama-tiny", "qwen2-tiny", "qwen3-tiny"] {
         let dir = fixture(name);
         let dir = dir.to_str().unwrap();
-        let text = std::fs::read_to_string(fixture(name).join("reference.json")).unwrap();
-        let reference: Value = serde_json::from_str(&text).unwrap();
+        let reference = reference(name);
         let case = &reference["cases"][0];
         let ids: Vec<String> = case["input_ids"]
             .as_array()
@@ -72,8 +27,8 @@ fn score_ids_matches_transformers_and_the_text_path() {
             "--json",
         ]);
         assert_eq!(by_ids, by_text, "{name}: --ids and --text on the same ids");
-        let ours = nums(&by_ids["next_token_logprobs"]);
-        let theirs = nums(&case["next_token_logprobs"]);
+        let ours = f64s(&by_ids["next_token_logprobs"]);
+        let theirs = f64s(&case["next_token_logprobs"]);
         assert_eq!(ours.len(), theirs.len());
         for (t, (a, b)) in ours.iter().zip(&theirs).enumerate() {
             assert!((a - b).abs() <= 1e-4, "{name} position {t}: {a} vs {b}");
@@ -156,8 +111,8 @@ fn scores_a_samplers_own_ids(deterministic: bool) {
     let n_prompt = prompt_ids.as_array().unwrap().len() as u64;
     for (i, (row, s)) in rows.iter().zip(samples).enumerate() {
         assert_eq!(row["prompt_len"].as_u64(), Some(n_prompt));
-        let scorer = nums(&row["completion_logprobs"]);
-        let sampler = nums(&s["logprobs"]);
+        let scorer = f64s(&row["completion_logprobs"]);
+        let sampler = f64s(&s["logprobs"]);
         assert_eq!(scorer.len(), sampler.len(), "sample {i}");
         assert!(!scorer.is_empty());
         for (t, (a, b)) in scorer.iter().zip(&sampler).enumerate() {
