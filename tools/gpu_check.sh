@@ -69,18 +69,24 @@ gpumem() {
   return $rc
 }
 
+# cuda_test <binary> <VAR=value or empty> <timeout>: one CUDA test binary of .device with an
+# environment setting, its log in $W.
+cuda_test() {
+  local t=$1 var=$2 limit=$3
+  late && { note "test $t (cuda ${var}): skipped (BUDGET_S=$BUDGET_S spent)"; return; }
+  local log="$W/test-$t-${var:-default}.log"
+  # shellcheck disable=SC2086
+  if env $var COMPOSER_TEST_DEVICE=cuda timeout "$(lim "$limit")" "$D/tests/$t" --test-threads 1 >"$log" 2>&1; then
+    note "test $t (cuda ${var}): PASS ($(grep -o '[0-9]* passed' "$log" | tail -1))"
+  else
+    note "test $t (cuda ${var}): FAIL"; grep -E "panicked|FAILED|failed|Error" "$log" | head -8
+  fi
+}
+
 if want tests; then
-  export COMPOSER_TEST_DEVICE=cuda
   for t in "$D"/tests/*; do
-    name=$(basename "$t")
-    late && { note "test $name: skipped (BUDGET_S=$BUDGET_S spent)"; continue; }
-    if timeout "$(lim 200)" "$t" --test-threads 1 >"$W/test-$name.log" 2>&1; then
-      note "test $name: PASS ($(grep -o '[0-9]* passed' "$W/test-$name.log" | tail -1))"
-    else
-      note "test $name: FAIL"; grep -E "panicked|FAILED|failed|Error" "$W/test-$name.log" | head -8
-    fi
+    cuda_test "$(basename "$t")" "" 200
   done
-  unset COMPOSER_TEST_DEVICE
 fi
 
 if want e2e; then
@@ -175,14 +181,7 @@ if want decide; then
   bench "c05-d" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 1,16,64 --skip-train --cuda-graphs
   COMPOSER_DECODE_GEMM=1 bench "c05-d-skinny" 150 "$BIN" bench model --shape qwen2.5-0.5b --device cuda --dtype bf16 --json --batch 1,16,64 --skip-train --cuda-graphs
   for run in "ops:" "paged_kv:COMPOSER_DECODE_GEMM=1" "decode_graphs:COMPOSER_DECODE_GEMM=1"; do
-    t=${run%%:*}; var=${run#*:}
-    late && { note "test $t (cuda ${var}): skipped (BUDGET_S=$BUDGET_S spent)"; continue; }
-    log="$W/test-$t-${var:-default}.log"
-    if env $var COMPOSER_TEST_DEVICE=cuda timeout "$(lim 150)" "$D/tests/$t" --test-threads 1 >"$log" 2>&1; then
-      note "test $t (cuda ${var}): PASS ($(grep -o '[0-9]* passed' "$log" | tail -1))"
-    else
-      note "test $t (cuda ${var}): FAIL"; grep -E "panicked|FAILED|failed|Error" "$log" | head -8
-    fi
+    cuda_test "${run%%:*}" "${run#*:}" 150
   done
   # Then the 7B LoRA step without checkpointing, and 64x512 the same three ways.
   bench "c7-t8" 200 "$BIN" bench model --shape qwen2.5-7b --device cuda --dtype bf16 --json --batch 8 --train-seq-len 1024 --lora 16 --skip-decode
@@ -235,14 +234,7 @@ if want attn; then
     "paged_kv:COMPOSER_DECODE_TC=0" "paged_kv:COMPOSER_DECODE_GEMM=1"
     "decode_graphs:COMPOSER_DECODE_GEMM=1")
   for run in "${runs[@]}"; do
-    t=${run%%:*}; var=${run#*:}
-    late && { note "test $t (cuda ${var}): skipped (BUDGET_S=$BUDGET_S spent)"; continue; }
-    log="$W/test-$t-${var:-default}.log"
-    if env $var COMPOSER_TEST_DEVICE=cuda timeout "$(lim 200)" "$D/tests/$t" --test-threads 1 >"$log" 2>&1; then
-      note "test $t (cuda ${var}): PASS ($(grep -o '[0-9]* passed' "$log" | tail -1))"
-    else
-      note "test $t (cuda ${var}): FAIL"; grep -E "panicked|FAILED|failed|Error" "$log" | head -8
-    fi
+    cuda_test "${run%%:*}" "${run#*:}" 200
   done
   # The 0.5B step three ways: packed (varlen, tensor cores), packed on the scalar kernels, and
   # the padded batch through the masked softmax (c05-t16 in bench05 attends through the varlen
