@@ -1,5 +1,6 @@
 //! Token-faithful multi-turn episodes: [`run_episode`] alternates model turns
-//! ([`TurnPolicy::generate_turn`]) and env steps until `done`, a turn limit or a token budget.
+//! ([`TurnPolicy::generate_turn`]) and env steps until `done`, a turn limit, a token budget
+//! or (with [`run_episode_until`]) a time budget.
 //!
 //! The episode's token sequence is built by appending, never by re-tokenising a transcript:
 //! the model's own tokens go in exactly as sampled (loss mask 1, the sampler's log-probs and
@@ -7,6 +8,7 @@
 //! (loss mask 0, log-prob 0, policy version 0).
 
 use std::ops::Range;
+use std::time::Instant;
 
 use anyhow::ensure;
 use async_trait::async_trait;
@@ -89,6 +91,13 @@ pub enum EpisodeEnd {
     MaxTurns,
     /// The token budget ran out (truncated).
     TokenBudget,
+    /// The episode's time ran out (truncated and graded like a turn limit): a step outlasted
+    /// its timeout, or the time budget of [`run_episode_until`] was spent. Time the agent's
+    /// own actions take (slow commands, many tool calls, code that hangs the grader) is
+    /// charged to the agent this way; were it an [`EpisodeEnd::EnvFailed`], a policy could
+    /// turn each losing attempt into a failure that the trainer retries or replaces by a
+    /// peer's copy.
+    TimeBudget,
     /// The env failed (timeout, connection lost, server error): the episode is unusable.
     EnvFailed {
         /// Failure cause.
@@ -262,13 +271,14 @@ pub fn parse_action(text: &str, schema: Option<&Value>) -> Result<Value, String>
 
 /// Lets `env` grade an episode cut short after at least one turn ([`Env::end_truncated`]):
 /// the grade's reward, feedback and observation fields go to the last turn and the episode's
-/// final reward. A failing grade makes the episode [`EpisodeEnd::EnvFailed`].
-async fn grade_truncated(env: &mut dyn Env, ep: &mut Episode) {
+/// final reward. A failing grade makes the episode [`EpisodeEnd::EnvFailed`]. Returns whether
+/// the env graded it.
+async fn grade_truncated(env: &mut dyn Env, ep: &mut Episode) -> bool {
     let Some(last) = ep.turns.last_mut() else {
-        return;
+        return false;
     };
     match env.end_truncated().await {
-        Ok(None) => {}
+        Ok(None) => false,
         Ok(Some(r)) => {
             let reward = r.reward.unwrap_or(0.0);
             ep.total_reward += reward - last.reward;
@@ -276,25 +286,65 @@ async fn grade_truncated(env: &mut dyn Env, ep: &mut Episode) {
             last.feedback = r.feedback;
             last.observation.extend(r.observation);
             ep.final_reward = reward;
+            true
         }
         Err(e) => {
             ep.end = EpisodeEnd::EnvFailed {
                 kind: e.kind(),
                 message: e.to_string(),
             };
+            false
         }
     }
 }
 
+/// A step that ran past its timeout (`err`, an [`EnvError::Timeout`]) after the model's turn
+/// `turn`: the episode ends [`EpisodeEnd::TimeBudget`] and the env grades what the agent did
+/// ([`Env::end_truncated`]). Only an env that cannot grade (or whose grading fails too) makes
+/// it an [`EpisodeEnd::EnvFailed`], as before: a hung server still counts as a failure.
+async fn end_on_step_timeout(
+    env: &mut dyn Env,
+    mut ep: Episode,
+    turn: Turn,
+    err: EnvError,
+) -> Episode {
+    ep.turns.push(turn);
+    ep.truncated = true;
+    ep.end = EpisodeEnd::TimeBudget;
+    ep.final_reward = 0.0;
+    if !grade_truncated(env, &mut ep).await && ep.end == EpisodeEnd::TimeBudget {
+        ep.end = EpisodeEnd::EnvFailed {
+            kind: err.kind(),
+            message: err.to_string(),
+        };
+    }
+    ep
+}
+
 /// Runs one episode of `policy` in `env` (which the caller closes). Env failures end the
-/// episode with [`EpisodeEnd::EnvFailed`]; invalid actions are zero-reward steps with a reason
-/// (the reason is shown to the model as the observation). Errors: only policy failures and
-/// policy outputs that break the contract (log-prob count ≠ token count).
+/// episode with [`EpisodeEnd::EnvFailed`], except a step that times out, which ends it
+/// [`EpisodeEnd::TimeBudget`] with the env's grade when the env grades; invalid actions are
+/// zero-reward steps with a reason (the reason is shown to the model as the observation).
+/// Errors: only policy failures and policy outputs that break the contract (log-prob count ≠
+/// token count).
 pub async fn run_episode<P: TurnPolicy + ?Sized>(
     policy: &mut P,
     env: &mut dyn Env,
     reset: ResetOptions,
     cfg: &EpisodeConfig,
+) -> anyhow::Result<Episode> {
+    run_episode_until(policy, env, reset, cfg, None).await
+}
+
+/// [`run_episode`] with a time budget: no model turn after the first starts past `deadline`;
+/// the episode then ends [`EpisodeEnd::TimeBudget`], truncated and graded like a turn limit
+/// (the pool's episode timeout, so that a slow agent is graded rather than failed).
+pub async fn run_episode_until<P: TurnPolicy + ?Sized>(
+    policy: &mut P,
+    env: &mut dyn Env,
+    reset: ResetOptions,
+    cfg: &EpisodeConfig,
+    deadline: Option<Instant>,
 ) -> anyhow::Result<Episode> {
     let first = match env.reset(reset).await {
         Ok(r) => r,
@@ -314,6 +364,12 @@ pub async fn run_episode<P: TurnPolicy + ?Sized>(
     ep.prompt_len = prompt_ids.len();
 
     for turn_index in 0..cfg.max_turns {
+        if turn_index > 0 && deadline.is_some_and(|d| Instant::now() >= d) {
+            ep.truncated = true;
+            ep.end = EpisodeEnd::TimeBudget;
+            grade_truncated(env, &mut ep).await;
+            return Ok(ep);
+        }
         let remaining = cfg.max_total_tokens.saturating_sub(ep.token_ids.len());
         if remaining == 0 {
             ep.truncated = true;
@@ -382,6 +438,9 @@ pub async fn run_episode<P: TurnPolicy + ?Sized>(
                     Err(EnvError::InvalidAction { message, .. }) => {
                         turn.observation_text = format!("Invalid action: {message}");
                         turn.invalid_action = Some(message);
+                    }
+                    Err(e @ EnvError::Timeout { .. }) => {
+                        return Ok(end_on_step_timeout(env, ep, turn, e).await);
                     }
                     Err(e) => {
                         ep.turns.push(turn);

@@ -33,8 +33,8 @@ pub use env::{
     StepResult,
 };
 pub use episode::{
-    parse_action, run_episode, Episode, EpisodeConfig, EpisodeEnd, Turn, TurnEnd, TurnOutput,
-    TurnPolicy,
+    parse_action, run_episode, run_episode_until, Episode, EpisodeConfig, EpisodeEnd, Turn,
+    TurnEnd, TurnOutput, TurnPolicy,
 };
 pub use pool::{
     EnvPool, FailureCounts, LatencySummary, PoolConfig, PoolStats, PooledEnv, ServerStats,

@@ -225,3 +225,44 @@ async fn mcp_tool_server_is_refused_at_the_first_reset() {
     }
     assert!(!env.is_connected(), "refused before opening a session");
 }
+
+/// A hostile (or broken) server's `/schema` of 40 MB is refused with an error naming it,
+/// not buffered whole: the client caps the bodies of its small HTTP replies.
+#[tokio::test]
+async fn a_huge_http_body_from_a_hostile_server_is_refused() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut head = vec![0u8; 4096];
+                let n = sock.read(&mut head).await.unwrap_or(0);
+                let head = String::from_utf8_lossy(&head[..n]).to_string();
+                let reply = if head.starts_with("GET /health") {
+                    r#"{"status":"healthy"}"#.to_string()
+                } else {
+                    format!("{{\"action\": {{}}{}}}", " ".repeat(40 << 20))
+                };
+                // No Content-Length: the body ends when the connection closes.
+                let _ = sock
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n")
+                    .await;
+                let _ = sock.write_all(reply.as_bytes()).await;
+                let _ = sock.shutdown().await;
+            });
+        }
+    });
+    let result = OpenEnvClient::connect(&format!("http://{addr}"), fast_config()).await;
+    match result {
+        Err(EnvError::Protocol(m)) => {
+            assert!(m.contains("/schema") && m.contains("bytes"), "{m}")
+        }
+        Err(other) => panic!("expected a protocol error naming /schema, got {other}"),
+        Ok(_) => panic!("a 40 MB /schema was accepted"),
+    }
+    server.abort();
+}

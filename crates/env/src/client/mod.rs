@@ -130,6 +130,42 @@ fn is_refused(e: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// Largest body read from `/health`, `/schema` or `/metadata` (all small): a hostile or
+/// broken server could otherwise make the client buffer gigabytes.
+const MAX_HTTP_BODY_BYTES: usize = 16 << 20;
+
+/// Reads `resp`'s body as text, refusing one over [`MAX_HTTP_BODY_BYTES`] with an error
+/// naming `url`.
+async fn read_capped(
+    url: &str,
+    mut resp: reqwest::Response,
+    timeout: Duration,
+) -> Result<String, EnvError> {
+    let too_big = || {
+        EnvError::Protocol(format!(
+            "GET {url}: the body is over {MAX_HTTP_BODY_BYTES} bytes"
+        ))
+    };
+    if resp
+        .content_length()
+        .is_some_and(|n| n > MAX_HTTP_BODY_BYTES as u64)
+    {
+        return Err(too_big());
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|e| http_error(url, e, timeout))?
+    {
+        if body.len() + chunk.len() > MAX_HTTP_BODY_BYTES {
+            return Err(too_big());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(String::from_utf8_lossy(&body).into_owned())
+}
+
 fn http_error(url: &str, e: reqwest::Error, timeout: Duration) -> EnvError {
     if is_refused(&e) {
         EnvError::Refused(format!("GET {url}: {e}"))
@@ -218,10 +254,7 @@ impl OpenEnvClient {
             .await
             .map_err(|e| http_error(&url, e, timeout))?;
         let status = resp.status();
-        let body = resp
-            .text()
-            .await
-            .map_err(|e| http_error(&url, e, timeout))?;
+        let body = read_capped(&url, resp, timeout).await?;
         if !status.is_success() {
             return Err(EnvError::Server {
                 code: format!("HTTP {}", status.as_u16()),

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 
 use crate::env::{Env, EnvError, EnvFactory, FailureKind, ResetOptions};
-use crate::episode::{run_episode, Episode, EpisodeConfig, EpisodeEnd, TurnPolicy};
+use crate::episode::{run_episode_until, Episode, EpisodeConfig, EpisodeEnd, TurnPolicy};
 
 mod pooled;
 mod stats;
@@ -25,7 +25,13 @@ pub struct PoolConfig {
     /// Limit of one env call (reset/step/state/close) at the pool level; built-in envs have no
     /// timeout of their own, remote ones also apply their client's.
     pub call_timeout: Duration,
-    /// Limit of one whole episode in [`EnvPool::run_episode`].
+    /// Limit of one whole episode in [`EnvPool::run_episode`]; past it the episode fails
+    /// with a timeout (a hung server). Its time budget ends `2 × call_timeout` earlier (when
+    /// that leaves any): no model turn starts past the budget and the episode is graded,
+    /// ending [`EpisodeEnd::TimeBudget`], with room left for the last turn's step and the
+    /// grading. The agent's time (slow commands, code that hangs the grader) is so charged
+    /// to the agent instead of failing the episode, which a policy could use to have a losing
+    /// attempt retried or replaced by a peer's copy.
     pub episode_timeout: Duration,
     /// After this many consecutive failed episodes a server is skipped for `cooldown`
     /// (unless every server is cooling down), so a dead server does not eat episodes.
@@ -270,7 +276,16 @@ impl EnvPool {
         cfg: &EpisodeConfig,
     ) -> anyhow::Result<Episode> {
         let timeout = self.config.episode_timeout;
-        let result = tokio::time::timeout(timeout, run_episode(policy, env, reset, cfg)).await;
+        // Room after the budget for the last turn's step and the grading, each one call.
+        let budget = timeout.checked_sub(self.config.call_timeout.saturating_mul(2));
+        let deadline = budget
+            .filter(|b| !b.is_zero())
+            .and_then(|b| Instant::now().checked_add(b));
+        let result = tokio::time::timeout(
+            timeout,
+            run_episode_until(policy, env, reset, cfg, deadline),
+        )
+        .await;
         Ok(match result {
             Ok(Ok(ep)) => ep,
             Ok(Err(e)) => {

@@ -18,11 +18,19 @@ use super::{pick_task, RepoGrade};
 use crate::builtin::{new_episode_id, object};
 use crate::env::{render_observation, Action, Env, EnvError, EnvFactory, ResetOptions, StepResult};
 
+/// A tool call (or grading) running on a blocking thread, which owns the episode meanwhile;
+/// it hands the episode back with the call's output (`None` for grading).
+type InFlight = tokio::task::JoinHandle<(RepoEpisode, Option<Result<ToolOutput, ToolError>>)>;
+
 /// One session's env over a shared task set: at most one [`RepoEpisode`] at a time.
 pub struct RepoEnv {
     tasks: Arc<Vec<RepoTask>>,
     budget: EpisodeBudget,
     episode: Option<RepoEpisode>,
+    /// The call whose caller stopped waiting (a step timeout, a client gone mid-request): the
+    /// episode comes back from it before anything else touches the env, so a step that
+    /// outlasts its caller's timeout does not lose the episode (and its grade).
+    in_flight: Option<InFlight>,
     episode_id: Option<String>,
     step_count: u64,
 }
@@ -55,9 +63,26 @@ fn grade_json(g: &RepoGrade) -> Value {
     })
 }
 
+/// Most bytes of an agent's input (as JSON) a reply repeats.
+const MAX_ECHO_BYTES: usize = 1024;
+
+/// `input` for an error reply: as is when small, else the start of its JSON text with a note,
+/// so a reply never grows with (or amplifies, through escapes) what the agent sent.
+fn echo(input: &Value) -> Value {
+    let text = input.to_string();
+    if text.len() <= MAX_ECHO_BYTES {
+        return input.clone();
+    }
+    let mut end = MAX_ECHO_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    json!(format!("{}... ({} bytes)", &text[..end], text.len()))
+}
+
 fn invalid(loc: &str, msg: String, input: &Value) -> EnvError {
     EnvError::InvalidAction {
-        errors: json!([{"type": "value_error", "loc": [loc], "msg": msg, "input": input}]),
+        errors: json!([{"type": "value_error", "loc": [loc], "msg": msg, "input": echo(input)}]),
         message: msg,
     }
 }
@@ -80,6 +105,7 @@ impl RepoEnv {
                 tasks: Arc::clone(&tasks),
                 budget: budget.clone(),
                 episode: None,
+                in_flight: None,
                 episode_id: None,
                 step_count: 0,
             }) as Box<dyn Env>)
@@ -120,7 +146,7 @@ impl RepoEnv {
         let done = self.episode.as_ref().is_some_and(RepoEpisode::done);
         let mut r = self.result(
             json!({
-                "tool_name": name,
+                "tool_name": echo(&json!(name)),
                 "result": call_tool_result(&text, out.is_err()),
                 "error": error,
                 "metadata": metadata,
@@ -134,38 +160,64 @@ impl RepoEnv {
         r
     }
 
-    async fn call_tool(&mut self, name: &str, arguments: Value) -> StepResult {
+    /// Runs `work` on the episode on a blocking thread (tools run commands and grading, for
+    /// seconds) and gives the episode back. Cancel-safe: if this future is dropped, the
+    /// running call is kept in `in_flight` and [`RepoEnv::settle`] takes the episode back.
+    async fn on_episode(
+        &mut self,
+        work: impl FnOnce(&mut RepoEpisode) -> Option<Result<ToolOutput, ToolError>> + Send + 'static,
+    ) -> Result<Option<Result<ToolOutput, ToolError>>, String> {
+        self.settle().await;
         let Some(mut episode) = self.episode.take() else {
-            let e = ToolError {
-                error_type: ToolErrorKind::ExecutionError,
-                message: "no episode: send reset first".into(),
-            };
-            return self.tool_observation(name, Err(e));
+            return Err("no episode: send reset first".into());
         };
-        // Tools run commands and grading (seconds): off the async workers.
-        let tool = name.to_string();
-        let joined = tokio::task::spawn_blocking(move || {
-            let out = episode.call_tool(&tool, &arguments);
+        let handle = self.in_flight.insert(tokio::task::spawn_blocking(move || {
+            let out = work(&mut episode);
             (episode, out)
-        })
-        .await;
+        }));
+        let joined = handle.await;
+        self.in_flight = None;
         match joined {
             Ok((episode, out)) => {
                 self.episode = Some(episode);
-                self.tool_observation(name, out)
+                Ok(out)
             }
-            Err(e) => {
-                let e = ToolError {
-                    error_type: ToolErrorKind::ExecutionError,
-                    message: format!("the tool call failed: {e}; the episode is lost, reset"),
-                };
-                self.tool_observation(name, Err(e))
+            Err(e) => Err(format!(
+                "the tool call failed: {e}; the episode is lost, reset"
+            )),
+        }
+    }
+
+    /// Takes back the episode of a call whose caller stopped waiting (waits for it to end).
+    async fn settle(&mut self) {
+        if let Some(handle) = self.in_flight.as_mut() {
+            let joined = handle.await;
+            self.in_flight = None;
+            if let Ok((episode, _)) = joined {
+                self.episode = Some(episode);
             }
         }
     }
 
+    async fn call_tool(&mut self, name: &str, arguments: Value) -> StepResult {
+        let tool = name.to_string();
+        let out = self
+            .on_episode(move |episode| Some(episode.call_tool(&tool, &arguments)))
+            .await;
+        let out = out
+            .and_then(|o| o.ok_or_else(|| "the tool call gave no output".to_string()))
+            .unwrap_or_else(|message| {
+                Err(ToolError {
+                    error_type: ToolErrorKind::ExecutionError,
+                    message,
+                })
+            });
+        self.tool_observation(name, out)
+    }
+
     /// Ends the current episode (its sandbox is removed off the async workers).
     async fn end_episode(&mut self) {
+        self.settle().await;
         if let Some(ep) = self.episode.take() {
             let _ = tokio::task::spawn_blocking(move || drop(ep)).await;
         }
@@ -216,6 +268,7 @@ impl Env for RepoEnv {
     }
 
     async fn step(&mut self, action: Action) -> Result<StepResult, EnvError> {
+        self.settle().await;
         let kind = action.get("type").and_then(Value::as_str).unwrap_or("");
         let r = match kind {
             "list_tools" => {
@@ -256,6 +309,7 @@ impl Env for RepoEnv {
     }
 
     async fn state(&mut self) -> Result<Value, EnvError> {
+        self.settle().await;
         let ep = self.episode.as_ref();
         Ok(json!({
             "episode_id": self.episode_id,
@@ -272,20 +326,26 @@ impl Env for RepoEnv {
     /// limit or a token budget, and is graded); the grade is not counted as a tool call.
     /// `None` without an episode; an episode that already ended gives its grade again.
     async fn end_truncated(&mut self) -> Result<Option<StepResult>, EnvError> {
-        let Some(mut episode) = self.episode.take() else {
+        self.settle().await;
+        if self.episode.is_none() {
+            return Ok(None);
+        }
+        // Grading runs the hidden tests (seconds): off the async workers.
+        let graded = self
+            .on_episode(|episode| {
+                episode.finish();
+                None
+            })
+            .await;
+        if let Err(message) = graded {
+            return Err(EnvError::Server {
+                code: "EXECUTION_ERROR".into(),
+                message: format!("grading the cut-short episode: {message}"),
+            });
+        }
+        let Some(grade) = self.episode.as_ref().and_then(|e| e.grade()).cloned() else {
             return Ok(None);
         };
-        // Grading runs the hidden tests (seconds): off the async workers.
-        let (episode, grade) = tokio::task::spawn_blocking(move || {
-            let grade = episode.finish();
-            (episode, grade)
-        })
-        .await
-        .map_err(|e| EnvError::Server {
-            code: "EXECUTION_ERROR".into(),
-            message: format!("grading the cut-short episode panicked: {e}"),
-        })?;
-        self.episode = Some(episode);
         let mut r = self.result(
             json!({"metadata": {"grade": grade_json(&grade), "truncated": true}}),
             true,

@@ -29,6 +29,25 @@ pub fn require_private_root(hidden_tests: &std::path::Path) -> anyhow::Result<()
 /// Longest text a tool returns before it is cut (with a note).
 const MAX_TOOL_OUTPUT: usize = 16 << 10;
 
+/// Longest path a tool takes (Linux's `PATH_MAX`); longer ones are refused up front, so no
+/// later message repeats a huge path.
+const MAX_PATH_BYTES: usize = 4096;
+
+/// Most characters of an agent-supplied string (a path, a tool or argument name) an error
+/// message repeats.
+const MAX_SHOWN_CHARS: usize = 120;
+
+/// `s` for an error message: `{:?}`-quoted and cut to [`MAX_SHOWN_CHARS`] characters, so a
+/// reply never grows with (or amplifies, through escapes) the agent's input.
+pub(crate) fn shown(s: &str) -> String {
+    let n = s.chars().count();
+    if n <= MAX_SHOWN_CHARS {
+        return format!("{s:?}");
+    }
+    let head: String = s.chars().take(MAX_SHOWN_CHARS).collect();
+    format!("{head:?}... ({n} characters)")
+}
+
 /// A tool's name, description and JSON schema of its arguments (MCP `inputSchema`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ToolSpec {
@@ -107,9 +126,12 @@ pub fn check_path(p: &str) -> Result<String, ToolError> {
     let bad = |why: &str| {
         Err(err(
             ToolErrorKind::InvalidArgs,
-            format!("path {p:?}: {why}"),
+            format!("path {}: {why}", shown(p)),
         ))
     };
+    if p.len() > MAX_PATH_BYTES {
+        return bad(&format!("longer than {MAX_PATH_BYTES} bytes"));
+    }
     if p.contains('\0') || p.contains('\\') {
         return bad("invalid characters");
     }
@@ -269,7 +291,7 @@ impl RepoEpisode {
                 let names: Vec<&str> = tool_specs().iter().map(|t| t.name).collect();
                 return Err(err(
                     ToolErrorKind::ToolNotFound,
-                    format!("no tool {name:?}; tools: {}", names.join(", ")),
+                    format!("no tool {}; tools: {}", shown(name), names.join(", ")),
                 ));
             }
         };
@@ -286,7 +308,7 @@ impl RepoEpisode {
         if let Some(k) = obj.keys().find(|k| !allowed.contains(&k.as_str())) {
             return Err(err(
                 ToolErrorKind::InvalidArgs,
-                format!("{name}: unknown argument {k:?}"),
+                format!("{name}: unknown argument {}", shown(k)),
             ));
         }
         let text = match name {
@@ -352,7 +374,7 @@ impl RepoEpisode {
         if hits.is_empty() {
             return Err(err(
                 ToolErrorKind::ExecutionError,
-                format!("no files under {path:?}"),
+                format!("no files under {}", shown(path)),
             ));
         }
         Ok(cut(&hits
@@ -363,10 +385,7 @@ impl RepoEpisode {
     }
 
     fn read_text(&self, p: &str) -> Result<String, ToolError> {
-        let bytes = self
-            .sandbox
-            .read_file(p)
-            .map_err(|e| err(ToolErrorKind::ExecutionError, format!("{p}: {e:#}")))?;
+        let bytes = self.sandbox.read_file(p).map_err(|e| fs_error(p, &e))?;
         String::from_utf8(bytes).map_err(|_| {
             err(
                 ToolErrorKind::ExecutionError,
@@ -375,13 +394,25 @@ impl RepoEpisode {
         })
     }
 
+    /// Writes a file of the working copy. Held to the file size the sandbox allows commands
+    /// (RLIMIT_FSIZE): this write runs on the trusted side, where no rlimit applies.
     fn write(&self, p: &str, content: &str) -> Result<(), ToolError> {
         if p.is_empty() {
             return Err(err(ToolErrorKind::InvalidArgs, "path is empty"));
         }
+        let max = self.sandbox.limits().max_file_bytes;
+        if content.len() as u64 > max {
+            return Err(err(
+                ToolErrorKind::InvalidArgs,
+                format!(
+                    "{p}: the new content is {} bytes, over the {max}-byte file size limit",
+                    content.len()
+                ),
+            ));
+        }
         self.sandbox
             .write_file(p, content.as_bytes())
-            .map_err(|e| err(ToolErrorKind::ExecutionError, format!("{p}: {e:#}")))
+            .map_err(|e| fs_error(p, &e))
     }
 
     fn read_file(
@@ -458,6 +489,18 @@ impl RepoEpisode {
             other => Ok(format!("{text}\n[ended: {other:?}]")),
         }
     }
+}
+
+/// A failed read or write of `p`: the sandbox's reason names the path again, so a long path
+/// is shown (cut) once and stands as `<path>` in the reason.
+fn fs_error(p: &str, e: &anyhow::Error) -> ToolError {
+    let reason = format!("{e:#}");
+    let message = if p.chars().count() > MAX_SHOWN_CHARS {
+        format!("{}: {}", shown(p), reason.replace(p, "<path>"))
+    } else {
+        format!("{p}: {reason}")
+    };
+    err(ToolErrorKind::ExecutionError, message)
 }
 
 fn req_str<'a>(o: &'a serde_json::Map<String, Value>, k: &str) -> Result<&'a str, ToolError> {

@@ -232,6 +232,9 @@ async fn create_http_session(state: &AppState) -> Result<String, (String, Value)
         };
         (e.to_string(), data)
     };
+    for idle in state.sessions.reap_idle() {
+        close_env(idle).await;
+    }
     state.sessions.check_room().map_err(capacity)?;
     let env = (state.factory)()
         .map_err(|e| (format!("{e:#}"), json!({"factory_name": "composer-env"})))?;

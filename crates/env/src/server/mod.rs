@@ -10,6 +10,7 @@ mod sessions;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use axum::body::Bytes;
@@ -25,7 +26,7 @@ use tokio::sync::watch;
 
 use crate::env::{EnvError, EnvFactory, ResetOptions, StepResult};
 use crate::schema::validate_action;
-use sessions::{close_env, SessionError, SessionStore, SharedEnv};
+use sessions::{close_env, reap_idle_sessions, SessionError, SessionStore, SharedEnv};
 
 /// Server settings.
 #[derive(Debug, Clone)]
@@ -35,6 +36,17 @@ pub struct ServeConfig {
     pub max_sessions: usize,
     /// Largest accepted WebSocket message.
     pub max_message_bytes: usize,
+    /// How long a WebSocket peer may stay silent while the server waits for it: it is pinged
+    /// every third of this, and a peer that answers nothing (no message, no pong) for this
+    /// long, or does not take a reply within it, is dropped and its session ends. A client
+    /// that vanished without closing its TCP connection would otherwise hold its session
+    /// (a `max_sessions` slot and its episode's sandbox) forever. Live clients answer pings
+    /// while idle (tungstenite, `websockets`), so they are not dropped.
+    pub peer_timeout: Duration,
+    /// A session without a WebSocket attached (made by `openenv/session/create`, or whose
+    /// WebSocket left without closing it) that nobody uses for this long is ended, so an
+    /// HTTP client that vanished does not hold its slot (and sandbox) forever.
+    pub session_idle_timeout: Duration,
 }
 
 impl Default for ServeConfig {
@@ -42,6 +54,8 @@ impl Default for ServeConfig {
         ServeConfig {
             max_sessions: 16,
             max_message_bytes: 128 << 20,
+            peer_timeout: Duration::from_secs(120),
+            session_idle_timeout: Duration::from_secs(600),
         }
     }
 }
@@ -124,7 +138,10 @@ pub async fn serve_env_until(
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let state = AppState {
         factory,
-        sessions: Arc::new(SessionStore::new(config.max_sessions)),
+        sessions: Arc::new(SessionStore::new(
+            config.max_sessions,
+            config.session_idle_timeout,
+        )),
         config,
         shutdown: shutdown_rx,
         mcp_tools: Arc::new(mcp_tools),
@@ -151,6 +168,7 @@ pub async fn serve_env_until(
         .route("/mcp", post(mcp::http_mcp))
         .route("/ws", get(ws_upgrade))
         .with_state(state.clone());
+    let reaper = tokio::spawn(reap_idle_sessions(Arc::clone(&state.sessions)));
     let served = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             shutdown.await;
@@ -158,6 +176,7 @@ pub async fn serve_env_until(
         })
         .await
         .context("serving the OpenEnv protocol");
+    reaper.abort();
     // HTTP-made sessions nobody closed: end their episodes (sandboxes) too.
     for env in state.sessions.drain() {
         close_env(env).await;
@@ -386,6 +405,9 @@ async fn open_ws_session(
             json!({"active_sessions": active, "max_sessions": max}),
         )
     };
+    for idle in state.sessions.reap_idle() {
+        close_env(idle).await;
+    }
     state.sessions.check_room().map_err(capacity)?;
     let env = (state.factory)().map_err(|e| {
         error_frame(
@@ -413,14 +435,39 @@ async fn ws_session(mut socket: WebSocket, state: AppState, attach_to: Option<St
         }
     };
     let mut shutdown = state.shutdown.clone();
+    let peer_timeout = state.config.peer_timeout.max(Duration::from_millis(30));
+    let mut pings = tokio::time::interval_at(
+        tokio::time::Instant::now() + peer_timeout / 3,
+        peer_timeout / 3,
+    );
+    pings.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // When the peer last sent anything, or the server last finished a reply to it (time
+    // spent on a step is the server's, not the peer's silence).
+    let mut last_heard = Instant::now();
     loop {
         let msg = tokio::select! {
             _ = wait_for_shutdown(&mut shutdown) => {
                 let _ = socket.send(close_frame(1012, "service restart")).await;
                 break;
             }
+            _ = pings.tick() => {
+                if last_heard.elapsed() >= peer_timeout {
+                    tracing::info!("session {session_id}: the peer answered nothing for {peer_timeout:?}; dropping it");
+                    let _ = tokio::time::timeout(
+                        Duration::from_secs(1),
+                        socket.send(close_frame(1001, "no answer to pings")),
+                    )
+                    .await;
+                    break;
+                }
+                if send_within(&mut socket, Message::Ping(Bytes::new()), peer_timeout).await {
+                    continue;
+                }
+                break;
+            }
             msg = socket.recv() => msg,
         };
+        last_heard = Instant::now();
         let next = match msg {
             None | Some(Err(_)) | Some(Ok(Message::Close(_))) => break,
             Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
@@ -433,22 +480,32 @@ async fn ws_session(mut socket: WebSocket, state: AppState, attach_to: Option<St
         };
         match next {
             Next::Reply(reply) => {
-                if socket.send(reply).await.is_err() {
+                if !send_within(&mut socket, reply, peer_timeout).await {
                     break;
                 }
             }
             Next::Close(reply) => {
                 if let Some(reply) = reply {
-                    let _ = socket.send(reply).await;
+                    let _ = send_within(&mut socket, reply, peer_timeout).await;
                 }
-                let _ = socket.send(close_frame(1000, "")).await;
+                let _ = send_within(&mut socket, close_frame(1000, ""), peer_timeout).await;
                 break;
             }
         }
+        last_heard = Instant::now();
     }
     if let Some(env) = state.sessions.detach(&session_id) {
         close_env(env).await;
     }
+}
+
+/// Sends `msg` unless the peer does not take it within `limit` (a full TCP window: a peer
+/// that stopped reading is as gone as a silent one). Whether it was sent.
+async fn send_within(socket: &mut WebSocket, msg: Message, limit: Duration) -> bool {
+    matches!(
+        tokio::time::timeout(limit, socket.send(msg)).await,
+        Ok(Ok(()))
+    )
 }
 
 fn env_error_frame(e: &EnvError) -> Message {

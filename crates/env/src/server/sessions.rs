@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::builtin::new_episode_id;
 use crate::env::Env;
@@ -20,6 +21,8 @@ struct Entry {
     /// Destroy when the WebSocket detaches: a WebSocket-made session, or one whose
     /// `openenv/session/close` came while a WebSocket was attached.
     close_on_detach: bool,
+    /// When it was made, last looked up, or last detached from.
+    last_used: Instant,
 }
 
 /// Why a session could not be made or used.
@@ -61,16 +64,46 @@ pub(crate) enum CloseOutcome {
 /// The open sessions, at most `max`.
 pub(crate) struct SessionStore {
     max: usize,
+    /// A session without a WebSocket unused this long is ended ([`SessionStore::reap_idle`]).
+    idle_timeout: Duration,
     map: Mutex<HashMap<String, Entry>>,
 }
 
 impl SessionStore {
-    /// An empty store for at most `max` sessions.
-    pub(crate) fn new(max: usize) -> SessionStore {
+    /// An empty store for at most `max` sessions; unattached sessions unused for
+    /// `idle_timeout` are ended.
+    pub(crate) fn new(max: usize, idle_timeout: Duration) -> SessionStore {
         SessionStore {
             max,
+            idle_timeout,
             map: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Removes the sessions without a WebSocket that nobody used for the idle timeout (an
+    /// HTTP client that made one and vanished); the caller closes their envs. Without this
+    /// they would hold `max_sessions` slots, and their episodes' sandboxes, forever.
+    pub(crate) fn reap_idle(&self) -> Vec<SharedEnv> {
+        let mut map = self.lock();
+        let idle: Vec<String> = map
+            .iter()
+            .filter(|(_, e)| !e.attached && e.last_used.elapsed() >= self.idle_timeout)
+            .map(|(id, _)| id.clone())
+            .collect();
+        idle.iter()
+            .filter_map(|id| {
+                tracing::info!(
+                    "session {id}: unused for {:?}; ending it",
+                    self.idle_timeout
+                );
+                map.remove(id).map(|e| e.env)
+            })
+            .collect()
+    }
+
+    /// How often [`SessionStore::reap_idle`] should run.
+    pub(crate) fn reap_every(&self) -> Duration {
+        (self.idle_timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(30))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
@@ -124,6 +157,7 @@ impl SessionStore {
                 env: Arc::clone(&env),
                 attached: websocket,
                 close_on_detach: websocket,
+                last_used: Instant::now(),
             },
         );
         Ok((id, env))
@@ -131,10 +165,12 @@ impl SessionStore {
 
     /// The env of session `id`.
     pub(crate) fn get(&self, id: &str) -> Result<SharedEnv, SessionError> {
-        self.lock()
-            .get(id)
-            .map(|e| Arc::clone(&e.env))
-            .ok_or_else(|| SessionError::Unknown(id.to_string()))
+        let mut map = self.lock();
+        let entry = map
+            .get_mut(id)
+            .ok_or_else(|| SessionError::Unknown(id.to_string()))?;
+        entry.last_used = Instant::now();
+        Ok(Arc::clone(&entry.env))
     }
 
     /// Attaches a WebSocket to the HTTP-made session `id` (one at a time).
@@ -156,6 +192,7 @@ impl SessionStore {
         let mut map = self.lock();
         let entry = map.get_mut(id)?;
         entry.attached = false;
+        entry.last_used = Instant::now();
         if entry.close_on_detach {
             map.remove(id).map(|e| e.env)
         } else {
@@ -188,4 +225,15 @@ impl SessionStore {
 /// Closes a session's env (waiting for a call in flight on it to finish).
 pub(crate) async fn close_env(env: SharedEnv) {
     let _ = env.lock().await.close().await;
+}
+
+/// Ends unused sessions without a WebSocket now and then ([`SessionStore::reap_idle`]); runs
+/// until aborted.
+pub(crate) async fn reap_idle_sessions(sessions: Arc<SessionStore>) {
+    loop {
+        tokio::time::sleep(sessions.reap_every()).await;
+        for env in sessions.reap_idle() {
+            close_env(env).await;
+        }
+    }
 }

@@ -231,3 +231,138 @@ fn episodes_can_move_between_threads() {
     )
     .is_ok());
 }
+
+/// A tool error never echoes a huge argument back (a 1 MB path, tool name or argument name,
+/// or one of control characters that `{:?}` would blow up sixfold): the observation stays
+/// small, so an agent cannot make replies grow with its input.
+#[test]
+fn huge_arguments_get_short_errors() {
+    let task = task_for("dedupe");
+    let mut ep = episode(&task);
+    let long = "a/".repeat(1 << 19);
+    let ctrl = "\u{1}".repeat(1 << 20);
+    let cases = [
+        ("read_file", json!({"path": long})),
+        ("write_file", json!({"path": long, "content": ""})),
+        ("list_files", json!({"path": long})),
+        ("list_files", json!({"path": ctrl})),
+        (
+            "replace_in_file",
+            json!({"path": ctrl, "old_str": "a", "new_str": "b"}),
+        ),
+        (ctrl.as_str(), json!({})),
+        ("run_tests", json!({ ctrl.clone(): 1 })),
+    ];
+    for (name, args) in cases {
+        let e = ep
+            .call_tool(name, &args)
+            .expect_err("a bad call is an error");
+        assert!(e.message.len() < 1024, "{} bytes", e.message.len());
+        assert!(!ep.done());
+    }
+    // A path at the usual limit of 4096 bytes still works (as a missing file).
+    let e = ep
+        .call_tool("read_file", &json!({"path": "x".repeat(4096)}))
+        .unwrap_err();
+    assert!(e.message.len() < 1024, "{}", e.message.len());
+}
+
+/// `write_file` is held to the file size the sandbox allows commands (RLIMIT_FSIZE): it runs
+/// on the trusted side, where no rlimit applies, and would let an agent fill the host's disk
+/// 128 MB a call.
+#[test]
+fn write_file_is_held_to_the_sandbox_file_size() {
+    let task = task_for("dedupe");
+    let mut ep = episode(&task);
+    let big = "x".repeat(17 << 20);
+    let e = ep
+        .call_tool("write_file", &json!({"path": "big.txt", "content": big}))
+        .expect_err("over the file size limit");
+    assert_eq!(e.error_type, ToolErrorKind::InvalidArgs, "{}", e.message);
+    assert!(e.message.contains("content"), "{}", e.message);
+    // Growing a file with replace_in_file is held to the same limit.
+    let half = "y".repeat(9 << 20);
+    call(
+        &mut ep,
+        "write_file",
+        json!({"path": "h.txt", "content": format!("A{half}")}),
+    )
+    .unwrap();
+    let e = ep
+        .call_tool(
+            "replace_in_file",
+            &json!({"path": "h.txt", "old_str": "A", "new_str": half}),
+        )
+        .expect_err("the result is over the limit");
+    assert_eq!(e.error_type, ToolErrorKind::InvalidArgs, "{}", e.message);
+    assert!(ep
+        .call_tool(
+            "read_file",
+            &json!({"path": "h.txt", "start_line": 1, "end_line": 1})
+        )
+        .is_ok());
+}
+
+/// Odd arguments (NUL bytes, control characters, extreme numbers, directories as files) are
+/// error observations or plain results, never a panic or a hang; the episode goes on.
+#[test]
+fn odd_arguments_are_errors_not_panics() {
+    let task = task_for("dedupe");
+    let mut ep = episode(&task);
+    let cases = [
+        ("run_shell", json!({"command": "echo a\u{0}b"})),
+        ("run_shell", json!({"command": "true", "timeout_s": 1e-300})),
+        ("run_shell", json!({"command": "true", "timeout_s": 1e308})),
+        ("run_shell", json!({"command": "printf '\\377\\376\\0x'"})),
+        (
+            "read_file",
+            json!({"path": "textkit/seqs.py", "start_line": u64::MAX}),
+        ),
+        (
+            "read_file",
+            json!({"path": "textkit/seqs.py", "start_line": 2, "end_line": 1}),
+        ),
+        (
+            "read_file",
+            json!({"path": "textkit/seqs.py", "end_line": u64::MAX}),
+        ),
+        (
+            "read_file",
+            json!({"path": "textkit/seqs.py", "start_line": -1}),
+        ),
+        (
+            "read_file",
+            json!({"path": "textkit/seqs.py", "start_line": 1.5}),
+        ),
+        ("read_file", json!({"path": "."})),
+        ("read_file", json!({"path": "textkit"})),
+        ("write_file", json!({"path": ".", "content": "x"})),
+        ("write_file", json!({"path": "textkit", "content": "x"})),
+        (
+            "write_file",
+            json!({"path": "textkit/seqs.py/x", "content": "x"}),
+        ),
+        (
+            "write_file",
+            json!({"path": "a\u{7}\u{1b}[2J.py", "content": "\u{0}"}),
+        ),
+        (
+            "write_file",
+            json!({"path": "x".repeat(300), "content": "x"}),
+        ),
+        (
+            "replace_in_file",
+            json!({"path": "textkit/seqs.py", "old_str": "", "new_str": "x"}),
+        ),
+        ("list_files", json!({"path": "textkit/seqs.py"})),
+        ("list_files", json!({"path": "./textkit//"})),
+    ];
+    for (name, args) in cases {
+        let _ = ep.call_tool(name, &args);
+        assert!(!ep.done(), "{name} {args}");
+    }
+    // The working copy is intact and the tools still work.
+    assert!(call(&mut ep, "read_file", json!({"path": "textkit/seqs.py"})).is_ok());
+    let out = call(&mut ep, "run_shell", json!({"command": "echo ok"})).unwrap();
+    assert!(out.contains("ok"), "{out}");
+}
