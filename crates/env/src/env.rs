@@ -6,6 +6,12 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+/// The `/metadata` key (an env's [`Env::metadata`]) with the longest one step may take, in
+/// seconds. A client whose call timeout is shorter cuts steps that are still running, and a
+/// step cut short cannot be graded in time (the episode then fails, which a policy can use to
+/// have a losing attempt retried): the trainer refuses such a timeout at start-up.
+pub const STEP_TIME_LIMIT_KEY: &str = "step_time_limit_s";
+
 /// An action: a JSON object in the env's action schema (e.g. `{"code": "..."}`).
 pub type Action = Value;
 

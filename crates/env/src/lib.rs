@@ -30,7 +30,7 @@ pub use builtin::{builtin_env_factory, CodeEnv, CodeEnvConfig, EchoEnv, TaskSele
 pub use client::{OpenEnvClient, OpenEnvClientConfig, RemoteEnv};
 pub use env::{
     parse_reward, render_observation, Action, Env, EnvError, EnvFactory, FailureKind, ResetOptions,
-    StepResult,
+    StepResult, STEP_TIME_LIMIT_KEY,
 };
 pub use episode::{
     parse_action, run_episode, run_episode_until, Episode, EpisodeConfig, EpisodeEnd, Turn,

@@ -382,6 +382,10 @@ impl EnvRollout {
                 for one in url.split(',').map(str::trim).filter(|u| !u.is_empty()) {
                     let client = block_on(&runtime, OpenEnvClient::connect(one, config.clone()))
                         .with_context(|| format!("key `[env] url`: OpenEnv server {one}"))?;
+                    // A server without /metadata (or without the key) is not checked.
+                    if let Ok(metadata) = block_on(&runtime, client.metadata()) {
+                        check_call_timeout(section, one, &metadata)?;
+                    }
                     servers.push((one.to_string(), client));
                 }
                 if servers.is_empty() {
@@ -501,4 +505,33 @@ where
             .join()
             .unwrap_or_else(|payload| std::panic::resume_unwind(payload))
     })
+}
+
+/// `[env] call_timeout_s` against the longest step the env at `server` says it may take
+/// (`step_time_limit_s` in its metadata: a command, then the grading). A shorter timeout cuts
+/// slow steps, and an episode whose step was cut cannot be graded in time: it fails instead,
+/// and a failed episode is retried or replaced by a peer's copy — a way for a policy to escape
+/// the zero reward of a losing attempt by making it slow.
+fn check_call_timeout(
+    section: &EnvSection,
+    server: &str,
+    metadata: &serde_json::Value,
+) -> Result<()> {
+    let Some(limit) = metadata
+        .get(composer_env::STEP_TIME_LIMIT_KEY)
+        .and_then(serde_json::Value::as_f64)
+    else {
+        return Ok(());
+    };
+    if limit.is_finite() && limit > section.call_timeout_s {
+        bail!(
+            "key `[env] call_timeout_s` = {}: shorter than the longest step the env at {server} \
+             may take ({limit} s, its /metadata `{}`: a command, then the grading); a step cut \
+             at the call timeout fails its episode instead of grading it, so set it to at least \
+             {limit}",
+            section.call_timeout_s,
+            composer_env::STEP_TIME_LIMIT_KEY
+        );
+    }
+    Ok(())
 }

@@ -39,7 +39,7 @@ url_env = "OPENENV_URL"
 max_turns = 1
 max_concurrent = 4
 call_timeout_s = 30.0
-episode_timeout_s = 60.0
+episode_timeout_s = 90.0
 "#
 );
 

@@ -16,7 +16,10 @@ use super::tools::{
 };
 use super::{pick_task, RepoGrade};
 use crate::builtin::{new_episode_id, object};
-use crate::env::{render_observation, Action, Env, EnvError, EnvFactory, ResetOptions, StepResult};
+use crate::env::{
+    render_observation, Action, Env, EnvError, EnvFactory, ResetOptions, StepResult,
+    STEP_TIME_LIMIT_KEY,
+};
 
 /// A tool call (or grading) running on a blocking thread, which owns the episode meanwhile;
 /// it hands the episode back with the call's output (`None` for grading).
@@ -381,6 +384,21 @@ impl Env for RepoEnv {
 
     fn metadata(&self) -> Value {
         json!({"name": "RepoEnv", "description": "Repository feature-deletion tasks: restore the deleted code with tools; hidden tests grade it (REPO_ENV.md)",
-            "readme_content": null, "version": "1.0.0", "author": null, "documentation_url": null})
+            "readme_content": null, "version": "1.0.0", "author": null, "documentation_url": null,
+            STEP_TIME_LIMIT_KEY: step_time_limit_s(&self.tasks)})
     }
+}
+
+/// Slack on top of a step's command and grading time (process start, copying the working copy).
+const STEP_SLACK_S: u64 = 5;
+
+/// The longest step over `tasks`: a command to its timeout, then the grading when that command
+/// ends the episode (its turn or command budget spent).
+fn step_time_limit_s(tasks: &[RepoTask]) -> u64 {
+    tasks
+        .iter()
+        .map(|t| t.spec.limits.shell_timeout_s + t.spec.limits.grade_timeout_s)
+        .max()
+        .unwrap_or(0)
+        + STEP_SLACK_S
 }

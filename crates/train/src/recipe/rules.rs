@@ -203,6 +203,18 @@ pub(super) fn validate_env(e: &EnvSection, r: &Recipe) -> Result<()> {
             bail!("key `[env] {key}`: must be a positive number of seconds, got {v}");
         }
     }
+    // The pool's time budget (`episode_timeout - 2 * call_timeout`: room for the last step and
+    // the grading) must be positive, or a slow episode hits the hard limit and fails instead
+    // of being graded (composer-env's `PoolConfig::episode_timeout`).
+    if e.episode_timeout_s <= 2.0 * e.call_timeout_s {
+        bail!(
+            "key `[env] episode_timeout_s` = {}: must exceed 2 x `[env] call_timeout_s` ({}): past \
+             episode_timeout_s - 2 x call_timeout_s no turn starts and the episode is graded, with \
+             room left for the last step and the grading",
+            e.episode_timeout_s,
+            e.call_timeout_s
+        );
+    }
     if !["final", "sum"].contains(&e.reward.as_str()) {
         bail!(
             "key `[env] reward`: unknown value {:?} (known: final, sum)",
