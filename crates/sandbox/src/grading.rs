@@ -88,7 +88,7 @@ fn run_grading(code: &str, task: &CodeTask, limits: &SandboxLimits) -> Grading {
     let mode = exec::mode();
 
     // The candidate's sandbox: the harness and the solution, nothing else.
-    let cand_dirs = match exec::SandboxDirs::new(mode) {
+    let cand_dirs = match exec::SandboxDirs::new(mode, limits) {
         Ok(d) => d,
         Err(e) => return fail(g, format!("{e:#}")),
     };
@@ -138,7 +138,7 @@ fn run_grading(code: &str, task: &CodeTask, limits: &SandboxLimits) -> Grading {
             network: NetworkPolicy::Isolated,
             ..limits.clone()
         };
-        let judge = exec::SandboxDirs::new(mode).and_then(|d| {
+        let judge = exec::SandboxDirs::new(mode, &judge_limits).and_then(|d| {
             d.write_file("judge.py", with_plain_values(JUDGE_PY).as_bytes())?;
             Ok(d)
         });
@@ -188,6 +188,12 @@ fn run_grading(code: &str, task: &CodeTask, limits: &SandboxLimits) -> Grading {
                                 .into_bytes()
                             });
                             write_line(&mut judge.stdin, &reply);
+                            continue;
+                        }
+                        // Only a whole line of the judge's, an object as it writes them (serde
+                        // would also read a struct from an array): a line cut at the length
+                        // limit may end in text the code chose.
+                        if !(line.starts_with(b"{") && line.ends_with(b"\n")) {
                             continue;
                         }
                         let Ok(v) = serde_json::from_slice::<JudgeLine>(&line) else {
@@ -271,6 +277,10 @@ pub fn grade(code: &str, task: &CodeTask, limits: &SandboxLimits, mode: RewardMo
         Outcome::CpuLimit => feedback.push_str(&format!(
             "; killed at the CPU-time limit ({} s)",
             limits.cpu_time_s
+        )),
+        Outcome::WorkdirLimit => feedback.push_str(&format!(
+            "; the working copy reached its cap ({} bytes, {} entries)",
+            limits.max_workdir_bytes, limits.max_workdir_entries
         )),
         Outcome::Killed { signal } => feedback.push_str(&format!("; killed by signal {signal}")),
         Outcome::SandboxError(reason) => feedback.push_str(&format!("; sandbox error: {reason}")),

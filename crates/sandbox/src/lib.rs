@@ -66,6 +66,18 @@ pub struct SandboxLimits {
     pub memory_bytes: u64,
     /// Maximum size of any file written (RLIMIT_FSIZE; writes beyond fail with EFBIG).
     pub max_file_bytes: u64,
+    /// Cap on the working copy's total size in bytes (file contents, directories and
+    /// symlinks together), whoever writes it: runs get `ENOSPC` beyond it and end as
+    /// [`Outcome::WorkdirLimit`]; [`Sandbox::write_file`] fails. Enforced by the kernel where
+    /// the working copy is a size-capped tmpfs (see [`Capabilities::workdir_cap`]); that is
+    /// memory, so a host needs up to (sandboxes alive at once) × this of RAM. Must be > 0.
+    #[serde(default = "default_workdir_bytes")]
+    pub max_workdir_bytes: u64,
+    /// Cap on the number of entries (files, directories, symlinks...) in the working copy, the
+    /// same way as [`SandboxLimits::max_workdir_bytes`] (millions of empty files exhaust a
+    /// host's inodes without using bytes). Must be > 0.
+    #[serde(default = "default_workdir_entries")]
+    pub max_workdir_entries: u64,
     /// Captured stdout and stderr are each cut to this many bytes.
     pub max_output_bytes: usize,
     /// Network access.
@@ -74,6 +86,14 @@ pub struct SandboxLimits {
 
 fn default_memory_bytes() -> u64 {
     1 << 30
+}
+
+fn default_workdir_bytes() -> u64 {
+    128 << 20
+}
+
+fn default_workdir_entries() -> u64 {
+    65_536
 }
 
 impl Default for SandboxLimits {
@@ -85,6 +105,8 @@ impl Default for SandboxLimits {
             memory_bytes: default_memory_bytes(),
             max_processes: 32,
             max_file_bytes: 16 << 20,
+            max_workdir_bytes: default_workdir_bytes(),
+            max_workdir_entries: default_workdir_entries(),
             max_output_bytes: 8 << 10,
             network: NetworkPolicy::Isolated,
         }
@@ -115,6 +137,9 @@ pub enum Outcome {
     CpuLimit,
     /// Ran out of address space (an uncaught MemoryError, or a test failing with one).
     MemoryLimit,
+    /// The working copy reached its cap ([`SandboxLimits::max_workdir_bytes`] or
+    /// [`SandboxLimits::max_workdir_entries`]): writes beyond it failed with `ENOSPC`.
+    WorkdirLimit,
     /// Killed by a signal other than the limits'.
     Killed {
         /// The signal number.

@@ -29,13 +29,15 @@ impl Sandbox {
     /// namespaces are available; without them it is the host path, [`Sandbox::host_workdir`]).
     pub const SANDBOX_WORKDIR: &'static str = exec::SANDBOX_WORKDIR;
 
-    /// Creates a sandbox with an empty working copy. Fails (with the reason) when this machine
-    /// cannot sandbox untrusted code at all (see [`crate::sandbox_capabilities`]).
+    /// Creates a sandbox with an empty working copy (as root, a tmpfs capped at
+    /// `max_workdir_bytes` and `max_workdir_entries`). Fails (with the reason) when this machine
+    /// cannot sandbox untrusted code at all (see [`crate::sandbox_capabilities`]), or when a
+    /// working-copy cap is 0.
     pub fn new(limits: SandboxLimits) -> Result<Sandbox> {
         if let Some(reason) = exec::refusal(exec::mode()) {
             bail!("{reason}");
         }
-        let dirs = SandboxDirs::new(exec::mode())?;
+        let dirs = SandboxDirs::new(exec::mode(), &limits)?;
         Ok(Sandbox { dirs, limits })
     }
 

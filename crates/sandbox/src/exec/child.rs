@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use super::config::{
     interpreter_binds, Mode, CHANNEL_FD, DEV_NODES, ETC_FILES, MAX_OPEN_FILES, PRIVATE_TMP_OPTS,
-    ROOT_OPTS, SANDBOX_HOSTNAME, SANDBOX_WORKDIR, SUPERVISOR_ERROR_EXIT, SUPERVISOR_TIMEOUT_EXIT,
-    SYSTEM_DIRS, WRITABLE,
+    ROOT_OPTS, SANDBOX_HOSTNAME, SANDBOX_WORKDIR, SUPERVISOR_ERROR_EXIT, SUPERVISOR_FAILED,
+    SUPERVISOR_TIMEOUT_EXIT, SYSTEM_DIRS, WRITABLE,
 };
 
 /// One step building the private root, with host paths prepared before the fork.
@@ -36,6 +36,9 @@ pub(super) struct ChildPlan {
     pub(super) root_dir: CString,
     pub(super) steps: Vec<Step>,
     pub(super) channel_fd: RawFd,
+    /// The write end of the supervisor's status pipe (see [`supervise`]); close-on-exec, so
+    /// the command never holds it.
+    pub(super) status_fd: RawFd,
     pub(super) cgroup_fds: Vec<RawFd>,
     pub(super) seccomp: Vec<libc::sock_filter>,
     pub(super) wall_ms: u64,
@@ -472,17 +475,28 @@ pub(super) fn cpu_backstop_s(cpu_s: u64) -> u64 {
     cpu_s.saturating_mul(2).saturating_add(1)
 }
 
-/// The supervisor: closes every inherited descriptor except stdio (so the parent's spawn
-/// returns and its pipes see EOF when the command is done), waits for the command, kills it at
-/// the wall-clock deadline (exit [`SUPERVISOR_TIMEOUT_EXIT`]) or when its CPU time reaches the
-/// limit (re-raising SIGXCPU), and exits the way the command did.
+/// The supervisor: closes every inherited descriptor except stdio and its status pipe (so the
+/// parent's spawn returns and its pipes see EOF when the command is done), waits for the
+/// command, kills it at the wall-clock deadline (exit [`SUPERVISOR_TIMEOUT_EXIT`]) or when its
+/// CPU time reaches the limit (re-raising SIGXCPU), and exits the way the command did. Its own
+/// failure is reported as a byte on the status pipe, which only it holds: the command shares
+/// its stderr and can exit with any code, so neither can tell the parent the sandbox failed.
 pub(super) unsafe fn supervise(pid: libc::pid_t, plan: &ChildPlan) -> ! {
     // This process is a copy of the parent (its environment and heap included) running under
     // the sandbox's uid: non-dumpable, so the sandbox cannot read its /proc files or ptrace it.
     libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
+    let keep = plan.status_fd;
+    if keep > 3 {
+        libc::syscall(
+            libc::SYS_close_range,
+            3 as libc::c_uint,
+            (keep - 1) as libc::c_uint,
+            0 as libc::c_uint,
+        );
+    }
     libc::syscall(
         libc::SYS_close_range,
-        3 as libc::c_uint,
+        keep.max(2) as libc::c_uint + 1,
         libc::c_uint::MAX,
         0 as libc::c_uint,
     );
@@ -507,6 +521,9 @@ pub(super) unsafe fn supervise(pid: libc::pid_t, plan: &ChildPlan) -> ! {
         if r < 0 && *libc::__errno_location() != libc::EINTR {
             let msg = b"composer-sandbox: supervisor waitpid failed\n";
             libc::write(2, msg.as_ptr().cast(), msg.len());
+            if plan.status_fd >= 0 {
+                libc::write(plan.status_fd, SUPERVISOR_FAILED.as_ptr().cast(), 1);
+            }
             libc::_exit(SUPERVISOR_ERROR_EXIT);
         }
         let mut now: libc::timespec = std::mem::zeroed();

@@ -12,10 +12,16 @@ use crate::Outcome;
 pub(super) const SANDBOX_UID_BASE: u32 = 0x5A00_0000;
 /// Exit code of the supervisor when it killed the command at the wall-clock deadline.
 pub(super) const SUPERVISOR_TIMEOUT_EXIT: i32 = 124;
-/// Exit code of the supervisor when its own setup failed after the fork.
+/// Exit code of the supervisor when its own setup failed after the fork (not trusted alone:
+/// the command can exit with it too; see [`SUPERVISOR_FAILED`]).
 pub(super) const SUPERVISOR_ERROR_EXIT: i32 = 125;
-/// Options of the private tmpfs on /tmp and /dev/shm inside the sandbox.
-pub(super) const PRIVATE_TMP_OPTS: &std::ffi::CStr = c"size=64m,mode=1777";
+/// The byte the supervisor writes on its status pipe when it failed.
+pub(super) const SUPERVISOR_FAILED: &[u8; 1] = b"E";
+/// Options of the private tmpfs on /tmp and /dev/shm inside the sandbox: 64 MiB and 16,384
+/// entries each. The entry cap matters as much as the size: empty files cost no bytes but an
+/// inode and a dentry of kernel memory each, and tmpfs's default allows millions of them (a
+/// run made 100,000 in each in 3 s; without a cgroup nothing else counts that memory).
+pub(super) const PRIVATE_TMP_OPTS: &std::ffi::CStr = c"size=64m,nr_inodes=16384,mode=1777";
 /// Options of the tmpfs that becomes the sandbox's root (only mount points live there).
 pub(super) const ROOT_OPTS: &std::ffi::CStr = c"size=1m,mode=0755";
 /// Open-file limit inside the sandbox.
@@ -23,9 +29,12 @@ pub(super) const MAX_OPEN_FILES: u64 = 256;
 /// Cap on one line of the result channel, and on the whole channel.
 pub(super) const MAX_LINE_BYTES: usize = 16 << 20;
 pub(super) const MAX_CHANNEL_BYTES: usize = 256 << 20;
-/// Lines buffered between the channel's reader thread and its consumer (back-pressure: a
-/// process spamming its channel blocks instead of filling the parent's memory).
-pub(super) const CHANNEL_QUEUE: usize = 16;
+/// Lines buffered between the channel's reader thread and its consumer: none (a rendezvous),
+/// so the parent holds at most the line being read and the line handed over, whatever the
+/// process writes. A queue of 16 let a candidate that floods fd 3 with lines of
+/// [`MAX_LINE_BYTES`] park 270 MiB in the trusted process per grading (a batch of gradings
+/// could take the trainer down); a process spamming its channel now blocks on the pipe.
+pub(super) const CHANNEL_QUEUE: usize = 0;
 /// Extra time after the wall-clock limit before the parent kills the process group itself
 /// (the supervisor normally kills the command exactly at the deadline).
 pub(super) const PARENT_GRACE: Duration = Duration::from_secs(2);
@@ -93,6 +102,11 @@ pub struct Capabilities {
     pub private_tmp: bool,
     /// Everything except the working copy, /tmp and /dev/shm is read-only.
     pub read_only_root: bool,
+    /// The working copy is a tmpfs of its own capped at `max_workdir_bytes` and
+    /// `max_workdir_entries` (kernel-enforced: writes beyond fail with `ENOSPC`). Needs root
+    /// (the mount is made on the host, so that it outlives runs); without it the working copy
+    /// is a plain host directory, capped per file only.
+    pub workdir_cap: bool,
     /// A fresh /proc for the pid namespace (other processes invisible).
     pub private_proc: bool,
     /// RLIMIT_NPROC is enforced for the sandboxed processes (not the case for a root process).
@@ -137,6 +151,8 @@ impl RawRun {
 pub(crate) struct Mode {
     pub namespaces: bool,
     pub root: bool,
+    /// The working copy is a size-capped tmpfs mounted on the host (see [`super::dirs`]).
+    pub workdir_cap: bool,
 }
 
 /// The python interpreter: `$COMPOSER_SANDBOX_PYTHON`, else a system python3, else `python3`

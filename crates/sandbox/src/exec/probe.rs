@@ -65,6 +65,7 @@ pub(super) fn probe() -> (Capabilities, Mode) {
         private_tmp: false,
         read_only_root: false,
         private_proc: false,
+        workdir_cap: false,
         nproc_enforced: true,
         cgroup: None,
         seccomp: false,
@@ -78,16 +79,39 @@ pub(super) fn probe() -> (Capabilities, Mode) {
     let mut mode = Mode {
         namespaces: true,
         root,
+        workdir_cap: false,
     };
+    let limits = SandboxLimits::default();
+    // The capped working copy: a tmpfs mounted on the host, so root only (and not where root
+    // lacks CAP_SYS_ADMIN, e.g. an unprivileged container).
+    if std::env::var_os("COMPOSER_SANDBOX_NO_WORKDIR_CAP").is_some() {
+        caps.notes
+            .push("working copy cap disabled by COMPOSER_SANDBOX_NO_WORKDIR_CAP".to_string());
+    } else if root {
+        let trial = Mode {
+            workdir_cap: true,
+            ..mode
+        };
+        match SandboxDirs::new(trial, &limits) {
+            Ok(_) => mode.workdir_cap = true,
+            Err(e) => caps.notes.push(format!(
+                "no size-capped working copy (per-file cap only): {e:#}"
+            )),
+        }
+    } else {
+        caps.notes.push(
+            "not root: the working copy is a host directory, capped per file only".to_string(),
+        );
+    }
+    caps.workdir_cap = mode.workdir_cap;
     if caps.python.is_none() {
         caps.notes.push("no python3 interpreter found".to_string());
         mode.namespaces = false;
         return (caps, mode);
     }
     let forced_fallback = std::env::var_os("COMPOSER_SANDBOX_NO_NAMESPACES").is_some();
-    let limits = SandboxLimits::default();
     let run_probe = |mode: Mode| -> RawRun {
-        let dirs = match SandboxDirs::new(mode) {
+        let dirs = match SandboxDirs::new(mode, &limits) {
             Ok(d) => d,
             Err(e) => return RawRun::sandbox_error(format!("{e:#}"), 0.0),
         };

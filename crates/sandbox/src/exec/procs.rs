@@ -10,9 +10,14 @@ use std::sync::mpsc;
 use super::config::{CHANNEL_QUEUE, MAX_CHANNEL_BYTES, MAX_LINE_BYTES};
 use super::tree::remove_tree;
 
-/// Reads lines of a stream on its own thread (each line cut at [`MAX_LINE_BYTES`], reading
-/// stops after [`MAX_CHANNEL_BYTES`]).
+/// Reads lines of a stream on its own thread: one item per line of the stream, never more.
+/// A line longer than [`MAX_LINE_BYTES`] comes cut to that length (without its newline) and
+/// the rest of it is skipped, up to its newline: were the rest read as lines of their own, a
+/// process that controls the text at a cut (the judge's request line carries values the code
+/// returned) would choose what the consumer takes for a whole line — a forged verdict. Reading
+/// stops after [`MAX_CHANNEL_BYTES`], skipped bytes included.
 pub(super) fn spawn_line_reader<R: Read + Send + 'static>(r: R) -> mpsc::Receiver<Vec<u8>> {
+    use std::io::BufRead;
     let (tx, rx) = mpsc::sync_channel(CHANNEL_QUEUE);
     std::thread::spawn(move || {
         let mut reader = std::io::BufReader::new(r);
@@ -20,14 +25,21 @@ pub(super) fn spawn_line_reader<R: Read + Send + 'static>(r: R) -> mpsc::Receive
         loop {
             let mut line = Vec::new();
             let mut limited = std::io::Read::take(&mut reader, MAX_LINE_BYTES as u64);
-            match std::io::BufRead::read_until(&mut limited, b'\n', &mut line) {
+            let n = match limited.read_until(b'\n', &mut line) {
                 Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    total += n;
-                    if tx.send(line).is_err() || total > MAX_CHANNEL_BYTES {
-                        break;
-                    }
+                Ok(n) => n,
+            };
+            total += n;
+            if n == MAX_LINE_BYTES && line.last() != Some(&b'\n') {
+                // The rest of an over-long line: skipped, within the channel's budget.
+                let budget = MAX_CHANNEL_BYTES.saturating_sub(total) as u64 + 1;
+                match std::io::Read::take(&mut reader, budget).skip_until(b'\n') {
+                    Ok(skipped) => total += skipped,
+                    Err(_) => break,
                 }
+            }
+            if tx.send(line).is_err() || total > MAX_CHANNEL_BYTES {
+                break;
             }
         }
     });
@@ -205,5 +217,28 @@ pub(super) fn remove_dir_robust(dir: tempfile::TempDir) {
             "composer-sandbox: could not remove the sandbox directory {}: {e}",
             path.display()
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_over_long_line_is_one_item_cut_and_its_rest_is_skipped() {
+        let mut data = vec![b'a'; MAX_LINE_BYTES];
+        data.extend_from_slice(b"[0, true]\nnext\npartial");
+        let rx = spawn_line_reader(std::io::Cursor::new(data));
+        let lines: Vec<Vec<u8>> = rx.iter().collect();
+        assert_eq!(
+            lines.len(),
+            3,
+            "{:?}",
+            lines.iter().map(Vec::len).collect::<Vec<_>>()
+        );
+        assert_eq!(lines[0].len(), MAX_LINE_BYTES);
+        assert!(lines[0].iter().all(|&b| b == b'a'));
+        assert_eq!(lines[1], b"next\n");
+        assert_eq!(lines[2], b"partial");
     }
 }

@@ -8,8 +8,10 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use super::child::{child_setup, cstr, root_steps, ChildPlan};
-use super::config::{Mode, RawRun, PARENT_GRACE, SUPERVISOR_ERROR_EXIT, SUPERVISOR_TIMEOUT_EXIT};
-use super::dirs::{chown_tree, SandboxDirs};
+use super::config::{
+    Mode, RawRun, PARENT_GRACE, SUPERVISOR_ERROR_EXIT, SUPERVISOR_FAILED, SUPERVISOR_TIMEOUT_EXIT,
+};
+use super::dirs::{chown_tree, workdir_full, SandboxDirs};
 use super::procs::{
     pipe_cloexec, reap_uid, remove_files_of_uid, remove_ipc_of_uid, spawn_line_reader,
     spawn_reader, wait_exited_nowait,
@@ -35,6 +37,11 @@ pub(crate) struct Running {
     uid: Option<u32>,
     /// The sandbox's directory on the host (spared by the fallback clean-up).
     keep: PathBuf,
+    /// The working copy when it is capped: `finish` reports a full one.
+    capped_work: Option<PathBuf>,
+    /// The read end of the supervisor's status pipe (non-blocking): a byte there is the
+    /// supervisor's own failure, the only source of a run's `SandboxError` after the spawn.
+    status: std::fs::File,
 }
 
 /// Why untrusted code must not run at all in `mode`, if so: the same uid as the parent and no
@@ -88,6 +95,16 @@ pub(crate) fn spawn(
     } else {
         (None, None)
     };
+    let (status_read, status_write) = pipe_cloexec().map_err(|e| format!("pipe: {e}"))?;
+    // SAFETY: a valid descriptor we own.
+    unsafe {
+        let fd = status_read.as_raw_fd();
+        libc::fcntl(
+            fd,
+            libc::F_SETFL,
+            libc::fcntl(fd, libc::F_GETFL) | libc::O_NONBLOCK,
+        );
+    }
     let plan = ChildPlan {
         mode,
         isolate_net: limits.network == NetworkPolicy::Isolated,
@@ -96,6 +113,7 @@ pub(crate) fn spawn(
         root_dir: cstr(&dirs.root)?,
         steps,
         channel_fd: chan_write.as_ref().map_or(-1, |w| w.as_raw_fd()),
+        status_fd: status_write.as_raw_fd(),
         cgroup_fds: cgroup.as_ref().map(|c| c.procs_fds()).unwrap_or_default(),
         seccomp: if std::env::var_os("COMPOSER_SANDBOX_NO_SECCOMP").is_some() {
             Vec::new()
@@ -135,6 +153,7 @@ pub(crate) fn spawn(
         .spawn()
         .map_err(|e| format!("spawning {program} in the sandbox: {e}"))?;
     drop(chan_write);
+    drop(status_write);
     let pid = child.id() as libc::pid_t;
     let max_out = limits.max_output_bytes;
     let stdout_rx = child.stdout.take().map(|s| spawn_reader(s, max_out));
@@ -154,6 +173,8 @@ pub(crate) fn spawn(
         mode,
         uid: dirs.uid,
         keep: dirs.base_path(),
+        capped_work: dirs.capped_work(),
+        status: std::fs::File::from(status_read),
     })
 }
 
@@ -232,6 +253,7 @@ impl Running {
             remove_ipc_of_uid(uid);
         }
         let oom = self.cgroup.as_ref().is_some_and(|c| c.oom_killed());
+        let full = self.capped_work.as_deref().is_some_and(workdir_full);
         drop(self.cgroup.take());
 
         let collect = |rx: Option<mpsc::Receiver<(Vec<u8>, bool)>>| {
@@ -253,6 +275,10 @@ impl Running {
             Outcome::TimedOut
         } else if oom {
             Outcome::MemoryLimit
+        } else if full {
+            // Writes past the cap failed (ENOSPC); whatever the command did about it, the
+            // run hit the limit.
+            Outcome::WorkdirLimit
         } else if let Some(sig) = signal {
             // SIGXCPU: the supervisor ended the command at the limit. SIGKILL past the limit:
             // RLIMIT_CPU's backstop (pid 1 of a pid namespace ignores SIGXCPU).
@@ -262,9 +288,7 @@ impl Running {
             } else {
                 Outcome::Killed { signal: sig }
             }
-        } else if exit_code == Some(SUPERVISOR_ERROR_EXIT)
-            && String::from_utf8_lossy(&stderr).contains("composer-sandbox:")
-        {
+        } else if exit_code == Some(SUPERVISOR_ERROR_EXIT) && self.supervisor_failed() {
             Outcome::SandboxError(String::from_utf8_lossy(&stderr).trim().to_string())
         } else if exit_code != Some(0) && String::from_utf8_lossy(&stderr).contains("MemoryError") {
             Outcome::MemoryLimit
@@ -280,6 +304,16 @@ impl Running {
             outcome,
             wall_s,
         }
+    }
+}
+
+impl Running {
+    /// Whether the supervisor reported its own failure (the supervisor has been reaped, so
+    /// its byte, if any, is in the pipe; nothing else holds the write end).
+    fn supervisor_failed(&mut self) -> bool {
+        use std::io::Read;
+        let mut byte = [0u8; 1];
+        matches!(self.status.read(&mut byte), Ok(1) if &byte == SUPERVISOR_FAILED)
     }
 }
 

@@ -8,10 +8,13 @@ use std::time::Duration;
 use composer_sandbox::*;
 
 mod escaping_the_sandbox;
+mod filling_the_disk;
+mod flooding_the_parent;
 mod forging_results;
 mod patching_the_grader;
 mod reading_the_tests;
 mod runner_configuration;
+mod swapping_the_working_copy;
 mod values_equal_to_everything;
 
 /// Whether `CI` is set (as the other crates' tests read it).
