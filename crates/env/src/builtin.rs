@@ -271,8 +271,17 @@ impl Env for CodeEnv {
         self.step_count += 1;
         self.last_reward = Some(report.reward);
         let done = report.all_passed || self.step_count >= u64::from(self.config.max_attempts);
+        // Before another attempt the model sees the attempt's feedback without the failing
+        // test's source (its expected values could be hard-coded next); the full report is the
+        // step's `feedback`, read after the episode (the hint channel's teacher). A remote
+        // client renders the observation's `feedback`, so it carries the shown form too.
+        let shown = if done {
+            report.feedback.clone()
+        } else {
+            report.attempt_feedback.clone()
+        };
         let observation = object(json!({
-            "feedback": report.feedback,
+            "feedback": shown,
             "passed": report.passed,
             "total": report.total,
             "all_passed": report.all_passed,
@@ -280,7 +289,7 @@ impl Env for CodeEnv {
             "wall_s": report.wall_s,
         }));
         Ok(StepResult {
-            text: report.feedback.clone(),
+            text: shown,
             feedback: Some(report.feedback),
             observation,
             reward: Some(report.reward),

@@ -286,12 +286,17 @@ pub fn grade(code: &str, task: &CodeTask, limits: &SandboxLimits, mode: RewardMo
         Outcome::SandboxError(reason) => feedback.push_str(&format!("; sandbox error: {reason}")),
     }
     feedback.push('\n');
+    // What the model may see before another attempt: the failing test's number and error, not
+    // its source (it holds the expected values, which a next attempt could hard-code).
+    let mut attempt_feedback = feedback.clone();
     match &load {
         Some((false, error)) => {
             feedback.push_str(&format!("the solution failed to load:\n{error}\n"));
+            attempt_feedback.push_str(&format!("the solution failed to load:\n{error}\n"));
         }
         None if !matches!(outcome, Outcome::SandboxError(_)) => {
             feedback.push_str("the solution did not finish loading\n");
+            attempt_feedback.push_str("the solution did not finish loading\n");
         }
         _ => {
             if let Some(i) = results.iter().position(|r| !matches!(r, Some((true, _)))) {
@@ -305,25 +310,46 @@ pub fn grade(code: &str, task: &CodeTask, limits: &SandboxLimits, mode: RewardMo
                     task.tests[i].trim(),
                     error
                 ));
+                attempt_feedback.push_str(&format!(
+                    "first failing test: #{}\n{}\n",
+                    i + 1,
+                    without_assertion_message(&error)
+                ));
             }
         }
     }
     let stdout = String::from_utf8_lossy(&run.stdout);
     let stderr = String::from_utf8_lossy(&run.stderr);
+    // The candidate's own output (it never holds an expected value): both forms show it.
+    let mut output = String::new();
     if !stdout.trim().is_empty() {
-        feedback.push_str(&format!("--- stdout ---\n{}\n", stdout.trim_end()));
+        output.push_str(&format!("--- stdout ---\n{}\n", stdout.trim_end()));
     }
     if !stderr.trim().is_empty() {
-        feedback.push_str(&format!("--- stderr ---\n{}\n", stderr.trim_end()));
+        output.push_str(&format!("--- stderr ---\n{}\n", stderr.trim_end()));
     }
+    feedback.push_str(&output);
+    attempt_feedback.push_str(&output);
     GradeReport {
         passed,
         total,
         reward,
         all_passed,
         feedback: truncate_text(&feedback, limits.max_output_bytes.max(256)),
+        attempt_feedback: truncate_text(&attempt_feedback, limits.max_output_bytes.max(256)),
         outcome,
         wall_s: run.wall_s,
+    }
+}
+
+/// A failing test's error without an assertion's message: a test's `assert ..., msg` may
+/// spell out the expected value (`AssertionError: expected 5`), so only the type is kept.
+/// Other errors are the candidate's own exceptions, whose messages it wrote itself.
+fn without_assertion_message(error: &str) -> &str {
+    if error.starts_with("AssertionError") {
+        "AssertionError"
+    } else {
+        error
     }
 }
 

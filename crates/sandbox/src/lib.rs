@@ -188,9 +188,14 @@ pub struct GradeReport {
     pub reward: f64,
     /// Every test passed.
     pub all_passed: bool,
-    /// Feedback for the model: pass count, the first failing test and its error, then the
-    /// captured output, cut to `max_output_bytes`.
+    /// Feedback on the attempt: pass count, the first failing test (its source) and its error,
+    /// then the captured output, cut to `max_output_bytes`. It shows expected values: for after
+    /// the episode (a hint teacher, a report), never for a model that may attempt again.
     pub feedback: String,
+    /// `feedback` for a model that may attempt again: the first failing test by number and its
+    /// error (an assertion's by type only), no test source — else the next attempt could
+    /// hard-code the expected values the source spells out.
+    pub attempt_feedback: String,
     /// How the run ended.
     pub outcome: Outcome,
     /// Wall-clock seconds of the run.
