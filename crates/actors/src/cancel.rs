@@ -10,7 +10,9 @@ use std::sync::Arc;
 #[derive(Debug, Clone, Default)]
 pub struct CancelToken {
     flag: Arc<AtomicBool>,
-    parent: Option<Arc<AtomicBool>>,
+    /// The flags of every ancestor (parent, grandparent, ...): a child of a child must still
+    /// see the root's Ctrl-C, so the whole chain is kept, not just the nearest flag.
+    ancestors: Vec<Arc<AtomicBool>>,
 }
 
 impl CancelToken {
@@ -19,12 +21,14 @@ impl CancelToken {
         Self::default()
     }
 
-    /// A token that reads as cancelled when it or `self` is cancelled; cancelling the child
-    /// does not cancel `self`.
+    /// A token that reads as cancelled when it or `self` is cancelled (including through
+    /// `self`'s own ancestors); cancelling the child does not cancel `self`.
     pub fn child(&self) -> Self {
+        let mut ancestors = self.ancestors.clone();
+        ancestors.push(Arc::clone(&self.flag));
         Self {
             flag: Arc::new(AtomicBool::new(false)),
-            parent: Some(Arc::clone(&self.flag)),
+            ancestors,
         }
     }
 
@@ -33,13 +37,9 @@ impl CancelToken {
         self.flag.store(true, Ordering::SeqCst);
     }
 
-    /// Whether this token or its parent was cancelled.
+    /// Whether this token or any of its ancestors was cancelled.
     pub fn is_cancelled(&self) -> bool {
-        self.flag.load(Ordering::SeqCst)
-            || self
-                .parent
-                .as_ref()
-                .is_some_and(|p| p.load(Ordering::SeqCst))
+        self.flag.load(Ordering::SeqCst) || self.ancestors.iter().any(|p| p.load(Ordering::SeqCst))
     }
 }
 
@@ -58,5 +58,17 @@ mod tests {
         parent.cancel();
         assert!(child2.is_cancelled());
         assert!(parent.clone().is_cancelled());
+    }
+
+    #[test]
+    fn grandchild_sees_the_root() {
+        let root = CancelToken::new();
+        let grandchild = root.child().child();
+        assert!(!grandchild.is_cancelled());
+        root.cancel();
+        assert!(
+            grandchild.is_cancelled(),
+            "a child of a child lost the root"
+        );
     }
 }

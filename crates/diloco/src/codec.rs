@@ -113,7 +113,8 @@ fn quantize(t: &FlatTensor, compression: Compression, out: &mut Vec<Encoded>) {
 }
 
 /// Encodes tensors as one safetensors object with `compression`, adding `format`,
-/// `compression` and `sha256` to `metadata`.
+/// `compression` and `sha256` to `metadata`. A NaN or infinite value is an error naming the
+/// tensor and index.
 pub fn encode(
     tensors: &[FlatTensor],
     compression: Compression,
@@ -121,6 +122,15 @@ pub fn encode(
 ) -> Result<Vec<u8>> {
     let mut encoded = Vec::with_capacity(tensors.len() * 2);
     for t in tensors {
+        // Refused here, not only on decode: int8 would turn NaN into 0 and an Inf into a
+        // scale that zeroes the tensor, so a diverged replica's delta would decode as valid.
+        if let Some(bad) = t.data.iter().position(|v| !v.is_finite()) {
+            bail!(
+                "tensor {}: non-finite value {} at index {bad}",
+                t.name,
+                t.data[bad]
+            );
+        }
         quantize(t, compression, &mut encoded);
     }
     let mut meta: HashMap<String, String> = metadata.into_iter().collect();

@@ -115,6 +115,10 @@ fn default_store_retry_budget_s() -> f64 {
     90.0
 }
 
+/// Largest accepted value of any `*_s` duration key (one year): anything longer is a typo,
+/// and values near 1e19 s do not fit a `Duration` or an `Instant`.
+pub const MAX_DURATION_S: f64 = 365.0 * 24.0 * 3600.0;
+
 /// Longest wait between two attempts of a store operation: the back-off doubles up to this,
 /// so a store that comes back is noticed within this many seconds.
 pub const MAX_STORE_BACKOFF_S: f64 = 10.0;
@@ -198,6 +202,10 @@ impl DilocoConfig {
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 bail!("diloco.{name} must be a finite number ≥ 0");
+            }
+            // Larger values would panic mid-round (Duration / Instant overflow).
+            if v > MAX_DURATION_S {
+                bail!("diloco.{name} = {v} is too large: at most {MAX_DURATION_S} s (one year)");
             }
         }
         Ok(())

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use anyhow::{bail, Result};
 
-use composer_telemetry::read_metrics;
+use composer_telemetry::read_metrics_checked;
 use composer_telemetry::summary::{fmt_secs, RunSummary};
 
 use crate::estimate::*;
@@ -22,7 +22,8 @@ pub fn plan_from_run(run_dir: &Path) -> Result<Plan> {
 /// [`plan_from_run`] with an explicit staleness tolerance (default: the run's measured max lag).
 pub fn plan_from_run_with(run_dir: &Path, staleness_tolerance: Option<u32>) -> Result<Plan> {
     let path = run_dir.join("metrics.jsonl");
-    let records = read_metrics(&path)?;
+    // Checked: a negative or absurd wall is refused naming its line, not planned from.
+    let records = read_metrics_checked(&path)?;
     let s = RunSummary::from_metrics(&records);
     if s.walls.is_empty() {
         bail!(

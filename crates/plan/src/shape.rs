@@ -65,6 +65,17 @@ impl Default for WorkloadShape {
     }
 }
 
+/// Largest `--params` accepted (10¹⁵, ~500× today's largest models).
+pub const MAX_PARAMS: f64 = 1e15;
+/// Largest token count accepted for `--mean-output`, `--p95-output`, `--prompt-tokens`.
+pub const MAX_TOKENS: f64 = 1e9;
+/// Largest env latency accepted (seconds, ~31.7 years).
+pub const MAX_SECONDS: f64 = 1e9;
+/// Largest GPU, sample, copy, call or architecture count accepted.
+pub const MAX_COUNT: usize = 1_000_000;
+/// Smallest `--mfu` accepted: below it every wall is astronomically long.
+pub const MIN_MFU: f64 = 1e-3;
+
 impl WorkloadShape {
     /// Checks every field; the error names the option at fault.
     pub fn validate(&self) -> Result<()> {
@@ -123,6 +134,48 @@ impl WorkloadShape {
             if a.layers == 0 || a.kv_heads == 0 || a.head_dim == 0 {
                 bail!("--layers, --kv-heads and --head-dim must be at least 1");
             }
+        }
+        self.check_upper_bounds()
+    }
+
+    /// Refuses values far beyond any real workload, naming the flag: the GPU split search is
+    /// linear in `--gpus` (so 2⁶⁴ GPUs never finished), and huge sizes overflow the walls to
+    /// infinity (NaN shares in the plan).
+    fn check_upper_bounds(&self) -> Result<()> {
+        let (layers, hidden, kv_heads, head_dim) = self.arch.map_or((0, 0, 0, 0), |a| {
+            (a.layers, a.hidden, a.kv_heads, a.head_dim)
+        });
+        let floats = [
+            ("--params", self.params, MAX_PARAMS),
+            ("--mean-output", self.mean_output_tokens, MAX_TOKENS),
+            ("--p95-output", self.p95_output_tokens, MAX_TOKENS),
+            ("--prompt-tokens", self.prompt_tokens, MAX_TOKENS),
+            ("--env-latency", self.env_latency_mean_s, MAX_SECONDS),
+            ("--env-latency-p95", self.env_latency_p95_s, MAX_SECONDS),
+            ("--env-calls", self.env_calls_per_sample, MAX_COUNT as f64),
+        ];
+        for (name, v, max) in floats {
+            if v > max {
+                bail!("{name} = {v:e} is beyond any real workload (at most {max:e})");
+            }
+        }
+        let counts = [
+            ("--gpus", self.gpus),
+            ("--samples-per-step", self.samples_per_step),
+            ("--env-concurrency", self.env_concurrency.unwrap_or(0)),
+            ("--weight-copies", self.weight_copies),
+            ("--layers", layers),
+            ("--hidden", hidden),
+            ("--kv-heads", kv_heads),
+            ("--head-dim", head_dim),
+        ];
+        for (name, v) in counts {
+            if v > MAX_COUNT {
+                bail!("{name} = {v} is beyond any real workload (at most {MAX_COUNT})");
+            }
+        }
+        if self.mfu < MIN_MFU {
+            bail!("--mfu = {:e} is below {MIN_MFU} (0.1%)", self.mfu);
         }
         Ok(())
     }

@@ -19,7 +19,7 @@ pub mod progress;
 pub mod report;
 pub mod summary;
 
-pub use metrics::{keys, read_metrics, MetricsWriter};
+pub use metrics::{keys, read_metrics, read_metrics_checked, MetricsWriter};
 pub use progress::{StepSnapshot, TrainProgress};
 pub use report::{report_cli, write_report};
 pub use summary::{percentile, trained_tokens_total, RunSummary, WallStat};

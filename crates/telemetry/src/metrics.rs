@@ -137,9 +137,73 @@ pub fn read_metrics(path: &Path) -> Result<Vec<Value>> {
     Ok(read_raw_lines(path)?.into_iter().map(|(_, v)| v).collect())
 }
 
+/// [`read_metrics`] for the readers that draw conclusions from the values (`report`,
+/// `plan --from-run`): also refuses, naming the file, line and key, a value no run can write:
+/// a negative or over-[`MAX_SECONDS`] duration, or a negative or over-[`MAX_COUNT`] count,
+/// token, byte or step number (checked for the schema's keys, scalars and array items; other
+/// keys and non-numbers are left alone). Such a value is corruption, and summing or charting
+/// it gives nonsense shares or an infinite axis.
+pub fn read_metrics_checked(path: &Path) -> Result<Vec<Value>> {
+    let mut records = Vec::new();
+    for (line_no, _, record) in read_numbered_lines(path)? {
+        check_values(&record)
+            .map_err(|e| anyhow::anyhow!("{} line {line_no}: {e}", path.display()))?;
+        records.push(record);
+    }
+    Ok(records)
+}
+
+/// Largest duration (seconds) [`read_metrics_checked`] accepts: about 31.7 years.
+pub const MAX_SECONDS: f64 = 1e9;
+/// Largest count, token, byte or step number [`read_metrics_checked`] accepts (about u64's
+/// range / 18): far above any real run, far below where sums lose their meaning.
+pub const MAX_COUNT: f64 = 1e18;
+
+/// The [`read_metrics_checked`] rule for one record.
+fn check_values(record: &Value) -> std::result::Result<(), String> {
+    use crate::metric_keys::{lookup, Unit};
+    let Some(fields) = record.as_object() else {
+        return Ok(());
+    };
+    for (key, value) in fields {
+        let Some(schema) = lookup(key) else { continue };
+        let max = match schema.unit {
+            Unit::Seconds => MAX_SECONDS,
+            Unit::Step | Unit::Count | Unit::Tokens | Unit::TokensPerSecond | Unit::Bytes => {
+                MAX_COUNT
+            }
+            _ => continue,
+        };
+        let values: Vec<f64> = match value {
+            Value::Array(items) => items.iter().filter_map(Value::as_f64).collect(),
+            other => other.as_f64().into_iter().collect(),
+        };
+        if let Some(bad) = values.iter().find(|v| !(0.0..=max).contains(*v)) {
+            return Err(format!(
+                "{key} = {} is out of range for a value in {} (0 to {max:e})",
+                if bad.abs() < 1e6 {
+                    bad.to_string()
+                } else {
+                    format!("{bad:e}")
+                },
+                schema.unit.as_str()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Every record of a metrics file with its line exactly as stored (without the line end), under
 /// the rules of [`read_metrics`]. Resume copies the raw text so kept lines stay byte-identical.
 fn read_raw_lines(path: &Path) -> Result<Vec<(String, Value)>> {
+    Ok(read_numbered_lines(path)?
+        .into_iter()
+        .map(|(_, raw, v)| (raw, v))
+        .collect())
+}
+
+/// [`read_raw_lines`] with each record's 1-based line number (for errors naming the line).
+fn read_numbered_lines(path: &Path) -> Result<Vec<(usize, String, Value)>> {
     let file =
         File::open(path).with_context(|| format!("opening metrics file {}", path.display()))?;
     let mut reader = BufReader::new(file);
@@ -164,7 +228,7 @@ fn read_raw_lines(path: &Path) -> Result<Vec<(String, Value)>> {
             Ok(v) if v.is_object() => {
                 let raw = line.strip_suffix('\n').unwrap_or(&line);
                 let raw = raw.strip_suffix('\r').unwrap_or(raw);
-                records.push((raw.to_string(), v));
+                records.push((line_no, raw.to_string(), v));
             }
             Ok(v) => bail!(
                 "{} line {}: expected a JSON object, got {}",

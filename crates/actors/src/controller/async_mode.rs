@@ -126,7 +126,8 @@ impl<W: Send + Sync> Controller<W> {
                         steps_done: summary.steps,
                     });
                 }
-                if input.empty_batches >= self.config.max_empty_batches {
+                // Tolerates `max_empty_batches` empty batches (see `run_sync`).
+                if input.empty_batches > self.config.max_empty_batches {
                     return Err(ControllerError::NoData {
                         step,
                         batches: input.empty_batches,
@@ -165,6 +166,7 @@ impl<W: Send + Sync> Controller<W> {
                 Some(idle),
                 step_started,
                 summary,
+                &shared.stop,
             )?;
             step_started = Instant::now();
         }

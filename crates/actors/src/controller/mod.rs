@@ -250,7 +250,8 @@ impl<W: Send + Sync> Controller<W> {
         }
     }
 
-    /// Trains on `input`, publishes, records and calls the step hook.
+    /// Trains on `input`, publishes, records and calls the step hook; `stop` is the token the
+    /// trainer sees in [`TrainContext::cancel`].
     #[allow(clippy::too_many_arguments)]
     fn finish_step<T, H>(
         &self,
@@ -261,6 +262,7 @@ impl<W: Send + Sync> Controller<W> {
         idle: Option<(f64, f64, f64)>,
         step_started: Instant,
         summary: &mut ControllerSummary,
+        stop: &CancelToken,
     ) -> Result<(), ControllerError>
     where
         T: Trainer<W>,
@@ -273,7 +275,9 @@ impl<W: Send + Sync> Controller<W> {
             policy_version: version,
             staleness: input.lags.clone(),
             batch_indices: input.batch_indices.clone(),
-            cancel: self.cancel.clone(),
+            // The run's stop token (async: also set when another actor fails), so a long step
+            // polling it ends early instead of finishing for a run that already failed.
+            cancel: stop.clone(),
         };
         let trainer_error = |source| ControllerError::Actor {
             actor: ActorKind::Trainer,
@@ -350,7 +354,9 @@ impl<W: Send + Sync> Controller<W> {
                 if self.cancel.is_cancelled() {
                     return Err(cancelled(summary));
                 }
-                if input.empty_batches >= self.config.max_empty_batches {
+                // `max_empty_batches` empty batches are tolerated: the run fails on the next one
+                // (with 0 the first empty batch fails it, but a non-empty one still trains).
+                if input.empty_batches > self.config.max_empty_batches {
                     return Err(ControllerError::NoData {
                         step,
                         batches: input.empty_batches,
@@ -404,7 +410,16 @@ impl<W: Send + Sync> Controller<W> {
             if self.cancel.is_cancelled() {
                 return Err(cancelled(summary));
             }
-            self.finish_step(trainer, hooks, step, input, None, step_started, summary)?;
+            self.finish_step(
+                trainer,
+                hooks,
+                step,
+                input,
+                None,
+                step_started,
+                summary,
+                &self.cancel,
+            )?;
         }
         Ok(())
     }

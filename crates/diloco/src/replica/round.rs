@@ -92,7 +92,14 @@ impl DilocoReplica {
         meta.insert("round".into(), round.to_string());
         meta.insert("fragment".into(), fragment.to_string());
         meta.insert("replica".into(), self.replica_id.clone());
-        let bytes = Bytes::from(encode(&deltas, self.config.compression, meta)?);
+        let bytes = Bytes::from(encode(&deltas, self.config.compression, meta).with_context(
+            || {
+                format!(
+                    "diloco replica {}: encoding its round {round} pseudo-gradient",
+                    self.replica_id
+                )
+            },
+        )?);
         // Everyone averages the decoded object, so this replica uses the decoded one too.
         let decoded = decode(&bytes)?;
         let sha = decoded.metadata["sha256"].clone();

@@ -92,7 +92,8 @@ impl DilocoReplica {
 
     /// Restores the outer state saved by [`save_state`](Self::save_state), then adopts any newer
     /// rounds from the store (writing them into `vars`). Local weights in `vars` are otherwise
-    /// left as the trainer's checkpoint has them.
+    /// left as the trainer's checkpoint has them. A state ahead of the store's newest round
+    /// (it belongs to another run or store) is an error, and nothing is changed.
     pub async fn load_state(
         &mut self,
         path: &std::path::Path,
@@ -139,6 +140,20 @@ impl DilocoReplica {
                 self.shapes.len()
             );
         }
+        // A state at round R applied round R − 1, whose global weights the store then holds.
+        // A store whose rounds stop earlier belongs to another run (or an older copy): the
+        // replica would publish round R while its peers wait at an earlier round, and each
+        // side would time out and train alone. (A store with no round at all is a fresh one
+        // the run is moved to, which the state seeds.)
+        let newest = self.newest_closed_round().await?;
+        if let Some(newest) = newest.filter(|n| round > n + 1) {
+            bail!(
+                "diloco state {} is at round {round}, but the store's newest round is {newest} \
+                 (prefix {:?}): this state belongs to another run or store",
+                path.display(),
+                self.keys.prefix().as_ref()
+            );
+        }
         self.global = global;
         self.momentum = momentum;
         self.round = round;
@@ -147,10 +162,7 @@ impl DilocoReplica {
         // A replica killed after publishing round r but before its checkpoint finds just r
         // closed: it redoes r's steps (bit-identically) and adopts the stored result at r's
         // publish, so its resume is exact. Further behind, it jumps to the newest round.
-        let behind = self
-            .newest_closed_round()
-            .await?
-            .map_or(0, |newest| (newest + 1).saturating_sub(self.round));
+        let behind = newest.map_or(0, |newest| (newest + 1).saturating_sub(self.round));
         if behind > 1 && self.catch_up().await? {
             self.write_global_into(vars, None)?;
         }

@@ -34,10 +34,16 @@ pub(super) fn plot_err<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> an
     move |e| anyhow!("drawing the {what} plot: {e}")
 }
 
+/// Largest magnitude an axis reaches: values beyond it (a diverging grad norm of 1e308) are
+/// drawn at the edge, so the span, its padding and the legend headroom stay finite (an
+/// infinite axis made plotters loop forever).
+const MAX_AXIS: f64 = 1e300;
+
 /// The (min, max) of values, widened so a flat line or a single point still gets a y range.
 pub(super) fn padded_range(values: impl Iterator<Item = f64>) -> Option<(f64, f64)> {
     let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
     for v in values.filter(|v| v.is_finite()) {
+        let v = v.clamp(-MAX_AXIS, MAX_AXIS);
         lo = lo.min(v);
         hi = hi.max(v);
     }
@@ -135,11 +141,14 @@ pub(super) fn line_chart(title: &str, y_desc: &str, series: &[Series]) -> Result
             .bold_line_style(RGBColor(225, 225, 225))
             .draw()
             .map_err(plot_err(title))?;
+        // Points go through the same clamp as the range: one far outside it would overflow
+        // plotters' pixel arithmetic.
+        let on_axis = |(x, y): (f64, f64)| (x, y.clamp(-MAX_AXIS, MAX_AXIS));
         for s in series.iter().filter(|s| !s.points.is_empty()) {
             if let Some(band) = s.band.as_ref().filter(|b| b.len() > 1) {
                 let mut outline: Vec<(f64, f64)> =
-                    band.iter().map(|(x, _, hi)| (*x, *hi)).collect();
-                outline.extend(band.iter().rev().map(|(x, lo, _)| (*x, *lo)));
+                    band.iter().map(|(x, _, hi)| on_axis((*x, *hi))).collect();
+                outline.extend(band.iter().rev().map(|(x, lo, _)| on_axis((*x, *lo))));
                 chart
                     .draw_series(std::iter::once(Polygon::new(
                         outline,
@@ -150,7 +159,7 @@ pub(super) fn line_chart(title: &str, y_desc: &str, series: &[Series]) -> Result
             let color = s.color;
             chart
                 .draw_series(LineSeries::new(
-                    s.points.iter().copied(),
+                    s.points.iter().copied().map(on_axis),
                     color.stroke_width(2),
                 ))
                 .map_err(plot_err(title))?
@@ -161,7 +170,11 @@ pub(super) fn line_chart(title: &str, y_desc: &str, series: &[Series]) -> Result
             // Markers where points are sparse (evals, short runs), so single points show.
             if s.points.len() <= 60 {
                 chart
-                    .draw_series(s.points.iter().map(|p| Circle::new(*p, 3, color.filled())))
+                    .draw_series(
+                        s.points
+                            .iter()
+                            .map(|p| Circle::new(on_axis(*p), 3, color.filled())),
+                    )
                     .map_err(plot_err(title))?;
             }
         }

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
-use crate::metrics::{is_eval, is_train, keys, num, nums, read_metrics};
+use crate::metrics::{is_eval, is_train, keys, num, nums, read_metrics_checked};
 use crate::summary::{fmt_secs, percentile, RunSummary};
 
 mod charts;
@@ -308,8 +308,9 @@ fn render_html(
     Ok(h)
 }
 
-/// Reads `RUN_DIR/metrics.jsonl` (required, with at least one record) and `RUN_DIR/recipe.toml`
-/// (optional) and writes `RUN_DIR/report.html`; returns its path.
+/// Reads `RUN_DIR/metrics.jsonl` (required, with at least one record, values checked by
+/// [`read_metrics_checked`]) and `RUN_DIR/recipe.toml` (optional) and writes
+/// `RUN_DIR/report.html`; returns its path.
 pub fn write_report(run_dir: &Path) -> Result<PathBuf> {
     let metrics_path = run_dir.join("metrics.jsonl");
     if !metrics_path.is_file() {
@@ -319,7 +320,7 @@ pub fn write_report(run_dir: &Path) -> Result<PathBuf> {
             run_dir.display()
         );
     }
-    let records = read_metrics(&metrics_path)?;
+    let records = read_metrics_checked(&metrics_path)?;
     if records.is_empty() {
         bail!(
             "metrics file {} has no records: nothing to report",
@@ -347,7 +348,7 @@ pub fn write_report(run_dir: &Path) -> Result<PathBuf> {
 /// (the report's path followed by the terminal summary).
 pub fn report_cli(run_dir: &Path) -> Result<String> {
     let out = write_report(run_dir)?;
-    let records = read_metrics(&run_dir.join("metrics.jsonl"))?;
+    let records = read_metrics_checked(&run_dir.join("metrics.jsonl"))?;
     let summary = RunSummary::from_metrics(&records);
     Ok(format!("wrote {}\n\n{summary}", out.display()))
 }
