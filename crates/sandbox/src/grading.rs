@@ -289,16 +289,20 @@ pub fn grade(code: &str, task: &CodeTask, limits: &SandboxLimits, mode: RewardMo
     // What the model may see before another attempt: the failing test's number and error, not
     // its source (it holds the expected values, which a next attempt could hard-code).
     let mut attempt_feedback = feedback.clone();
-    match &load {
-        Some((false, error)) => {
-            feedback.push_str(&format!("the solution failed to load:\n{error}\n"));
-            attempt_feedback.push_str(&format!("the solution failed to load:\n{error}\n"));
-        }
+    let load_failure = match &load {
+        Some((false, error)) => Some(format!("the solution failed to load:\n{error}\n")),
         None if !matches!(outcome, Outcome::SandboxError(_)) => {
-            feedback.push_str("the solution did not finish loading\n");
-            attempt_feedback.push_str("the solution did not finish loading\n");
+            Some("the solution did not finish loading\n".to_string())
         }
-        _ => {
+        _ => None,
+    };
+    match load_failure {
+        // The candidate's own load error: both forms show it.
+        Some(line) => {
+            feedback.push_str(&line);
+            attempt_feedback.push_str(&line);
+        }
+        None => {
             if let Some(i) = results.iter().position(|r| !matches!(r, Some((true, _)))) {
                 let error = match &results[i] {
                     Some((_, e)) => e.clone(),
